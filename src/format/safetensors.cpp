@@ -182,6 +182,15 @@ Result<TensorSet> TensorSet::open_dir(const std::string& dir) {
   return set;
 }
 
+TensorSet TensorSet::from_tensors(std::vector<std::unique_ptr<MappedFile>> files,
+                                  std::map<std::string, TensorInfo> tensors, std::string origin) {
+  TensorSet set;
+  set.files_ = std::move(files);
+  set.tensors_ = std::move(tensors);
+  set.origin_ = std::move(origin);
+  return set;
+}
+
 const TensorInfo* TensorSet::find(const std::string& name) const {
   auto it = tensors_.find(name);
   return it == tensors_.end() ? nullptr : &it->second;

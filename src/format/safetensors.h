@@ -41,6 +41,10 @@ class TensorSet {
   // `dir` holds model.safetensors or model.safetensors.index.json (or any *.safetensors files).
   static Result<TensorSet> open_dir(const std::string& dir);
   static Result<TensorSet> open_files(const std::vector<std::string>& files);
+  // Tensors described elsewhere (a store's manifest) over files mapped by the caller: the set keeps
+  // `files` alive; every TensorInfo must point into one of them. `origin` names the set in errors.
+  static TensorSet from_tensors(std::vector<std::unique_ptr<MappedFile>> files,
+                                std::map<std::string, TensorInfo> tensors, std::string origin);
 
   const TensorInfo* find(const std::string& name) const;
   const std::map<std::string, TensorInfo>& all() const { return tensors_; }

@@ -365,6 +365,7 @@ class Resolver {
     return {};
   }
 
+  // `experts_out` null: the routed experts are served elsewhere (a store) and not resolved here.
   Status layer(const std::string& p, int layer_index, LayerKind kind, LayerWeights* lw,
                std::vector<ExpertMatrices>* experts_out) const {
     lw->kind = kind;
@@ -378,7 +379,7 @@ class Resolver {
       TRY(ple(p + ".ple", ple_index, &*lw->ple));
     }
     TRY(moe(p + ".mlp", &lw->moe));
-    TRY(experts(p + ".mlp", experts_out));
+    if (experts_out) TRY(experts(p + ".mlp", experts_out));
     return {};
   }
 
@@ -390,67 +391,81 @@ class Resolver {
 
 }  // namespace
 
-Result<std::unique_ptr<Checkpoint>> open_checkpoint(const std::string& dir, bool load_mtp) {
-  auto ck = std::make_unique<Checkpoint>();
-  ck->dir = dir;
-  ASSIGN_OR_RETURN(ModelConfig cfg, load_config(dir));
-  ASSIGN_OR_RETURN(ck->tensors, TensorSet::open_dir(dir));
-  const TensorSet& ts = ck->tensors;
-
-  // Layout and prefix from the embedding's name.
-  std::string head;
+Result<LayoutInfo> detect_layout(const TensorSet& ts) {
+  LayoutInfo li;
   if (ts.find("language_model.model.embed_tokens.weight")) {
-    ck->layout = Layout::Mlx;
-    ck->prefix = "language_model.model.";
-    head = "language_model.lm_head";
+    li.layout = Layout::Mlx;
+    li.prefix = "language_model.model.";
+    li.head = "language_model.lm_head";
   } else if (ts.find("model.language_model.embed_tokens.weight")) {
-    ck->prefix = "model.language_model.";
-    head = "lm_head";
+    li.prefix = "model.language_model.";
+    li.head = "lm_head";
   } else if (ts.find("model.embed_tokens.weight")) {
-    ck->prefix = "model.";
-    head = "lm_head";
+    li.prefix = "model.";
+    li.head = "lm_head";
   } else {
     return error("{}: no embedding tensor found (looked for model.language_model.embed_tokens.weight, "
-                 "model.embed_tokens.weight and language_model.model.embed_tokens.weight)", dir);
+                 "model.embed_tokens.weight and language_model.model.embed_tokens.weight)", ts.origin());
   }
-  if (ck->layout != Layout::Mlx) {
+  if (li.layout != Layout::Mlx) {
     bool fused = false;
     for (auto& [name, t] : ts.all())
       if (name.find(".mlp.experts.gate_up_proj") != std::string::npos) fused = true;
-    ck->layout = fused ? Layout::HfFused : Layout::HfPerExpert;
+    li.layout = fused ? Layout::HfFused : Layout::HfPerExpert;
   }
+  return li;
+}
 
-  Resolver r(ts, cfg, ck->layout);
-  ModelWeights& w = ck->weights;
+Result<ModelWeights> resolve_weights(const TensorSet& ts, const ModelConfig& cfg, const LayoutInfo& li, bool load_mtp,
+                                     CheckpointExperts* experts) {
+  Resolver r(ts, cfg, li.layout);
+  ModelWeights w;
   w.cfg = cfg;
   const int64_t V = cfg.vocab_size, H = cfg.hidden_size;
-  TRY(r.matrix(ck->prefix + "embed_tokens", V, H, &w.embed));
-  if (cfg.tie_word_embeddings && !ts.find(head + ".weight")) w.lm_head = w.embed;
-  else TRY(r.matrix(head, V, H, &w.lm_head));
-  TRY(r.hc(ck->prefix + "hyper_connection_mixer", false, &w.final_mixer));
-  ck->experts = std::make_shared<CheckpointExperts>();
-  ck->experts->table.resize(static_cast<size_t>(cfg.num_hidden_layers));
+  TRY(r.matrix(li.prefix + "embed_tokens", V, H, &w.embed));
+  if (cfg.tie_word_embeddings && !ts.find(li.head + ".weight")) w.lm_head = w.embed;
+  else TRY(r.matrix(li.head, V, H, &w.lm_head));
+  TRY(r.hc(li.prefix + "hyper_connection_mixer", false, &w.final_mixer));
+  if (experts) experts->table.assign(static_cast<size_t>(cfg.num_hidden_layers), {});
   w.layers.resize(static_cast<size_t>(cfg.num_hidden_layers));
   for (int L = 0; L < cfg.num_hidden_layers; ++L)
-    TRY(r.layer(ck->prefix + "layers." + std::to_string(L), L, cfg.layer_types[L], &w.layers[L], &ck->experts->table[L]));
+    TRY(r.layer(li.prefix + "layers." + std::to_string(L), L, cfg.layer_types[L], &w.layers[L],
+                experts ? &experts->table[L] : nullptr));
 
   // MTP head: present when its tensors are; `mtp.` or `model.mtp.` (or `language_model.mtp.`).
   if (load_mtp) {
-    std::string mp;
-    for (const char* cand : {"mtp.", "model.mtp.", "language_model.mtp.", "language_model.model.mtp."})
-      if (ts.find(std::string(cand) + "fc_embedding.weight")) { mp = cand; break; }
+    std::string mp = mtp_prefix(ts);
     if (!mp.empty()) {
       MtpWeights m;
       TRY(r.vector(mp + "pre_fc_norm_embedding.weight", H, true, &m.pre_fc_norm_embedding));
       TRY(r.vector(mp + "pre_fc_norm_hidden.weight", cfg.wide(), true, &m.pre_fc_norm_hidden));
       TRY(r.matrix(mp + "fc_embedding", H, H, &m.fc_embedding));
       TRY(r.matrix(mp + "fc_hidden", H, H, &m.fc_hidden));
-      ck->experts->table.emplace_back();
-      TRY(r.layer(mp + "layers.0", -1, LayerKind::SparseAttention, &m.layer, &ck->experts->table.back()));
+      if (experts) experts->table.emplace_back();
+      TRY(r.layer(mp + "layers.0", -1, LayerKind::SparseAttention, &m.layer, experts ? &experts->table.back() : nullptr));
       TRY(r.hc(mp + "hyper_connection_mixer", false, &m.mixer));
       w.mtp = std::move(m);
     }
   }
+  return w;
+}
+
+std::string mtp_prefix(const TensorSet& ts) {
+  for (const char* cand : {"mtp.", "model.mtp.", "language_model.mtp.", "language_model.model.mtp."})
+    if (ts.find(std::string(cand) + "fc_embedding.weight")) return cand;
+  return "";
+}
+
+Result<std::unique_ptr<Checkpoint>> open_checkpoint(const std::string& dir, bool load_mtp) {
+  auto ck = std::make_unique<Checkpoint>();
+  ck->dir = dir;
+  ASSIGN_OR_RETURN(ModelConfig cfg, load_config(dir));
+  ASSIGN_OR_RETURN(ck->tensors, TensorSet::open_dir(dir));
+  ASSIGN_OR_RETURN(LayoutInfo li, detect_layout(ck->tensors));
+  ck->layout = li.layout;
+  ck->prefix = li.prefix;
+  ck->experts = std::make_shared<CheckpointExperts>();
+  ASSIGN_OR_RETURN(ck->weights, resolve_weights(ck->tensors, cfg, li, load_mtp, ck->experts.get()));
   return ck;
 }
 

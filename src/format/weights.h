@@ -125,6 +125,23 @@ struct Checkpoint {
   std::shared_ptr<CheckpointExperts> experts;
 };
 
+// The layout and tensor prefixes of a tensor set, told from the embedding's name.
+struct LayoutInfo {
+  Layout layout = Layout::HfPerExpert;
+  std::string prefix;        // trunk prefix, e.g. "model.language_model." or "language_model.model."
+  std::string head;          // LM head module, e.g. "lm_head" or "language_model.lm_head"
+};
+Result<LayoutInfo> detect_layout(const TensorSet& ts);
+
+// The MTP head's tensor prefix ("mtp.", "model.mtp.", ...), or "" when the set has no MTP head.
+std::string mtp_prefix(const TensorSet& ts);
+
+// Resolves and checks every tensor the text model needs from `ts` (a checkpoint, or a store's
+// dense.bin + ngram.bin seen as one tensor set). `experts` null: routed experts are not resolved
+// (a store serves them); otherwise their views fill experts->table, MTP layer last.
+Result<ModelWeights> resolve_weights(const TensorSet& ts, const ModelConfig& cfg, const LayoutInfo& li, bool load_mtp,
+                                     CheckpointExperts* experts);
+
 // Opens DIR (config.json + safetensors), resolves and checks every tensor the text model needs.
 // `load_mtp`: also resolve the MTP head when the checkpoint has one.
 Result<std::unique_ptr<Checkpoint>> open_checkpoint(const std::string& dir, bool load_mtp = true);
