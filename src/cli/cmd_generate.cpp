@@ -1,7 +1,11 @@
 // `cherenkov generate`: the ids-in, ids-out contract that tests and outside checks use
 // (shared/DESIGN.md §7). Greedy decoding; stdout is the generated ids, comma-separated, on one line.
 // It never stops early at EOS: exactly --max-tokens ids are generated, as the oracle fixtures do.
+// --backend picks the engine (auto: cuda when a GPU is visible); --check runs the CPU reference beside
+// it on the same tokens and prints the max logit difference of every step to stderr.
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -32,13 +36,16 @@ bool parse_ids(const std::string& s, std::vector<int32_t>* out, std::string* err
 
 int run_generate(int argc, char** argv) {
   CLI::App app{"Greedy generation from token ids; prints the generated ids comma-separated on one line."};
-  std::string model_dir, prompt, logits_out, backend = "cpu";
+  std::string model_dir, prompt, logits_out, backend = "auto";
   int max_tokens = 16;
+  bool check = false;
   app.add_option("--model", model_dir, "checkpoint or store directory")->required();
   app.add_option("--prompt-ids", prompt, "prompt token ids, comma-separated (e.g. 1,2,3)")->required();
   app.add_option("--max-tokens", max_tokens, "number of tokens to generate")->check(CLI::NonNegativeNumber);
   app.add_option("--logits-out", logits_out, "write float32 logits of every prompt position, [T, vocab], as .npy");
-  app.add_option("--backend", backend, "cpu (the reference)")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--backend", backend, "cpu (the reference), cuda, or auto (cuda when a GPU is visible)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  app.add_flag("--check", check, "run the CPU reference beside the backend; print the max logit difference per step");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -56,21 +63,41 @@ int run_generate(int argc, char** argv) {
     return 1;
   }
   auto& lm = *loaded;
-  const int64_t V = lm->model->cfg().vocab_size;
+  const int64_t V = lm->engine->cfg().vocab_size;
   for (size_t i = 0; i < ids.size(); ++i)
     if (ids[i] >= V) {
       std::fprintf(stderr, "error: --prompt-ids: token id %d at index %zu is outside the vocabulary [0, %lld)\n",
                    ids[i], i, static_cast<long long>(V));
       return 2;
     }
-  auto session = lm->model->new_session();
-  ck::cpu::StepResult res;
-  ck::Status st = session->step_rows(ids, false, !logits_out.empty(), &res);
+  const int64_t max_ctx = static_cast<int64_t>(ids.size()) + max_tokens + 1;
+  auto session = lm->engine->new_session(max_ctx);
+  std::unique_ptr<ck::engine::Session> ref;  // --check: the CPU reference on the same tokens
+  if (check) ref = ck::engine::CpuModel(*lm->model).new_session(max_ctx);
+  ck::engine::StepResult res, ref_res;
+  int step_no = 0;
+  // Steps both sessions; with --check, reports the max |logit difference| over the step's rows.
+  auto step = [&](std::span<const int32_t> toks, bool want_logits) -> ck::Status {
+    const int64_t pos = session->pos();
+    TRY(session->step_rows(toks, false, want_logits || check, &res));
+    session->commit(static_cast<int>(toks.size()));
+    if (check) {
+      TRY(ref->step_rows(toks, false, true, &ref_res));
+      ref->commit(static_cast<int>(toks.size()));
+      float max_diff = 0.0f;
+      for (size_t i = 0; i < res.logits.size(); ++i) max_diff = std::max(max_diff, std::fabs(res.logits[i] - ref_res.logits[i]));
+      std::fprintf(stderr, "check: step %d (pos %lld, %zu rows, %s vs cpu): max |logit diff| %.3e, last argmax %d vs %d%s\n",
+                   step_no, static_cast<long long>(pos), toks.size(), lm->engine->backend(), max_diff, res.argmax.back(),
+                   ref_res.argmax.back(), res.argmax == ref_res.argmax ? "" : "  ARGMAX DIFFERS");
+    }
+    ++step_no;
+    return {};
+  };
+  ck::Status st = step(ids, !logits_out.empty());
   if (!st.ok()) {
     std::fprintf(stderr, "error: %s\n", st.message().c_str());
     return 1;
   }
-  session->commit(static_cast<int>(ids.size()));
   if (!logits_out.empty()) {
     st = ck::write_npy_f32(logits_out, res.logits.data(), {static_cast<int64_t>(ids.size()), V});
     if (!st.ok()) {
@@ -84,12 +111,11 @@ int run_generate(int argc, char** argv) {
     out.push_back(next);
     if (i + 1 == max_tokens) break;
     int32_t tok[1] = {next};
-    st = session->step_rows(tok, false, false, &res);
+    st = step(tok, false);
     if (!st.ok()) {
       std::fprintf(stderr, "error: %s\n", st.message().c_str());
       return 1;
     }
-    session->commit(1);
     next = res.argmax[0];
   }
   std::string line;

@@ -1,0 +1,202 @@
+// Shared pieces of the CUDA engine: CUDA_CHECK (API errors abort with file and line, as STYLE.md
+// "Errors" decides), RAII device and pinned buffers, a bump arena for weights, and the small device
+// helpers (warp/block reductions, bf16/f16 loads) that every kernel file uses. Host code compiled by
+// the C++ compiler may include this file; the device helpers are compiled only under nvcc.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#ifdef __CUDACC__
+#define CK_HD __host__ __device__
+#else
+#define CK_HD
+#endif
+
+#define CUDA_CHECK(expr)                                                                          \
+  do {                                                                                            \
+    cudaError_t ck_err_ = (expr);                                                                 \
+    if (ck_err_ != cudaSuccess) {                                                                 \
+      std::fprintf(stderr, "%s:%d: CUDA error %s (%s) in %s\n", __FILE__, __LINE__,               \
+                   cudaGetErrorName(ck_err_), cudaGetErrorString(ck_err_), #expr);                \
+      std::abort();                                                                               \
+    }                                                                                             \
+  } while (0)
+
+// CHECK for the .cu files (nvcc cannot compile util/status.h's fmt-based CHECK_MSG): printf-style.
+#define CK_REQUIRE(cond, ...)                                                                     \
+  do {                                                                                            \
+    if (!(cond)) {                                                                                \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond);               \
+      std::fprintf(stderr, __VA_ARGS__);                                                          \
+      std::fprintf(stderr, "\n");                                                                 \
+      std::abort();                                                                               \
+    }                                                                                             \
+  } while (0)
+
+// After a kernel launch: catches bad launch configurations at once (asynchronous faults surface
+// at the next synchronising call, which CUDA_CHECK also catches).
+#define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())
+
+namespace ck::cuda {
+
+constexpr int kMaxRows = 8;  // rows of one device step (decode rows, MTP verification, prefill chunk)
+
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Number of CUDA devices; 0 when there is no driver or no device (never aborts).
+int device_count();
+// One line naming the device: name, SMs, memory, L2 (for the startup banner).
+std::string device_banner();
+
+// An owning device allocation.
+template <typename T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) { resize(n); }
+  ~DeviceBuffer() { reset(); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr; o.n_ = 0; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) { reset(); p_ = o.p_; n_ = o.n_; o.p_ = nullptr; o.n_ = 0; }
+    return *this;
+  }
+  void resize(size_t n) {
+    reset();
+    if (n) CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), n * sizeof(T)));
+    n_ = n;
+  }
+  void reset() {
+    if (p_) CUDA_CHECK(cudaFree(p_));
+    p_ = nullptr;
+    n_ = 0;
+  }
+  void zero(cudaStream_t s = nullptr) {
+    if (n_) CUDA_CHECK(cudaMemsetAsync(p_, 0, n_ * sizeof(T), s));
+  }
+  T* get() const { return p_; }
+  size_t size() const { return n_; }
+  size_t bytes() const { return n_ * sizeof(T); }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// An owning page-locked host allocation (H2D/D2H copies inside a captured graph read it at replay).
+template <typename T>
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(size_t n) { resize(n); }
+  ~PinnedBuffer() { reset(); }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  PinnedBuffer(PinnedBuffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr; o.n_ = 0; }
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    if (this != &o) { reset(); p_ = o.p_; n_ = o.n_; o.p_ = nullptr; o.n_ = 0; }
+    return *this;
+  }
+  void resize(size_t n) {
+    reset();
+    if (n) CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&p_), n * sizeof(T)));
+    n_ = n;
+  }
+  void reset() {
+    if (p_) CUDA_CHECK(cudaFreeHost(p_));
+    p_ = nullptr;
+    n_ = 0;
+  }
+  T* get() const { return p_; }
+  T& operator[](size_t i) const { return p_[i]; }
+  size_t size() const { return n_; }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// Bump allocator over large device chunks: thousands of small weight tensors without thousands of
+// cudaMalloc calls. Every allocation is 256-byte aligned. Frees everything at destruction.
+class DeviceArena {
+ public:
+  explicit DeviceArena(size_t chunk_bytes = size_t{256} << 20) : chunk_(chunk_bytes) {}
+  ~DeviceArena();
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+  void* alloc(size_t bytes);
+  // Copies host bytes into a fresh allocation (synchronously) and returns the device pointer.
+  void* upload(const void* host, size_t bytes);
+  size_t bytes_used() const { return used_; }
+
+ private:
+  size_t chunk_;
+  std::vector<void*> chunks_;
+  uint8_t* cur_ = nullptr;
+  size_t left_ = 0;
+  size_t used_ = 0;
+};
+
+}  // namespace ck::cuda
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace ck::cuda {
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the whole block (any blockDim that is a multiple of 32, at most 1024). `scratch` holds 32
+// floats of shared memory. Every thread gets the result. Contains __syncthreads: call from all
+// threads. Deterministic: warps are added in a fixed order.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = 0.0f;
+  for (int w = 0; w < n_warps; ++w) t += scratch[w];
+  return t;
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = -INFINITY;
+  for (int w = 0; w < n_warps; ++w) t = fmaxf(t, scratch[w]);
+  return t;
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+__device__ __forceinline__ float f16_bits_to_float(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+
+// The same formulas as src/cpu/ops.h, so both engines round alike.
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+}  // namespace ck::cuda
+#endif

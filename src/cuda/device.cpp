@@ -1,0 +1,61 @@
+// Host-side device plumbing: whether a GPU is there, the startup banner, and the weight arena.
+#include <fmt/format.h>
+
+#include "cuda/common.h"
+
+namespace ck::cuda {
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no device: clear the sticky error, report none
+    return 0;
+  }
+  return n;
+}
+
+std::string device_banner() {
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp p{};
+  CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return fmt::format("{} (sm_{}{}), {} SMs, {:.1f} GiB ({:.1f} free), L2 {} MB", p.name, p.major, p.minor,
+                     p.multiProcessorCount, total_b / 1073741824.0, free_b / 1073741824.0, p.l2CacheSize >> 20);
+}
+
+DeviceArena::~DeviceArena() {
+  for (void* c : chunks_) cudaFree(c);  // no CHECK in a destructor that may run at exit
+}
+
+void* DeviceArena::alloc(size_t bytes) {
+  bytes = static_cast<size_t>(round_up(static_cast<int64_t>(bytes == 0 ? 1 : bytes), 256));
+  if (bytes > left_) {
+    if (bytes > chunk_ / 4) {  // large tensors get their own allocation; the current chunk stays open
+      void* p = nullptr;
+      CUDA_CHECK(cudaMalloc(&p, bytes));
+      chunks_.push_back(p);
+      used_ += bytes;
+      return p;
+    }
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, chunk_));
+    chunks_.push_back(p);
+    cur_ = static_cast<uint8_t*>(p);
+    left_ = chunk_;
+  }
+  void* r = cur_;
+  cur_ += bytes;
+  left_ -= bytes;
+  used_ += bytes;
+  return r;
+}
+
+void* DeviceArena::upload(const void* host, size_t bytes) {
+  void* d = alloc(bytes);
+  if (bytes) CUDA_CHECK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
+  return d;
+}
+
+}  // namespace ck::cuda

@@ -1,0 +1,88 @@
+// Device helpers shared by the kernel files (nvcc only): element access to a DMatrix (the CPU's
+// matrix_row formula), (value, index) argmax merging with the lowest-index tie rule (spec trap 29),
+// and a block-wide top-k. No kernels here.
+#pragma once
+#include <climits>
+
+#include "cuda/common.h"
+#include "cuda/dmatrix.h"
+
+namespace ck::cuda {
+
+// Code i of a little-endian stream of `bits`-bit codes (format/matrix.h get_code).
+__device__ __forceinline__ uint32_t get_code_dev(const uint8_t* stream, int64_t i, int bits) {
+  const uint64_t bit = static_cast<uint64_t>(i) * static_cast<uint64_t>(bits);
+  const uint64_t byte = bit >> 3;
+  const uint32_t shift = static_cast<uint32_t>(bit & 7);
+  uint32_t v = stream[byte];
+  if (shift + bits > 8) v |= static_cast<uint32_t>(stream[byte + 1]) << 8;
+  if (shift + bits > 16) v |= static_cast<uint32_t>(stream[byte + 2]) << 16;
+  return (v >> shift) & ((1u << bits) - 1u);
+}
+
+__device__ __forceinline__ float load_kind(const uint8_t* base, int64_t i, uint8_t kind) {
+  if (kind == static_cast<uint8_t>(WKind::F32)) return reinterpret_cast<const float*>(base)[i];
+  const uint16_t h = reinterpret_cast<const uint16_t*>(base)[i];
+  return kind == static_cast<uint8_t>(WKind::BF16) ? bf16_bits_to_float(h) : f16_bits_to_float(h);
+}
+
+// Element (r, c) of m in fp32: s * q + b for codes, rounded as the CPU's matrix_row (no FMA).
+__device__ __forceinline__ float dmatrix_elem(const DMatrix& m, int64_t r, int64_t c) {
+  if (m.quantized()) {
+    const uint8_t* codes = m.data + static_cast<size_t>(r) * (static_cast<size_t>(m.cols) * m.fmt.bits / 8);
+    const int64_t si = r * (m.cols / m.fmt.group) + c / m.fmt.group;
+    const float s = load_kind(m.scales, si, m.fmt.scale_kind), b = load_kind(m.biases, si, m.fmt.scale_kind);
+    return __fadd_rn(__fmul_rn(s, static_cast<float>(get_code_dev(codes, c, m.fmt.bits))), b);
+  }
+  return load_kind(m.data, r * m.cols + c, m.fmt.kind);
+}
+
+// (v, i) beats (bv, bi): larger value, or equal value and lower index. NaN never beats anything.
+__device__ __forceinline__ bool arg_better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+    const int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+    if (arg_better(v2, i2, v, i)) { v = v2; i = i2; }
+  }
+}
+
+// Block-wide argmax; every thread gets the result. sv/si: 32 entries of shared memory each.
+// Precondition: blockDim.x a multiple of 32. Contains __syncthreads.
+__device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* si) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  warp_argmax(v, i);
+  __syncthreads();
+  if (lane == 0) { sv[warp] = v; si[warp] = i; }
+  __syncthreads();
+  v = -INFINITY;
+  i = INT_MAX;
+  for (int w = 0; w < n_warps; ++w)
+    if (arg_better(sv[w], si[w], v, i)) { v = sv[w]; i = si[w]; }
+}
+
+// Indices of the k largest of v[0..n) into out[0..k) (shared or global memory), in descending order,
+// ties to the lower index (cpu::topk_desc). flags: n bytes of shared memory; sv/si as block_argmax.
+// k rounds of a block argmax: cheap for the router's k <= 64 over a few hundred experts.
+__device__ __forceinline__ void block_topk(const float* v, int n, int k, int* out, uint8_t* flags, float* sv, int* si) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) flags[i] = 0;
+  __syncthreads();
+  for (int t = 0; t < k; ++t) {
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+      if (!flags[i] && arg_better(v[i], i, bv, bi)) { bv = v[i]; bi = i; }
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+      if (bi == INT_MAX)  // only NaNs left: take the lowest unused index
+        for (bi = 0; flags[bi]; ++bi) {}
+      out[t] = bi;
+      flags[bi] = 1;
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace ck::cuda

@@ -1,0 +1,585 @@
+// Layer-level kernels of the qwen4_exp forward (declared in cuda/layers.h), each the device twin of
+// a piece of src/cpu/qwen4_exp.cpp and written to be read beside it. Recurrent pieces (GDN conv and
+// delta rule, PLE conv) loop over the step's rows inside the kernel, one thread or block per
+// independent channel or head, so the state is read and written once per step. Where the CPU rounds a
+// product before adding it, the kernels use __fmul_rn/__fadd_rn so no FMA contraction changes the bits.
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/common.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/layers.h"
+
+namespace ck::cuda {
+namespace {
+
+__device__ __forceinline__ float mul_add_rn(float acc, float a, float b) { return __fadd_rn(acc, __fmul_rn(a, b)); }
+
+int block_for(int64_t n, int max_threads = 256) {
+  return static_cast<int>(std::clamp<int64_t>(round_up(n, 32), 32, max_threads));
+}
+
+// ------------------------------------------------------------------ embedding, hyper-connections
+
+// grid (rows), any block.
+__global__ void embed_wide_kernel(const DMatrix embed, const StepParams* sp, int S, int H, float* R, int ldR) {
+  const int64_t tok = sp->tokens[blockIdx.x];
+  float* Rr = R + static_cast<size_t>(blockIdx.x) * ldR;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float v = dmatrix_elem(embed, tok, i);
+    for (int s = 0; s < S; ++s) Rr[s * H + i] = v;
+  }
+}
+
+// grid (ceil(H/256), rows), block 256.
+__global__ void hc_gate_mean_kernel(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= H) return;
+  const float* gr = g + static_cast<size_t>(blockIdx.y) * ldgx;
+  const float* xr = X + static_cast<size_t>(blockIdx.y) * ldgx;
+  float acc = 0.0f;
+  for (int s = 0; s < S; ++s) acc = mul_add_rn(acc, sigmoidf_(gr[s * H + i]), xr[s * H + i]);
+  u[static_cast<size_t>(blockIdx.y) * ldu + i] = acc / static_cast<float>(S);
+}
+
+// grid (ceil(S*H/256), rows), block 256.
+__global__ void hc_combine_kernel(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H) {
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= S * H) return;
+  const int s = idx / H, i = idx % H;
+  float* Rr = R + static_cast<size_t>(blockIdx.y) * ldR;
+  Rr[idx] = mul_add_rn(Rr[idx], o[static_cast<size_t>(blockIdx.y) * ldo + i], w[static_cast<size_t>(blockIdx.y) * ldw + s]);
+}
+
+// ------------------------------------------------------------------ Gated DeltaNet
+
+constexpr int kMaxConvHist = 7;  // GDN conv kernel <= 8
+
+// grid (ceil(C/256)), block 256: one thread per channel, rows in order.
+__global__ void gdn_conv_kernel(const GdnConvArgs a, const StepParams* sp, int rows) {
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= a.C) return;
+  const int K = a.K, C = a.C;
+  const bool snap = sp->snap != 0;
+  float hist[kMaxConvHist];
+#pragma unroll
+  for (int j = 0; j < kMaxConvHist; ++j) hist[j] = j < K - 1 ? a.state[static_cast<size_t>(j) * C + ch] : 0.0f;
+  const float* taps = a.taps + static_cast<size_t>(ch) * K;
+  for (int r = 0; r < rows; ++r) {
+    const float xv = a.x[static_cast<size_t>(r) * a.ldx + ch];
+    float acc = __fmul_rn(taps[K - 1], xv);  // tap K-1 is the current token
+#pragma unroll
+    for (int j = 0; j < kMaxConvHist; ++j)
+      if (j < K - 1) acc = mul_add_rn(acc, taps[j], hist[j]);
+    a.y[static_cast<size_t>(r) * a.ldy + ch] = siluf_(acc);
+#pragma unroll
+    for (int j = 0; j < kMaxConvHist; ++j) {
+      if (j < K - 2) hist[j] = hist[j + 1 < kMaxConvHist ? j + 1 : j];
+      else if (j == K - 2) hist[j] = xv;
+    }
+    if (snap && r + 1 < rows) {
+      float* sn = a.snaps + static_cast<size_t>(r) * a.snap_stride;
+#pragma unroll
+      for (int j = 0; j < kMaxConvHist; ++j)
+        if (j < K - 1) sn[static_cast<size_t>(j) * C + ch] = hist[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxConvHist; ++j)
+    if (j < K - 1) a.state[static_cast<size_t>(j) * C + ch] = hist[j];
+}
+
+constexpr int kKeyPart = 32;  // state rows (key dims) held in registers per thread
+
+// grid (nv), block round_up(dv * parts, 32) threads, parts = ceil(dk / 32). Thread (j, p) holds
+// S[p*32 .. p*32+31][j] of its head in registers for the whole step; sums over the key dimension are
+// per-part partials added in part order through shared memory.
+// Dynamic shared memory: (2*dk + parts*dv) floats.
+__global__ void gdn_recurrent_kernel(const GdnRecArgs a, const StepParams* sp, int rows) {
+  extern __shared__ float sh[];
+  __shared__ float scratch[32];
+  const int h = blockIdx.x, dk = a.dk, dv = a.dv, parts = (dk + kKeyPart - 1) / kKeyPart;
+  float* sq = sh;
+  float* sk = sh + dk;
+  float* red = sh + 2 * dk;
+  const int tid = threadIdx.x, j = tid % dv, p = tid / dv;
+  const bool active = p < parts;
+  const int kh = h / (a.nv / a.nk);  // repeat_interleave grouping (trap 12)
+  const int Kd = a.nk * dk;
+  const float q_scale = 1.0f / sqrtf(static_cast<float>(dk));
+  const bool snap = sp->snap != 0;
+  float* S = a.state + static_cast<size_t>(h) * dk * dv;
+
+  float Sreg[kKeyPart];
+#pragma unroll
+  for (int t = 0; t < kKeyPart; ++t) {
+    const int i = p * kKeyPart + t;
+    Sreg[t] = (active && i < dk) ? S[static_cast<size_t>(i) * dv + j] : 0.0f;
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float* yr = a.y + static_cast<size_t>(r) * a.ldy;
+    // L2 norms of this head's q and k (N3), then q / sqrt(dk) (trap 13).
+    float ssq = 0.0f, ssk = 0.0f;
+    for (int i = tid; i < dk; i += blockDim.x) {
+      const float qv = yr[kh * dk + i], kv = yr[Kd + kh * dk + i];
+      sq[i] = qv;
+      sk[i] = kv;
+      ssq += qv * qv;
+      ssk += kv * kv;
+    }
+    ssq = block_sum(ssq, scratch);
+    ssk = block_sum(ssk, scratch);
+    const float rq = 1.0f / sqrtf(ssq + 1e-6f), rk = 1.0f / sqrtf(ssk + 1e-6f);
+    for (int i = tid; i < dk; i += blockDim.x) {
+      sq[i] = (sq[i] * rq) * q_scale;
+      sk[i] = sk[i] * rk;
+    }
+    __syncthreads();
+    const float beta = sigmoidf_(a.b[static_cast<size_t>(r) * a.ldab + h]);
+    const float gate = -expf(a.a_log[h]) * softplusf_(a.a[static_cast<size_t>(r) * a.ldab + h] + a.dt_bias[h]);
+    const float decay = expf(gate);
+    // m = Sᵀ k after the decay.
+    float pm = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kKeyPart; ++t) {
+      const int i = p * kKeyPart + t;
+      if (active && i < dk) {
+        Sreg[t] *= decay;
+        pm += Sreg[t] * sk[i];
+      }
+    }
+    if (active) red[p * dv + j] = pm;
+    __syncthreads();
+    float m = 0.0f;
+    for (int pp = 0; pp < parts; ++pp) m += red[pp * dv + j];
+    __syncthreads();  // red is reused below
+    const float delta = beta * (yr[2 * Kd + h * dv + j] - m);
+    float po = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kKeyPart; ++t) {
+      const int i = p * kKeyPart + t;
+      if (active && i < dk) {
+        Sreg[t] += sk[i] * delta;
+        po += Sreg[t] * sq[i];
+      }
+    }
+    if (active) red[p * dv + j] = po;
+    __syncthreads();
+    float o = 0.0f;
+    for (int pp = 0; pp < parts; ++pp) o += red[pp * dv + j];
+    // Gated RMS norm (N2) over the head's dv outputs: plain weight, then act(z).
+    const float ss = block_sum((active && p == 0) ? o * o : 0.0f, scratch);
+    const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
+    if (active && p == 0) {
+      const float zz = a.z[static_cast<size_t>(r) * a.ldz + h * dv + j];
+      const float act = a.sigmoid_gate ? sigmoidf_(zz) : siluf_(zz);
+      a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = __fmul_rn(__fmul_rn(a.norm[j], __fmul_rn(o, rr)), act);
+    }
+    if (snap && r + 1 < rows) {
+      float* Sn = a.snaps + static_cast<size_t>(r) * a.snap_stride + static_cast<size_t>(h) * dk * dv;
+#pragma unroll
+      for (int t = 0; t < kKeyPart; ++t) {
+        const int i = p * kKeyPart + t;
+        if (active && i < dk) Sn[static_cast<size_t>(i) * dv + j] = Sreg[t];
+      }
+    }
+    __syncthreads();  // sq/sk/red are rewritten by the next row
+  }
+#pragma unroll
+  for (int t = 0; t < kKeyPart; ++t) {
+    const int i = p * kKeyPart + t;
+    if (active && i < dk) S[static_cast<size_t>(i) * dv + j] = Sreg[t];
+  }
+}
+
+// ------------------------------------------------------------------ QSA attention
+
+// Normalises src (n values, N1 with `norm`) into buf, then writes buf to dst with RoPE at `pos` on the
+// first `rot` dims. Block-wide; contains __syncthreads.
+__device__ void norm_rope_to(const float* src, int n, const float* norm, float eps, const float* inv_freq, int rot,
+                             int64_t pos, float* buf, float* dst, float* scratch) {
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) ss += src[i] * src[i];
+  ss = block_sum(ss, scratch);
+  const float r = 1.0f / sqrtf(ss / static_cast<float>(n) + eps);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = (src[i] * r) * norm[i];
+  __syncthreads();
+  const int half = rot / 2;
+  const float pf = static_cast<float>(pos);
+  for (int jj = threadIdx.x; jj < half; jj += blockDim.x) {
+    const float angle = pf * inv_freq[jj];
+    const float c = cosf(angle), s = sinf(angle);
+    const float x0 = buf[jj], x1 = buf[jj + half];
+    dst[jj] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    dst[jj + half] = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+  }
+  for (int i = rot + threadIdx.x; i < n; i += blockDim.x) dst[i] = buf[i];
+  __syncthreads();
+}
+
+// grid (nh + nkv + inh + 1, rows), block 128, dynamic shared memory max(hd, ihd) floats.
+// Blocks: query heads, then KV heads (K to the cache after norm+RoPE, V copied), then indexer query
+// heads, then one block that stores the raw indexer key.
+__global__ void attn_prep_kernel(const AttnArgs a, const StepParams* sp) {
+  extern __shared__ float buf[];
+  __shared__ float scratch[32];
+  const int b = blockIdx.x, r = blockIdx.y;
+  const int64_t pos = sp->pos + r;
+  const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
+  if (b < a.nh) {
+    norm_rope_to(a.qg + static_cast<size_t>(r) * a.ldqg + static_cast<size_t>(b) * 2 * a.hd, a.hd, a.q_norm, a.eps,
+                 a.inv_freq, a.rot, pos, buf, a.q + static_cast<size_t>(r) * a.ldq + static_cast<size_t>(b) * a.hd,
+                 scratch);
+  } else if (b < a.nh + a.nkv) {
+    const int g = b - a.nh;
+    norm_rope_to(a.k + static_cast<size_t>(r) * a.ldk + static_cast<size_t>(g) * a.hd, a.hd, a.k_norm, a.eps,
+                 a.inv_freq, a.rot, pos, buf, a.k_cache + pos * kvw + static_cast<size_t>(g) * a.hd, scratch);
+    for (int i = threadIdx.x; i < a.hd; i += blockDim.x)
+      a.v_cache[pos * kvw + static_cast<size_t>(g) * a.hd + i] = a.v[static_cast<size_t>(r) * a.ldv + g * a.hd + i];
+  } else if (b < a.nh + a.nkv + a.inh) {
+    const int hh = b - a.nh - a.nkv;
+    norm_rope_to(a.iqk + static_cast<size_t>(r) * a.ldiqk + static_cast<size_t>(hh) * a.ihd, a.ihd, a.iq_norm, a.eps,
+                 a.inv_freq, a.rot, pos, buf, a.iq + static_cast<size_t>(r) * a.ldiq + static_cast<size_t>(hh) * a.ihd,
+                 scratch);
+  } else {
+    for (int i = threadIdx.x; i < a.ihd; i += blockDim.x)
+      a.idx_keys[pos * a.ihd + i] = a.iqk[static_cast<size_t>(r) * a.ldiqk + static_cast<size_t>(a.inh) * a.ihd + i];
+  }
+}
+
+// grid (rows), block 128, dynamic shared memory ihd floats. Row r whose position completes block b
+// stores b's pooled key: mean of the raw keys, k norm, RoPE at the block's first position (trap 9).
+// A block's key never changes afterwards; rolled-back rows rewrite it when their position is redone.
+__global__ void attn_pool_kernel(const AttnArgs a, const StepParams* sp) {
+  extern __shared__ float buf[];
+  __shared__ float scratch[32];
+  const int64_t pos = sp->pos + blockIdx.x;
+  if ((pos + 1) % a.cr != 0) return;  // uniform over the block
+  const int64_t b = (pos + 1) / a.cr - 1;
+  float* mean = a.blk_keys + b * a.ihd;  // used as the source buffer, then overwritten by the result
+  for (int i = threadIdx.x; i < a.ihd; i += blockDim.x) {
+    float kb = 0.0f;
+    for (int t = 0; t < a.cr; ++t) kb += a.idx_keys[(b * a.cr + t) * a.ihd + i];
+    mean[i] = kb / static_cast<float>(a.cr);
+  }
+  __syncthreads();
+  norm_rope_to(mean, a.ihd, a.ik_norm, a.eps, a.inv_freq, a.rot, b * a.cr, buf, mean, scratch);
+}
+
+// grid (ceil(nb_max / 8), rows), block 256: one warp per block b. Only rows with more complete blocks
+// than the budget need scores.
+__global__ void attn_scores_kernel(const AttnArgs a, const StepParams* sp) {
+  const int r = blockIdx.y, lane = threadIdx.x & 31;
+  const int64_t n = sp->pos + r + 1, nb = n / a.cr;
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (nb <= a.block_topk || b >= nb) return;  // warp-uniform; no block barrier below
+  const float* kn = a.blk_keys + b * a.ihd;
+  float s = 0.0f;
+  for (int hh = 0; hh < a.inh; ++hh) {
+    const float* q = a.iq + static_cast<size_t>(r) * a.ldiq + static_cast<size_t>(hh) * a.ihd;
+    float dot = 0.0f;
+    for (int i = lane; i < a.ihd; i += 32) dot += q[i] * kn[i];
+    dot = warp_sum(dot);
+    s += fmaxf(dot, 0.0f);
+  }
+  if (lane == 0) a.scores[r * a.nb_max + b] = s / sqrtf(static_cast<float>(a.ihd));
+}
+
+// grid (ceil(nb_max / 256), rows), block 256. sel[b] = 1 when block b is among the block_topk best
+// (rank under "higher score, then lower index"), or for every block when nb <= block_topk.
+__global__ void attn_select_kernel(const AttnArgs a, const StepParams* sp) {
+  __shared__ float tile[256];
+  const int r = blockIdx.y;
+  const int64_t n = sp->pos + r + 1, nb = n / a.cr;
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  uint8_t* sel = a.sel + r * a.nb_max;
+  if (nb <= a.block_topk) {  // uniform over the block
+    if (b < nb) sel[b] = 1;
+    return;
+  }
+  const float* sc = a.scores + r * a.nb_max;
+  const float sb = b < nb ? sc[b] : 0.0f;
+  int64_t rank = 0;
+  for (int64_t t0 = 0; t0 < nb; t0 += blockDim.x) {
+    __syncthreads();
+    tile[threadIdx.x] = t0 + threadIdx.x < nb ? sc[t0 + threadIdx.x] : -INFINITY;
+    __syncthreads();
+    const int64_t cnt = min(static_cast<int64_t>(blockDim.x), nb - t0);
+    for (int64_t t = 0; t < cnt; ++t) {
+      const float s = tile[t];
+      rank += (s > sb || (s == sb && t0 + t < b)) ? 1 : 0;
+    }
+  }
+  if (b < nb) sel[b] = rank < a.block_topk ? 1 : 0;
+}
+
+// grid (nh, rows), block 256, dynamic shared memory cap * 8 bytes (cap = attention_max_selected).
+// Selected token ids are compacted in ascending order, so the softmax and the weighted sum of V run
+// in the CPU's key order.
+__global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
+  extern __shared__ float smem[];
+  __shared__ float scratch[32];
+  __shared__ int warp_counts[32];
+  __shared__ int total;
+  const int h = blockIdx.x, r = blockIdx.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  const int64_t n = sp->pos + r + 1, nb = n / a.cr;
+  const int cap = (a.block_topk + 1) * a.cr - 1;  // attention_max_selected
+  int* idx = reinterpret_cast<int*>(smem);
+  float* p = smem + cap;
+  const uint8_t* sel = a.sel + r * a.nb_max;
+  if (threadIdx.x == 0) total = 0;
+  __syncthreads();
+  for (int64_t t0 = 0; t0 < n; t0 += blockDim.x) {
+    const int64_t t = t0 + threadIdx.x;
+    const bool flag = t < n && (t >= nb * a.cr || sel[t / a.cr] != 0);
+    const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int off = total;
+    for (int w = 0; w < warp; ++w) off += warp_counts[w];
+    if (flag) idx[off + __popc(ballot & ((1u << lane) - 1u))] = static_cast<int>(t);
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (int w = 0; w < n_warps; ++w) total += warp_counts[w];
+    __syncthreads();
+  }
+  const int m = total;
+  const int g = h / (a.nh / a.nkv);
+  const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
+  const float* q = a.q + static_cast<size_t>(r) * a.ldq + static_cast<size_t>(h) * a.hd;
+  const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
+  for (int jj = warp; jj < m; jj += n_warps) {
+    const float* kj = a.k_cache + static_cast<size_t>(idx[jj]) * kvw + static_cast<size_t>(g) * a.hd;
+    float dot = 0.0f;
+    for (int i = lane; i < a.hd; i += 32) dot += q[i] * kj[i];
+    dot = warp_sum(dot);
+    if (lane == 0) p[jj] = dot * scale;
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int jj = threadIdx.x; jj < m; jj += blockDim.x) mx = fmaxf(mx, p[jj]);
+  mx = block_max(mx, scratch);
+  float sum = 0.0f;
+  for (int jj = threadIdx.x; jj < m; jj += blockDim.x) {
+    const float e = expf(p[jj] - mx);
+    p[jj] = e;
+    sum += e;
+  }
+  sum = block_sum(sum, scratch);  // its barriers also publish p
+  const float* gate = a.qg + static_cast<size_t>(r) * a.ldqg + static_cast<size_t>(h) * 2 * a.hd + a.hd;
+  for (int i = threadIdx.x; i < a.hd; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int jj = 0; jj < m; ++jj)
+      acc = mul_add_rn(acc, p[jj] / sum, a.v_cache[static_cast<size_t>(idx[jj]) * kvw + static_cast<size_t>(g) * a.hd + i]);
+    a.out[static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h) * a.hd + i] = acc * sigmoidf_(gate[i]);
+  }
+}
+
+// ------------------------------------------------------------------ PLE
+
+// grid (S, rows), block 256.
+__global__ void ple_gate_kernel(const float* kn, const float* qn, int ld, const float* val, int ldv, int H, float* G) {
+  __shared__ float scratch[32];
+  const int s = blockIdx.x, r = blockIdx.y;
+  const float* k = kn + static_cast<size_t>(r) * ld + static_cast<size_t>(s) * H;
+  const float* q = qn + static_cast<size_t>(r) * ld + static_cast<size_t>(s) * H;
+  float a = 0.0f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) a += k[i] * q[i];
+  a = block_sum(a, scratch);
+  a /= sqrtf(static_cast<float>(H));
+  // Signed square root; the 1e-6 is a clamp (trap 16). sign(0) = 0.
+  const float sgn = a > 0 ? 1.0f : (a < 0 ? -1.0f : 0.0f);
+  a = sqrtf(fmaxf(fabsf(a), 1e-6f)) * sgn;
+  const float gate = sigmoidf_(a);
+  for (int i = threadIdx.x; i < H; i += blockDim.x)
+    G[static_cast<size_t>(r) * ld + static_cast<size_t>(s) * H + i] = gate * val[static_cast<size_t>(r) * ldv + i];
+}
+
+constexpr int kMaxPleHist = 32;
+
+// grid (ceil(W/256)), block 256: one thread per channel, rows in order. The history is a local array
+// indexed at run time (local memory, L1-resident: a few dozen floats per thread).
+__global__ void ple_conv_kernel(const PleConvArgs a, const StepParams* sp, int rows) {
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= a.W) return;
+  const int K = a.K, d = a.dil, hl = (K - 1) * d, W = a.W;
+  const bool snap = sp->snap != 0;
+  float hist[kMaxPleHist];
+  for (int j = 0; j < hl; ++j) hist[j] = a.state[static_cast<size_t>(j) * W + ch];
+  const float* taps = a.taps + static_cast<size_t>(ch) * K;
+  for (int r = 0; r < rows; ++r) {
+    const float gn = a.Gn[static_cast<size_t>(r) * a.ld + ch];
+    float acc = __fmul_rn(taps[K - 1], gn);
+    for (int j = 0; j < K - 1; ++j) acc = mul_add_rn(acc, taps[j], hist[hl - (K - 1 - j) * d]);
+    const float out = __fadd_rn(a.G[static_cast<size_t>(r) * a.ld + ch], siluf_(acc));  // un-normalised G
+    float* Rr = a.R + static_cast<size_t>(r) * a.ldR;
+    Rr[ch] = __fadd_rn(Rr[ch], out);
+    for (int j = 0; j + 1 < hl; ++j) hist[j] = hist[j + 1];
+    if (hl > 0) hist[hl - 1] = gn;
+    if (snap && r + 1 < rows) {
+      float* sn = a.snaps + static_cast<size_t>(r) * a.snap_stride;
+      for (int j = 0; j < hl; ++j) sn[static_cast<size_t>(j) * W + ch] = hist[j];
+    }
+  }
+  for (int j = 0; j < hl; ++j) a.state[static_cast<size_t>(j) * W + ch] = hist[j];
+}
+
+// ------------------------------------------------------------------ MoE
+
+// grid (rows), block 256, dynamic shared memory E floats + E bytes.
+__global__ void moe_route_kernel(const MoeRouteArgs a) {
+  extern __shared__ float prob[];
+  __shared__ float scratch[32];
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  __shared__ int top[64];
+  __shared__ float top_sum;
+  uint8_t* flags = reinterpret_cast<uint8_t*>(prob + a.E);
+  const int r = blockIdx.x;
+  const float* lg = a.logits + static_cast<size_t>(r) * a.ld;
+  float mx = -INFINITY;
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) mx = fmaxf(mx, lg[e]);
+  mx = block_max(mx, scratch);
+  float sum = 0.0f;
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) {
+    const float v = expf(lg[e] - mx);
+    prob[e] = v;
+    sum += v;
+  }
+  sum = block_sum(sum, scratch);
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) prob[e] /= sum;
+  __syncthreads();
+  block_topk(prob, a.E, a.k, top, flags, sv, si);
+  if (threadIdx.x == 0) {
+    float ts = 0.0f;
+    for (int t = 0; t < a.k; ++t) ts += prob[top[t]];
+    top_sum = ts;
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t <= a.k; t += blockDim.x) {
+    ExpertPair pr;
+    pr.x_row = r;
+    if (t < a.k) {
+      const int e = top[t];
+      const ExpertSlot slot = a.table[e];
+      expert_views(slot.addr, slot.fmt, a.inter, a.hidden, &pr.gate, &pr.up, &pr.down);
+      pr.weight = a.norm_topk ? prob[e] / top_sum : prob[e];
+    } else {
+      pr.gate = a.sh_gate;
+      pr.up = a.sh_up;
+      pr.down = a.sh_down;
+      pr.weight = 0.0f;
+    }
+    a.pairs[static_cast<size_t>(r) * (a.k + 1) + t] = pr;
+  }
+}
+
+// grid (ceil(H/256), rows), block 256.
+__global__ void moe_combine_kernel(const float* y, int ldy, const ExpertPair* pairs, int k, const float* gl, int ldgl,
+                                   float* out, int ldo, int H) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= H) return;
+  const int r = blockIdx.y;
+  const size_t p0 = static_cast<size_t>(r) * (k + 1);
+  double acc = 0.0;  // the sum over slots runs in top-k order, wherever each expert came from (DESIGN §2)
+  for (int t = 0; t < k; ++t)
+    acc += static_cast<double>(__fmul_rn(y[(p0 + t) * ldy + i], pairs[p0 + t].weight));
+  const float gamma = sigmoidf_(gl[static_cast<size_t>(r) * ldgl]);
+  out[static_cast<size_t>(r) * ldo + i] = __fadd_rn(static_cast<float>(acc), __fmul_rn(gamma, y[(p0 + k) * ldy + i]));
+}
+
+}  // namespace
+
+void init_kernels() {
+  CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+}
+
+std::vector<float> rope_inv_freq(int rot_dim, double theta) {
+  std::vector<float> f(static_cast<size_t>(rot_dim / 2));
+  for (int j = 0; j < rot_dim / 2; ++j)
+    f[j] = 1.0f / static_cast<float>(std::pow(theta, static_cast<double>(2 * j) / rot_dim));
+  return f;
+}
+
+void embed_wide(const DMatrix& embed, const StepParams* sp, int rows, int S, int H, float* R, int ldR,
+                cudaStream_t stream) {
+  embed_wide_kernel<<<rows, block_for(H), 0, stream>>>(embed, sp, S, H, R, ldR);
+  CUDA_CHECK_LAUNCH();
+}
+
+void hc_gate_mean(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu, int rows,
+                  cudaStream_t stream) {
+  hc_gate_mean_kernel<<<dim3(static_cast<unsigned>(ceil_div(H, 256)), rows), 256, 0, stream>>>(g, X, ldgx, S, H, u, ldu);
+  CUDA_CHECK_LAUNCH();
+}
+
+void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H, int rows,
+                cudaStream_t stream) {
+  hc_combine_kernel<<<dim3(static_cast<unsigned>(ceil_div(S * H, 256)), rows), 256, 0, stream>>>(R, ldR, o, ldo, w,
+                                                                                                  ldw, S, H);
+  CUDA_CHECK_LAUNCH();
+}
+
+void gdn_conv(const GdnConvArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
+  CK_REQUIRE(a.K >= 1 && a.K - 1 <= kMaxConvHist, "GDN conv kernel %d > %d", a.K, kMaxConvHist + 1);
+  gdn_conv_kernel<<<static_cast<unsigned>(ceil_div(a.C, 256)), 256, 0, stream>>>(a, sp, rows);
+  CUDA_CHECK_LAUNCH();
+}
+
+void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
+  const int parts = static_cast<int>(ceil_div(a.dk, kKeyPart));
+  CK_REQUIRE(a.dk <= 256 && a.dv * parts <= 1024 && a.nv % a.nk == 0, "GDN dims dk %d dv %d nk %d nv %d", a.dk, a.dv,
+            a.nk, a.nv);
+  const int threads = static_cast<int>(round_up(a.dv * parts, 32));
+  const size_t smem = sizeof(float) * (2 * a.dk + parts * a.dv);
+  gdn_recurrent_kernel<<<a.nv, threads, smem, stream>>>(a, sp, rows);
+  CUDA_CHECK_LAUNCH();
+}
+
+int64_t attention_max_selected(int block_topk, int cr) { return static_cast<int64_t>(block_topk + 1) * cr - 1; }
+
+void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
+  CK_REQUIRE(a.cr >= 1 && a.block_topk >= 1 && a.nh % a.nkv == 0 && a.rot <= a.hd && a.rot <= a.ihd, "invariant");
+  const int cap = static_cast<int>(attention_max_selected(a.block_topk, a.cr));
+  const size_t dec_smem = static_cast<size_t>(cap) * 8;
+  CK_REQUIRE(dec_smem <= 200 * 1024, "attention: %d selectable keys do not fit in shared memory", cap);
+  const int nprep = a.nh + a.nkv + a.inh + 1;
+  attn_prep_kernel<<<dim3(nprep, rows), 128, sizeof(float) * std::max(a.hd, a.ihd), stream>>>(a, sp);
+  CUDA_CHECK_LAUNCH();
+  attn_pool_kernel<<<rows, 128, sizeof(float) * a.ihd, stream>>>(a, sp);
+  CUDA_CHECK_LAUNCH();
+  attn_scores_kernel<<<dim3(static_cast<unsigned>(ceil_div(a.nb_max, 8)), rows), 256, 0, stream>>>(a, sp);
+  CUDA_CHECK_LAUNCH();
+  attn_select_kernel<<<dim3(static_cast<unsigned>(ceil_div(a.nb_max, 256)), rows), 256, 0, stream>>>(a, sp);
+  CUDA_CHECK_LAUNCH();
+  attn_decode_kernel<<<dim3(a.nh, rows), 256, dec_smem, stream>>>(a, sp);
+  CUDA_CHECK_LAUNCH();
+}
+
+void ple_gate(const float* kn, const float* qn, int ld, const float* val, int ldv, int S, int H, float* G, int rows,
+              cudaStream_t stream) {
+  ple_gate_kernel<<<dim3(S, rows), 256, 0, stream>>>(kn, qn, ld, val, ldv, H, G);
+  CUDA_CHECK_LAUNCH();
+}
+
+void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
+  CK_REQUIRE(a.K >= 1 && (a.K - 1) * a.dil <= kMaxPleHist, "PLE conv history %d > %d", (a.K - 1) * a.dil, kMaxPleHist);
+  ple_conv_kernel<<<static_cast<unsigned>(ceil_div(a.W, 256)), 256, 0, stream>>>(a, sp, rows);
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
+  CK_REQUIRE(a.k >= 1 && a.k <= 64 && a.k <= a.E && a.E <= 8192, "invariant");
+  moe_route_kernel<<<rows, 256, sizeof(float) * a.E + a.E, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_combine(const float* y, int ldy, const ExpertPair* pairs, int k, const float* gl, int ldgl, float* out,
+                 int ldo, int H, int rows, cudaStream_t stream) {
+  moe_combine_kernel<<<dim3(static_cast<unsigned>(ceil_div(H, 256)), rows), 256, 0, stream>>>(y, ldy, pairs, k, gl,
+                                                                                                ldgl, out, ldo, H);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace ck::cuda

@@ -1,0 +1,131 @@
+// Launchers for the layer-level kernels of the qwen4_exp forward (spec §4-§8), each over the rows of
+// one step: hyper-connection gate/combine, the Gated DeltaNet conv and delta-rule recurrence, QSA
+// attention decode (indexer with cached pooled block keys, top-k blocks, gated softmax attention),
+// the PLE gate and dilated conv, the MoE router and the slot-ordered expert sum. Positions and tokens
+// are read on the device from StepParams, so a captured graph replays for any position.
+// The GEMVs between them are cuda::gemv (ops.h); the forward that strings them is cuda/qwen4_exp.cpp.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cuda/dmatrix.h"
+
+namespace ck::cuda {
+
+// What varies between steps, in device memory (copied from pinned memory at the start of a step).
+struct StepParams {
+  int64_t pos = 0;                 // position of row 0
+  int32_t rows = 0;
+  int32_t snap = 0;                // keep the recurrent state after every row but the last
+  int32_t tokens[kMaxRows] = {};
+};
+
+// One-time kernel attributes (large dynamic shared memory); call before any step or graph capture.
+void init_kernels();
+
+// rope inverse frequencies exactly as cpu::rope computes them: 1 / fp32(theta^(2j / rot_dim)).
+std::vector<float> rope_inv_freq(int rot_dim, double theta);
+
+// R (rows, S*H): the embedding row of each row's token copied into every stream (spec §2 steps 1-2).
+void embed_wide(const DMatrix& embed, const StepParams* sp, int rows, int S, int H, float* R, int ldR,
+                cudaStream_t stream);
+
+// Hyper-connection mix tail (spec §4): u (rows, H) = Σ_s sigmoid(g_s) ⊙ X_s / S, with g and X
+// (rows, S*H) at leading dimension ldgx.
+void hc_gate_mean(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu, int rows,
+                  cudaStream_t stream);
+// Hyper-connection combine: R_s += o · w_s for s < S.
+void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H, int rows,
+                cudaStream_t stream);
+
+// GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;
+// the history (K-1, C) shifts per row; with sp->snap the history after row r < rows-1 goes to
+// snaps + r * snap_stride.
+struct GdnConvArgs {
+  const float* x = nullptr; int ldx = 0;      // (rows, C) pre-conv in_proj_qkv output
+  const float* taps = nullptr;                // (C, K)
+  float* state = nullptr;                     // (K-1, C) oldest first
+  float* snaps = nullptr; int64_t snap_stride = 0;
+  float* y = nullptr; int ldy = 0;            // (rows, C)
+  int C = 0, K = 0;
+};
+void gdn_conv(const GdnConvArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
+
+// GDN delta rule per value head (spec §6), rows in order, state fp32 on the device, then the gated
+// RMS norm (N2) of each head's output. Preconditions: dk <= 256, dv * ceil(dk/32) <= 1024.
+struct GdnRecArgs {
+  const float* y = nullptr; int ldy = 0;      // (rows, 2*Kd + Vd) post-conv: q | k | v
+  const float* z = nullptr; int ldz = 0;      // (rows, nv*dv) output gate input
+  const float* b = nullptr; const float* a = nullptr; int ldab = 0;  // (rows, nv) each
+  const float* a_log = nullptr; const float* dt_bias = nullptr;      // (nv)
+  const float* norm = nullptr;                // (dv) plain N2 weight
+  float* state = nullptr;                     // (nv, dk, dv)
+  float* snaps = nullptr; int64_t snap_stride = 0;
+  float* out = nullptr; int ldo = 0;          // (rows, nv*dv)
+  int nk = 0, nv = 0, dk = 0, dv = 0;
+  float eps = 1e-6f;
+  int sigmoid_gate = 1;                       // output_gate_type: sigmoid (1) or silu (0)
+};
+void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
+
+// QSA attention decode for the rows of a step (spec §7): q/k norms and RoPE, cache writes at
+// pos+r, pooled block keys cached once per completed block, indexer block scores, top-k blocks (ties
+// to the lower index), softmax attention over the selected tokens, sigmoid output gate. Row r
+// attends to positions <= pos + r, including rows < r of the same step.
+struct AttnArgs {
+  const float* qg = nullptr; int ldqg = 0;    // (rows, nh*2*hd): per head [query | gate]
+  const float* k = nullptr; int ldk = 0;      // (rows, nkv*hd)
+  const float* v = nullptr; int ldv = 0;      // (rows, nkv*hd)
+  const float* iqk = nullptr; int ldiqk = 0;  // (rows, (inh+1)*ihd): indexer queries, then the raw key
+  const float* q_norm = nullptr; const float* k_norm = nullptr;    // (hd) 1+w
+  const float* iq_norm = nullptr; const float* ik_norm = nullptr;  // (ihd) 1+w
+  const float* inv_freq = nullptr; int rot = 0;                    // (rot/2)
+  float* k_cache = nullptr; float* v_cache = nullptr;  // (max_ctx, nkv*hd) post-norm post-RoPE K, V
+  float* idx_keys = nullptr;                  // (max_ctx, ihd) raw indexer keys
+  float* blk_keys = nullptr;                  // (max_ctx/cr, ihd) pooled, normed, roped block keys
+  float* q = nullptr; int ldq = 0;            // scratch (rows, nh*hd)
+  float* iq = nullptr; int ldiq = 0;          // scratch (rows, inh*ihd)
+  float* scores = nullptr; uint8_t* sel = nullptr; int64_t nb_max = 0;  // scratch (rows, nb_max)
+  float* out = nullptr; int ldo = 0;          // (rows, nh*hd) gated attention output
+  int nh = 0, nkv = 0, hd = 0, inh = 0, ihd = 0, cr = 0, block_topk = 0;
+  float eps = 1e-6f;
+};
+void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
+// Most tokens one query attends to: (block_topk + 1) * cr - 1.
+int64_t attention_max_selected(int block_topk, int cr);
+
+// PLE (spec §5.5) after the key/value projections and the two grouped norms:
+// G (rows, W) = sigmoid(ssqrt(<kn_s, qn_s> / sqrt(H))) · val for each stream s.
+void ple_gate(const float* kn, const float* qn, int ld, const float* val, int ldv, int S, int H, float* G,
+              int rows, cudaStream_t stream);
+// The dilated depthwise conv over Gn (taps at t-(K-1)d .. t), R += G + silu(conv), rows in order; the
+// history ((K-1)*d, W) shifts per row and is snapshotted like the GDN conv's.
+struct PleConvArgs {
+  const float* G = nullptr; const float* Gn = nullptr; int ld = 0;  // (rows, W)
+  const float* taps = nullptr;                // (W, K)
+  float* state = nullptr;                     // ((K-1)*d, W) oldest first
+  float* snaps = nullptr; int64_t snap_stride = 0;
+  float* R = nullptr; int ldR = 0;            // (rows, W) wide residual, updated
+  int W = 0, K = 0, dil = 0;
+};
+void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
+
+// MoE router (spec §8): softmax over all experts, top-k (ties to the lower index), optional
+// renormalisation; writes each row's k routed pairs in top-k order (views built from the expert table)
+// then its shared-expert pair: pairs[r*(k+1) + t].
+struct MoeRouteArgs {
+  const float* logits = nullptr; int ld = 0;  // (rows, E)
+  int E = 0, k = 0, norm_topk = 1;
+  const ExpertSlot* table = nullptr;          // (E) this block's entries of the expert table
+  int inter = 0, hidden = 0;
+  DMatrix sh_gate, sh_up, sh_down;
+  ExpertPair* pairs = nullptr;                // (rows * (k+1))
+};
+void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream);
+// out (rows, H) = fp32(Σ_t fp64(y_t · w_t)) in slot order + sigmoid(gl) · y_shared.
+void moe_combine(const float* y, int ldy, const ExpertPair* pairs, int k, const float* gl, int ldgl, float* out,
+                 int ldo, int H, int rows, cudaStream_t stream);
+
+}  // namespace ck::cuda

@@ -1,0 +1,153 @@
+// The small CUDA ops that have a CPU twin in src/cpu/ops.h: grouped RMS norm, L2 norm, RoPE, top-k,
+// argmax, and dequantized row gathers (the embedding). GEMVs live in gemv.cu; the layer kernels in
+// layers.cu. Each kernel handles one activation row per blockIdx.y (or blockIdx.x when it is the only
+// grid dimension) and states its block shape.
+#include <algorithm>
+
+#include "cuda/common.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/ops.h"
+
+namespace ck::cuda {
+namespace {
+
+// grid (n / group, rows), any block of 32..1024 threads (multiple of 32). In place is allowed.
+__global__ void rmsnorm_grouped_kernel(const float* x, int64_t group, const float* __restrict__ scale, float eps,
+                                       float* out, int64_t ld) {
+  __shared__ float scratch[32];
+  const int64_t g0 = static_cast<int64_t>(blockIdx.x) * group;
+  const float* xr = x + blockIdx.y * ld + g0;
+  float* orow = out + blockIdx.y * ld + g0;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < group; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, scratch);
+  const float r = 1.0f / sqrtf(ss / static_cast<float>(group) + eps);
+  for (int64_t i = threadIdx.x; i < group; i += blockDim.x) orow[i] = (xr[i] * r) * scale[g0 + i];
+}
+
+// grid (rows), block multiple of 32.
+__global__ void l2norm_kernel(float* x, int64_t n, float eps, int64_t ld) {
+  __shared__ float scratch[32];
+  float* xr = x + blockIdx.x * ld;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, scratch);
+  const float r = 1.0f / sqrtf(ss + eps);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) xr[i] *= r;
+}
+
+// grid (rows), any block. Each thread rotates its own (j, j + half) pairs, so no synchronisation.
+__global__ void rope_kernel(float* x, int rot_dim, int64_t pos, const float* __restrict__ inv_freq, int64_t ld) {
+  float* xr = x + blockIdx.x * ld;
+  const int half = rot_dim / 2;
+  const float p = static_cast<float>(pos + blockIdx.x);
+  for (int j = threadIdx.x; j < half; j += blockDim.x) {
+    const float angle = p * inv_freq[j];
+    const float c = cosf(angle), s = sinf(angle);
+    const float a = xr[j], b = xr[j + half];
+    xr[j] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    xr[j + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+  }
+}
+
+// grid (rows), block 256, dynamic shared memory n bytes.
+__global__ void topk_kernel(const float* v, int n, int k, int32_t* idx, int64_t ld) {
+  extern __shared__ uint8_t flags[];
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  __shared__ int out[64];
+  block_topk(v + blockIdx.x * ld, n, k, out, flags, sv, si);
+  for (int t = threadIdx.x; t < k; t += blockDim.x) idx[blockIdx.x * k + t] = out[t];
+}
+
+constexpr int64_t kArgmaxChunk = 8192;
+
+// Stage 1: grid (chunks, rows), block 256: the best (value, index) of each chunk into scratch.
+__global__ void argmax_chunk_kernel(const float* v, int64_t n, int64_t ld, float* scratch, int64_t scratch_ld) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const float* vr = v + blockIdx.y * ld;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kArgmaxChunk, c1 = min(n, c0 + kArgmaxChunk);
+  float bv = -INFINITY;
+  int bi = INT_MAX;
+  for (int64_t i = c0 + threadIdx.x; i < c1; i += blockDim.x)
+    if (arg_better(vr[i], static_cast<int>(i), bv, bi)) { bv = vr[i]; bi = static_cast<int>(i); }
+  block_argmax(bv, bi, sv, si);
+  if (threadIdx.x == 0) {
+    scratch[blockIdx.y * scratch_ld + 2 * blockIdx.x] = bv;
+    scratch[blockIdx.y * scratch_ld + 2 * blockIdx.x + 1] = __int_as_float(bi);
+  }
+}
+
+// Stage 2: grid (rows), block 256.
+__global__ void argmax_final_kernel(const float* scratch, int64_t n_chunks, int64_t scratch_ld, int32_t* out) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const float* s = scratch + blockIdx.x * scratch_ld;
+  float bv = -INFINITY;
+  int bi = INT_MAX;
+  for (int64_t c = threadIdx.x; c < n_chunks; c += blockDim.x) {
+    const float v = s[2 * c];
+    const int i = __float_as_int(s[2 * c + 1]);
+    if (arg_better(v, i, bv, bi)) { bv = v; bi = i; }
+  }
+  block_argmax(bv, bi, sv, si);
+  if (threadIdx.x == 0) out[blockIdx.x] = bi == INT_MAX ? 0 : bi;  // all NaN: index 0, as the CPU
+}
+
+// grid (rows), any block.
+__global__ void gather_rows_kernel(const DMatrix m, const int32_t* __restrict__ ids, float* out, int64_t ld) {
+  const int64_t r = ids[blockIdx.x];
+  for (int64_t c = threadIdx.x; c < m.cols; c += blockDim.x) out[blockIdx.x * ld + c] = dmatrix_elem(m, r, c);
+}
+
+int block_for(int64_t n) { return static_cast<int>(std::clamp<int64_t>(round_up(n, 32), 32, 256)); }
+
+}  // namespace
+
+void rmsnorm_grouped(const float* x, int64_t n, int64_t group, const float* scale, float eps, float* out, int rows,
+                     int64_t ld, cudaStream_t stream) {
+  CK_REQUIRE(group > 0 && n % group == 0 && rows >= 1, "invariant");
+  dim3 grid(static_cast<unsigned>(n / group), static_cast<unsigned>(rows));
+  rmsnorm_grouped_kernel<<<grid, block_for(group), 0, stream>>>(x, group, scale, eps, out, ld);
+  CUDA_CHECK_LAUNCH();
+}
+
+void l2norm(float* x, int64_t n, float eps, int rows, int64_t ld, cudaStream_t stream) {
+  CK_REQUIRE(rows >= 1, "invariant");
+  l2norm_kernel<<<rows, block_for(n), 0, stream>>>(x, n, eps, ld);
+  CUDA_CHECK_LAUNCH();
+}
+
+void rope(float* x, int rot_dim, int64_t pos, const float* inv_freq, int rows, int64_t ld, cudaStream_t stream) {
+  CK_REQUIRE(rows >= 1 && rot_dim % 2 == 0, "invariant");
+  if (rot_dim == 0) return;
+  rope_kernel<<<rows, block_for(rot_dim / 2), 0, stream>>>(x, rot_dim, pos, inv_freq, ld);
+  CUDA_CHECK_LAUNCH();
+}
+
+void topk_desc(const float* v, int n, int k, int32_t* idx, int rows, int64_t ld, cudaStream_t stream) {
+  CK_REQUIRE(rows >= 1 && k >= 1 && k <= n && k <= 64 && n <= 48 * 1024, "invariant");
+  topk_kernel<<<rows, 256, static_cast<size_t>(n), stream>>>(v, n, k, idx, ld);
+  CUDA_CHECK_LAUNCH();
+}
+
+int64_t argmax_scratch_floats(int64_t n) { return 2 * ceil_div(n, kArgmaxChunk); }
+
+void argmax(const float* v, int64_t n, int32_t* out, int rows, int64_t ld, float* scratch, cudaStream_t stream) {
+  CK_REQUIRE(rows >= 1 && n >= 1 && n < INT_MAX, "invariant");
+  const int64_t chunks = ceil_div(n, kArgmaxChunk), sld = argmax_scratch_floats(n);
+  argmax_chunk_kernel<<<dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(rows)), 256, 0, stream>>>(
+      v, n, ld, scratch, sld);
+  CUDA_CHECK_LAUNCH();
+  argmax_final_kernel<<<rows, 256, 0, stream>>>(scratch, chunks, sld, out);
+  CUDA_CHECK_LAUNCH();
+}
+
+void gather_rows(const DMatrix& m, const int32_t* ids, int rows, float* out, int64_t ld, cudaStream_t stream) {
+  CK_REQUIRE(rows >= 1, "invariant");
+  gather_rows_kernel<<<rows, block_for(m.cols), 0, stream>>>(m, ids, out, ld);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace ck::cuda

@@ -1,0 +1,74 @@
+// The CUDA ops: launchers for every kernel of the forward, on device pointers, enqueued on a stream
+// (nothing here synchronises). Each op handles `rows` activation rows (1..kMaxRows) at once; row r of
+// a buffer starts at ptr + r * ld. Ops that have a twin in src/cpu/ops.h keep its name and argument
+// order, with rows/ld/stream appended; tests/parity/test_cuda_ops.cpp checks each against the twin.
+// The layer-level kernels (hyper-connections, GDN, QSA attention, PLE, MoE) are declared in
+// cuda/layers.h. Kernel files: gemv.cu (matvec, experts), ops.cu (the rest of this header).
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/dmatrix.h"
+
+namespace ck::cuda {
+
+// What a GEMV applies to each output before it is stored (saves a launch for the tiny activations
+// between projections). `arg` is the divisor d.
+enum class Epilogue : int32_t {
+  None = 0,
+  SiluDiv = 1,        // silu(y / d)           (hyper-connection down projection, spec §4)
+  TwoSigmoidDiv = 2,  // 2 * sigmoid(y / d)    (hyper-connection injection weights, spec §4)
+};
+
+// One matrix of a multi-GEMV launch: y[r * ldy + o] = epi(Σ_c w[o][c] · x[r * ldx + c]).
+struct GemvJob {
+  DMatrix w;
+  float* y = nullptr;
+  int32_t ldy = 0;
+  Epilogue epi = Epilogue::None;
+  float epi_arg = 1.0f;
+};
+constexpr int kMaxGemvJobs = 4;
+
+// y (rows, w.rows) = x (rows, w.cols) · wᵀ for up to kMaxGemvJobs matrices that read the same x, in
+// one launch. Preconditions: every job's w.cols equals the x width; x is 16-byte aligned and ldx % 4
+// == 0 whenever a job is quantized (quantized cols are multiples of 32); 1 <= rows <= kMaxRows.
+void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
+
+// The twin of cpu::matvec for `rows` rows: y (rows, w.rows) = x (rows, w.cols) · wᵀ.
+void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int rows, cudaStream_t stream);
+
+// Routed and shared experts of one MoE block (spec §8), over `n_pairs` (row, expert) pairs.
+// h (n_pairs, ldh) = silu(gate · x_row) * (up · x_row), rows up to max_inter (pairs with a smaller
+// intermediate size leave the rest untouched).
+void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
+                    float* h, int ldh, cudaStream_t stream);
+// y (n_pairs, hidden) = down · h_pair.
+void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
+                 int ldy, cudaStream_t stream);
+
+// cpu::rmsnorm_grouped on `rows` rows: one statistic per group of `group` values; scale (n) fp32.
+void rmsnorm_grouped(const float* x, int64_t n, int64_t group, const float* scale, float eps, float* out, int rows,
+                     int64_t ld, cudaStream_t stream);
+
+// cpu::l2norm on `rows` rows, in place.
+void l2norm(float* x, int64_t n, float eps, int rows, int64_t ld, cudaStream_t stream);
+
+// cpu::rope on `rows` rows, in place; row r rotates at position pos + r. inv_freq (rot_dim/2) fp32 on
+// the device, computed by rope_inv_freq (host) exactly as the CPU computes it.
+void rope(float* x, int rot_dim, int64_t pos, const float* inv_freq, int rows, int64_t ld, cudaStream_t stream);
+
+// cpu::topk_desc on `rows` rows: idx (rows, k) int32, descending, ties to the lower index.
+// Precondition: k <= n, k <= 64.
+void topk_desc(const float* v, int n, int k, int32_t* idx, int rows, int64_t ld, cudaStream_t stream);
+
+// cpu::argmax on `rows` rows (lowest index on ties): out (rows) int32. `scratch` holds
+// argmax_scratch_floats(n) floats per row (device).
+void argmax(const float* v, int64_t n, int32_t* out, int rows, int64_t ld, float* scratch, cudaStream_t stream);
+int64_t argmax_scratch_floats(int64_t n);
+
+// out (rows, cols) = fp32 rows `ids[r]` of m (dequantized as cpu matrix_row does), ids on the device.
+void gather_rows(const DMatrix& m, const int32_t* ids, int rows, float* out, int64_t ld, cudaStream_t stream);
+
+}  // namespace ck::cuda

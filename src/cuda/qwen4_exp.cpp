@@ -1,0 +1,587 @@
+// The CUDA forward of qwen4_exp (cuda/qwen4_exp.h). enqueue_step() reads top to bottom like the CPU's
+// token_forward/layer_token and puts a whole step on one stream with no host synchronisation; the
+// same function is captured into a graph per (rows, want_logits) and replayed. Every buffer is fp32;
+// activation buffers hold kMaxRows rows at a leading dimension rounded up to 4 floats (16 bytes).
+#include "cuda/qwen4_exp.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "cpu/ops.h"
+#include "cuda/layers.h"
+#include "cuda/ops.h"
+#include "util/log.h"
+
+namespace ck::cuda {
+
+namespace {
+int ld4(int64_t n) { return static_cast<int>(round_up(n, 4)); }
+
+// Sums bytes and multiply-adds of the matrices a token reads.
+struct Tally {
+  double bytes = 0, macs = 0;
+  void add(const DMatrix& m) {
+    if (m.rows == 0) return;
+    bytes += static_cast<double>(m.stored_bytes());
+    macs += static_cast<double>(m.rows) * m.cols;
+  }
+  void add(const DHc& h) { add(h.down); add(h.up); add(h.inject); }
+};
+}  // namespace
+
+// ==================================================================== Model
+
+Status Model::supports(const ModelWeights& w) {
+  const ModelConfig& c = w.cfg;
+  if (c.num_experts_per_tok > 64 || c.num_experts > 8192)
+    return error("CUDA engine: top-{} of {} experts is beyond its router (k <= 64, E <= 8192)", c.num_experts_per_tok,
+                 c.num_experts);
+  if (c.linear_conv_kernel_dim < 1 || c.linear_conv_kernel_dim > 8)
+    return error("CUDA engine: GDN conv kernel {} (1..8 supported)", c.linear_conv_kernel_dim);
+  const int parts = (c.linear_key_head_dim + 31) / 32;
+  if (c.linear_key_head_dim > 256 || c.linear_value_head_dim * parts > 1024)
+    return error("CUDA engine: GDN head dims {}x{} are beyond the recurrent kernel", c.linear_key_head_dim,
+                 c.linear_value_head_dim);
+  bool has_attn = false, has_ple = false;
+  for (const LayerWeights& lw : w.layers) {
+    has_attn |= lw.kind == LayerKind::SparseAttention;
+    has_ple |= lw.ple.has_value();
+  }
+  if (has_attn) {
+    if (!c.has_indexer || c.indexer_compress_ratio < 1 || c.indexer_budget < c.indexer_compress_ratio)
+      return error("CUDA engine: attention layers need the QSA indexer (compress ratio and budget)");
+    if (c.rotary_dim() > c.head_dim || c.rotary_dim() > c.indexer_head_dim)
+      return error("CUDA engine: rotary dim {} exceeds a head dim", c.rotary_dim());
+    if (attention_max_selected(c.indexer_budget / c.indexer_compress_ratio, c.indexer_compress_ratio) * 8 > 200 * 1024)
+      return error("CUDA engine: indexer budget {} too large for the attention kernel", c.indexer_budget);
+  }
+  if (has_ple && (c.ple_conv_kernel_size - 1) * c.ngram_size > 32)
+    return error("CUDA engine: PLE conv history {} > 32", (c.ple_conv_kernel_size - 1) * c.ngram_size);
+  return {};
+}
+
+Result<std::unique_ptr<Model>> Model::create(const ModelWeights& w, std::shared_ptr<ExpertSource> experts) {
+  TRY(supports(w));
+  if (device_count() == 0) return error("--backend cuda: no CUDA device is visible");
+  auto m = std::unique_ptr<Model>(new Model(w, std::move(experts), Deferred{}));
+  TRY(m->init());
+  return m;
+}
+
+Model::Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts, Deferred)
+    : w_(w), experts_src_(std::move(experts)), ref_(w, experts_src_) {}
+
+Model::Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts)
+    : Model(w, std::move(experts), Deferred{}) {
+  Status st = supports(w);
+  if (st.ok()) st = init();
+  CHECK_MSG(st.ok(), "cuda::Model: {}", st.message());
+}
+
+Status Model::init() {
+  const ModelConfig& c = cfg();
+  LOG_INF("cuda", "device: {}", device_banner());
+  init_kernels();
+  DenseUploader up(&arena_);
+  auto hc = [&](const HcWeights& h, DHc* d) -> Status {
+    d->norm = up.vector(h.norm);
+    ASSIGN_OR_RETURN(d->down, up.matrix(h.down));
+    ASSIGN_OR_RETURN(d->up, up.matrix(h.up));
+    ASSIGN_OR_RETURN(d->inject, up.matrix(h.inject));
+    return {};
+  };
+  ASSIGN_OR_RETURN(embed_, up.matrix(w_.embed));
+  ASSIGN_OR_RETURN(lm_head_, up.matrix(w_.lm_head));
+  TRY(hc(w_.final_mixer, &final_mixer_));
+  layers_.resize(w_.layers.size());
+  for (size_t L = 0; L < w_.layers.size(); ++L) {
+    const LayerWeights& lw = w_.layers[L];
+    DLayer& d = layers_[L];
+    d.kind = lw.kind;
+    TRY(hc(lw.hc_attn, &d.hc_attn));
+    TRY(hc(lw.hc_mlp, &d.hc_mlp));
+    if (lw.kind == LayerKind::LinearAttention) {
+      ASSIGN_OR_RETURN(d.gdn.in_qkv, up.matrix(lw.gdn.in_qkv));
+      ASSIGN_OR_RETURN(d.gdn.in_z, up.matrix(lw.gdn.in_z));
+      ASSIGN_OR_RETURN(d.gdn.in_b, up.matrix(lw.gdn.in_b));
+      ASSIGN_OR_RETURN(d.gdn.in_a, up.matrix(lw.gdn.in_a));
+      ASSIGN_OR_RETURN(d.gdn.out, up.matrix(lw.gdn.out));
+      d.gdn.conv = up.vector(lw.gdn.conv);
+      d.gdn.a_log = up.vector(lw.gdn.a_log);
+      d.gdn.dt_bias = up.vector(lw.gdn.dt_bias);
+      d.gdn.norm = up.vector(lw.gdn.norm);
+    } else {
+      ASSIGN_OR_RETURN(d.attn.q, up.matrix(lw.attn.q));
+      ASSIGN_OR_RETURN(d.attn.k, up.matrix(lw.attn.k));
+      ASSIGN_OR_RETURN(d.attn.v, up.matrix(lw.attn.v));
+      ASSIGN_OR_RETURN(d.attn.o, up.matrix(lw.attn.o));
+      ASSIGN_OR_RETURN(d.attn.index_qk, up.matrix(lw.attn.index_qk));
+      d.attn.q_norm = up.vector(lw.attn.q_norm);
+      d.attn.k_norm = up.vector(lw.attn.k_norm);
+      d.attn.iq_norm = up.vector(lw.attn.index_q_norm);
+      d.attn.ik_norm = up.vector(lw.attn.index_k_norm);
+    }
+    if (lw.ple) {
+      DPle p;
+      ASSIGN_OR_RETURN(p.key, up.matrix(lw.ple->key));
+      ASSIGN_OR_RETURN(p.value, up.matrix(lw.ple->value));
+      p.norm_key = up.vector(lw.ple->norm_key);
+      p.norm_query = up.vector(lw.ple->norm_query);
+      p.norm_conv = up.vector(lw.ple->norm_conv);
+      p.conv = up.vector(lw.ple->conv);
+      p.index = n_ple_++;
+      d.ple = p;
+    }
+    ASSIGN_OR_RETURN(d.moe.router, up.matrix(lw.moe.router));
+    ASSIGN_OR_RETURN(d.moe.sh_gate, up.matrix(lw.moe.shared_gate));
+    ASSIGN_OR_RETURN(d.moe.sh_up, up.matrix(lw.moe.shared_up));
+    ASSIGN_OR_RETURN(d.moe.sh_down, up.matrix(lw.moe.shared_down));
+    ASSIGN_OR_RETURN(d.moe.sh_expert_gate, up.matrix(lw.moe.shared_expert_gate));
+  }
+  dense_bytes_ = up.bytes();
+  const std::vector<float> inv = rope_inv_freq(c.rotary_dim(), c.rope_theta);
+  inv_freq_.resize(std::max<size_t>(1, inv.size()));
+  if (!inv.empty()) CUDA_CHECK(cudaMemcpy(inv_freq_.get(), inv.data(), inv.size() * sizeof(float), cudaMemcpyHostToDevice));
+  max_inter_ = std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size);
+  TRY(upload_experts(*experts_src_, static_cast<int>(w_.layers.size()), c.num_experts, c.moe_intermediate_size,
+                     c.hidden_size, &pool_));
+  LOG_INF("cuda", "model: {} layers, H {}, {} experts top-{}; dense {:.2f} GB on device", w_.layers.size(),
+          c.hidden_size, c.num_experts, c.num_experts_per_tok, dense_bytes_ / 1e9);
+  return {};
+}
+
+std::unique_ptr<Session> Model::new_session(int64_t max_ctx) const {
+  return std::make_unique<Session>(*this, max_ctx);
+}
+
+double Model::active_bytes_per_token() const {
+  Tally t;
+  t.add(lm_head_);
+  t.add(final_mixer_);
+  for (const DLayer& d : layers_) {
+    t.add(d.hc_attn);
+    t.add(d.hc_mlp);
+    if (d.kind == LayerKind::LinearAttention) {
+      for (const DMatrix* m : {&d.gdn.in_qkv, &d.gdn.in_z, &d.gdn.in_b, &d.gdn.in_a, &d.gdn.out}) t.add(*m);
+    } else {
+      for (const DMatrix* m : {&d.attn.q, &d.attn.k, &d.attn.v, &d.attn.o, &d.attn.index_qk}) t.add(*m);
+    }
+    if (d.ple) { t.add(d.ple->key); t.add(d.ple->value); }
+    for (const DMatrix* m : {&d.moe.router, &d.moe.sh_gate, &d.moe.sh_up, &d.moe.sh_down, &d.moe.sh_expert_gate})
+      t.add(*m);
+  }
+  const double embed_row = static_cast<double>(embed_.stored_bytes()) / std::max(1, embed_.rows);
+  return t.bytes + embed_row +
+         static_cast<double>(layers_.size()) * cfg().num_experts_per_tok * static_cast<double>(pool_.record_bytes);
+}
+
+double Model::macs_per_token() const {
+  Tally t;
+  t.add(lm_head_);
+  t.add(final_mixer_);
+  for (const DLayer& d : layers_) {
+    t.add(d.hc_attn);
+    t.add(d.hc_mlp);
+    for (const DMatrix* m : {&d.gdn.in_qkv, &d.gdn.in_z, &d.gdn.in_b, &d.gdn.in_a, &d.gdn.out, &d.attn.q, &d.attn.k,
+                             &d.attn.v, &d.attn.o, &d.attn.index_qk})
+      t.add(*m);
+    if (d.ple) { t.add(d.ple->key); t.add(d.ple->value); }
+    for (const DMatrix* m : {&d.moe.router, &d.moe.sh_gate, &d.moe.sh_up, &d.moe.sh_down, &d.moe.sh_expert_gate})
+      t.add(*m);
+  }
+  const ModelConfig& c = cfg();
+  return t.macs + static_cast<double>(layers_.size()) * c.num_experts_per_tok * 3.0 * c.moe_intermediate_size *
+                      c.hidden_size;
+}
+
+// ==================================================================== Session state
+
+struct Session::LayerState {
+  float* gdn_conv = nullptr;  // (K-1, C)
+  float* gdn_s = nullptr;     // (nv, dk, dv)
+  float* gdn_conv_snaps = nullptr;
+  float* gdn_s_snaps = nullptr;
+  int64_t gdn_conv_n = 0, gdn_s_n = 0;
+  float* k_cache = nullptr;   // (max_ctx, nkv*hd)
+  float* v_cache = nullptr;
+  float* idx_keys = nullptr;  // (max_ctx, ihd)
+  float* blk_keys = nullptr;  // (max_ctx/cr, ihd)
+  float* ple_conv = nullptr;  // ((K-1)*d, W)
+  float* ple_snaps = nullptr;
+  int64_t ple_n = 0;
+};
+
+struct Session::Buffers {
+  int ldW = 0, ldH = 0, ldS = 0, ldLR = 0, ldC = 0, ldVd = 0, ldNV = 0, ldQG = 0, ldKV = 0, ldIQK = 0, ldQ = 0,
+      ldIQ = 0, ldE = 0, ldEx = 0, ldMI = 0, ldV = 0;
+  int64_t nb_max = 1;
+  StepParams* params = nullptr;
+  float *R = nullptr, *X = nullptr, *hc_d = nullptr, *hc_g = nullptr, *u = nullptr, *w = nullptr, *o = nullptr;
+  float *gx = nullptr, *gz = nullptr, *gb = nullptr, *ga = nullptr, *gy = nullptr, *go = nullptr;
+  float *qg = nullptr, *ak = nullptr, *av = nullptr, *iqk = nullptr, *q = nullptr, *iq = nullptr, *scores = nullptr,
+        *ao = nullptr;
+  uint8_t* sel = nullptr;
+  float *emb = nullptr, *pkey = nullptr, *pkn = nullptr, *pval = nullptr, *pqn = nullptr, *pG = nullptr, *pGn = nullptr;
+  float *mlog = nullptr, *mgl = nullptr, *mh = nullptr, *my = nullptr, *mo = nullptr;
+  ExpertPair* pairs = nullptr;
+  float *fy = nullptr, *logits = nullptr, *argmax_scratch = nullptr;
+  int32_t* argmax = nullptr;
+};
+
+Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
+  const ModelConfig& c = m.cfg();
+  CHECK(max_ctx_ >= 1);
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  const int H = c.hidden_size, S = c.hc_count, W = c.wide(), R = kMaxRows;
+  b_ = std::make_unique<Buffers>();
+  Buffers& b = *b_;
+  auto fbuf = [&](int64_t n) {
+    float* p = static_cast<float*>(arena_.alloc(sizeof(float) * n));
+    CUDA_CHECK(cudaMemset(p, 0, sizeof(float) * n));
+    return p;
+  };
+  b.ldW = ld4(W); b.ldH = ld4(H); b.ldS = ld4(S); b.ldLR = ld4(c.hc_lowrank);
+  b.ldC = ld4(c.gdn_conv_dim()); b.ldVd = ld4(c.gdn_value_dim()); b.ldNV = ld4(c.linear_num_value_heads);
+  b.ldQG = ld4(static_cast<int64_t>(c.num_attention_heads) * 2 * c.head_dim);
+  b.ldKV = ld4(static_cast<int64_t>(c.num_key_value_heads) * c.head_dim);
+  b.ldIQK = ld4(static_cast<int64_t>(c.indexer_n_heads + 1) * c.indexer_head_dim);
+  b.ldQ = ld4(static_cast<int64_t>(c.num_attention_heads) * c.head_dim);
+  b.ldIQ = ld4(static_cast<int64_t>(c.indexer_n_heads) * c.indexer_head_dim);
+  b.ldE = ld4(std::max(1, c.ple_embed_dim));
+  b.ldEx = ld4(c.num_experts);
+  b.ldMI = ld4(m.max_inter_);
+  b.ldV = ld4(c.vocab_size);
+  b.nb_max = c.indexer_compress_ratio > 0 ? std::max<int64_t>(1, max_ctx_ / c.indexer_compress_ratio) : 1;
+  b.params = static_cast<StepParams*>(arena_.alloc(sizeof(StepParams)));
+  b.R = fbuf(R * b.ldW); b.X = fbuf(R * b.ldW); b.hc_d = fbuf(R * b.ldLR); b.hc_g = fbuf(R * b.ldW);
+  b.u = fbuf(R * b.ldH); b.w = fbuf(R * b.ldS); b.o = fbuf(R * b.ldH);
+  b.gx = fbuf(R * b.ldC); b.gz = fbuf(R * b.ldVd); b.gb = fbuf(R * b.ldNV); b.ga = fbuf(R * b.ldNV);
+  b.gy = fbuf(R * b.ldC); b.go = fbuf(R * b.ldVd);
+  b.qg = fbuf(R * b.ldQG); b.ak = fbuf(R * b.ldKV); b.av = fbuf(R * b.ldKV); b.iqk = fbuf(R * b.ldIQK);
+  b.q = fbuf(R * b.ldQ); b.iq = fbuf(R * b.ldIQ); b.scores = fbuf(R * b.nb_max); b.ao = fbuf(R * b.ldQ);
+  b.sel = static_cast<uint8_t*>(arena_.alloc(R * b.nb_max));
+  CUDA_CHECK(cudaMemset(b.sel, 0, R * b.nb_max));
+  b.emb = fbuf(R * b.ldE); b.pkey = fbuf(R * b.ldW); b.pkn = fbuf(R * b.ldW); b.pval = fbuf(R * b.ldH);
+  b.pqn = fbuf(R * b.ldW); b.pG = fbuf(R * b.ldW); b.pGn = fbuf(R * b.ldW);
+  const int n_pairs = R * (c.num_experts_per_tok + 1);
+  b.mlog = fbuf(R * b.ldEx); b.mgl = fbuf(R * 4);
+  b.pairs = static_cast<ExpertPair*>(arena_.alloc(sizeof(ExpertPair) * n_pairs));
+  b.mh = fbuf(static_cast<int64_t>(n_pairs) * b.ldMI); b.my = fbuf(static_cast<int64_t>(n_pairs) * b.ldH);
+  b.mo = fbuf(R * b.ldH);
+  b.fy = fbuf(R * b.ldH); b.logits = fbuf(static_cast<int64_t>(R) * b.ldV);
+  b.argmax_scratch = fbuf(R * argmax_scratch_floats(c.vocab_size));
+  b.argmax = static_cast<int32_t*>(arena_.alloc(sizeof(int32_t) * R));
+
+  ls_.resize(m.layers_.size());
+  const int64_t snaps = kMaxRows - 1;
+  for (size_t L = 0; L < ls_.size(); ++L) {
+    const DLayer& d = m.layers_[L];
+    LayerState& st = ls_[L];
+    if (d.kind == LayerKind::LinearAttention) {
+      st.gdn_conv_n = static_cast<int64_t>(c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim();
+      st.gdn_s_n = static_cast<int64_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim;
+      st.gdn_conv = fbuf(std::max<int64_t>(1, st.gdn_conv_n));
+      st.gdn_s = fbuf(st.gdn_s_n);
+      st.gdn_conv_snaps = fbuf(std::max<int64_t>(1, snaps * st.gdn_conv_n));
+      st.gdn_s_snaps = fbuf(snaps * st.gdn_s_n);
+    } else {
+      const int64_t kvw = static_cast<int64_t>(c.num_key_value_heads) * c.head_dim;
+      st.k_cache = fbuf(max_ctx_ * kvw);
+      st.v_cache = fbuf(max_ctx_ * kvw);
+      st.idx_keys = fbuf(max_ctx_ * c.indexer_head_dim);
+      st.blk_keys = fbuf(b.nb_max * c.indexer_head_dim);
+    }
+    if (d.ple) {
+      st.ple_n = static_cast<int64_t>(c.ple_conv_kernel_size - 1) * c.ngram_size * W;
+      st.ple_conv = fbuf(std::max<int64_t>(1, st.ple_n));
+      st.ple_snaps = fbuf(std::max<int64_t>(1, snaps * st.ple_n));
+    }
+  }
+  ngram_ctx_.assign(static_cast<size_t>(m.n_ple_),
+                    std::vector<int64_t>(static_cast<size_t>(std::max(0, c.ngram_size - 1)), c.ple_eos()));
+  params_h_.resize(sizeof(StepParams));
+  ple_emb_h_.resize(static_cast<size_t>(std::max(1, m.n_ple_)) * R * b.ldE);
+  std::memset(ple_emb_h_.get(), 0, ple_emb_h_.size() * sizeof(float));
+  argmax_h_.resize(R);
+  hidden_h_.resize(static_cast<size_t>(R) * b.ldW);
+  logits_h_.resize(static_cast<size_t>(R) * b.ldV);
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+Session::~Session() {
+  for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+// ==================================================================== the forward
+
+void Session::tap(const std::string& name, const float* d, int rows, int64_t n, int64_t ld) {
+  if (!taps_) return;
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::vector<float>& v = (*taps_)[name];
+  const size_t old = v.size();
+  v.resize(old + static_cast<size_t>(rows) * n);
+  CUDA_CHECK(cudaMemcpy2D(v.data() + old, n * sizeof(float), d, ld * sizeof(float), n * sizeof(float), rows,
+                          cudaMemcpyDeviceToHost));
+}
+
+// §4 mix: u (rows, H) and, when hc has an injection head, w (rows, S).
+void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
+  const ModelConfig& c = m_.cfg();
+  Buffers& b = *b_;
+  const int H = c.hidden_size, S = c.hc_count, W = c.wide();
+  rmsnorm_grouped(b.R, W, H, hc.norm, static_cast<float>(c.rms_norm_eps), b.X, rows, b.ldW, stream_);
+  GemvJob jobs[2];
+  jobs[0].w = hc.down;  // divide by S before the activation (trap 4)
+  jobs[0].y = b.hc_d;
+  jobs[0].ldy = b.ldLR;
+  jobs[0].epi = Epilogue::SiluDiv;
+  jobs[0].epi_arg = static_cast<float>(S);
+  int n = 1;
+  if (w && hc.inject.rows > 0) {
+    jobs[1].w = hc.inject;
+    jobs[1].y = w;
+    jobs[1].ldy = b.ldS;
+    jobs[1].epi = Epilogue::TwoSigmoidDiv;
+    jobs[1].epi_arg = static_cast<float>(S);
+    n = 2;
+  }
+  gemv(jobs, n, b.X, b.ldW, rows, stream_);
+  matvec(hc.up, b.hc_d, b.ldLR, b.hc_g, b.ldW, rows, stream_);
+  hc_gate_mean(b.hc_g, b.X, b.ldW, S, H, u, b.ldH, rows, stream_);
+}
+
+void Session::enqueue_layer(size_t L, int rows) {
+  const ModelConfig& c = m_.cfg();
+  const DLayer& d = m_.layers_[L];
+  LayerState& st = ls_[L];
+  Buffers& b = *b_;
+  const int H = c.hidden_size, S = c.hc_count, W = c.wide();
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const std::string pre = "L" + std::to_string(L) + ".";
+
+  if (d.ple) {  // a: PLE adds to the residual before the attention mix (trap 17)
+    const DPle& p = *d.ple;
+    const int E = c.ple_embed_dim;
+    CUDA_CHECK(cudaMemcpyAsync(b.emb, ple_emb_h_.get() + static_cast<size_t>(p.index) * kMaxRows * b.ldE,
+                               sizeof(float) * rows * b.ldE, cudaMemcpyHostToDevice, stream_));
+    GemvJob jobs[2];
+    jobs[0].w = p.key; jobs[0].y = b.pkey; jobs[0].ldy = b.ldW;
+    jobs[1].w = p.value; jobs[1].y = b.pval; jobs[1].ldy = b.ldH;
+    gemv(jobs, 2, b.emb, b.ldE, rows, stream_);
+    (void)E;
+    rmsnorm_grouped(b.pkey, W, H, p.norm_key, eps, b.pkn, rows, b.ldW, stream_);
+    rmsnorm_grouped(b.R, W, H, p.norm_query, eps, b.pqn, rows, b.ldW, stream_);
+    ple_gate(b.pkn, b.pqn, b.ldW, b.pval, b.ldH, S, H, b.pG, rows, stream_);
+    rmsnorm_grouped(b.pG, W, H, p.norm_conv, eps, b.pGn, rows, b.ldW, stream_);
+    PleConvArgs a;
+    a.G = b.pG; a.Gn = b.pGn; a.ld = b.ldW; a.taps = p.conv;
+    a.state = st.ple_conv; a.snaps = st.ple_snaps; a.snap_stride = st.ple_n;
+    a.R = b.R; a.ldR = b.ldW; a.W = W; a.K = c.ple_conv_kernel_size; a.dil = c.ngram_size;
+    ple_conv(a, b.params, rows, stream_);
+    tap(pre + "ple", b.R, rows, W, b.ldW);
+  }
+
+  hc_mix(d.hc_attn, rows, b.u, b.w);  // b
+  tap(pre + "attn_u", b.u, rows, H, b.ldH);
+  if (d.kind == LayerKind::LinearAttention) {
+    const DGdn& g = d.gdn;
+    GemvJob jobs[4];
+    jobs[0].w = g.in_qkv; jobs[0].y = b.gx; jobs[0].ldy = b.ldC;
+    jobs[1].w = g.in_z; jobs[1].y = b.gz; jobs[1].ldy = b.ldVd;
+    jobs[2].w = g.in_b; jobs[2].y = b.gb; jobs[2].ldy = b.ldNV;
+    jobs[3].w = g.in_a; jobs[3].y = b.ga; jobs[3].ldy = b.ldNV;
+    gemv(jobs, 4, b.u, b.ldH, rows, stream_);
+    GdnConvArgs ca;
+    ca.x = b.gx; ca.ldx = b.ldC; ca.taps = g.conv; ca.state = st.gdn_conv; ca.snaps = st.gdn_conv_snaps;
+    ca.snap_stride = st.gdn_conv_n; ca.y = b.gy; ca.ldy = b.ldC; ca.C = c.gdn_conv_dim(); ca.K = c.linear_conv_kernel_dim;
+    gdn_conv(ca, b.params, rows, stream_);
+    GdnRecArgs ra;
+    ra.y = b.gy; ra.ldy = b.ldC; ra.z = b.gz; ra.ldz = b.ldVd; ra.b = b.gb; ra.a = b.ga; ra.ldab = b.ldNV;
+    ra.a_log = g.a_log; ra.dt_bias = g.dt_bias; ra.norm = g.norm; ra.state = st.gdn_s; ra.snaps = st.gdn_s_snaps;
+    ra.snap_stride = st.gdn_s_n; ra.out = b.go; ra.ldo = b.ldVd;
+    ra.nk = c.linear_num_key_heads; ra.nv = c.linear_num_value_heads; ra.dk = c.linear_key_head_dim;
+    ra.dv = c.linear_value_head_dim; ra.eps = eps; ra.sigmoid_gate = c.output_gate_type == "sigmoid" ? 1 : 0;
+    gdn_recurrent(ra, b.params, rows, stream_);
+    matvec(g.out, b.go, b.ldVd, b.o, b.ldH, rows, stream_);
+  } else {
+    const DAttn& at = d.attn;
+    GemvJob jobs[4];
+    jobs[0].w = at.q; jobs[0].y = b.qg; jobs[0].ldy = b.ldQG;
+    jobs[1].w = at.k; jobs[1].y = b.ak; jobs[1].ldy = b.ldKV;
+    jobs[2].w = at.v; jobs[2].y = b.av; jobs[2].ldy = b.ldKV;
+    jobs[3].w = at.index_qk; jobs[3].y = b.iqk; jobs[3].ldy = b.ldIQK;
+    gemv(jobs, 4, b.u, b.ldH, rows, stream_);
+    AttnArgs a;
+    a.qg = b.qg; a.ldqg = b.ldQG; a.k = b.ak; a.ldk = b.ldKV; a.v = b.av; a.ldv = b.ldKV; a.iqk = b.iqk;
+    a.ldiqk = b.ldIQK; a.q_norm = at.q_norm; a.k_norm = at.k_norm; a.iq_norm = at.iq_norm; a.ik_norm = at.ik_norm;
+    a.inv_freq = m_.inv_freq_.get(); a.rot = c.rotary_dim();
+    a.k_cache = st.k_cache; a.v_cache = st.v_cache; a.idx_keys = st.idx_keys; a.blk_keys = st.blk_keys;
+    a.q = b.q; a.ldq = b.ldQ; a.iq = b.iq; a.ldiq = b.ldIQ; a.scores = b.scores; a.sel = b.sel; a.nb_max = b.nb_max;
+    a.out = b.ao; a.ldo = b.ldQ;
+    a.nh = c.num_attention_heads; a.nkv = c.num_key_value_heads; a.hd = c.head_dim; a.inh = c.indexer_n_heads;
+    a.ihd = c.indexer_head_dim; a.cr = c.indexer_compress_ratio;
+    a.block_topk = c.indexer_budget / c.indexer_compress_ratio; a.eps = eps;
+    attention(a, b.params, rows, stream_);
+    matvec(at.o, b.ao, b.ldQ, b.o, b.ldH, rows, stream_);
+  }
+  tap(pre + "attn_out", b.o, rows, H, b.ldH);
+  hc_combine(b.R, b.ldW, b.o, b.ldH, b.w, b.ldS, S, H, rows, stream_);
+  tap(pre + "post_attn", b.R, rows, W, b.ldW);
+
+  hc_mix(d.hc_mlp, rows, b.u, b.w);  // c
+  tap(pre + "moe_u", b.u, rows, H, b.ldH);
+  const int k = c.num_experts_per_tok;
+  {
+    const DMoe& mo = d.moe;
+    GemvJob jobs[2];
+    jobs[0].w = mo.router; jobs[0].y = b.mlog; jobs[0].ldy = b.ldEx;
+    jobs[1].w = mo.sh_expert_gate; jobs[1].y = b.mgl; jobs[1].ldy = 4;
+    gemv(jobs, 2, b.u, b.ldH, rows, stream_);
+    MoeRouteArgs ra;
+    ra.logits = b.mlog; ra.ld = b.ldEx; ra.E = c.num_experts; ra.k = k; ra.norm_topk = c.norm_topk_prob ? 1 : 0;
+    ra.table = m_.pool_.table.get() + L * static_cast<size_t>(c.num_experts);
+    ra.inter = c.moe_intermediate_size; ra.hidden = H;
+    ra.sh_gate = mo.sh_gate; ra.sh_up = mo.sh_up; ra.sh_down = mo.sh_down; ra.pairs = b.pairs;
+    moe_route(ra, rows, stream_);
+    const int n_pairs = rows * (k + 1);
+    expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, stream_);
+    expert_down(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, stream_);
+    moe_combine(b.my, b.ldH, b.pairs, k, b.mgl, 4, b.o, b.ldH, H, rows, stream_);
+  }
+  tap(pre + "moe_out", b.o, rows, H, b.ldH);
+  hc_combine(b.R, b.ldW, b.o, b.ldH, b.w, b.ldS, S, H, rows, stream_);
+  tap(pre + "post_moe", b.R, rows, W, b.ldW);
+}
+
+void Session::enqueue_step(int rows, bool want_logits) {
+  const ModelConfig& c = m_.cfg();
+  Buffers& b = *b_;
+  const int H = c.hidden_size, S = c.hc_count;
+  CUDA_CHECK(cudaMemcpyAsync(b.params, params_h_.get(), sizeof(StepParams), cudaMemcpyHostToDevice, stream_));
+  embed_wide(m_.embed_, b.params, rows, S, H, b.R, b.ldW, stream_);  // trap 5: the embedding in every stream
+  for (size_t L = 0; L < m_.layers_.size(); ++L) enqueue_layer(L, rows);
+  CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * rows * b.ldW, cudaMemcpyDeviceToHost, stream_));
+  hc_mix(m_.final_mixer_, rows, b.fy, nullptr);  // §9: no final norm
+  tap("final_y", b.fy, rows, H, b.ldH);
+  matvec(m_.lm_head_, b.fy, b.ldH, b.logits, b.ldV, rows, stream_);
+  argmax(b.logits, c.vocab_size, b.argmax, rows, b.ldV, b.argmax_scratch, stream_);
+  CUDA_CHECK(cudaMemcpyAsync(argmax_h_.get(), b.argmax, sizeof(int32_t) * rows, cudaMemcpyDeviceToHost, stream_));
+  if (want_logits)
+    CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * rows * b.ldV, cudaMemcpyDeviceToHost,
+                               stream_));
+}
+
+// ==================================================================== steps
+
+Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool snap, bool want_logits, StepResult* out,
+                          int row0, int total_rows) {
+  const ModelConfig& c = m_.cfg();
+  const ModelWeights& w = m_.weights();
+  const int rows = static_cast<int>(tokens.size());
+  Buffers& b = *b_;
+  StepParams p;
+  p.pos = pos;
+  p.rows = rows;
+  p.snap = snap ? 1 : 0;
+  for (int r = 0; r < rows; ++r) p.tokens[r] = tokens[r];
+  std::memcpy(params_h_.get(), &p, sizeof(p));
+  // Host half of PLE (DESIGN §5): row ids from the tokens, rows dequantized into pinned memory.
+  if (m_.n_ple_ > 0) {
+    const int rd = c.ngram_row_dim();
+    ngram_snaps_.clear();
+    for (int r = 0; r < rows; ++r) {
+      for (size_t L = 0; L < m_.layers_.size(); ++L) {
+        if (!m_.layers_[L].ple) continue;
+        const int pi = m_.layers_[L].ple->index;
+        const PleWeights& pw = *w.layers[L].ple;
+        const std::vector<int64_t> ids = m_.ref_.ngram_rows(pw, ngram_ctx_[pi], tokens[r]);
+        float* dst = ple_emb_h_.get() + (static_cast<size_t>(pi) * kMaxRows + r) * b.ldE;
+        for (size_t j = 0; j < ids.size(); ++j) pw.table_row(ids[j], dst + j * rd);  // head-major
+      }
+      if (snap && r + 1 < rows) ngram_snaps_.push_back(ngram_ctx_);
+    }
+  }
+  if (use_graphs_ && !taps_) {
+    const auto key = std::make_pair(rows, want_logits);
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) {
+      cudaGraph_t g = nullptr;
+      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      enqueue_step(rows, want_logits);
+      CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+      cudaGraphExec_t exec = nullptr;
+      CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+      CUDA_CHECK(cudaGraphDestroy(g));
+      it = graphs_.emplace(key, exec).first;
+    }
+    CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+  } else {
+    enqueue_step(rows, want_logits);
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const int64_t V = c.vocab_size, W = c.wide();
+  for (int r = 0; r < rows; ++r) {
+    out->argmax[row0 + r] = argmax_h_[r];
+    std::memcpy(out->hidden.data() + static_cast<size_t>(row0 + r) * W, hidden_h_.get() + static_cast<size_t>(r) * b.ldW,
+                sizeof(float) * W);
+    if (want_logits)
+      std::memcpy(out->logits.data() + static_cast<size_t>(row0 + r) * V,
+                  logits_h_.get() + static_cast<size_t>(r) * b.ldV, sizeof(float) * V);
+  }
+  (void)total_rows;
+  return {};
+}
+
+Status Session::step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out) {
+  CHECK_MSG(pending_rows_ == 0, "step_rows called twice without commit");
+  const ModelConfig& c = m_.cfg();
+  if (tokens.empty()) return error("step_rows: no tokens");
+  const int rows = static_cast<int>(tokens.size());
+  for (int r = 0; r < rows; ++r)
+    if (tokens[r] < 0 || tokens[r] >= c.vocab_size)
+      return error("token id {} at position {} is outside the vocabulary [0, {})", tokens[r], pos_ + r, c.vocab_size);
+  if (pos_ + rows > max_ctx_)
+    return error("step_rows: positions {}..{} exceed the session's context of {} (--max-ctx)", pos_, pos_ + rows - 1,
+                 max_ctx_);
+  if (snap && rows > kMaxRows)
+    return error("step_rows: snapshots need at most {} rows (got {})", kMaxRows, rows);
+  const int64_t V = c.vocab_size, W = c.wide();
+  out->argmax.assign(rows, 0);
+  out->logits.assign(want_logits ? static_cast<size_t>(rows) * V : 0, 0.0f);
+  out->hidden.assign(static_cast<size_t>(rows) * W, 0.0f);
+  for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const int n = std::min(kMaxRows, rows - r0);
+    TRY(run_chunk(tokens.subspan(r0, n), pos_ + r0, snap, want_logits, out, r0, rows));
+  }
+  pending_rows_ = rows;
+  pending_snap_ = snap;
+  return {};
+}
+
+void Session::restore_snapshot(int row) {
+  for (LayerState& st : ls_) {
+    if (st.gdn_s) {
+      CUDA_CHECK(cudaMemcpyAsync(st.gdn_conv, st.gdn_conv_snaps + row * st.gdn_conv_n, sizeof(float) * st.gdn_conv_n,
+                                 cudaMemcpyDeviceToDevice, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(st.gdn_s, st.gdn_s_snaps + row * st.gdn_s_n, sizeof(float) * st.gdn_s_n,
+                                 cudaMemcpyDeviceToDevice, stream_));
+    }
+    if (st.ple_conv && st.ple_n > 0)
+      CUDA_CHECK(cudaMemcpyAsync(st.ple_conv, st.ple_snaps + row * st.ple_n, sizeof(float) * st.ple_n,
+                                 cudaMemcpyDeviceToDevice, stream_));
+  }
+  if (!ngram_snaps_.empty()) ngram_ctx_ = ngram_snaps_[row];
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void Session::commit(int n) {
+  CHECK_MSG(n >= 1 && n <= pending_rows_, "commit({}) after a step of {} rows", n, pending_rows_);
+  CHECK_MSG(n == pending_rows_ || pending_snap_, "commit({}) < rows {} needs snap", n, pending_rows_);
+  if (n < pending_rows_) restore_snapshot(n - 1);
+  pos_ += n;
+  pending_rows_ = 0;
+  ngram_snaps_.clear();
+}
+
+}  // namespace ck::cuda

@@ -1,0 +1,163 @@
+// The CUDA engine for qwen4_exp: cuda::Model (dense weights uploaded, every routed expert resident in
+// a slot array behind the expert table) and cuda::Session, which mirrors cpu::Session (step_rows with
+// per-row snapshots of the DeltaNet/conv/PLE state on the device, commit(n) with rollback). Each step
+// of up to kMaxRows rows is one stream submission: a CUDA graph captured per (rows, want_logits) and
+// replayed, with positions and tokens read on the device. Longer calls run as consecutive steps of
+// kMaxRows rows (the row path; a tensor-core prefill is later work). No MTP head on the GPU yet.
+// Host-compiled header: no device code here.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cpu/qwen4_exp.h"
+#include "cuda/common.h"
+#include "cuda/dmatrix.h"
+#include "cuda/weights.h"
+#include "format/weights.h"
+
+namespace ck::cuda {
+
+using StepResult = cpu::StepResult;
+
+struct DHc {
+  const float* norm = nullptr;  // (W)
+  DMatrix down, up, inject;     // inject: rows == 0 on the final mixers
+};
+struct DGdn {
+  DMatrix in_qkv, in_z, in_b, in_a, out;
+  const float* conv = nullptr;  // (C, K)
+  const float* a_log = nullptr;
+  const float* dt_bias = nullptr;
+  const float* norm = nullptr;
+};
+struct DAttn {
+  DMatrix q, k, v, o, index_qk;
+  const float *q_norm = nullptr, *k_norm = nullptr, *iq_norm = nullptr, *ik_norm = nullptr;
+};
+struct DPle {
+  DMatrix key, value;
+  const float *norm_key = nullptr, *norm_query = nullptr, *norm_conv = nullptr, *conv = nullptr;
+  int index = 0;  // rank among the PLE layers (host buffers, n-gram context)
+};
+struct DMoe {
+  DMatrix router, sh_gate, sh_up, sh_down, sh_expert_gate;
+};
+struct DLayer {
+  LayerKind kind = LayerKind::LinearAttention;
+  DHc hc_attn, hc_mlp;
+  DGdn gdn;
+  DAttn attn;
+  std::optional<DPle> ple;
+  DMoe moe;
+};
+
+class Session;
+
+class Model {
+ public:
+  // Uploads the dense weights and every trunk expert. Aborts on a model the kernels cannot run; use
+  // create() to get that as a Status instead.
+  Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts);
+  static Result<std::unique_ptr<Model>> create(const ModelWeights& w, std::shared_ptr<ExpertSource> experts);
+  // Whether the CUDA kernels support this geometry and these formats (checked before any upload).
+  static Status supports(const ModelWeights& w);
+
+  const ModelConfig& cfg() const { return w_.cfg; }
+  const ModelWeights& weights() const { return w_; }
+  const cpu::Model& reference() const { return ref_; }  // the host half: n-gram ids and rows
+  // max_ctx: positions the session's caches hold (attention KV, indexer keys).
+  std::unique_ptr<Session> new_session(int64_t max_ctx = 4096) const;
+
+  // Sizes, for the banner and the benchmark ceilings.
+  size_t dense_bytes() const { return dense_bytes_; }
+  const ExpertPool& experts() const { return pool_; }
+  // Weight bytes one decode token reads: dense matrices it touches (one embedding row) plus k experts
+  // per layer.
+  double active_bytes_per_token() const;
+  // Multiply-adds per token (x2 = FLOPs) of the matrices a token uses, attention scores excluded.
+  double macs_per_token() const;
+
+ private:
+  friend class Session;
+  struct Deferred {};
+  Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts, Deferred);  // no upload yet
+  Status init();
+
+  const ModelWeights& w_;
+  std::shared_ptr<ExpertSource> experts_src_;
+  cpu::Model ref_;
+  DeviceArena arena_;
+  size_t dense_bytes_ = 0;
+  DMatrix embed_, lm_head_;
+  DHc final_mixer_;
+  std::vector<DLayer> layers_;
+  ExpertPool pool_;
+  DeviceBuffer<float> inv_freq_;  // (rotary_dim / 2)
+  int max_inter_ = 0;
+  int n_ple_ = 0;
+};
+
+class Session {
+ public:
+  Session(const Model& m, int64_t max_ctx);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // As cpu::Session::step_rows. Rows beyond kMaxRows run as consecutive device steps; `snap` is
+  // limited to kMaxRows rows.
+  Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out);
+  void commit(int n);
+  int64_t pos() const { return pos_; }
+  int64_t max_ctx() const { return max_ctx_; }
+
+  // Graphs on (default) or off (every kernel launched directly, same kernels, same results).
+  void set_use_graphs(bool on) { use_graphs_ = on; }
+  // Debug: with a map, each step records named intermediates ("L3.post_attn", ...; rows x width,
+  // row-major) of its rows; launches directly and synchronises after each piece. Not for speed.
+  void set_taps(std::map<std::string, std::vector<float>>* taps) { taps_ = taps; }
+
+ private:
+  struct LayerState;
+  Status run_chunk(std::span<const int32_t> tokens, int64_t pos, bool snap, bool want_logits, StepResult* out,
+                   int row0, int total_rows);
+  void enqueue_step(int rows, bool want_logits);
+  void enqueue_layer(size_t L, int rows);
+  void hc_mix(const DHc& hc, int rows, float* u, float* w);
+  void tap(const std::string& name, const float* d, int rows, int64_t n, int64_t ld);
+  void restore_snapshot(int row);
+
+  const Model& m_;
+  int64_t max_ctx_;
+  int64_t pos_ = 0;
+  int pending_rows_ = 0;
+  bool pending_snap_ = false;
+  bool use_graphs_ = true;
+  std::map<std::string, std::vector<float>>* taps_ = nullptr;
+
+  cudaStream_t stream_ = nullptr;
+  DeviceArena arena_{size_t{64} << 20};
+  std::vector<LayerState> ls_;
+  // Host recurrent state: the n-gram context of each PLE layer, and its snapshots.
+  std::vector<std::vector<int64_t>> ngram_ctx_;
+  std::vector<std::vector<std::vector<int64_t>>> ngram_snaps_;  // [row][ple layer]
+
+  // Step inputs and outputs in pinned memory; the graph's copies read/write them at replay.
+  PinnedBuffer<uint8_t> params_h_;   // StepParams
+  PinnedBuffer<float> ple_emb_h_;    // (n_ple, kMaxRows, ldE)
+  PinnedBuffer<int32_t> argmax_h_;   // (kMaxRows)
+  PinnedBuffer<float> hidden_h_;     // (kMaxRows, ldW)
+  PinnedBuffer<float> logits_h_;     // (kMaxRows, ldV)
+
+  struct Buffers;
+  std::unique_ptr<Buffers> b_;
+  std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;
+};
+
+}  // namespace ck::cuda

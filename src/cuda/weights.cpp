@@ -1,0 +1,165 @@
+// Weight upload (cuda/weights.h). Expert records are packed on the host into pinned staging buffers
+// (two, alternating, so packing overlaps the copies) and copied into consecutive slots.
+#include "cuda/weights.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "util/log.h"
+
+namespace ck::cuda {
+
+namespace {
+WKind kind_of(DType t, bool* ok) {
+  *ok = true;
+  switch (t) {
+    case DType::F32: return WKind::F32;
+    case DType::BF16: return WKind::BF16;
+    case DType::F16: return WKind::F16;
+    default: *ok = false; return WKind::F32;
+  }
+}
+
+// Bytes of the codes / floats, and of the scales (again for the biases), as stored on the host.
+size_t host_data_bytes(const Matrix& m) {
+  return m.quantized() ? static_cast<size_t>(m.rows) * m.row_code_bytes()
+                       : static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype);
+}
+size_t host_scale_bytes(const Matrix& m) {
+  return m.quantized() ? static_cast<size_t>(m.rows * (m.cols / m.group_size)) * dtype_size(m.scale_dtype) : 0;
+}
+}  // namespace
+
+Result<WFormat> device_format(const Matrix& m) {
+  WFormat f;
+  bool ok = true;
+  if (m.rows <= 0 || m.cols <= 0 || m.rows > INT32_MAX / 2 || m.cols > INT32_MAX / 2)
+    return error("{}: shape [{}, {}] is not supported by the CUDA engine", m.name, m.rows, m.cols);
+  if (m.quantized()) {
+    if (m.bits != 2 && m.bits != 3 && m.bits != 4 && m.bits != 8)
+      return error("{}: {}-bit codes are not supported by the CUDA engine (2, 3, 4, 8)", m.name, m.bits);
+    if (m.group_size != 32 && m.group_size != 64 && m.group_size != 128)
+      return error("{}: group size {} is not supported by the CUDA engine", m.name, m.group_size);
+    if (m.cols % 32 != 0 || m.cols % m.group_size != 0)
+      return error("{}: {} columns are not a multiple of the group ({})", m.name, m.cols, m.group_size);
+    f.kind = static_cast<uint8_t>(WKind::Q);
+    f.bits = static_cast<uint8_t>(m.bits);
+    f.group = static_cast<uint16_t>(m.group_size);
+    f.scale_kind = static_cast<uint8_t>(kind_of(m.scale_dtype, &ok));
+    if (!ok) return error("{}: scales of dtype {} are not supported", m.name, dtype_name(m.scale_dtype));
+  } else {
+    f.kind = static_cast<uint8_t>(kind_of(m.dtype, &ok));
+    if (!ok) return error("{}: dtype {} is not supported by the CUDA engine", m.name, dtype_name(m.dtype));
+  }
+  return f;
+}
+
+Result<DMatrix> DenseUploader::matrix(const Matrix& m) {
+  if (m.empty()) return DMatrix{};
+  auto it = seen_.find(m.data);
+  if (it != seen_.end() && it->second.rows == m.rows && it->second.cols == m.cols) return it->second;
+  ASSIGN_OR_RETURN(WFormat f, device_format(m));
+  DMatrix d;
+  d.rows = static_cast<int32_t>(m.rows);
+  d.cols = static_cast<int32_t>(m.cols);
+  d.fmt = f;
+  d.data = static_cast<const uint8_t*>(arena_->upload(m.data, host_data_bytes(m)));
+  if (m.quantized()) {
+    d.scales = static_cast<const uint8_t*>(arena_->upload(m.scales, host_scale_bytes(m)));
+    d.biases = static_cast<const uint8_t*>(arena_->upload(m.biases, host_scale_bytes(m)));
+  }
+  CHECK(d.data_bytes() == host_data_bytes(m) && d.scale_bytes() == host_scale_bytes(m));
+  bytes_ += d.stored_bytes();
+  seen_[m.data] = d;
+  return d;
+}
+
+const float* DenseUploader::vector(const std::vector<float>& v) {
+  bytes_ += v.size() * sizeof(float);
+  return static_cast<const float*>(arena_->upload(v.data(), v.size() * sizeof(float)));
+}
+
+Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, ExpertPool* pool) {
+  pool->n_layers = n_layers;
+  pool->n_expert = n_expert;
+  std::vector<uint8_t> scratch;
+  ExpertMatrices ex;
+  TRY(src.get(0, 0, &ex, &scratch));
+  ASSIGN_OR_RETURN(pool->fmt, device_format(ex.gate));
+  const ExpertLayout lay = expert_layout(pool->fmt, inter, hidden);
+  pool->stride = lay.bytes;
+  const size_t n_slots = static_cast<size_t>(n_layers) * n_expert;
+  pool->slots.resize(n_slots * pool->stride);
+  pool->table_h.resize(n_slots);
+
+  // Staging: two pinned buffers of whole records, alternating; an event per buffer says when its
+  // copy has finished so it can be refilled.
+  const size_t per_buf = std::max<size_t>(1, (size_t{64} << 20) / pool->stride);
+  PinnedBuffer<uint8_t> stage[2] = {PinnedBuffer<uint8_t>(per_buf * pool->stride),
+                                    PinnedBuffer<uint8_t>(per_buf * pool->stride)};
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t done[2];
+  for (auto& e : done) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  bool pending[2] = {false, false};
+
+  auto pack = [&](const Matrix& m, uint8_t* rec, uint64_t off_data, uint64_t off_s, uint64_t off_b, int rows,
+                  int cols, const std::string& what) -> Status {
+    ASSIGN_OR_RETURN(WFormat f, device_format(m));
+    if (!(f == pool->fmt) || m.rows != rows || m.cols != cols)
+      return error("{}: expert {} has format/shape [{}, {}] unlike expert (0, 0)'s; the CUDA pool needs one format",
+                   m.name, what, m.rows, m.cols);
+    std::memcpy(rec + off_data, m.data, host_data_bytes(m));
+    if (m.quantized()) {
+      std::memcpy(rec + off_s, m.scales, host_scale_bytes(m));
+      std::memcpy(rec + off_b, m.biases, host_scale_bytes(m));
+    }
+    return {};
+  };
+
+  // The fill loop; on an error the copies in flight finish before the staging buffers go away.
+  auto fill = [&]() -> Status {
+  size_t slot = 0;
+  int buf = 0;
+  while (slot < n_slots) {
+    if (pending[buf]) CUDA_CHECK(cudaEventSynchronize(done[buf]));
+    const size_t n = std::min(per_buf, n_slots - slot);
+    uint8_t* base = stage[buf].get();
+    std::memset(base, 0, n * pool->stride);
+    for (size_t i = 0; i < n; ++i) {
+      const int layer = static_cast<int>((slot + i) / n_expert), e = static_cast<int>((slot + i) % n_expert);
+      TRY(src.get(layer, e, &ex, &scratch));
+      uint8_t* rec = base + i * pool->stride;
+      const std::string what = std::to_string(layer) + "/" + std::to_string(e);
+      TRY(pack(ex.gate, rec, lay.gate, lay.gate_s, lay.gate_b, inter, hidden, what));
+      TRY(pack(ex.up, rec, lay.up, lay.up_s, lay.up_b, inter, hidden, what));
+      TRY(pack(ex.down, rec, lay.down, lay.down_s, lay.down_b, hidden, inter, what));
+      pool->table_h[slot + i].addr = pool->slots.get() + (slot + i) * pool->stride;
+      pool->table_h[slot + i].fmt = pool->fmt;
+    }
+    CUDA_CHECK(cudaMemcpyAsync(pool->slots.get() + slot * pool->stride, base, n * pool->stride,
+                               cudaMemcpyHostToDevice, s));
+    CUDA_CHECK(cudaEventRecord(done[buf], s));
+    pending[buf] = true;
+    slot += n;
+    buf ^= 1;
+  }
+  return {};
+  };
+  Status st = fill();
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  for (auto& e : done) CUDA_CHECK(cudaEventDestroy(e));
+  CUDA_CHECK(cudaStreamDestroy(s));
+  TRY(st);
+  DMatrix g, d;
+  g.rows = inter; g.cols = hidden; g.fmt = pool->fmt;
+  d.rows = hidden; d.cols = inter; d.fmt = pool->fmt;
+  pool->record_bytes = 2 * g.stored_bytes() + d.stored_bytes();
+  pool->table.resize(n_slots);
+  CUDA_CHECK(cudaMemcpy(pool->table.get(), pool->table_h.data(), n_slots * sizeof(ExpertSlot), cudaMemcpyHostToDevice));
+  LOG_INF("cuda", "experts: {} records of {:.2f} MB (slot stride {} B), {:.2f} GB resident", n_slots,
+          pool->record_bytes / 1e6, pool->stride, n_slots * pool->stride / 1e9);
+  return {};
+}
+
+}  // namespace ck::cuda

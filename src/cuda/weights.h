@@ -1,0 +1,47 @@
+// Uploading host weights (format/weights.h views over mapped checkpoint files) to the device: dense
+// matrices and vectors into a DeviceArena, and every routed expert into one device array of
+// fixed-stride slots with the (layer, expert) -> (slot address, precision) table that kernels follow.
+// Host code only (compiled by the C++ compiler).
+#pragma once
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "cuda/common.h"
+#include "cuda/dmatrix.h"
+#include "format/weights.h"
+
+namespace ck::cuda {
+
+// The device format of a host matrix, or an error naming it when the kernels cannot read it.
+Result<WFormat> device_format(const Matrix& m);
+
+// Dense weights on the device. Matrices with the same host bytes (a tied LM head) are uploaded once.
+class DenseUploader {
+ public:
+  explicit DenseUploader(DeviceArena* arena) : arena_(arena) {}
+  Result<DMatrix> matrix(const Matrix& m);
+  const float* vector(const std::vector<float>& v);
+  size_t bytes() const { return bytes_; }
+
+ private:
+  DeviceArena* arena_;
+  std::map<const uint8_t*, DMatrix> seen_;
+  size_t bytes_ = 0;
+};
+
+// All routed experts of the trunk layers, resident: slot (layer * n_expert + expert).
+struct ExpertPool {
+  DeviceBuffer<uint8_t> slots;            // n_layers * n_expert records of `stride` bytes
+  DeviceBuffer<ExpertSlot> table;         // (n_layers * n_expert) device copy of table_h
+  std::vector<ExpertSlot> table_h;
+  uint64_t stride = 0;                    // bytes per slot
+  uint64_t record_bytes = 0;              // meaningful bytes per record (stride minus padding)
+  WFormat fmt;
+  int n_layers = 0, n_expert = 0;
+};
+
+// Reads every (layer < n_layers, expert) from `src` and uploads it. All experts must share one format.
+Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, ExpertPool* pool);
+
+}  // namespace ck::cuda

@@ -1,0 +1,86 @@
+// The backend-neutral model and session interfaces the front ends drive (shared/DESIGN.md §1
+// "Session"): cpu::Session and cuda::Session implement them through the thin adapters below, so a
+// command picks its backend once and runs one loop. Header-only; the CUDA adapter exists only in
+// builds with the CUDA engine (CHERENKOV_HAVE_CUDA).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "cpu/qwen4_exp.h"
+#include "format/config.h"
+#if CHERENKOV_HAVE_CUDA
+#include "cuda/qwen4_exp.h"
+#endif
+
+namespace ck::engine {
+
+using StepResult = cpu::StepResult;
+
+// One sequence. Same contract as cpu::Session: step_rows runs rows at pos().., commit(n) accepts the
+// first n (rolling the recurrent state back when n < rows, which needs snap).
+class Session {
+ public:
+  virtual ~Session() = default;
+  virtual Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out) = 0;
+  virtual void commit(int n) = 0;
+  virtual int64_t pos() const = 0;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual const ModelConfig& cfg() const = 0;
+  virtual const char* backend() const = 0;  // "cpu" or "cuda"
+  // max_ctx: the positions the session must hold (the CPU grows its caches and ignores it).
+  virtual std::unique_ptr<Session> new_session(int64_t max_ctx) const = 0;
+};
+
+template <class S>
+class SessionAdapter final : public Session {
+ public:
+  explicit SessionAdapter(std::unique_ptr<S> s) : s_(std::move(s)) {}
+  Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out) override {
+    return s_->step_rows(tokens, snap, want_logits, out);
+  }
+  void commit(int n) override { s_->commit(n); }
+  int64_t pos() const override { return s_->pos(); }
+  S& impl() { return *s_; }
+
+ private:
+  std::unique_ptr<S> s_;
+};
+
+// The CPU reference (does not own the model).
+class CpuModel final : public Model {
+ public:
+  explicit CpuModel(const cpu::Model& m) : m_(m) {}
+  const ModelConfig& cfg() const override { return m_.cfg(); }
+  const char* backend() const override { return "cpu"; }
+  std::unique_ptr<Session> new_session(int64_t) const override {
+    return std::make_unique<SessionAdapter<cpu::Session>>(m_.new_session());
+  }
+
+ private:
+  const cpu::Model& m_;
+};
+
+#if CHERENKOV_HAVE_CUDA
+// The CUDA engine (owns the device model).
+class CudaModel final : public Model {
+ public:
+  explicit CudaModel(std::unique_ptr<cuda::Model> m) : m_(std::move(m)) {}
+  const ModelConfig& cfg() const override { return m_->cfg(); }
+  const char* backend() const override { return "cuda"; }
+  std::unique_ptr<Session> new_session(int64_t max_ctx) const override {
+    return std::make_unique<SessionAdapter<cuda::Session>>(m_->new_session(max_ctx));
+  }
+  const cuda::Model& impl() const { return *m_; }
+
+ private:
+  std::unique_ptr<cuda::Model> m_;
+};
+#endif
+
+}  // namespace ck::engine
