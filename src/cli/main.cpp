@@ -18,7 +18,7 @@ static void usage(FILE* out) {
   auto cmds = ck::cli::commands();
   std::sort(cmds.begin(), cmds.end(), [](auto& a, auto& b) { return a.name < b.name; });
   std::fprintf(out, "cherenkov: mixture-of-experts inference for qwen4_exp\n\nusage: cherenkov <command> [options]\n\ncommands:\n");
-  for (auto& c : cmds) std::fprintf(out, "  %-10s %s\n", c.name.c_str(), c.summary.c_str());
+  for (auto& c : cmds) std::fprintf(out, "  %-16s %s\n", c.name.c_str(), c.summary.c_str());
   std::fprintf(out, "\n`cherenkov <command> --help` describes a command's options.\n");
 }
 
