@@ -1,0 +1,197 @@
+// Chat template tests: every case of tests/fixtures/templates/cases.jsonl (rendered by
+// transformers' apply_chat_template; written by tools/make_template_fixtures.py) must render
+// byte for byte, or fail where transformers fails. Plus malformed templates: each must give an
+// error naming the line, never a crash. A mismatch report lists every failing case.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <map>
+#include <string>
+
+#include "text/chat_template.h"
+#include "util/file.h"
+
+using ck::text::ChatTemplate;
+using ck::text::ChatTemplateInput;
+using ojson = nlohmann::ordered_json;
+
+namespace {
+
+const std::string kSrc = CK_SOURCE_DIR;
+
+std::string show_diff(const std::string& want, const std::string& got) {
+  size_t k = 0;
+  while (k < want.size() && k < got.size() && want[k] == got[k]) ++k;
+  size_t from = k > 40 ? k - 40 : 0;
+  return fmt::format("first difference at byte {} (want {} bytes, got {})\n    want: {}\n    got:  {}", k, want.size(),
+                     got.size(), ojson(want.substr(from, 100)).dump(), ojson(got.substr(from, 100)).dump());
+}
+
+std::string render_error(const ChatTemplate& t, const std::string& source = "") {
+  ChatTemplateInput in;
+  in.messages = ojson::parse(R"([{"role": "user", "content": "hi"}])");
+  auto r = t.render(in);
+  return r.ok() ? "(rendered: " + *r + ")" : r.status().message();
+}
+
+std::string parse_error(const std::string& source) {
+  auto t = ChatTemplate::parse(source, "bad.jinja");
+  if (!t.ok()) return t.status().message();
+  return render_error(*t);
+}
+
+}  // namespace
+
+TEST(ChatTemplate, MatchesTransformersOnEveryFixtureCase) {
+  std::map<std::string, ChatTemplate> templates;
+  {
+    ojson extra;
+    auto qwen3 = ck::text::load_chat_template(kSrc + "/tests/fixtures/tokenizer/qwen3", &extra);
+    ASSERT_TRUE(qwen3.ok()) << qwen3.status().message();
+    EXPECT_EQ(extra.value("eos_token", ""), "<|im_end|>");
+    templates.emplace("qwen3", std::move(qwen3).value());
+    for (const char* name : {"qwen3_5", "qwen2_5"}) {
+      std::string path = kSrc + "/tests/fixtures/templates/" + name + ".jinja";
+      auto text = ck::read_file(path);
+      ASSERT_TRUE(text.ok()) << text.status().message();
+      auto t = ChatTemplate::parse(*text, path);
+      ASSERT_TRUE(t.ok()) << t.status().message();
+      templates.emplace(name, std::move(t).value());
+    }
+  }
+  std::ifstream in(kSrc + "/tests/fixtures/templates/cases.jsonl");
+  ASSERT_TRUE(in) << "missing tests/fixtures/templates/cases.jsonl";
+  std::string line;
+  std::vector<std::string> failures;
+  size_t n_cases = 0, n_conversations = 0;
+  while (std::getline(in, line)) {
+    ojson c = ojson::parse(line);
+    ++n_cases;
+    std::string tag = fmt::format("{} / {} (agp={}, enable_thinking={})", c["template"].get<std::string>(),
+                                  c["name"].get<std::string>(), c["add_generation_prompt"].dump(), c["enable_thinking"].dump());
+    const ChatTemplate* t;
+    ChatTemplate inline_template;
+    if (c["template"] == "inline") {
+      auto parsed = ChatTemplate::parse(c["source"].get<std::string>(), c["name"].get<std::string>());
+      if (!parsed.ok()) {
+        if (!c.contains("error")) failures.push_back(tag + ": parse failed: " + parsed.status().message());
+        continue;
+      }
+      inline_template = std::move(parsed).value();
+      t = &inline_template;
+    } else {
+      ++n_conversations;
+      t = &templates.at(c["template"].get<std::string>());
+    }
+    ChatTemplateInput input;
+    input.messages = c["messages"];
+    input.tools = c["tools"];
+    input.add_generation_prompt = c["add_generation_prompt"].get<bool>();
+    if (!c["enable_thinking"].is_null()) input.enable_thinking = c["enable_thinking"].get<bool>();
+    input.extra = c["extra"];
+    auto r = t->render(input);
+    if (c.contains("error")) {
+      if (r.ok()) failures.push_back(fmt::format("{}: transformers raised ({}) but we rendered", tag, c["error"].get<std::string>()));
+      continue;
+    }
+    const std::string want = c["expected"].get<std::string>();
+    if (!r.ok()) {
+      failures.push_back(fmt::format("{}: render failed: {}", tag, r.status().message()));
+    } else if (*r != want) {
+      failures.push_back(fmt::format("{}: {}", tag, show_diff(want, *r)));
+    }
+  }
+  EXPECT_GE(n_conversations, 20u * 2);
+  if (!failures.empty()) {
+    std::string all;
+    for (auto& f : failures) all += "  " + f + "\n";
+    ADD_FAILURE() << failures.size() << " mismatches over " << n_cases << " cases:\n" << all;
+  }
+}
+
+TEST(ChatTemplate, MalformedTemplatesGiveLineErrors) {
+  struct Case {
+    const char* source;
+    const char* expect;  // substring of the error
+  };
+  const Case cases[] = {
+      {"line1\n{% if x %}\nno end", "bad.jinja: line 2: {% if %} is never closed"},
+      {"{% for x in y %}{% endif %}", "unexpected {% endif %}"},
+      {"a\nb\n{% include 'other.jinja' %}", "line 3: unsupported tag {% include %}"},
+      {"{% extends 'base' %}", "unsupported tag {% extends %}"},
+      {"{{ x | wordwrap }}", "line 1: unknown or unsupported filter 'wordwrap'"},
+      {"\n\n{{ 1 is frobnicated }}", "line 3: unknown test 'frobnicated'"},
+      {"{{ 1 + }}", "line 1: unexpected end of expression"},
+      {"{{ 'unterminated }}", "unterminated string literal"},
+      {"{{ x ", "unclosed tag"},
+      {"{# never closed", "unclosed comment"},
+      {"{% set %}", "expected a name"},
+      {"{% for in x %}{% endfor %}", "expected 'in' in for loop"},
+      {"{% endfor %}", "unexpected {% endfor %}"},
+      {"{{ raise_exception('boom: bad input') }}", "raise_exception: boom: bad input"},
+      {"x\n{{ foo.bar }}", "line 2: 'foo' is undefined"},
+      {"{{ 'a' + 1 }}", "unsupported operand types for +: string and int"},
+      {"{{ 1 // 0 }}", "division or modulo by zero"},
+      {"{{ messages.nope() }}", "is not callable"},
+      {"{% set ns = 3 %}{% set ns.a = 1 %}", "cannot assign attribute on non-namespace object 'ns'"},
+      {"{{ 'x'.zfill(3) }}", "is not callable"},
+      {"{% macro m(a) %}{% endmacro %}{{ m(1, 2) }}", "macro 'm' takes 1 arguments, 2 given"},
+      {"{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", "macro recursion too deep"},
+      {"{{ [1] | tojson(indent='x') }}", "string indents are not supported"},
+      {"{{ undefined_x | tojson }}", "not JSON serializable"},
+      {"{{ 1 < 'a' }}", "cannot compare int with string"},
+      {"{% for x in 5 %}{% endfor %}", "'int' object is not iterable"},
+      {"{{ 'a' @ 2 }}", "unexpected character '@'"},
+  };
+  for (const Case& c : cases) {
+    std::string err = parse_error(c.source);
+    EXPECT_NE(err.find(c.expect), std::string::npos) << "template: " << c.source << "\n  error: " << err;
+  }
+  auto not_utf8 = ChatTemplate::parse("\xff\xfe", "bin.jinja");
+  ASSERT_FALSE(not_utf8.ok());
+  EXPECT_NE(not_utf8.status().message().find("not valid UTF-8"), std::string::npos);
+}
+
+TEST(ChatTemplate, InputValidationAndLoading) {
+  auto t = ChatTemplate::parse("{{ messages | length }}");
+  ASSERT_TRUE(t.ok());
+  ChatTemplateInput in;
+  in.messages = ojson::object();
+  EXPECT_FALSE(t->render(in).ok());
+  in.messages = ojson::array();
+  in.tools = "not a list";
+  EXPECT_FALSE(t->render(in).ok());
+
+  auto missing = ck::text::load_chat_template("/nonexistent/model", nullptr);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("/nonexistent/model"), std::string::npos);
+
+  // A config whose chat_template is a list: the "default" entry wins.
+  std::string dir = std::string(CK_BINARY_DIR) + "/test_chat_template_dir";
+  std::string cmd = "mkdir -p " + dir;
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  ASSERT_TRUE(ck::write_file_atomic(dir + "/tokenizer_config.json",
+                                    R"({"eos_token": {"content": "</s>"}, "chat_template": [
+                                        {"name": "tool_use", "template": "tools"},
+                                        {"name": "default", "template": "{{ eos_token }}|{{ messages[0].content }}"}]})")
+                  .ok());
+  ojson extra;
+  auto listed = ck::text::load_chat_template(dir, &extra);
+  ASSERT_TRUE(listed.ok()) << listed.status().message();
+  ChatTemplateInput in2;
+  in2.messages = ojson::parse(R"([{"role": "user", "content": "hey"}])");
+  in2.extra = extra;
+  auto r = listed->render(in2);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(*r, "</s>|hey");
+
+  ASSERT_TRUE(ck::write_file_atomic(dir + "/tokenizer_config.json", "{\"chat_template\": 42}").ok());
+  auto bad = ck::text::load_chat_template(dir, nullptr);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("expected a string or a list"), std::string::npos);
+
+  ASSERT_TRUE(ck::write_file_atomic(dir + "/tokenizer_config.json", "{not json").ok());
+  bad = ck::text::load_chat_template(dir, nullptr);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("malformed JSON"), std::string::npos);
+}
