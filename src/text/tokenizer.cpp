@@ -234,6 +234,181 @@ struct TokenizerImpl {
 
 namespace {
 
+// tokenizer.json in one pass: model.vocab and model.merges (nearly all of its 11 MB) go straight
+// into vectors, everything else becomes a DOM. Building the DOM for them (map nodes, string
+// copies) and walking it again took most of a one-second load.
+struct RawTokenizer {
+  json rest;  // the document without model.vocab / model.merges when those were streamed
+  bool vocab_streamed = false, merges_streamed = false;
+  std::vector<std::pair<std::string, int64_t>> vocab;
+  std::vector<std::pair<std::string, std::string>> merges;
+  std::string stream_error;  // the first malformed entry inside a streamed section
+  std::string parse_error;
+};
+
+class TokenizerSax final : public nlohmann::json_sax<json> {
+ public:
+  explicit TokenizerSax(RawTokenizer& out) : out_(out) {}
+
+  bool null() override { return value(json()); }
+  bool boolean(bool v) override { return value(json(v)); }
+  bool number_integer(number_integer_t v) override { return integer(v, json(v)); }
+  bool number_unsigned(number_unsigned_t v) override {
+    return integer(v > static_cast<uint64_t>(INT64_MAX) ? -1 : static_cast<int64_t>(v), json(v));
+  }
+  bool number_float(number_float_t v, const string_t&) override { return value(json(v)); }
+  bool binary(binary_t&) override { return false; }
+  bool string(string_t& v) override {
+    if (mode_ == Mode::Merges && nest_ == 0) {
+      size_t sp = v.find(' ');
+      if (sp == std::string::npos || v.find(' ', sp + 1) != std::string::npos)
+        stream_fail(fmt::format("model.merges[{}]: {} is not two tokens separated by one space", n_merges_, json(v).dump()));
+      else
+        out_.merges.emplace_back(v.substr(0, sp), v.substr(sp + 1));
+      ++n_merges_;
+      return true;
+    }
+    if (mode_ == Mode::Merges && nest_ == 1) {
+      pair_.push_back(std::move(v));
+      return true;
+    }
+    return value(json(std::move(v)));
+  }
+  bool key(string_t& k) override {
+    if (mode_ == Mode::Vocab) vocab_key_ = std::move(k);
+    else if (mode_ == Mode::Dom) keys_.back() = std::move(k);
+    return true;
+  }
+  bool start_object(std::size_t) override {
+    if (mode_ != Mode::Dom) {
+      ++nest_;
+      if (mode_ == Mode::Vocab) stream_fail(fmt::format("model.vocab[{}]: id is not an integer", json(vocab_key_).dump()));
+      else merge_fail();
+      return true;
+    }
+    if (at_model_key("vocab")) {
+      mode_ = Mode::Vocab;
+      out_.vocab_streamed = true;
+      out_.vocab.reserve(1 << 18);
+      return true;
+    }
+    return open(json::object());
+  }
+  bool end_object() override {
+    if (mode_ == Mode::Vocab && nest_ == 0) { mode_ = Mode::Dom; return true; }
+    if (mode_ != Mode::Dom) { --nest_; return true; }
+    return close();
+  }
+  bool start_array(std::size_t) override {
+    if (mode_ == Mode::Merges) {
+      if (++nest_ == 1) {
+        pair_.clear();
+        pair_bad_ = false;
+      }
+      else merge_fail();
+      return true;
+    }
+    if (mode_ == Mode::Vocab) {
+      ++nest_;
+      stream_fail(fmt::format("model.vocab[{}]: id is not an integer", json(vocab_key_).dump()));
+      return true;
+    }
+    if (at_model_key("merges")) {
+      mode_ = Mode::Merges;
+      out_.merges_streamed = true;
+      out_.merges.reserve(1 << 18);
+      return true;
+    }
+    return open(json::array());
+  }
+  bool end_array() override {
+    if (mode_ == Mode::Merges && nest_ == 0) { mode_ = Mode::Dom; return true; }
+    if (mode_ == Mode::Merges && nest_ == 1) {
+      if (pair_.size() == 2 && !pair_bad_) out_.merges.emplace_back(std::move(pair_[0]), std::move(pair_[1]));
+      else merge_fail();
+      ++n_merges_;
+      --nest_;
+      return true;
+    }
+    if (mode_ != Mode::Dom) { --nest_; return true; }
+    return close();
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
+    out_.parse_error = ex.what();
+    return false;
+  }
+
+ private:
+  enum class Mode { Dom, Vocab, Merges };
+
+  bool integer(int64_t v, json j) {
+    if (mode_ == Mode::Vocab && nest_ == 0) {
+      out_.vocab.emplace_back(std::move(vocab_key_), v);
+      return true;
+    }
+    return value(std::move(j));
+  }
+  bool value(json v) {
+    if (mode_ == Mode::Vocab) {
+      if (nest_ == 0) stream_fail(fmt::format("model.vocab[{}]: id is not an integer", json(vocab_key_).dump()));
+      return true;
+    }
+    if (mode_ == Mode::Merges) {
+      if (nest_ == 0) { merge_fail(); ++n_merges_; }
+      else if (nest_ == 1) pair_bad_ = true;  // a non-string inside a pair
+      return true;
+    }
+    if (stack_.empty()) {
+      out_.rest = std::move(v);
+      return true;
+    }
+    json* top = stack_.back();
+    if (top->is_object()) (*top)[keys_.back()] = std::move(v);
+    else top->push_back(std::move(v));
+    return true;
+  }
+  bool open(json container) {
+    json* child;
+    if (stack_.empty()) {
+      out_.rest = std::move(container);
+      child = &out_.rest;
+    } else if (stack_.back()->is_object()) {
+      child = &((*stack_.back())[keys_.back()] = std::move(container));
+    } else {
+      stack_.back()->push_back(std::move(container));
+      child = &stack_.back()->back();
+    }
+    stack_.push_back(child);
+    keys_.emplace_back();
+    return true;
+  }
+  bool close() {
+    stack_.pop_back();
+    keys_.pop_back();
+    return true;
+  }
+  // True when the container being opened is root["model"][key].
+  bool at_model_key(const char* key) const {
+    return stack_.size() == 2 && keys_[0] == "model" && keys_[1] == key && stack_[1]->is_object();
+  }
+  void stream_fail(std::string msg) {
+    if (out_.stream_error.empty()) out_.stream_error = std::move(msg);
+  }
+  void merge_fail() {
+    stream_fail(fmt::format("model.merges[{}]: expected \"a b\" or [\"a\", \"b\"]", n_merges_));
+  }
+
+  RawTokenizer& out_;
+  Mode mode_ = Mode::Dom;
+  int nest_ = 0;  // containers opened inside a streamed section
+  std::vector<json*> stack_;
+  std::vector<std::string> keys_;  // per open container: the current key (objects)
+  std::string vocab_key_;
+  std::vector<std::string> pair_;
+  bool pair_bad_ = false;
+  size_t n_merges_ = 0;
+};
+
 Status check_bool_false(const json& obj, const char* key, const std::string& where) {
   if (obj.contains(key) && !obj[key].is_null() && obj[key] != false)
     return error("{}.{} = {} is not supported", where, key, obj[key].dump());
@@ -350,7 +525,7 @@ Status add_normalizer(TokenizerImpl& t, const json& n, const std::string& where)
   return error("{}: normalizer type \"{}\" is not supported (only NFC)", where, type);
 }
 
-Status set_id(TokenizerImpl& t, int32_t id, const std::string& token, const std::string& where) {
+Status set_id(TokenizerImpl& t, int64_t id, const std::string& token, const std::string& where) {
   if (id < 0 || id > 16 * 1024 * 1024) return error("{}: token id {} out of range", where, id);
   if (static_cast<size_t>(id) >= t.tokens.size()) {
     t.tokens.resize(id + 1);
@@ -362,7 +537,8 @@ Status set_id(TokenizerImpl& t, int32_t id, const std::string& token, const std:
   return {};
 }
 
-Status load_impl(TokenizerImpl& t, const json& root, const std::string& origin) {
+Status load_impl(TokenizerImpl& t, const RawTokenizer& raw, const std::string& origin) {
+  const json& root = raw.rest;
   if (!root.is_object()) return error("{}: top level is not a JSON object", origin);
   if (!root.contains("model") || !root["model"].is_object())
     return error("{}: missing \"model\" object", origin);
@@ -378,16 +554,15 @@ Status load_impl(TokenizerImpl& t, const json& root, const std::string& origin) 
       return error("{}.{} = {} is not supported", where, k, model[k].dump());
   }
   t.ignore_merges = model.value("ignore_merges", false);
-  if (!model.contains("vocab") || !model["vocab"].is_object())
-    return error("{}.vocab: expected an object of token -> id", where);
-  if (!model.contains("merges") || !model["merges"].is_array())
-    return error("{}.merges: expected an array", where);
+  if (!raw.vocab_streamed) return error("{}.vocab: expected an object of token -> id", where);
+  if (!raw.merges_streamed) return error("{}.merges: expected an array", where);
+  if (!raw.stream_error.empty()) return error("{}: {}", origin, raw.stream_error);
+  // The normalizer first: added tokens check against it.
+  TRY(add_normalizer(t, root.value("normalizer", json()), origin + ": normalizer"));
 
-  for (auto it = model["vocab"].begin(); it != model["vocab"].end(); ++it) {
-    if (!it.value().is_number_integer())
-      return error("{}.vocab[{}]: id is not an integer", where, json(it.key()).dump());
-    TRY(set_id(t, it.value().get<int32_t>(), it.key(), where + ".vocab"));
-  }
+  t.token_ids.reserve(raw.vocab.size() + 1024);
+  const std::string vocab_where = where + ".vocab";
+  for (const auto& [token, id] : raw.vocab) TRY(set_id(t, id, token, vocab_where));
   std::fill(std::begin(t.byte_ids), std::end(t.byte_ids), -1);
   std::string buf;
   for (size_t id = 0; id < t.tokens.size(); ++id) {
@@ -401,27 +576,15 @@ Status load_impl(TokenizerImpl& t, const json& root, const std::string& origin) 
       return error("{}.vocab: no token for byte 0x{:02X}; not a byte-level BPE vocabulary", where, b);
   }
 
-  const json& merges = model["merges"];
-  t.merges.reserve(merges.size());
-  for (size_t r = 0; r < merges.size(); ++r) {
-    std::string a, b;
-    const json& m = merges[r];
-    if (m.is_string()) {  // older format: "a b"
-      const std::string& s = m.get_ref<const std::string&>();
-      size_t sp = s.find(' ');
-      if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos)
-        return error("{}.merges[{}]: {} is not two tokens separated by one space", where, r, m.dump());
-      a = s.substr(0, sp);
-      b = s.substr(sp + 1);
-    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
-      a = m[0];
-      b = m[1];
-    } else {
-      return error("{}.merges[{}]: expected \"a b\" or [\"a\", \"b\"], got {}", where, r, m.dump());
-    }
-    auto ia = t.token_ids.find(a), ib = t.token_ids.find(b), iab = t.token_ids.find(a + b);
+  t.merges.reserve(raw.merges.size());
+  std::string ab;
+  for (size_t r = 0; r < raw.merges.size(); ++r) {
+    const auto& [a, b] = raw.merges[r];
+    ab.assign(a).append(b);
+    auto ia = t.token_ids.find(a), ib = t.token_ids.find(b), iab = t.token_ids.find(ab);
     if (ia == t.token_ids.end() || ib == t.token_ids.end() || iab == t.token_ids.end())
-      return error("{}.merges[{}]: {} uses a token missing from the vocabulary", where, r, m.dump());
+      return error("{}.merges[{}]: [{}, {}] uses a token missing from the vocabulary", where, r, json(a).dump(),
+                   json(b).dump());
     t.merges.insert(ia->second, ib->second, {static_cast<int32_t>(r), iab->second});
   }
 
@@ -454,7 +617,6 @@ Status load_impl(TokenizerImpl& t, const json& root, const std::string& origin) 
   for (size_t i = 0; i < t.added.size(); ++i)
     t.added_by_byte[static_cast<uint8_t>(t.added[i].content[0])].push_back(static_cast<uint16_t>(i));
 
-  TRY(add_normalizer(t, root.value("normalizer", json()), origin + ": normalizer"));
   TRY(add_pre_tokenizer(t, root.value("pre_tokenizer", json()), origin + ": pre_tokenizer"));
   const json& dec = root.value("decoder", json());
   if (!dec.is_object() || dec.value("type", std::string()) != "ByteLevel")
@@ -702,9 +864,10 @@ Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
 
 Result<Tokenizer> Tokenizer::from_json(std::string_view json_text, const std::string& origin) {
-  json root;
+  RawTokenizer raw;
   try {
-    root = json::parse(json_text);
+    TokenizerSax sax(raw);
+    if (!json::sax_parse(json_text, &sax)) return error("{}: malformed JSON: {}", origin, raw.parse_error);
   } catch (const json::exception& e) {
     return error("{}: malformed JSON: {}", origin, e.what());
   }
@@ -712,7 +875,7 @@ Result<Tokenizer> Tokenizer::from_json(std::string_view json_text, const std::st
   tok.impl_ = std::make_unique<TokenizerImpl>();
   tok.impl_->serial = g_next_tokenizer_serial.fetch_add(1);
   try {
-    TRY(load_impl(*tok.impl_, root, origin));
+    TRY(load_impl(*tok.impl_, raw, origin));
   } catch (const json::exception& e) {  // a field of the wrong JSON type
     return error("{}: unexpected tokenizer.json structure: {}", origin, e.what());
   }
