@@ -194,6 +194,25 @@ double Model::macs_per_token() const {
                       c.hidden_size;
 }
 
+void Model::permute_expert_slots(uint64_t seed) {
+  const size_t n = pool_.table_h.size();
+  std::vector<size_t> perm(n);
+  for (size_t i = 0; i < n; ++i) perm[i] = i;
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = n; i > 1; --i) {  // Fisher-Yates with an LCG: any fixed permutation will do
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    std::swap(perm[i - 1], perm[(s >> 33) % i]);
+  }
+  DeviceBuffer<uint8_t> fresh(pool_.slots.size());
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t* dst = fresh.get() + perm[i] * pool_.stride;
+    CUDA_CHECK(cudaMemcpy(dst, pool_.table_h[i].addr, pool_.stride, cudaMemcpyDeviceToDevice));
+    pool_.table_h[i].addr = dst;
+  }
+  pool_.slots = std::move(fresh);
+  CUDA_CHECK(cudaMemcpy(pool_.table.get(), pool_.table_h.data(), n * sizeof(ExpertSlot), cudaMemcpyHostToDevice));
+}
+
 // ==================================================================== Session state
 
 struct Session::LayerState {

@@ -83,6 +83,11 @@ class Model {
   // Multiply-adds per token (x2 = FLOPs) of the matrices a token uses, attention scores excluded.
   double macs_per_token() const;
 
+  // Moves every expert record to another slot (a seeded permutation into a fresh slot array) and
+  // rewrites the table in place. Kernels reach experts only through the table, so results must not
+  // change by a bit (tests/parity/test_cuda_model.cpp). Not while a step runs.
+  void permute_expert_slots(uint64_t seed);
+
  private:
   friend class Session;
   struct Deferred {};

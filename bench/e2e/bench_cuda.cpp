@@ -1,0 +1,303 @@
+// bench_cuda: end-to-end tok/s of the CUDA engine, each figure beside its ceiling measured in the same
+// run (docs/performance.md "CUDA engine"):
+//   ceilings  device-to-device copy bandwidth (cudaMemcpy of 2 GiB, read + write bytes), host-to-device
+//             over pinned memory, and the bf16 matrix rate through cuBLAS (dlopen'ed; "not measured"
+//             when no libcublas is found);
+//   decode    1 row and 4 rows per step (tok/s) vs weight bytes per step / copy bandwidth;
+//   prefill   512, 2048, 8192 tokens (the row path: steps of kMaxRows rows) vs FLOPs / bf16 rate;
+//   kernels   single-layer-geometry GEMVs and the expert products in isolation (bench/kernels/).
+// Model: --model DIR (any checkpoint) or --synth-layers N (the released geometry, random MLX-style
+// 4-bit weights built in memory: no disk). Not a CMake target: scripts/prepare_devcarry.sh builds it.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/common.h"
+#include "cuda/qwen4_exp.h"
+#include "cuda/random_model.h"
+#include "util/log.h"
+
+namespace ck::bench {
+// bench/kernels/kernels.cpp
+void run_kernel_benchmarks(double copy_gbs, FILE* out);
+}
+
+namespace {
+
+using namespace ck;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+void emit(FILE* out, const char* fmt_str, ...) __attribute__((format(printf, 2, 3)));
+void emit(FILE* out, const char* fmt_str, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt_str);
+  std::vsnprintf(buf, sizeof(buf), fmt_str, ap);
+  va_end(ap);
+  std::fputs(buf, stdout);
+  std::fflush(stdout);
+  if (out) { std::fputs(buf, out); std::fflush(out); }
+}
+
+// GB/s of a device-to-device cudaMemcpy of `bytes`, counting bytes read plus bytes written.
+double measure_d2d(size_t bytes) {
+  cuda::DeviceBuffer<uint8_t> a(bytes), b(bytes);
+  std::vector<uint8_t> h(size_t{64} << 20);
+  std::mt19937_64 rng(1);
+  for (size_t i = 0; i < h.size(); i += 8) { uint64_t v = rng(); std::memcpy(&h[i], &v, 8); }
+  for (size_t o = 0; o < bytes; o += h.size())
+    CUDA_CHECK(cudaMemcpy(a.get() + o, h.data(), std::min(h.size(), bytes - o), cudaMemcpyHostToDevice));
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<double> t;
+  for (int i = 0; i < 12; ++i) {
+    CUDA_CHECK(cudaEventRecord(e0));
+    CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaEventRecord(e1));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 2) t.push_back(ms);
+  }
+  CUDA_CHECK(cudaEventDestroy(e0));
+  CUDA_CHECK(cudaEventDestroy(e1));
+  return 2.0 * bytes / (median(t) * 1e-3) / 1e9;
+}
+
+double measure_h2d(size_t bytes) {
+  cuda::PinnedBuffer<uint8_t> h(bytes);
+  std::memset(h.get(), 1, bytes);
+  cuda::DeviceBuffer<uint8_t> d(bytes);
+  std::vector<double> t;
+  for (int i = 0; i < 6; ++i) {
+    auto t0 = Clock::now();
+    CUDA_CHECK(cudaMemcpy(d.get(), h.get(), bytes, cudaMemcpyHostToDevice));
+    if (i >= 1) t.push_back(seconds_since(t0));
+  }
+  return bytes / median(t) / 1e9;
+}
+
+// bf16 GEMM rate through cuBLAS, loaded at run time (no link dependency). 0 when unavailable.
+double measure_bf16_tflops(std::string* how) {
+  const char* env = std::getenv("CK_CUBLAS");
+  void* lib = nullptr;
+  for (const char* name : {env ? env : "", "libcublas.so.13", "libcublas.so.12", "libcublas.so"})
+    if (*name && (lib = dlopen(name, RTLD_NOW | RTLD_LOCAL))) { *how = name; break; }
+  if (!lib) { *how = "no libcublas found (set CK_CUBLAS)"; return 0; }
+  using CreateFn = int (*)(void**);
+  using DestroyFn = int (*)(void*);
+  using GemmExFn = int (*)(void*, int, int, int, int, int, const void*, const void*, int, int, const void*, int, int,
+                           const void*, void*, int, int, int, int);
+  auto create = reinterpret_cast<CreateFn>(dlsym(lib, "cublasCreate_v2"));
+  auto destroy = reinterpret_cast<DestroyFn>(dlsym(lib, "cublasDestroy_v2"));
+  auto gemm = reinterpret_cast<GemmExFn>(dlsym(lib, "cublasGemmEx"));
+  if (!create || !destroy || !gemm) { *how += ": symbols missing"; return 0; }
+  void* handle = nullptr;
+  if (create(&handle) != 0) { *how += ": cublasCreate failed"; return 0; }
+  const int n = 8192;
+  std::vector<uint16_t> h(static_cast<size_t>(n) * n);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> ud(-1, 1);
+  for (auto& v : h) { float f = ud(rng); uint32_t u; std::memcpy(&u, &f, 4); v = static_cast<uint16_t>(u >> 16); }
+  cuda::DeviceBuffer<uint16_t> A(h.size()), B(h.size()), C(h.size());
+  CUDA_CHECK(cudaMemcpy(A.get(), h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(B.get(), h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  const float alpha = 1.0f, beta = 0.0f;
+  constexpr int kOpN = 0, kBF16 = 14, kCompute32F = 68, kAlgoDefault = -1;
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<double> t;
+  int rc = 0;
+  for (int i = 0; i < 13 && rc == 0; ++i) {
+    CUDA_CHECK(cudaEventRecord(e0));
+    rc = gemm(handle, kOpN, kOpN, n, n, n, &alpha, A.get(), kBF16, n, B.get(), kBF16, n, &beta, C.get(), kBF16, n,
+              kCompute32F, kAlgoDefault);
+    CUDA_CHECK(cudaEventRecord(e1));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 3) t.push_back(ms);
+  }
+  destroy(handle);
+  if (rc != 0) { *how += ": cublasGemmEx failed"; return 0; }
+  return 2.0 * n * n * static_cast<double>(n) / (median(t) * 1e-3) / 1e12;
+}
+
+struct Args {
+  std::string model_dir, out_path;
+  int synth_layers = 16;
+  std::vector<int> prefill = {512, 2048, 8192};
+  int decode_steps = 48;
+  bool kernels = true;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string s = argv[i];
+    auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
+    if (s == "--model") a.model_dir = next();
+    else if (s == "--synth-layers") a.synth_layers = std::stoi(next());
+    else if (s == "--out") a.out_path = next();
+    else if (s == "--decode-steps") a.decode_steps = std::stoi(next());
+    else if (s == "--no-kernels") a.kernels = false;
+    else if (s == "--prefill") {
+      a.prefill.clear();
+      std::string v = next();
+      for (size_t p = 0; p < v.size();) {
+        size_t e = v.find(',', p);
+        if (e == std::string::npos) e = v.size();
+        a.prefill.push_back(std::stoi(v.substr(p, e - p)));
+        p = e + 1;
+      }
+    } else {
+      std::fprintf(stderr, "usage: bench_cuda [--model DIR | --synth-layers N] [--prefill 512,2048,8192] "
+                           "[--decode-steps N] [--no-kernels] [--out FILE]\n");
+      return 2;
+    }
+  }
+  if (cuda::device_count() == 0) {
+    std::fprintf(stderr, "bench_cuda: no CUDA device\n");
+    return 1;
+  }
+  FILE* out = a.out_path.empty() ? nullptr : std::fopen(a.out_path.c_str(), "w");
+  emit(out, "# bench_cuda: %s\n", cuda::device_banner().c_str());
+
+  // ---- ceilings
+  const double copy_gbs = measure_d2d(size_t{2} << 30);
+  const double h2d_gbs = measure_h2d(size_t{1} << 30);
+  std::string how;
+  const double tflops = measure_bf16_tflops(&how);
+  emit(out, "ceiling  d2d copy            %8.1f GB/s  (cudaMemcpy 2 GiB, read+write bytes, median of 10)\n", copy_gbs);
+  emit(out, "ceiling  h2d pinned          %8.1f GB/s  (1 GiB, median of 5)\n", h2d_gbs);
+  if (tflops > 0) emit(out, "ceiling  bf16 matmul         %8.1f TFLOP/s (cuBLAS GemmEx 8192^3, random data; %s)\n", tflops, how.c_str());
+  else emit(out, "ceiling  bf16 matmul         not measured (%s)\n", how.c_str());
+
+  if (a.kernels) ck::bench::run_kernel_benchmarks(copy_gbs, out);
+
+  // ---- the model
+  std::unique_ptr<Checkpoint> ckpt;
+  std::unique_ptr<cuda::RandomModel> rm;
+  const ModelWeights* w = nullptr;
+  std::shared_ptr<ExpertSource> experts;
+  auto t0 = Clock::now();
+  if (!a.model_dir.empty()) {
+    auto c = open_checkpoint(a.model_dir, false);
+    if (!c.ok()) { std::fprintf(stderr, "error: %s\n", c.status().message().c_str()); return 1; }
+    ckpt = std::move(c).value();
+    w = &ckpt->weights;
+    experts = ckpt->experts;
+  } else {
+    cuda::RandomModelOptions o;  // the real MLX checkpoint's forms: Q4 g64, routers Q8, n-gram Q4 g32
+    o.dense = cuda::WeightForm{DType::U32, 4, 64, DType::BF16};
+    o.router = cuda::WeightForm{DType::U32, 8, 64, DType::BF16};
+    o.experts = cuda::WeightForm{DType::U32, 4, 64, DType::BF16};
+    o.ngram = cuda::WeightForm{DType::U32, 4, 32, DType::BF16};
+    rm = cuda::make_random_model(cuda::released_config(a.synth_layers), o);
+    w = &rm->weights;
+    experts = rm->experts;
+  }
+  const double t_build = seconds_since(t0);
+  t0 = Clock::now();
+  auto mr = cuda::Model::create(*w, experts);
+  if (!mr.ok()) { std::fprintf(stderr, "error: %s\n", mr.status().message().c_str()); return 1; }
+  std::unique_ptr<cuda::Model> m = std::move(mr).value();
+  const double t_upload = seconds_since(t0);
+  const ModelConfig& c = m->cfg();
+  emit(out, "model    %s: %d layers, H %d, %d experts top-%d, dense %.2f GB + experts %.2f GB on device "
+            "(built %.1f s, uploaded %.1f s)\n",
+       a.model_dir.empty() ? "synthetic released geometry (Q4 g64)" : a.model_dir.c_str(), c.num_hidden_layers,
+       c.hidden_size, c.num_experts, c.num_experts_per_tok, m->dense_bytes() / 1e9,
+       m->experts().slots.bytes() / 1e9, t_build, t_upload);
+
+  const double bytes_tok = m->active_bytes_per_token();
+  const double expert_rec = static_cast<double>(m->experts().record_bytes);
+  const double dense_tok = bytes_tok - c.num_hidden_layers * c.num_experts_per_tok * expert_rec;
+  const double flops_tok = 2.0 * m->macs_per_token();
+  emit(out, "model    weight bytes per decode token %.3f GB (dense %.3f + %d x %d experts x %.2f MB); %.2f GFLOP per token\n",
+       bytes_tok / 1e9, dense_tok / 1e9, c.num_hidden_layers, c.num_experts_per_tok, expert_rec / 1e6, flops_tok / 1e9);
+
+  std::mt19937 rng(11);
+  auto rand_tokens = [&](int n) {
+    std::vector<int32_t> t(n);
+    for (auto& v : t) v = static_cast<int32_t>(rng() % c.vocab_size);
+    return t;
+  };
+  cuda::StepResult res;
+
+  // ---- decode, 1 and 4 rows per step
+  for (int rows : {1, 4}) {
+    auto s = m->new_session(4096);
+    std::vector<int32_t> prompt = rand_tokens(64);
+    if (!s->step_rows(prompt, false, false, &res).ok()) return 1;
+    s->commit(64);
+    std::vector<double> t;
+    int32_t next = res.argmax.back();
+    for (int i = 0; i < a.decode_steps + 3; ++i) {
+      std::vector<int32_t> toks(rows);
+      toks[0] = next;
+      for (int r = 1; r < rows; ++r) toks[r] = static_cast<int32_t>(rng() % c.vocab_size);  // drafts
+      auto ts = Clock::now();
+      if (!s->step_rows(toks, rows > 1, false, &res).ok()) return 1;
+      s->commit(rows);
+      if (i >= 3) t.push_back(seconds_since(ts));  // the first steps capture the graph
+      next = res.argmax.back();
+    }
+    const double step_s = median(t);
+    // Ceiling: the weights one step must read once. With r rows the experts are the union of the rows'
+    // choices: E (1 - (1 - k/E)^r) per layer when routing is random (this model's is).
+    const double k = c.num_experts_per_tok, E = c.num_experts;
+    const double uniq = E * (1.0 - std::pow(1.0 - k / E, rows));
+    const double step_bytes = dense_tok + c.num_hidden_layers * uniq * expert_rec;
+    const double ceil_tps = rows / (step_bytes / (copy_gbs * 1e9));
+    emit(out, "decode   %d row%s/step   %8.1f tok/s  (%.3f ms/step, median of %zu)   ceiling %8.1f tok/s "
+              "(%.3f GB/step / %.0f GB/s)   %.0f%% of ceiling\n",
+         rows, rows > 1 ? "s" : " ", rows / step_s, step_s * 1e3, t.size(), ceil_tps, step_bytes / 1e9, copy_gbs,
+         100.0 * (rows / step_s) / ceil_tps);
+  }
+
+  // ---- prefill
+  for (int T : a.prefill) {
+    // The first kMaxRows*2 tokens run untimed: they capture the session's graph (graphs are per
+    // session); the rest, a multiple of kMaxRows rows, is timed.
+    const int warm = 2 * cuda::kMaxRows;
+    auto s = m->new_session(T + 16);
+    std::vector<int32_t> prompt = rand_tokens(T);
+    if (!s->step_rows(std::span<const int32_t>(prompt.data(), warm), false, false, &res).ok()) return 1;
+    s->commit(warm);
+    auto ts = Clock::now();
+    if (!s->step_rows(std::span<const int32_t>(prompt.data() + warm, T - warm), false, false, &res).ok()) return 1;
+    const double sec = seconds_since(ts);
+    s->commit(T - warm);
+    const int timed = T - warm;
+    const double ceil_c = tflops > 0 ? tflops * 1e12 / flops_tok : 0;
+    // The row path reads every weight once per step of kMaxRows rows: its own bound.
+    const double k = c.num_experts_per_tok, E = c.num_experts, R = cuda::kMaxRows;
+    const double step_bytes = dense_tok + c.num_hidden_layers * E * (1.0 - std::pow(1.0 - k / E, R)) * expert_rec;
+    const double ceil_row = R / (step_bytes / (copy_gbs * 1e9));
+    emit(out, "prefill  %5d tokens      %8.1f tok/s  (%.3f s for %d rows)   ceiling %8.0f tok/s (FLOPs / bf16 rate)%s; "
+              "row-path bound %.0f tok/s (weights once per %d rows)\n",
+         T, timed / sec, sec, timed, ceil_c, tflops > 0 ? "" : " [no bf16 rate: not measured]", ceil_row, cuda::kMaxRows);
+  }
+  if (out) std::fclose(out);
+  return 0;
+}

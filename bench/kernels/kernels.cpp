@@ -1,0 +1,169 @@
+// Kernel lab for the CUDA engine: the GEMVs of one layer of the released geometry (MLX affine 4-bit,
+// group 64, bf16 scales; the router at 8 bits) and the routed-expert products, timed in isolation with
+// CUDA events and reported as GB/s of weight bytes beside the measured copy bandwidth. Each shape
+// rotates over copies of its matrix totalling >= 512 MB, so the 60 MB L2 never serves the weights.
+// Linked into bench_cuda (bench/e2e/); validation of these kernels is tests/parity/test_cuda_ops.cpp.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/common.h"
+#include "cuda/dmatrix.h"
+#include "cuda/ops.h"
+
+namespace ck::bench {
+
+namespace {
+
+using namespace ck::cuda;
+
+struct DeviceMatrices {
+  DeviceBuffer<uint8_t> buf;
+  std::vector<DMatrix> copies;
+};
+
+// Random codes, valid bf16 scales and biases, `copies` times.
+DeviceMatrices make_copies(int rows, int cols, int bits, int group, size_t min_total, std::mt19937_64& rng) {
+  DMatrix proto;
+  proto.rows = rows;
+  proto.cols = cols;
+  proto.fmt.kind = static_cast<uint8_t>(WKind::Q);
+  proto.fmt.bits = static_cast<uint8_t>(bits);
+  proto.fmt.group = static_cast<uint16_t>(group);
+  proto.fmt.scale_kind = static_cast<uint8_t>(WKind::BF16);
+  const size_t db = align256(proto.data_bytes()), sb = align256(proto.scale_bytes()), one = db + 2 * sb;
+  const size_t n = std::clamp<size_t>((min_total + one - 1) / one, 1, 256);
+  DeviceMatrices d;
+  d.buf.resize(n * one);
+  std::vector<uint8_t> codes(proto.data_bytes());
+  for (size_t i = 0; i + 8 <= codes.size(); i += 8) { uint64_t v = rng(); std::memcpy(&codes[i], &v, 8); }
+  std::vector<uint16_t> scales(proto.scale_bytes() / 2), biases(scales.size());
+  for (size_t i = 0; i < scales.size(); ++i) { scales[i] = 0x3c00 + (rng() & 0xff); biases[i] = 0xbd00 + (rng() & 0xff); }
+  for (size_t c = 0; c < n; ++c) {
+    uint8_t* base = d.buf.get() + c * one;
+    CUDA_CHECK(cudaMemcpy(base, codes.data(), codes.size(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(base + db, scales.data(), proto.scale_bytes(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(base + db + sb, biases.data(), proto.scale_bytes(), cudaMemcpyHostToDevice));
+    DMatrix m = proto;
+    m.data = base;
+    m.scales = base + db;
+    m.biases = base + db + sb;
+    d.copies.push_back(m);
+  }
+  return d;
+}
+
+// Milliseconds per call of f(i), median over batches of launches.
+template <class F>
+double time_ms(int iters, F&& f) {
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) f(i);
+  std::vector<double> t;
+  for (int b = 0; b < 5; ++b) {
+    CUDA_CHECK(cudaEventRecord(e0));
+    for (int i = 0; i < iters; ++i) f(b * iters + i);
+    CUDA_CHECK(cudaEventRecord(e1));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(ms / iters);
+  }
+  CUDA_CHECK(cudaEventDestroy(e0));
+  CUDA_CHECK(cudaEventDestroy(e1));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+}  // namespace
+
+void run_kernel_benchmarks(double copy_gbs, FILE* out) {
+  auto emit = [&](const std::string& s) {
+    std::fputs(s.c_str(), stdout);
+    std::fflush(stdout);
+    if (out) { std::fputs(s.c_str(), out); std::fflush(out); }
+  };
+  std::mt19937_64 rng(5);
+  struct Shape { const char* name; int rows, cols, bits; };
+  const Shape shapes[] = {
+      {"gdn in_proj_qkv", 10240, 2560, 4}, {"attn q_proj", 12288, 2560, 4}, {"gdn in_proj_z", 6144, 2560, 4},
+      {"gdn out_proj", 2560, 6144, 4},     {"hc down", 320, 10240, 4},      {"hc up", 10240, 320, 4},
+      {"router (8-bit)", 512, 2560, 8},    {"lm_head", 248320, 2560, 4},
+  };
+  DeviceBuffer<float> x(static_cast<size_t>(kMaxRows) * 10240), y(static_cast<size_t>(kMaxRows) * 248320);
+  {
+    std::vector<float> h(x.size());
+    std::normal_distribution<float> nd;
+    for (float& v : h) v = nd(rng);
+    CUDA_CHECK(cudaMemcpy(x.get(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+  }
+  char line[512];
+  for (const Shape& s : shapes) {
+    DeviceMatrices dm = make_copies(s.rows, s.cols, s.bits, 64, size_t{512} << 20, rng);
+    const double bytes = static_cast<double>(dm.copies[0].stored_bytes());
+    for (int rows : {1, 4, 8}) {
+      const double ms = time_ms(20, [&](int i) {
+        matvec(dm.copies[i % dm.copies.size()], x.get(), s.cols, y.get(), s.rows, rows, nullptr);
+      });
+      std::snprintf(line, sizeof(line), "kernel   gemv %-16s %6dx%-6d q%d rows %d  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw)\n",
+                    s.name, s.rows, s.cols, s.bits, rows, ms * 1e3, bytes / (ms * 1e-3) / 1e9,
+                    100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+      emit(line);
+    }
+  }
+  // Routed + shared experts of one MoE block: 11 (row, expert) pairs per row over a pool of 96 records.
+  const int I = 640, H = 2560, k = 10, n_rec = 96;
+  WFormat f;
+  f.kind = static_cast<uint8_t>(WKind::Q);
+  f.bits = 4;
+  f.group = 64;
+  f.scale_kind = static_cast<uint8_t>(WKind::BF16);
+  const ExpertLayout lay = expert_layout(f, I, H);
+  DeviceBuffer<uint8_t> pool(lay.bytes * n_rec);
+  {
+    std::vector<uint8_t> rec(lay.bytes);
+    for (size_t i = 0; i + 8 <= rec.size(); i += 8) { uint64_t v = rng(); std::memcpy(&rec[i], &v, 8); }
+    for (uint64_t off : {lay.gate_s, lay.up_s, lay.down_s, lay.gate_b, lay.up_b, lay.down_b}) {
+      const bool bias = off == lay.gate_b || off == lay.up_b || off == lay.down_b;
+      const size_t n = (off == lay.down_s || off == lay.down_b) ? static_cast<size_t>(H) * (I / 64) : static_cast<size_t>(I) * (H / 64);
+      for (size_t i = 0; i < n; ++i) {
+        const uint16_t v = static_cast<uint16_t>((bias ? 0xbd00 : 0x3c00) + (rng() & 0xff));
+        std::memcpy(&rec[off + 2 * i], &v, 2);
+      }
+    }
+    for (int r = 0; r < n_rec; ++r) CUDA_CHECK(cudaMemcpy(pool.get() + r * lay.bytes, rec.data(), rec.size(), cudaMemcpyHostToDevice));
+  }
+  DMatrix g0, u0, d0;
+  expert_views(pool.get(), f, I, H, &g0, &u0, &d0);
+  const double rec_bytes = static_cast<double>(2 * g0.stored_bytes() + d0.stored_bytes());
+  for (int rows : {1, 4, 8}) {
+    const int n_pairs = rows * (k + 1), n_sets = 8;
+    std::vector<ExpertPair> hp(static_cast<size_t>(n_pairs) * n_sets);
+    for (int sidx = 0; sidx < n_sets; ++sidx)
+      for (int p = 0; p < n_pairs; ++p) {
+        ExpertPair& e = hp[sidx * n_pairs + p];
+        expert_views(pool.get() + (rng() % n_rec) * lay.bytes, f, I, H, &e.gate, &e.up, &e.down);
+        e.x_row = p / (k + 1);
+        e.weight = 0.1f;
+      }
+    DeviceBuffer<ExpertPair> dp(hp.size());
+    CUDA_CHECK(cudaMemcpy(dp.get(), hp.data(), hp.size() * sizeof(ExpertPair), cudaMemcpyHostToDevice));
+    DeviceBuffer<float> h(static_cast<size_t>(n_pairs) * I), yo(static_cast<size_t>(n_pairs) * H);
+    const double ms = time_ms(20, [&](int i) {
+      const ExpertPair* ps = dp.get() + (i % n_sets) * n_pairs;
+      expert_gate_up(ps, n_pairs, I, H, x.get(), H, h.get(), I, nullptr);
+      expert_down(ps, n_pairs, I, H, h.get(), I, yo.get(), H, nullptr);
+    });
+    const double bytes = n_pairs * rec_bytes;
+    std::snprintf(line, sizeof(line), "kernel   experts %2d pairs (rows %d, top-%d + shared)  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw; "
+                  "per-pair reads, no sharing between rows)\n",
+                  n_pairs, rows, k, ms * 1e3, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+    emit(line);
+  }
+}
+
+}  // namespace ck::bench

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The CUDA engine's whole check on the GPU machine, in one call: parity tests (ops, then the model on
+# the oracle fixtures), `generate --backend cuda --check` on a fixture, then the benchmarks. Assumes
+# .devcarry/ from scripts/prepare_devcarry.sh (binaries built on the dev machine + their libraries).
+# Logs go under $OUT (at most 8 files); a short table is printed last.
+#   OUT=/tmp/out bash scripts/gpu_check.sh
+# Env: CK_BENCH_ARGS (default "--synth-layers 16"), CK_SANITIZE=1 (compute-sanitizer memcheck on a
+# test subset first), CK_TEST_TIMEOUT / CK_BENCH_TIMEOUT (seconds).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ck_gpu_check}
+mkdir -p "$OUT"
+D=/tmp/ck_devcarry  # unpacked from .devcarry/bundle.tar.xz (scripts/prepare_devcarry.sh)
+rm -rf "$D" && mkdir -p "$D"
+if ! tar -C "$D" -xJf .devcarry/bundle.tar.xz 2>/dev/null; then
+  python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" .devcarry/bundle.tar.xz "$D" || exit 3
+fi
+export LD_LIBRARY_PATH=$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+TT=${CK_TEST_TIMEOUT:-90}
+BT=${CK_BENCH_TIMEOUT:-150}
+START=$(date +%s)
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(tr '\n' ' ' < "$D/COMMIT" 2>/dev/null) (built $(cat "$D/BUILT" 2>/dev/null))"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
+  uname -r
+} > "$OUT/env.txt"
+cat "$OUT/env.txt"
+
+if [ "${CK_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$D/test_cuda_ops" \
+    --gtest_filter='CudaOps.Gemv*:CudaOps.Expert*:CudaOps.Router*:CudaOps.Topk*:CudaOps.LayerPieces*' \
+    > "$OUT/sanitize.log" 2>&1
+  echo "sanitize rc=$?" | tee -a "$OUT/sanitize.log" | tail -1
+fi
+
+run_test() {  # name, log
+  timeout "$TT" "$D/$1" --gtest_color=no > "$OUT/$2" 2>&1
+  local rc=$?
+  echo "$1 rc=$rc" >> "$OUT/$2"
+  echo "$rc"
+}
+RC_OPS=$(run_test test_cuda_ops tests_ops.log)
+RC_MODEL=$(run_test test_cuda_model tests_model.log)
+
+FX=$(ls -d tests/fixtures/oracle/*/ 2>/dev/null | head -1)
+if [ -n "$FX" ]; then
+  IDS=$(python3 -c "import numpy as np,sys; print(','.join(str(int(v)) for v in np.load(sys.argv[1])[:24]))" "$FX/prompt_ids.npy" 2>/dev/null)
+  if [ -n "$IDS" ]; then
+    timeout 60 "$D/cherenkov" generate --model "$FX" --prompt-ids "$IDS" --max-tokens 8 --backend cuda --check \
+      > "$OUT/generate.log" 2>&1
+    echo "generate rc=$? (fixture $FX)" >> "$OUT/generate.log"
+  fi
+fi
+
+export CK_CUBLAS=${CK_CUBLAS:-$(ls /usr/local/cuda/lib64/libcublas.so.13* /usr/local/cuda/lib64/libcublas.so* 2>/dev/null | head -1)}
+if [ -z "$CK_CUBLAS" ]; then
+  CK_CUBLAS=$(python3 -c "import nvidia.cublas as m, os, glob; print((glob.glob(os.path.join(list(m.__path__)[0], 'lib', 'libcublas.so*')) or [''])[0])" 2>/dev/null)
+fi
+timeout "$BT" "$D/bench_cuda" ${CK_BENCH_ARGS:---synth-layers 16} --out "$OUT/bench.txt" > "$OUT/bench.log" 2>&1
+RC_BENCH=$?
+echo "bench rc=$RC_BENCH (CK_CUBLAS=$CK_CUBLAS)" >> "$OUT/bench.log"
+
+summ() {  # gtest log -> its summary lines ("[  PASSED  ] 9 tests." ...)
+  grep -h -E '^\[  (PASSED|FAILED|SKIPPED) \] [0-9]+ test' "$1" 2>/dev/null | tr '\n' ' '
+}
+{
+  echo "================ gpu_check summary ($(( $(date +%s) - START )) s) ================"
+  head -2 "$OUT/env.txt"
+  echo "test_cuda_ops    rc=$RC_OPS    $(summ "$OUT/tests_ops.log")"
+  echo "test_cuda_model  rc=$RC_MODEL    $(summ "$OUT/tests_model.log")"
+  grep -h '^\[  FAILED  \] [A-Za-z]' "$OUT/tests_ops.log" "$OUT/tests_model.log" 2>/dev/null | sort -u | head -20
+  grep -h 'worst rel L2' "$OUT/tests_model.log" 2>/dev/null | head -12
+  [ -f "$OUT/generate.log" ] && grep -h -E '^check:|rc=' "$OUT/generate.log" | tail -4
+  echo "bench rc=$RC_BENCH"
+  cat "$OUT/bench.txt" 2>/dev/null | grep -v '^kernel' 
+  grep -h '^kernel' "$OUT/bench.txt" 2>/dev/null | grep -E 'rows 1 |experts' 
+} | tee "$OUT/summary.txt"

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Builds the CUDA binaries HERE (sm_90) and fills .devcarry/ for scripts/gpu_check.sh, which runs them on
+# the GPU machine (Ubuntu 24.04, glibc 2.39: our glibc-2.36 binaries run there, but our Debian -dev
+# libraries are not installed, so their shared libraries travel in .devcarry/lib; libc/libm/ld-linux
+# and the driver's libcuda stay behind). .devcarry/ is ignored through .git/info/exclude.
+#   scripts/prepare_devcarry.sh            # build dir: build-cuda (BUILD_DIR=... to change)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+B=${BUILD_DIR:-build-cuda}
+grep -qx '/.devcarry/' .git/info/exclude 2>/dev/null || echo '/.devcarry/' >> .git/info/exclude
+
+# CMake 3.25 does not know nvcc 13's C++20 flag: tell it (newer CMake ignores these).
+cmake -S . -B "$B" -G Ninja -DCHERENKOV_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 \
+  -DCMAKE_EXE_LINKER_FLAGS=-Wl,--as-needed >/dev/null
+ninja -C "$B" cherenkov test_cuda_ops test_cuda_model ck_engine
+
+# bench_cuda is not a CMake target (CMake globs src/ and tests/ only): linked here against the libraries.
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+g++ -std=c++20 -O2 -Wall -Wextra -Wno-unused-parameter -fopenmp -DCHERENKOV_HAVE_CUDA=1 -Isrc -I"$CUDA_HOME/include" \
+  bench/e2e/bench_cuda.cpp bench/kernels/kernels.cpp -o "$B/bench_cuda" -Wl,--as-needed \
+  "$B/libck_engine.a" "$B/libck_cuda.a" "$B/libck_cpu.a" "$B/libck_store.a" "$B/libck_format.a" "$B/libck_util.a" \
+  -lfmt -lxxhash -luring -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread
+
+# Stage, then pack: the working tree that travels with the call is limited to 64 MiB, and ICU's data
+# library alone is 30 MB (7 MB compressed). gpu_check.sh unpacks the bundle.
+S=.devcarry/stage
+rm -rf .devcarry
+mkdir -p $S/lib
+BINS="cherenkov test_cuda_ops test_cuda_model bench_cuda"
+for b in $BINS; do
+  cp "$B/$b" $S/
+  strip --strip-debug $S/$b
+done
+for b in $BINS; do ldd "$B/$b" | awk '/=>/{print $3}'; done | sort -u |
+  grep -v -E '/(libc|libm|libdl|libpthread|librt|libcuda)\.so|ld-linux' | while read -r lib; do
+  cp -L "$lib" $S/lib/
+done
+git rev-parse HEAD > $S/COMMIT
+if git status --porcelain --untracked-files=all -- src/cuda src/engine/session.h src/cli tests/parity bench scripts | grep -q .; then
+  echo "(with uncommitted changes)" >> $S/COMMIT
+fi
+date -u +%Y-%m-%dT%H:%M:%SZ > $S/BUILT
+du -sh $S
+tar -C $S -cf - . | xz -T0 -6 > .devcarry/bundle.tar.xz
+rm -rf $S
+ls -la .devcarry

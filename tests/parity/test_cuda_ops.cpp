@@ -1,0 +1,664 @@
+// Parity of the CUDA ops with their CPU twins (src/cpu/ops.h, src/cpu/qwen4_exp.cpp) on seeded random
+// inputs and awkward shapes: every GEMV weight format and row count, epilogues, expert products through
+// ExpertPair views, the router, norms, RoPE, top-k and argmax (ties), and the layer pieces through a
+// whole random model of awkward geometry, compared piece by piece ("taps"). Each case prints its max
+// absolute error and NMSE. Skips when no CUDA device is visible (CI); always compiles.
+//
+// Tolerances: |gpu - cpu| <= atol + rtol * |cpu|, per kind, with the reason:
+//  - sums of n fp32 products in another order (GEMV, dot products): atol = 8 * sqrt(n) * 2^-24 * Σ|terms|
+//    (the standard bound on reordered fp32 summation, a factor 8 of margin), rtol = 0;
+//  - norms (one reordered sum of squares, then elementwise): rtol 4e-6, atol 1e-7;
+//  - RoPE (CUDA sinf/cosf are within 2 ulp of the host's): atol 1e-6 * max|x|;
+//  - dequantized gathers, top-k and argmax: exact.
+//  - whole-model pieces (errors accumulate over layers): relative L2 <= 1e-4 per piece, the same bound
+//    the oracle fixtures use.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/ops.h"
+#include "cpu/qwen4_exp.h"
+#include "util/half.h"
+
+#if CHERENKOV_HAVE_CUDA
+#include "cuda/layers.h"
+#include "cuda/ops.h"
+#include "cuda/qwen4_exp.h"
+#include "cuda/random_model.h"
+#include "cuda/weights.h"
+#endif
+
+namespace {
+
+#if CHERENKOV_HAVE_CUDA
+using namespace ck;
+using namespace ck::cuda;
+
+bool have_gpu() {
+  static const bool g = device_count() > 0;
+  return g;
+}
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
+
+// ------------------------------------------------------------------ comparison
+
+struct Diff {
+  double max_abs = 0, nmse = 0;
+  int64_t bad = 0, first_bad = -1;
+  double got_at_bad = 0, ref_at_bad = 0, tol_at_bad = 0;
+};
+
+// Elementwise with a per-element tolerance tol[i] (or atol + rtol |ref| when tol is empty).
+Diff compare(const std::vector<float>& got, const std::vector<float>& ref, const std::vector<double>& tol, double atol,
+             double rtol) {
+  Diff d;
+  double se = 0, sr = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double g = got[i], r = ref[i];
+    const double e = std::fabs(g - r);
+    const bool nan_ok = std::isnan(g) == std::isnan(r);
+    const double t = tol.empty() ? atol + rtol * std::fabs(r) : tol[i];
+    if (!nan_ok || e > t || std::isnan(e) != std::isnan(r)) {
+      if (d.first_bad < 0) { d.first_bad = static_cast<int64_t>(i); d.got_at_bad = g; d.ref_at_bad = r; d.tol_at_bad = t; }
+      ++d.bad;
+    }
+    if (!std::isnan(e)) d.max_abs = std::max(d.max_abs, e);
+    se += std::isnan(e) ? 0 : e * e;
+    sr += r * r;
+  }
+  d.nmse = sr > 0 ? se / sr : se;
+  return d;
+}
+
+void report(const std::string& what, const Diff& d) {
+  std::printf("  %-58s max_abs %.3e  nmse %.3e%s\n", what.c_str(), d.max_abs, d.nmse, d.bad ? "  FAIL" : "");
+  EXPECT_EQ(d.bad, 0) << what << ": " << d.bad << " elements out of tolerance; first at " << d.first_bad << ": gpu "
+                      << d.got_at_bad << " cpu " << d.ref_at_bad << " tol " << d.tol_at_bad;
+}
+
+template <class T>
+T* to_device(const std::vector<T>& v, DeviceBuffer<T>* buf) {
+  buf->resize(std::max<size_t>(1, v.size()));
+  if (!v.empty()) CUDA_CHECK(cudaMemcpy(buf->get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return buf->get();
+}
+template <class T>
+std::vector<T> to_host(const T* d, size_t n) {
+  std::vector<T> v(n);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+std::vector<float> randn(size_t n, std::mt19937_64& rng, float scale = 1.0f) {
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = nd(rng);
+  return v;
+}
+
+// A host matrix that owns its bytes.
+struct HostMatrix {
+  Matrix m;
+  std::vector<uint8_t> data, scales, biases;
+};
+
+HostMatrix make_matrix(int64_t rows, int64_t cols, const WeightForm& f, std::mt19937_64& rng) {
+  HostMatrix h;
+  h.m.rows = rows;
+  h.m.cols = cols;
+  h.m.name = "test";
+  std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
+  if (f.bits == 0) {
+    h.m.dtype = f.dtype;
+    h.data.resize(static_cast<size_t>(rows * cols) * dtype_size(f.dtype));
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      const float v = ud(rng);
+      if (f.dtype == DType::F32) std::memcpy(h.data.data() + 4 * i, &v, 4);
+      else {
+        const uint16_t b = f.dtype == DType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+        std::memcpy(h.data.data() + 2 * i, &b, 2);
+      }
+    }
+    h.m.data = h.data.data();
+    return h;
+  }
+  h.m.dtype = DType::U32;
+  h.m.bits = f.bits;
+  h.m.group_size = f.group;
+  h.m.scale_dtype = f.scale_dtype;
+  h.data.resize(static_cast<size_t>(rows) * cols * f.bits / 8);
+  for (auto& b : h.data) b = static_cast<uint8_t>(rng());
+  const size_t groups = static_cast<size_t>(rows * (cols / f.group)), ss = dtype_size(f.scale_dtype);
+  h.scales.resize(groups * ss);
+  h.biases.resize(groups * ss);
+  for (size_t g = 0; g < groups; ++g) {
+    const float s = 0.01f + 0.02f * (ud(rng) + 1.0f), b = ud(rng) * 0.1f;
+    for (auto [v, dst] : {std::pair{s, h.scales.data()}, std::pair{b, h.biases.data()}}) {
+      if (f.scale_dtype == DType::F32) std::memcpy(dst + 4 * g, &v, 4);
+      else {
+        const uint16_t x = f.scale_dtype == DType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+        std::memcpy(dst + 2 * g, &x, 2);
+      }
+    }
+  }
+  h.m.data = h.data.data();
+  h.m.scales = h.scales.data();
+  h.m.biases = h.biases.data();
+  return h;
+}
+
+std::string form_name(const WeightForm& f) {
+  if (f.bits == 0) return dtype_name(f.dtype);
+  return "q" + std::to_string(f.bits) + "g" + std::to_string(f.group) + "/" + dtype_name(f.scale_dtype);
+}
+
+// Per-output tolerance of a reordered fp32 dot product: 8 sqrt(n) eps Σ|w_c x_c| (+ a floor).
+std::vector<double> dot_tolerance(const Matrix& w, const std::vector<float>& x, int rows, int ldx) {
+  std::vector<double> tol(static_cast<size_t>(rows) * w.rows);
+  std::vector<float> wr(static_cast<size_t>(w.cols));
+  const double k = 8.0 * std::sqrt(static_cast<double>(w.cols)) * 5.96e-8;
+  for (int64_t o = 0; o < w.rows; ++o) {
+    matrix_row(w, o, wr.data());
+    std::vector<float> bias_abs;
+    for (int r = 0; r < rows; ++r) {
+      double s = 0;
+      for (int64_t c = 0; c < w.cols; ++c) s += std::fabs(static_cast<double>(wr[c]) * x[r * ldx + c]);
+      if (w.quantized()) {  // the CPU splits each weight into s*q and b: bound both terms
+        const int64_t ng = w.cols / w.group_size;
+        for (int64_t g = 0; g < ng; ++g) {
+          const double b = std::fabs(load_float(w.scale_dtype, w.biases, o * ng + g));
+          for (int i = 0; i < w.group_size; ++i) s += b * std::fabs(x[r * ldx + g * w.group_size + i]);
+        }
+      }
+      tol[static_cast<size_t>(r) * w.rows + o] = k * s + 1e-30;
+    }
+  }
+  return tol;
+}
+
+// ------------------------------------------------------------------ GEMV
+
+struct GemvCase {
+  int64_t rows, cols;
+  WeightForm f;
+};
+
+TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(1234);
+  const WeightForm f32{DType::F32}, bf16{DType::BF16}, f16{DType::F16};
+  auto q = [](int bits, int group, DType sd) { return WeightForm{DType::U32, bits, group, sd}; };
+  const std::vector<GemvCase> cases = {
+      {1, 1, f32},       {3, 7, f32},       {33, 48, f32},     {5, 3, bf16},      {300, 48, bf16},
+      {17, 1000, f16},   {9, 24, f16},      {129, 64, f32},
+      {1, 32, q(4, 32, DType::BF16)},       {37, 64, q(4, 64, DType::BF16)},     {300, 2560, q(4, 64, DType::BF16)},
+      {65, 128, q(4, 128, DType::F16)},     {40, 96, q(4, 32, DType::F32)},      {33, 64, q(8, 64, DType::BF16)},
+      {70, 256, q(8, 128, DType::BF16)},    {31, 64, q(2, 32, DType::BF16)},     {45, 128, q(2, 64, DType::F16)},
+      {29, 96, q(3, 32, DType::BF16)},      {50, 192, q(3, 64, DType::BF16)},    {12, 640, q(3, 128, DType::F32)},
+      {4100, 64, q(4, 64, DType::BF16)},    {17000, 32, q(4, 32, DType::BF16)},  {4099, 40, bf16},
+  };
+  DeviceArena arena;
+  for (const GemvCase& gc : cases) {
+    HostMatrix hm = make_matrix(gc.rows, gc.cols, gc.f, rng);
+    DenseUploader up(&arena);
+    auto dm = up.matrix(hm.m);
+    ASSERT_TRUE(dm.ok()) << dm.status().message();
+    for (int rows : {1, 2, 3, 4, 5, 8}) {
+      const int ldx = static_cast<int>(round_up(gc.cols, 4)) + 4, ldy = static_cast<int>(gc.rows) + 3;
+      std::vector<float> x = randn(static_cast<size_t>(rows) * ldx, rng);
+      std::vector<float> ref(static_cast<size_t>(rows) * gc.rows);
+      for (int r = 0; r < rows; ++r) ck::cpu::matvec(hm.m, x.data() + r * ldx, ref.data() + r * gc.rows);
+      DeviceBuffer<float> xd, yd(static_cast<size_t>(rows) * ldy);
+      matvec(*dm, to_device(x, &xd), ldx, yd.get(), ldy, rows, nullptr);
+      std::vector<float> yh = to_host(yd.get(), static_cast<size_t>(rows) * ldy), got(ref.size());
+      for (int r = 0; r < rows; ++r)
+        std::memcpy(got.data() + r * gc.rows, yh.data() + r * ldy, sizeof(float) * gc.rows);
+      report("matvec " + form_name(gc.f) + " [" + std::to_string(gc.rows) + "x" + std::to_string(gc.cols) + "] rows " +
+                 std::to_string(rows),
+             compare(got, ref, dot_tolerance(hm.m, x, rows, ldx), 0, 0));
+    }
+  }
+}
+
+TEST(CudaOps, GemvMultiJobWithEpilogues) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(77);
+  const int cols = 64, rows = 3, ldx = 64;
+  HostMatrix a = make_matrix(40, cols, WeightForm{DType::U32, 4, 32, DType::BF16}, rng);
+  HostMatrix b = make_matrix(5, cols, WeightForm{DType::BF16}, rng);
+  HostMatrix c = make_matrix(7, cols, WeightForm{DType::F32}, rng);
+  DeviceArena arena;
+  DenseUploader up(&arena);
+  std::vector<float> x = randn(rows * ldx, rng);
+  DeviceBuffer<float> xd, ya(rows * 40), yb(rows * 8), yc(rows * 7);
+  GemvJob jobs[3];
+  jobs[0].w = *up.matrix(a.m); jobs[0].y = ya.get(); jobs[0].ldy = 40; jobs[0].epi = Epilogue::SiluDiv; jobs[0].epi_arg = 3.0f;
+  jobs[1].w = *up.matrix(b.m); jobs[1].y = yb.get(); jobs[1].ldy = 8; jobs[1].epi = Epilogue::TwoSigmoidDiv; jobs[1].epi_arg = 4.0f;
+  jobs[2].w = *up.matrix(c.m); jobs[2].y = yc.get(); jobs[2].ldy = 7;
+  gemv(jobs, 3, to_device(x, &xd), ldx, rows, nullptr);
+  const HostMatrix* hm[3] = {&a, &b, &c};
+  const DeviceBuffer<float>* yd[3] = {&ya, &yb, &yc};
+  for (int j = 0; j < 3; ++j) {
+    const int n = static_cast<int>(hm[j]->m.rows), ld = jobs[j].ldy;
+    std::vector<float> ref(rows * n), got(rows * n), yh = to_host(yd[j]->get(), rows * ld);
+    for (int r = 0; r < rows; ++r) {
+      ck::cpu::matvec(hm[j]->m, x.data() + r * ldx, ref.data() + r * n);
+      for (int o = 0; o < n; ++o) {
+        float& v = ref[r * n + o];
+        if (j == 0) v = ck::cpu::silu(v / 3.0f);
+        if (j == 1) v = 2.0f * ck::cpu::sigmoid(v / 4.0f);
+        got[r * n + o] = yh[r * ld + o];
+      }
+    }
+    report("gemv job " + std::to_string(j) + " with epilogue", compare(got, ref, {}, 2e-5, 1e-4));
+  }
+}
+
+// ------------------------------------------------------------------ experts through pair views
+
+TEST(CudaOps, ExpertProductsThroughPairViews) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(99);
+  const int H = 128, I = 128, SI = 64, k = 3, rows = 2;
+  const WeightForm forms[] = {WeightForm{DType::U32, 4, 64, DType::BF16}, WeightForm{DType::U32, 3, 32, DType::BF16},
+                              WeightForm{DType::BF16}, WeightForm{DType::F32}};
+  DeviceArena arena;
+  DenseUploader up(&arena);
+  struct Ex { HostMatrix g, u, d; };
+  std::vector<Ex> ex;
+  std::vector<ExpertPair> pairs;
+  for (int r = 0; r < rows; ++r)
+    for (int t = 0; t <= k; ++t) {
+      const int inter = t == k ? SI : I;
+      const WeightForm& f = forms[(r * (k + 1) + t) % 4];
+      ex.push_back({make_matrix(inter, H, f, rng), make_matrix(inter, H, f, rng), make_matrix(H, inter, f, rng)});
+      ExpertPair p;
+      p.gate = *up.matrix(ex.back().g.m);
+      p.up = *up.matrix(ex.back().u.m);
+      p.down = *up.matrix(ex.back().d.m);
+      p.x_row = r;
+      p.weight = 0.1f * (t + 1);
+      pairs.push_back(p);
+    }
+  const int n_pairs = static_cast<int>(pairs.size()), ldh = 128, ldy = H;
+  std::vector<float> x = randn(rows * H, rng);
+  DeviceBuffer<float> xd, hd(n_pairs * ldh), yd(n_pairs * ldy);
+  DeviceBuffer<ExpertPair> pd;
+  expert_gate_up(to_device(pairs, &pd), n_pairs, std::max(I, SI), H, to_device(x, &xd), H, hd.get(), ldh, nullptr);
+  expert_down(pd.get(), n_pairs, std::max(I, SI), H, hd.get(), ldh, yd.get(), ldy, nullptr);
+  std::vector<float> hh = to_host(hd.get(), n_pairs * ldh), yh = to_host(yd.get(), n_pairs * ldy);
+  for (int p = 0; p < n_pairs; ++p) {
+    const Ex& e = ex[p];
+    const int inter = static_cast<int>(e.g.m.rows);
+    std::vector<float> gt(inter), u(inter), y(H);
+    const float* xr = x.data() + pairs[p].x_row * H;
+    ck::cpu::matvec(e.g.m, xr, gt.data());
+    ck::cpu::matvec(e.u.m, xr, u.data());
+    for (int i = 0; i < inter; ++i) gt[i] = ck::cpu::silu(gt[i]) * u[i];
+    ck::cpu::matvec(e.d.m, gt.data(), y.data());
+    std::vector<float> g1(hh.begin() + p * ldh, hh.begin() + p * ldh + inter), g2(yh.begin() + p * ldy, yh.begin() + p * ldy + H);
+    report("expert gate/up pair " + std::to_string(p) + " (inter " + std::to_string(inter) + ")", compare(g1, gt, {}, 1e-5, 1e-4));
+    report("expert down pair " + std::to_string(p), compare(g2, y, {}, 1e-5, 1e-4));
+  }
+}
+
+TEST(CudaOps, RouterSoftmaxTopkAndTable) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(5);
+  for (auto [E, k, norm] : {std::tuple{8, 1, 1}, std::tuple{64, 6, 0}, std::tuple{512, 10, 1}, std::tuple{33, 33, 1}}) {
+    const int rows = 3, H = 64, I = 32;
+    std::vector<float> logits = randn(rows * E, rng, 2.0f);
+    logits[1] = logits[2];  // a tie: the lower index wins
+    // A fake table: slot addresses that encode the expert id, so the pairs name what was picked.
+    std::vector<ExpertSlot> table(E);
+    WFormat f;
+    f.kind = static_cast<uint8_t>(WKind::BF16);
+    const uint64_t stride = expert_layout(f, I, H).bytes;
+    for (int e = 0; e < E; ++e) { table[e].addr = reinterpret_cast<const uint8_t*>(0x100000 + e * stride); table[e].fmt = f; }
+    DeviceBuffer<float> ld;
+    DeviceBuffer<ExpertSlot> td;
+    DeviceBuffer<ExpertPair> pd(rows * (k + 1));
+    MoeRouteArgs a;
+    a.logits = to_device(logits, &ld); a.ld = E; a.E = E; a.k = k; a.norm_topk = norm; a.table = to_device(table, &td);
+    a.inter = I; a.hidden = H; a.pairs = pd.get();
+    moe_route(a, rows, nullptr);
+    std::vector<ExpertPair> got = to_host(pd.get(), rows * (k + 1));
+    for (int r = 0; r < rows; ++r) {
+      std::vector<float> p(logits.begin() + r * E, logits.begin() + (r + 1) * E);
+      float mx = *std::max_element(p.begin(), p.end()), sum = 0;
+      for (float& v : p) { v = std::exp(v - mx); sum += v; }
+      for (float& v : p) v /= sum;
+      std::vector<int> top = ck::cpu::topk_desc(p, k);
+      float ts = 0;
+      for (int e : top) ts += p[e];
+      std::vector<float> gw, rw;
+      for (int t = 0; t < k; ++t) {
+        const int e = static_cast<int>((reinterpret_cast<uint64_t>(got[r * (k + 1) + t].gate.data) - 0x100000) / stride);
+        EXPECT_EQ(e, top[t]) << "E " << E << " row " << r << " slot " << t;
+        EXPECT_EQ(got[r * (k + 1) + t].x_row, r);
+        gw.push_back(got[r * (k + 1) + t].weight);
+        rw.push_back(norm ? p[top[t]] / ts : p[top[t]]);
+      }
+      report("router E " + std::to_string(E) + " k " + std::to_string(k) + " row " + std::to_string(r) + " weights",
+             compare(gw, rw, {}, 1e-7, 1e-5));
+    }
+  }
+}
+
+// ------------------------------------------------------------------ norms, RoPE, top-k, argmax, gathers
+
+TEST(CudaOps, NormsAndRope) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(11);
+  for (auto [n, group] : {std::pair{1, 1}, std::pair{48, 16}, std::pair{10240, 2560}, std::pair{300, 300}, std::pair{96, 32}}) {
+    const int rows = 5, ld = n + 4;
+    std::vector<float> x = randn(rows * ld, rng, 3.0f), scale = randn(n, rng);
+    std::vector<float> ref(rows * n), got(rows * n);
+    for (int r = 0; r < rows; ++r) ck::cpu::rmsnorm_grouped(x.data() + r * ld, n, group, scale.data(), 1e-6f, ref.data() + r * n);
+    DeviceBuffer<float> xd, sd, od(rows * ld);
+    rmsnorm_grouped(to_device(x, &xd), n, group, to_device(scale, &sd), 1e-6f, od.get(), rows, ld, nullptr);
+    std::vector<float> oh = to_host(od.get(), rows * ld);
+    for (int r = 0; r < rows; ++r) std::memcpy(got.data() + r * n, oh.data() + r * ld, sizeof(float) * n);
+    report("rmsnorm_grouped n " + std::to_string(n) + " group " + std::to_string(group), compare(got, ref, {}, 1e-7, 4e-6));
+    // l2norm in place
+    for (int r = 0; r < rows; ++r) {
+      std::vector<float> v(x.begin() + r * ld, x.begin() + r * ld + n);
+      ck::cpu::l2norm(v.data(), n, 1e-6f);
+      std::copy(v.begin(), v.end(), ref.begin() + r * n);
+    }
+    l2norm(xd.get(), n, 1e-6f, rows, ld, nullptr);
+    oh = to_host(xd.get(), rows * ld);
+    for (int r = 0; r < rows; ++r) std::memcpy(got.data() + r * n, oh.data() + r * ld, sizeof(float) * n);
+    report("l2norm n " + std::to_string(n), compare(got, ref, {}, 1e-7, 4e-6));
+  }
+  for (auto [dim, rot, theta, pos] : {std::tuple{32, 8, 1e4, 0}, std::tuple{256, 64, 1e7, 5000}, std::tuple{32, 24, 5e5, 123456},
+                                      std::tuple{16, 16, 1e6, 7}}) {
+    const int rows = 4, ld = dim;
+    std::vector<float> x = randn(rows * ld, rng), ref = x;
+    for (int r = 0; r < rows; ++r) ck::cpu::rope(ref.data() + r * ld, rot, pos + r, theta);
+    DeviceBuffer<float> xd, fd;
+    rope(to_device(x, &xd), rot, pos, to_device(rope_inv_freq(rot, theta), &fd), rows, ld, nullptr);
+    float mx = 0;
+    for (float v : x) mx = std::max(mx, std::fabs(v));
+    report("rope dim " + std::to_string(dim) + " rot " + std::to_string(rot) + " pos " + std::to_string(pos),
+           compare(to_host(xd.get(), rows * ld), ref, {}, 1e-6 * mx, 0));
+  }
+}
+
+TEST(CudaOps, TopkAndArgmaxTies) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(3);
+  for (auto [n, k] : {std::pair{1, 1}, std::pair{10, 3}, std::pair{512, 10}, std::pair{1000, 64}, std::pair{7, 7}}) {
+    const int rows = 3;
+    std::vector<float> v = randn(rows * n, rng);
+    for (int i = 0; i + 3 < n; i += 4) v[i + 3] = v[i];            // ties everywhere
+    if (n >= 4) v[n + 2] = v[n + 1] = 1e9f;                          // a tie at the top of row 1
+    DeviceBuffer<float> vd;
+    DeviceBuffer<int32_t> id(rows * k);
+    topk_desc(to_device(v, &vd), n, k, id.get(), rows, n, nullptr);
+    std::vector<int32_t> got = to_host(id.get(), rows * k);
+    for (int r = 0; r < rows; ++r) {
+      std::vector<int> ref = ck::cpu::topk_desc(std::span<const float>(v.data() + r * n, n), k);
+      for (int t = 0; t < k; ++t) EXPECT_EQ(got[r * k + t], ref[t]) << "topk n " << n << " k " << k << " row " << r << " slot " << t;
+    }
+  }
+  for (int64_t n : {int64_t{1}, int64_t{100}, int64_t{8192}, int64_t{8193}, int64_t{248320}}) {
+    const int rows = 4;
+    std::vector<float> v = randn(static_cast<size_t>(rows * n), rng);
+    if (n > 10) { v[n + 5] = v[n + n - 1] = 50.0f; v[3 * n + n - 1] = 60.0f; v[3 * n + 9000 % n] = 60.0f; }
+    DeviceBuffer<float> vd, sd(rows * argmax_scratch_floats(n));
+    DeviceBuffer<int32_t> od(rows);
+    argmax(to_device(v, &vd), n, od.get(), rows, n, sd.get(), nullptr);
+    std::vector<int32_t> got = to_host(od.get(), rows);
+    for (int r = 0; r < rows; ++r)
+      EXPECT_EQ(got[r], ck::cpu::argmax(std::span<const float>(v.data() + r * n, n))) << "argmax n " << n << " row " << r;
+  }
+}
+
+TEST(CudaOps, GatherRowsExact) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(8);
+  for (const WeightForm& f : {WeightForm{DType::F32}, WeightForm{DType::BF16}, WeightForm{DType::F16},
+                              WeightForm{DType::U32, 4, 64, DType::BF16}, WeightForm{DType::U32, 3, 32, DType::F16},
+                              WeightForm{DType::U32, 2, 32, DType::BF16}, WeightForm{DType::U32, 8, 128, DType::F32}}) {
+    const int64_t V = 50, cols = f.bits ? 128 : 37;
+    HostMatrix hm = make_matrix(V, cols, f, rng);
+    DeviceArena arena;
+    DenseUploader up(&arena);
+    const std::vector<int32_t> ids = {0, 49, 7, 7, 23};
+    std::vector<float> ref(ids.size() * cols);
+    for (size_t r = 0; r < ids.size(); ++r) matrix_row(hm.m, ids[r], ref.data() + r * cols);
+    DeviceBuffer<int32_t> idd;
+    DeviceBuffer<float> od(ids.size() * cols);
+    gather_rows(*up.matrix(hm.m), to_device(ids, &idd), static_cast<int>(ids.size()), od.get(), cols, nullptr);
+    report("gather_rows " + form_name(f) + " (exact)", compare(to_host(od.get(), ref.size()), ref, {}, 0, 0));
+  }
+}
+
+// ------------------------------------------------------------------ layer pieces on random models
+
+// Awkward geometries the oracle fixtures do not have: odd head dims, GDN dk not a multiple of 32,
+// shared and routed intermediate sizes that differ, 2/3-bit experts, f16 scales, PLE with ngram 4,
+// indexer ratio 2 and 3, more complete blocks than the budget.
+struct Geometry {
+  std::string name;
+  ModelConfig cfg;
+  RandomModelOptions opt;
+};
+
+ModelConfig base_config() {
+  ModelConfig c;
+  c.model_type = "qwen4_exp_text";
+  c.rms_norm_eps = 1e-6;
+  c.has_indexer = true;
+  c.indexer_kv_heads = 1;
+  c.make_ngram_vocab_size_divisible_by = 64;
+  c.seed = 1234;
+  return c;
+}
+
+std::vector<Geometry> geometries() {
+  std::vector<Geometry> gs;
+  {
+    Geometry g{"bf16 H48 hc3 GDN12x12 QSA r2 silu", base_config(), {}};
+    ModelConfig& c = g.cfg;
+    c.vocab_size = 300; c.hidden_size = 48; c.hc_count = 3; c.hc_lowrank = 24;
+    c.num_hidden_layers = 4;
+    c.layer_types = {LayerKind::LinearAttention, LayerKind::LinearAttention, LayerKind::SparseAttention,
+                     LayerKind::LinearAttention};
+    c.num_attention_heads = 3; c.num_key_value_heads = 1; c.head_dim = 32; c.partial_rotary_factor = 0.75;
+    c.rope_theta = 5e5;
+    c.indexer_n_heads = 3; c.indexer_head_dim = 32; c.indexer_budget = 10; c.indexer_compress_ratio = 2;
+    c.linear_conv_kernel_dim = 4; c.linear_key_head_dim = 12; c.linear_value_head_dim = 12;
+    c.linear_num_key_heads = 2; c.linear_num_value_heads = 4; c.output_gate_type = "silu";
+    c.num_experts = 32; c.num_experts_per_tok = 5; c.norm_topk_prob = false;
+    c.moe_intermediate_size = 32; c.shared_expert_intermediate_size = 48;
+    c.ple_layer_ids = {1, 2}; c.ple_embed_dim = 48; c.ple_conv_kernel_size = 4; c.ngram_size = 3; c.heads_per_ngram = 4;
+    c.ngram_vocab_size_base = 50; c.eos_token_ids = {7};
+    g.opt.dense = WeightForm{DType::BF16};
+    g.opt.router = WeightForm{DType::BF16};
+    g.opt.experts = WeightForm{DType::F32};
+    g.opt.ngram = WeightForm{DType::F32};
+    gs.push_back(g);
+  }
+  {
+    Geometry g{"q4 dense, q4 experts, q8 router, q4g32 n-gram", base_config(), {}};
+    ModelConfig& c = g.cfg;
+    c.vocab_size = 256; c.hidden_size = 64; c.hc_count = 4; c.hc_lowrank = 32;
+    c.num_hidden_layers = 4;
+    c.layer_types = {LayerKind::LinearAttention, LayerKind::SparseAttention, LayerKind::LinearAttention,
+                     LayerKind::SparseAttention};
+    c.num_attention_heads = 2; c.num_key_value_heads = 1; c.head_dim = 64; c.partial_rotary_factor = 0.25;
+    c.rope_theta = 1e7;
+    c.indexer_n_heads = 2; c.indexer_head_dim = 64; c.indexer_budget = 16; c.indexer_compress_ratio = 4;
+    c.linear_conv_kernel_dim = 4; c.linear_key_head_dim = 32; c.linear_value_head_dim = 32;
+    c.linear_num_key_heads = 2; c.linear_num_value_heads = 4; c.output_gate_type = "sigmoid";
+    c.num_experts = 32; c.num_experts_per_tok = 4; c.norm_topk_prob = true;
+    c.moe_intermediate_size = 64; c.shared_expert_intermediate_size = 64;
+    c.ple_layer_ids = {1}; c.ple_embed_dim = 64; c.ple_conv_kernel_size = 4; c.ngram_size = 3; c.heads_per_ngram = 1;
+    c.ngram_vocab_size_base = 100; c.eos_token_ids = {2};
+    g.opt.dense = WeightForm{DType::U32, 4, 32, DType::BF16};
+    g.opt.router = WeightForm{DType::U32, 8, 64, DType::BF16};
+    g.opt.experts = WeightForm{DType::U32, 4, 64, DType::BF16};
+    g.opt.ngram = WeightForm{DType::U32, 4, 32, DType::BF16};
+    gs.push_back(g);
+  }
+  {
+    Geometry g{"f16 dense, q3 experts, q2 router, dk40 dv24, ngram4", base_config(), {}};
+    ModelConfig& c = g.cfg;
+    c.vocab_size = 200; c.hidden_size = 128; c.hc_count = 2; c.hc_lowrank = 64;
+    c.num_hidden_layers = 3;
+    c.layer_types = {LayerKind::LinearAttention, LayerKind::SparseAttention, LayerKind::LinearAttention};
+    c.num_attention_heads = 4; c.num_key_value_heads = 2; c.head_dim = 48; c.partial_rotary_factor = 0.5;
+    c.rope_theta = 1e4;
+    c.indexer_n_heads = 1; c.indexer_head_dim = 48; c.indexer_budget = 9; c.indexer_compress_ratio = 3;
+    c.linear_conv_kernel_dim = 3; c.linear_key_head_dim = 40; c.linear_value_head_dim = 24;
+    c.linear_num_key_heads = 1; c.linear_num_value_heads = 3; c.output_gate_type = "sigmoid";
+    c.num_experts = 16; c.num_experts_per_tok = 3; c.norm_topk_prob = true;
+    c.moe_intermediate_size = 96; c.shared_expert_intermediate_size = 32;
+    c.ple_layer_ids = {1, 3}; c.ple_embed_dim = 48; c.ple_conv_kernel_size = 4; c.ngram_size = 4; c.heads_per_ngram = 2;
+    c.ngram_vocab_size_base = 40; c.eos_token_ids = {199};
+    g.opt.dense = WeightForm{DType::F16};
+    g.opt.router = WeightForm{DType::U32, 2, 32, DType::F16};
+    g.opt.experts = WeightForm{DType::U32, 3, 32, DType::F16};
+    g.opt.ngram = WeightForm{DType::BF16};
+    gs.push_back(g);
+  }
+  return gs;
+}
+
+std::vector<int32_t> random_tokens(int n, int64_t vocab, int64_t eos, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(n);
+  for (int i = 0; i < n; ++i) t[i] = static_cast<int32_t>(rng() % vocab);
+  if (n > 10) t[5] = t[n / 2] = static_cast<int32_t>(eos);
+  return t;
+}
+
+// The CPU reference's layer_token, cut at the same points as the CUDA taps.
+void cpu_taps(const ck::cpu::Model& m, const std::vector<int32_t>& tokens, std::map<std::string, std::vector<float>>* taps,
+              std::vector<float>* logits) {
+  const ModelWeights& w = m.weights();
+  const ModelConfig& c = w.cfg;
+  const int H = c.hidden_size, W = c.wide(), S = c.hc_count;
+  std::vector<ck::cpu::LayerState> st(w.layers.size());
+  for (size_t L = 0; L < st.size(); ++L) m.init_state(st[L], w.layers[L]);
+  auto put = [&](const std::string& name, const float* v, int n) { (*taps)[name].insert((*taps)[name].end(), v, v + n); };
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    std::vector<float> R(W), e(H), u(H), o(H), wt(S), y(H), lg(c.vocab_size);
+    matrix_row(w.embed, tokens[t], e.data());
+    for (int s = 0; s < S; ++s) std::copy(e.begin(), e.end(), R.begin() + s * H);
+    for (size_t L = 0; L < w.layers.size(); ++L) {
+      const LayerWeights& lw = w.layers[L];
+      const std::string pre = "L" + std::to_string(L) + ".";
+      if (lw.ple) {
+        std::vector<float> p(W);
+        m.ple_token(*lw.ple, st[L], R.data(), tokens[t], p.data());
+        for (int i = 0; i < W; ++i) R[i] += p[i];
+        put(pre + "ple", R.data(), W);
+      }
+      m.hc_mix(lw.hc_attn, R.data(), u.data(), wt.data());
+      put(pre + "attn_u", u.data(), H);
+      if (lw.kind == LayerKind::LinearAttention) m.gdn_token(lw.gdn, st[L], u.data(), o.data());
+      else m.attn_token(lw.attn, st[L], u.data(), static_cast<int64_t>(t), o.data());
+      put(pre + "attn_out", o.data(), H);
+      m.hc_combine(R.data(), o.data(), wt.data());
+      put(pre + "post_attn", R.data(), W);
+      m.hc_mix(lw.hc_mlp, R.data(), u.data(), wt.data());
+      put(pre + "moe_u", u.data(), H);
+      ASSERT_TRUE(m.moe_token(lw.moe, static_cast<int>(L), u.data(), o.data()).ok());
+      put(pre + "moe_out", o.data(), H);
+      m.hc_combine(R.data(), o.data(), wt.data());
+      put(pre + "post_moe", R.data(), W);
+    }
+    m.hc_mix(w.final_mixer, R.data(), y.data(), nullptr);
+    put("final_y", y.data(), H);
+    ck::cpu::matvec(w.lm_head, y.data(), lg.data());
+    logits->insert(logits->end(), lg.begin(), lg.end());
+  }
+}
+
+double rel_l2(const float* a, const float* b, size_t n) {
+  double e = 0, r = 0;
+  for (size_t i = 0; i < n; ++i) { e += (double(a[i]) - b[i]) * (double(a[i]) - b[i]); r += double(b[i]) * b[i]; }
+  return r > 0 ? std::sqrt(e / r) : std::sqrt(e);
+}
+
+TEST(CudaOps, LayerPiecesOnRandomModels) {
+  REQUIRE_GPU();
+  for (const Geometry& g : geometries()) {
+    SCOPED_TRACE(g.name);
+    std::printf("geometry: %s\n", g.name.c_str());
+    auto rm = make_random_model(g.cfg, g.opt);
+    ck::cpu::Model cm(rm->weights, rm->experts);
+    auto dm = Model::create(rm->weights, rm->experts);
+    ASSERT_TRUE(dm.ok()) << dm.status().message();
+    const int T = 45;
+    const std::vector<int32_t> tokens = random_tokens(T, g.cfg.vocab_size, g.cfg.ple_eos(), 42);
+    std::map<std::string, std::vector<float>> ref, got;
+    std::vector<float> ref_logits;
+    cpu_taps(cm, tokens, &ref, &ref_logits);
+    auto s = (*dm)->new_session(64);
+    s->set_taps(&got);
+    StepResult res;
+    std::vector<float> logits;
+    int pos = 0;
+    for (int n : {1, 3, 8, 2, 5, 1, 7, 4, 6, 8}) {  // 45 rows in steps of every size
+      ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, n), false, true, &res).ok());
+      s->commit(n);
+      logits.insert(logits.end(), res.logits.begin(), res.logits.end());
+      pos += n;
+    }
+    ASSERT_EQ(pos, T);
+    for (auto& [name, rv] : ref) {
+      ASSERT_TRUE(got.count(name)) << "no CUDA tap " << name;
+      const std::vector<float>& gv = got[name];
+      ASSERT_EQ(gv.size(), rv.size()) << name;
+      const double rl = rel_l2(gv.data(), rv.data(), rv.size());
+      Diff d = compare(gv, rv, {}, 0, 0);
+      std::printf("  %-24s rel_l2 %.3e  max_abs %.3e  nmse %.3e%s\n", name.c_str(), rl, d.max_abs, d.nmse,
+                  rl > 1e-4 ? "  FAIL" : "");
+      EXPECT_LE(rl, 1e-4) << "first piece out of tolerance names the culprit: " << name;
+    }
+    const double rl = rel_l2(logits.data(), ref_logits.data(), ref_logits.size());
+    std::printf("  %-24s rel_l2 %.3e\n", "logits", rl);
+    EXPECT_LE(rl, 1e-4);
+  }
+}
+
+TEST(CudaOps, GraphsEqualDirectLaunches) {
+  REQUIRE_GPU();
+  const Geometry g = geometries()[1];
+  auto rm = make_random_model(g.cfg, g.opt);
+  auto dm = Model::create(rm->weights, rm->experts);
+  ASSERT_TRUE(dm.ok()) << dm.status().message();
+  const std::vector<int32_t> tokens = random_tokens(30, g.cfg.vocab_size, g.cfg.ple_eos(), 9);
+  std::vector<float> a, b;
+  for (bool graphs : {true, false}) {
+    auto s = (*dm)->new_session(64);
+    s->set_use_graphs(graphs);
+    StepResult res;
+    for (int pos = 0, n = 1; pos < 30; pos += n, n = n % 8 + 1) {
+      n = std::min(n, 30 - pos);
+      ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, n), false, true, &res).ok());
+      s->commit(n);
+      (graphs ? a : b).insert((graphs ? a : b).end(), res.logits.begin(), res.logits.end());
+    }
+  }
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "graph replay and direct launches differ";
+}
+
+#else
+TEST(CudaOps, NotBuilt) { GTEST_SKIP() << "this build has no CUDA engine"; }
+#endif
+
+}  // namespace
