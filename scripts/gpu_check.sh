@@ -5,7 +5,7 @@
 # Logs go under $OUT (at most 8 files); a short table is printed last.
 #   OUT=/tmp/out bash scripts/gpu_check.sh
 # Env: CK_BENCH_ARGS (default "--synth-layers 16"), CK_SANITIZE=1 (compute-sanitizer memcheck on a
-# test subset first), CK_TEST_TIMEOUT / CK_BENCH_TIMEOUT (seconds).
+# test subset first), CK_TEST_TIMEOUT / CK_BENCH_TIMEOUT / CK_SANITIZE_TIMEOUT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ck_gpu_check}
@@ -29,14 +29,14 @@ START=$(date +%s)
 cat "$OUT/env.txt"
 
 if [ "${CK_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$D/test_cuda_ops" \
+  timeout "${CK_SANITIZE_TIMEOUT:-60}" stdbuf -oL compute-sanitizer --tool memcheck --error-exitcode 9 "$D/test_cuda_ops" \
     --gtest_filter='CudaOps.Gemv*:CudaOps.Expert*:CudaOps.Router*:CudaOps.Topk*:CudaOps.LayerPieces*' \
     > "$OUT/sanitize.log" 2>&1
   echo "sanitize rc=$?" | tee -a "$OUT/sanitize.log" | tail -1
 fi
 
 run_test() {  # name, log
-  timeout "$TT" "$D/$1" --gtest_color=no > "$OUT/$2" 2>&1
+  timeout "$TT" stdbuf -oL "$D/$1" --gtest_color=no > "$OUT/$2" 2>&1
   local rc=$?
   echo "$1 rc=$rc" >> "$OUT/$2"
   echo "$rc"
@@ -48,7 +48,7 @@ FX=$(ls -d tests/fixtures/oracle/*/ 2>/dev/null | head -1)
 if [ -n "$FX" ]; then
   IDS=$(python3 -c "import numpy as np,sys; print(','.join(str(int(v)) for v in np.load(sys.argv[1])[:24]))" "$FX/prompt_ids.npy" 2>/dev/null)
   if [ -n "$IDS" ]; then
-    timeout 60 "$D/cherenkov" generate --model "$FX" --prompt-ids "$IDS" --max-tokens 8 --backend cuda --check \
+    timeout 60 stdbuf -oL "$D/cherenkov" generate --model "$FX" --prompt-ids "$IDS" --max-tokens 8 --backend cuda --check \
       > "$OUT/generate.log" 2>&1
     echo "generate rc=$? (fixture $FX)" >> "$OUT/generate.log"
   fi
@@ -58,7 +58,7 @@ export CK_CUBLAS=${CK_CUBLAS:-$(ls /usr/local/cuda/lib64/libcublas.so.13* /usr/l
 if [ -z "$CK_CUBLAS" ]; then
   CK_CUBLAS=$(python3 -c "import nvidia.cublas as m, os, glob; print((glob.glob(os.path.join(list(m.__path__)[0], 'lib', 'libcublas.so*')) or [''])[0])" 2>/dev/null)
 fi
-timeout "$BT" "$D/bench_cuda" ${CK_BENCH_ARGS:---synth-layers 16} --out "$OUT/bench.txt" > "$OUT/bench.log" 2>&1
+timeout "$BT" stdbuf -oL "$D/bench_cuda" ${CK_BENCH_ARGS:---synth-layers 16} --out "$OUT/bench.txt" > "$OUT/bench.log" 2>&1
 RC_BENCH=$?
 echo "bench rc=$RC_BENCH (CK_CUBLAS=$CK_CUBLAS)" >> "$OUT/bench.log"
 

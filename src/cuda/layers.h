@@ -54,7 +54,7 @@ struct GdnConvArgs {
 void gdn_conv(const GdnConvArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
 
 // GDN delta rule per value head (spec §6), rows in order, state fp32 on the device, then the gated
-// RMS norm (N2) of each head's output. Preconditions: dk <= 256, dv * ceil(dk/32) <= 1024.
+// RMS norm (N2) of each head's output. Preconditions: dk <= 256, dv * ceil(dk/32) <= 512.
 struct GdnRecArgs {
   const float* y = nullptr; int ldy = 0;      // (rows, 2*Kd + Vd) post-conv: q | k | v
   const float* z = nullptr; int ldz = 0;      // (rows, nv*dv) output gate input

@@ -39,7 +39,7 @@ Status Model::supports(const ModelWeights& w) {
   if (c.linear_conv_kernel_dim < 1 || c.linear_conv_kernel_dim > 8)
     return error("CUDA engine: GDN conv kernel {} (1..8 supported)", c.linear_conv_kernel_dim);
   const int parts = (c.linear_key_head_dim + 31) / 32;
-  if (c.linear_key_head_dim > 256 || c.linear_value_head_dim * parts > 1024)
+  if (c.linear_key_head_dim > 256 || c.linear_value_head_dim * parts > 512)
     return error("CUDA engine: GDN head dims {}x{} are beyond the recurrent kernel", c.linear_key_head_dim,
                  c.linear_value_head_dim);
   bool has_attn = false, has_ple = false;
