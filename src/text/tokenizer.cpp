@@ -63,38 +63,41 @@ bool byte_level_to_bytes(std::string_view token, std::string& out) {
 }
 
 // (left id, right id) -> (rank, merged id), open addressing. The merge lookup is the inner loop
-// of BPE, and std::unordered_map's node chasing costs about 2x here.
+// of BPE: key and value share one 16-byte entry so a probe touches one cache line (the table is
+// 4 MB for 151k merges, far beyond L2), and std::unordered_map's node chasing cost about 2x.
 class MergeTable {
  public:
   struct Value { int32_t rank; int32_t id; };
   void reserve(size_t n) {
     size_t cap = 16;
-    while (cap < n * 2) cap <<= 1;
-    keys_.assign(cap, kEmpty);
-    vals_.assign(cap, {0, 0});
+    while (cap < n * 3 / 2) cap <<= 1;
+    entries_.assign(cap, Entry{kEmpty, {0, 0}});
     mask_ = cap - 1;
   }
   // A repeated pair overwrites the earlier entry, as HF's HashMap collect does.
   void insert(int32_t a, int32_t b, Value v) {
     uint64_t k = key(a, b);
     for (size_t i = hash(k) & mask_;; i = (i + 1) & mask_) {
-      if (keys_[i] == kEmpty || keys_[i] == k) { keys_[i] = k; vals_[i] = v; return; }
+      if (entries_[i].key == kEmpty || entries_[i].key == k) { entries_[i] = {k, v}; return; }
     }
   }
   const Value* find(int32_t a, int32_t b) const {
     uint64_t k = key(a, b);
     for (size_t i = hash(k) & mask_;; i = (i + 1) & mask_) {
-      if (keys_[i] == k) return &vals_[i];
-      if (keys_[i] == kEmpty) return nullptr;
+      if (entries_[i].key == k) return &entries_[i].value;
+      if (entries_[i].key == kEmpty) return nullptr;
     }
   }
 
  private:
+  struct Entry {
+    uint64_t key;
+    Value value;
+  };
   static constexpr uint64_t kEmpty = ~0ull;
   static uint64_t key(int32_t a, int32_t b) { return (uint64_t(uint32_t(a)) << 32) | uint32_t(b); }
   static size_t hash(uint64_t k) { return (k * 0x9E3779B97F4A7C15ull) >> 20; }
-  std::vector<uint64_t> keys_;
-  std::vector<Value> vals_;
+  std::vector<Entry> entries_;
   size_t mask_ = 0;
 };
 
