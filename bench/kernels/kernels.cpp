@@ -155,8 +155,8 @@ void run_kernel_benchmarks(double copy_gbs, FILE* out) {
     DeviceBuffer<float> h(static_cast<size_t>(n_pairs) * I), yo(static_cast<size_t>(n_pairs) * H);
     const double ms = time_ms(20, [&](int i) {
       const ExpertPair* ps = dp.get() + (i % n_sets) * n_pairs;
-      expert_gate_up(ps, n_pairs, I, H, x.get(), H, h.get(), I, nullptr);
-      expert_down(ps, n_pairs, I, H, h.get(), I, yo.get(), H, nullptr);
+      expert_gate_up(ps, n_pairs, I, H, x.get(), H, h.get(), I, true, nullptr);
+      expert_down(ps, n_pairs, I, H, h.get(), I, yo.get(), H, true, nullptr);
     });
     const double bytes = n_pairs * rec_bytes;
     std::snprintf(line, sizeof(line), "kernel   experts %2d pairs (rows %d, top-%d + shared)  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw; "

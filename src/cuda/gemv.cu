@@ -3,11 +3,17 @@
 // read their matrices from ExpertPair views built on the device from the expert table. fp32 activations
 // and fp32 accumulation throughout (the CPU reference's arithmetic, up to summation order).
 //
-// Schedule (docs/roofline-cuda.md): one block per M output rows; its threads stride over "units" of
-// consecutive columns (8 codes = one u32 word for 4-bit, 16 bytes for floats), dequantize a unit once
-// into registers and apply it to all R activation rows, then the block reduces in a fixed order
-// (deterministic: no atomics). Weights are read exactly once per launch, whatever R is.
+// Two schedules (docs/roofline-cuda.md):
+//  v2 (4- and 8-bit codes, the real checkpoint's forms): each warp owns a group of RPW output rows and
+//     sweeps their codes in units of CPU codes per lane (16-byte loads for one activation row); a unit
+//     of x is loaded once and applied to the RPW rows; warps reduce with shuffles only; a grid-stride
+//     loop keeps every resident warp busy; wide, short matrices split K over up to 8 warps of a block
+//     (added in a fixed order through shared memory). Deterministic: no atomics.
+//  v1 (every format): one block per M output rows, threads striding over units, a block reduction.
+//     Kept for the other formats, and selectable (set_gemv_version(1), CK_GEMV=v1) as the reference.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/common.h"
 #include "cuda/ops.h"
@@ -298,6 +304,271 @@ __global__ void __launch_bounds__(256) expert_down_kernel(const ExpertPair* __re
     y[static_cast<size_t>(blockIdx.y) * ldy + row0 + threadIdx.x] = red[8 * M + threadIdx.x];
 }
 
+
+// ------------------------------------------------------------------ v2: 4/8-bit codes, warp per rows
+
+// One unit: CPU codes of BITS bits = CPU*BITS/32 u32 words, loaded with the widest aligned access.
+// Preconditions: cols % 32 == 0 (rows start 16-byte aligned at 4 bits, 32 at 8), group % CPU == 0.
+template <int BITS, int CPU>
+__device__ __forceinline__ void load_unit(const uint8_t* p, uint32_t (&w)[CPU * BITS / 32]) {
+  constexpr int kW = CPU * BITS / 32;
+  if constexpr (kW % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < kW / 4; ++i) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (kW == 2) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x; w[1] = v.y;
+  } else {
+    w[0] = __ldg(reinterpret_cast<const uint32_t*>(p));
+  }
+}
+
+// acc[m][r] += Σ_{c in units [u0, u1) of this lane} w[row0+m][c] · x_r[c]. Rows past the matrix are
+// clamped to its last row (their sums are never stored), so every load is unconditional and the RPW
+// loads of a unit can all be in flight together.
+template <int BITS, int CPU, int R, int RPW>
+__device__ __forceinline__ void qtile(const DMatrix& w, int row0, const float* __restrict__ x, int ldx, int nx, int u0,
+                                      int u1, int lane, float (&acc)[RPW][R]) {
+  constexpr int kW = CPU * BITS / 32;
+  const size_t row_bytes = static_cast<size_t>(w.cols) * BITS / 8;
+  const int n_groups = w.cols / w.fmt.group, upg = w.fmt.group / CPU;
+  const uint8_t sk = w.fmt.scale_kind;
+  int rows_c[RPW];
+#pragma unroll
+  for (int m = 0; m < RPW; ++m) rows_c[m] = min(row0 + m, w.rows - 1);
+  for (int u = u0 + lane; u < u1; u += 32) {
+    float xv[R][CPU];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + static_cast<size_t>(r < nx ? r : nx - 1) * ldx + static_cast<size_t>(u) * CPU;
+#pragma unroll
+      for (int i = 0; i < CPU; i += 4) {
+        const float4 t = __ldg(reinterpret_cast<const float4*>(xr + i));
+        xv[r][i] = t.x; xv[r][i + 1] = t.y; xv[r][i + 2] = t.z; xv[r][i + 3] = t.w;
+      }
+    }
+    const int g = u / upg;
+    uint32_t wd[RPW][kW];
+    float s[RPW], b[RPW];
+#pragma unroll
+    for (int m = 0; m < RPW; ++m) {
+      load_unit<BITS, CPU>(w.data + rows_c[m] * row_bytes + static_cast<size_t>(u) * kW * 4, wd[m]);
+      const size_t si = static_cast<size_t>(rows_c[m]) * n_groups + g;
+      s[m] = load_scale_elem(w.scales, si, sk);
+      b[m] = load_scale_elem(w.biases, si, sk);
+    }
+#pragma unroll
+    for (int m = 0; m < RPW; ++m) {
+#pragma unroll
+      for (int i = 0; i < CPU; ++i) {
+        const uint32_t c = (wd[m][(i * BITS) >> 5] >> ((i * BITS) & 31)) & ((1u << BITS) - 1u);
+        const float wv = fmaf(code_to_float(c), s[m], b[m]);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = fmaf(wv, xv[r][i], acc[m][r]);
+      }
+    }
+  }
+}
+
+constexpr int kRpw = 4;  // output rows per warp
+
+struct QLaunch {
+  GemvJob job[kMaxGemvJobs];
+  int32_t bits[kMaxGemvJobs];
+  int32_t first_batch[kMaxGemvJobs + 1];  // job j owns batches [first_batch[j], first_batch[j+1])
+  int32_t n_jobs;
+  int32_t ks;                             // warps that split one row group's columns (1, 2, 4, 8)
+};
+
+// block 256 (8 warps): a batch is 8/ks row groups of one job; warp w takes row group w/ks and the
+// (w%ks)-th slice of the columns. Grid-stride over batches (the loop is uniform over the block, so
+// its barriers are safe).
+template <int CPU, int R>
+__global__ void __launch_bounds__(256) gemv_q_kernel(const __grid_constant__ QLaunch L, const float* __restrict__ x,
+                                                     int ldx, int nx) {
+  __shared__ float red[8][kRpw * R];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ks = L.ks, gpb = 8 / ks, my_ks = warp % ks, my_g = warp / ks;
+  const int n_batches = L.first_batch[L.n_jobs];
+  for (int batch = blockIdx.x; batch < n_batches; batch += gridDim.x) {
+    int j = 0;
+    while (j + 1 < L.n_jobs && batch >= L.first_batch[j + 1]) ++j;
+    const DMatrix& w = L.job[j].w;
+    const int row0 = ((batch - L.first_batch[j]) * gpb + my_g) * kRpw;
+    const int U = w.cols / CPU, per = (U + ks - 1) / ks;
+    const int u0 = my_ks * per, u1 = min(U, u0 + per);
+    float acc[kRpw][R];
+#pragma unroll
+    for (int m = 0; m < kRpw; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+    if (row0 < w.rows) {
+      if (L.bits[j] == 4) qtile<4, CPU, R, kRpw>(w, row0, x, ldx, nx, u0, u1, lane, acc);
+      else qtile<8, CPU, R, kRpw>(w, row0, x, ldx, nx, u0, u1, lane, acc);
+    }
+#pragma unroll
+    for (int m = 0; m < kRpw; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
+    if (ks > 1) {
+      if (lane == 0) {
+#pragma unroll
+        for (int m = 0; m < kRpw; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) red[warp][m * R + r] = acc[m][r];
+      }
+      __syncthreads();
+      if (my_ks == 0) {
+#pragma unroll
+        for (int m = 0; m < kRpw; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            float t = 0.0f;
+            for (int k = 0; k < ks; ++k) t += red[warp + k][m * R + r];
+            acc[m][r] = t;
+          }
+      }
+      __syncthreads();
+    }
+    if (my_ks == 0 && row0 < w.rows) {
+      const GemvJob& jb = L.job[j];
+#pragma unroll
+      for (int m = 0; m < kRpw; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (lane == m * R + r && row0 + m < w.rows && r < nx)
+            jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue(acc[m][r], jb.epi, jb.epi_arg);
+    }
+  }
+}
+
+// Experts, v2: a warp per (pair, group of kRpw rows), grid-stride, no block barriers.
+// Preconditions: every pair's matrices are 4- or 8-bit codes (cols % 32 == 0); x/h rows 16-byte aligned.
+__global__ void __launch_bounds__(256) expert_gate_up_q_kernel(const ExpertPair* __restrict__ pairs, int n_pairs,
+                                                               int n_rg, const float* __restrict__ x, int ldx,
+                                                               float* __restrict__ h, int ldh) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int total = n_pairs * n_rg;
+  for (int wu = blockIdx.x * 8 + warp; wu < total; wu += gridDim.x * 8) {
+    const int p = wu / n_rg, row0 = (wu % n_rg) * kRpw;
+    const DMatrix gate = pairs[p].gate, up = pairs[p].up;
+    if (row0 >= gate.rows) continue;  // warp-uniform
+    const float* xr = x + static_cast<size_t>(pairs[p].x_row) * ldx;
+    float ag[kRpw][1], au[kRpw][1];
+#pragma unroll
+    for (int m = 0; m < kRpw; ++m) ag[m][0] = au[m][0] = 0.0f;
+    const int U = gate.cols / 32;
+    if (gate.fmt.bits == 4) {
+      qtile<4, 32, 1, kRpw>(gate, row0, xr, ldx, 1, 0, U, lane, ag);
+      qtile<4, 32, 1, kRpw>(up, row0, xr, ldx, 1, 0, U, lane, au);
+    } else {
+      qtile<8, 32, 1, kRpw>(gate, row0, xr, ldx, 1, 0, U, lane, ag);
+      qtile<8, 32, 1, kRpw>(up, row0, xr, ldx, 1, 0, U, lane, au);
+    }
+#pragma unroll
+    for (int m = 0; m < kRpw; ++m) {
+      const float g = warp_sum(ag[m][0]), u = warp_sum(au[m][0]);
+      if (lane == m && row0 + m < gate.rows) h[static_cast<size_t>(p) * ldh + row0 + m] = siluf_(g) * u;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(256) expert_down_q_kernel(const ExpertPair* __restrict__ pairs, int n_pairs, int n_rg,
+                                                            const float* __restrict__ h, int ldh, float* __restrict__ y,
+                                                            int ldy) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int total = n_pairs * n_rg;
+  for (int wu = blockIdx.x * 8 + warp; wu < total; wu += gridDim.x * 8) {
+    const int p = wu / n_rg, row0 = (wu % n_rg) * kRpw;
+    const DMatrix down = pairs[p].down;
+    if (row0 >= down.rows) continue;
+    const float* hr = h + static_cast<size_t>(p) * ldh;
+    float acc[kRpw][1];
+#pragma unroll
+    for (int m = 0; m < kRpw; ++m) acc[m][0] = 0.0f;
+    const int U = down.cols / 8;
+    if (down.fmt.bits == 4) qtile<4, 8, 1, kRpw>(down, row0, hr, ldh, 1, 0, U, lane, acc);
+    else qtile<8, 8, 1, kRpw>(down, row0, hr, ldh, 1, 0, U, lane, acc);
+#pragma unroll
+    for (int m = 0; m < kRpw; ++m) {
+      const float v = warp_sum(acc[m][0]);
+      if (lane == m && row0 + m < down.rows) y[static_cast<size_t>(p) * ldy + row0 + m] = v;
+    }
+  }
+}
+
+int g_gemv_version = 0;  // 0: not yet read from the environment
+
+int sm_count() {
+  static int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+// Resident blocks per SM of a 256-thread kernel (asked once per kernel).
+template <class K>
+int blocks_per_sm(K kernel) {
+  int n = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 256, 0));
+  return std::max(1, n);
+}
+
+template <int CPU, int R>
+void launch_gemv_q(const QLaunch& L, const float* x, int ldx, int nx, cudaStream_t s) {
+  static const int occ = blocks_per_sm(gemv_q_kernel<CPU, R>);
+  const int grid = std::min(L.first_batch[L.n_jobs], sm_count() * occ);
+  gemv_q_kernel<CPU, R><<<grid, 256, 0, s>>>(L, x, ldx, nx);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The v2 launch, or false when some job is not 4/8-bit codes.
+bool gemv_v2(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
+  QLaunch L{};
+  L.n_jobs = n_jobs;
+  int total_groups = 0;
+  for (int j = 0; j < n_jobs; ++j) {
+    const DMatrix& w = jobs[j].w;
+    if (!w.quantized() || (w.fmt.bits != 4 && w.fmt.bits != 8) || w.cols % 32 != 0) return false;
+    L.job[j] = jobs[j];
+    L.bits[j] = w.fmt.bits;
+    total_groups += static_cast<int>(ceil_div(w.rows, kRpw));
+  }
+  const int cols = jobs[0].w.cols;
+  const int cpu = rows == 1 ? (cols >= 1024 ? 32 : 8) : rows == 2 ? (cols >= 1024 ? 16 : 8) : 8;
+  const int U = cols / cpu;
+  // Split the columns over more warps while there are too few row groups to fill the GPU and each
+  // warp keeps at least two full sweeps of its lanes.
+  int ks = 1;
+  while (ks < 8 && total_groups * ks < sm_count() * 16 && U >= 64 * ks * 2) ks *= 2;
+  L.ks = ks;
+  const int gpb = 8 / ks;
+  int batches = 0;
+  for (int j = 0; j < n_jobs; ++j) {
+    L.first_batch[j] = batches;
+    batches += static_cast<int>(ceil_div(ceil_div(jobs[j].w.rows, kRpw), gpb));
+  }
+  L.first_batch[n_jobs] = batches;
+  if (rows == 1) {
+    if (cpu == 32) launch_gemv_q<32, 1>(L, x, ldx, rows, stream);
+    else launch_gemv_q<8, 1>(L, x, ldx, rows, stream);
+  } else if (rows == 2) {
+    if (cpu == 16) launch_gemv_q<16, 2>(L, x, ldx, rows, stream);
+    else launch_gemv_q<8, 2>(L, x, ldx, rows, stream);
+  } else if (rows <= 4) {
+    launch_gemv_q<8, 4>(L, x, ldx, rows, stream);
+  } else {
+    launch_gemv_q<8, 8>(L, x, ldx, rows, stream);
+  }
+  return true;
+}
+
 int threads_for_units(int64_t units) {
   int64_t t = round_up(ceil_div(units, 2), 32);
   return static_cast<int>(std::clamp<int64_t>(t, 32, 256));
@@ -319,10 +590,36 @@ void launch_gemv_m(int m, const GemvLaunch& L, int blocks, int threads, const fl
 
 }  // namespace
 
+void set_gemv_version(int v) { g_gemv_version = v == 1 ? 1 : 2; }
+
+void init_gemv() {
+  (void)sm_count();
+  (void)gemv_version();
+  // The occupancy of each kernel is asked on its first launch; ask now, before any graph capture.
+  static const int occ[] = {blocks_per_sm(gemv_q_kernel<32, 1>), blocks_per_sm(gemv_q_kernel<8, 1>),
+                            blocks_per_sm(gemv_q_kernel<16, 2>), blocks_per_sm(gemv_q_kernel<8, 2>),
+                            blocks_per_sm(gemv_q_kernel<8, 4>), blocks_per_sm(gemv_q_kernel<8, 8>),
+                            blocks_per_sm(expert_gate_up_q_kernel), blocks_per_sm(expert_down_q_kernel)};
+  (void)occ;
+}
+
+int gemv_version() {
+  if (g_gemv_version == 0) {
+    const char* e = std::getenv("CK_GEMV");
+    g_gemv_version = (e && std::strcmp(e, "v1") == 0) ? 1 : 2;
+  }
+  return g_gemv_version;
+}
+
 void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
   CK_REQUIRE(n_jobs >= 1 && n_jobs <= kMaxGemvJobs, "invariant");
   CK_REQUIRE(rows >= 1 && rows <= kMaxRows, "invariant");
   const bool x_aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0;
+  for (int j = 0; j < n_jobs; ++j)
+    CK_REQUIRE(jobs[j].w.cols == jobs[0].w.cols && jobs[j].w.rows >= 1 && jobs[j].w.data && jobs[j].y,
+               "gemv: job %d: %d x %d matrix, output %p (job 0 has %d cols)", j, jobs[j].w.rows, jobs[j].w.cols,
+               static_cast<void*>(jobs[j].y), jobs[0].w.cols);
+  if (gemv_version() == 2 && x_aligned && gemv_v2(jobs, n_jobs, x, ldx, rows, stream)) return;
   GemvLaunch L{};
   L.n_jobs = n_jobs;
   int max_rows = 0;
@@ -363,9 +660,17 @@ void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int ro
 }
 
 void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx, float* h,
-                    int ldh, cudaStream_t stream) {
+                    int ldh, bool codes48, cudaStream_t stream) {
   CK_REQUIRE(n_pairs >= 1 && max_inter >= 1 && hidden >= 1, "invariant");
   CK_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0, "invariant");
+  if (codes48 && gemv_version() == 2) {
+    static const int occ = blocks_per_sm(expert_gate_up_q_kernel);
+    const int n_rg = static_cast<int>(ceil_div(max_inter, kRpw));
+    const int grid = static_cast<int>(std::min<int64_t>(ceil_div(static_cast<int64_t>(n_pairs) * n_rg, 8), sm_count() * occ));
+    expert_gate_up_q_kernel<<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, x, ldx, h, ldh);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   constexpr int M = 2;
   dim3 grid(static_cast<unsigned>(ceil_div(max_inter, M)), static_cast<unsigned>(n_pairs));
   expert_gate_up_kernel<M><<<grid, threads_for_units(ceil_div(hidden, 8)), 0, stream>>>(pairs, x, ldx, h, ldh);
@@ -373,9 +678,17 @@ void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hid
 }
 
 void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
-                 int ldy, cudaStream_t stream) {
+                 int ldy, bool codes48, cudaStream_t stream) {
   CK_REQUIRE(n_pairs >= 1 && max_inter >= 1 && hidden >= 1, "invariant");
   CK_REQUIRE(reinterpret_cast<uintptr_t>(h) % 16 == 0 && ldh % 4 == 0, "invariant");
+  if (codes48 && gemv_version() == 2) {
+    static const int occ = blocks_per_sm(expert_down_q_kernel);
+    const int n_rg = static_cast<int>(ceil_div(hidden, kRpw));
+    const int grid = static_cast<int>(std::min<int64_t>(ceil_div(static_cast<int64_t>(n_pairs) * n_rg, 8), sm_count() * occ));
+    expert_down_q_kernel<<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, h, ldh, y, ldy);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   constexpr int M = 2;
   dim3 grid(static_cast<unsigned>(ceil_div(hidden, M)), static_cast<unsigned>(n_pairs));
   expert_down_kernel<M><<<grid, threads_for_units(ceil_div(max_inter, 8)), 0, stream>>>(pairs, h, ldh, y, ldy);

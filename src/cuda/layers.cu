@@ -9,6 +9,7 @@
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/layers.h"
+#include "cuda/ops.h"
 
 namespace ck::cuda {
 namespace {
@@ -492,6 +493,7 @@ __global__ void moe_combine_kernel(const float* y, int ldy, const ExpertPair* pa
 }  // namespace
 
 void init_kernels() {
+  init_gemv();
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
 }
 

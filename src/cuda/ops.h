@@ -39,14 +39,22 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
 // The twin of cpu::matvec for `rows` rows: y (rows, w.rows) = x (rows, w.cols) · wᵀ.
 void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int rows, cudaStream_t stream);
 
+// Which GEMV schedule runs (gemv.cu): 2, the default (warp per row group for 4/8-bit codes; other
+// formats fall back to 1), or 1 (block per rows, every format). CK_GEMV=v1 in the environment picks 1.
+void set_gemv_version(int v);
+int gemv_version();
+// Reads the device's SM count and the kernels' occupancy once (before any graph capture).
+void init_gemv();
+
 // Routed and shared experts of one MoE block (spec §8), over `n_pairs` (row, expert) pairs.
 // h (n_pairs, ldh) = silu(gate · x_row) * (up · x_row), rows up to max_inter (pairs with a smaller
-// intermediate size leave the rest untouched).
+// intermediate size leave the rest untouched). `codes48`: the caller guarantees every pair's matrices
+// are 4- or 8-bit codes (the faster schedule); otherwise any format.
 void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
-                    float* h, int ldh, cudaStream_t stream);
+                    float* h, int ldh, bool codes48, cudaStream_t stream);
 // y (n_pairs, hidden) = down · h_pair.
 void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
-                 int ldy, cudaStream_t stream);
+                 int ldy, bool codes48, cudaStream_t stream);
 
 // cpu::rmsnorm_grouped on `rows` rows: one statistic per group of `group` values; scale (n) fp32.
 void rmsnorm_grouped(const float* x, int64_t n, int64_t group, const float* scale, float eps, float* out, int rows,

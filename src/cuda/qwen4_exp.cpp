@@ -139,12 +139,18 @@ Status Model::init() {
     ASSIGN_OR_RETURN(d.moe.sh_expert_gate, up.matrix(lw.moe.shared_expert_gate));
   }
   dense_bytes_ = up.bytes();
+  auto codes48 = [](const DMatrix& m) { return m.quantized() && (m.fmt.bits == 4 || m.fmt.bits == 8) && m.cols % 32 == 0; };
   const std::vector<float> inv = rope_inv_freq(c.rotary_dim(), c.rope_theta);
   inv_freq_.resize(std::max<size_t>(1, inv.size()));
   if (!inv.empty()) CUDA_CHECK(cudaMemcpy(inv_freq_.get(), inv.data(), inv.size() * sizeof(float), cudaMemcpyHostToDevice));
   max_inter_ = std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size);
   TRY(upload_experts(*experts_src_, static_cast<int>(w_.layers.size()), c.num_experts, c.moe_intermediate_size,
                      c.hidden_size, &pool_));
+  for (DLayer& d : layers_) {
+    DMatrix g, u, dn;
+    expert_views(nullptr, pool_.fmt, c.moe_intermediate_size, c.hidden_size, &g, &u, &dn);
+    d.moe.codes48 = codes48(g) && codes48(dn) && codes48(d.moe.sh_gate) && codes48(d.moe.sh_up) && codes48(d.moe.sh_down);
+  }
   LOG_INF("cuda", "model: {} layers, H {}, {} experts top-{}; dense {:.2f} GB on device", w_.layers.size(),
           c.hidden_size, c.num_experts, c.num_experts_per_tok, dense_bytes_ / 1e9);
   return {};
@@ -464,8 +470,8 @@ void Session::enqueue_layer(size_t L, int rows) {
     ra.sh_gate = mo.sh_gate; ra.sh_up = mo.sh_up; ra.sh_down = mo.sh_down; ra.pairs = b.pairs;
     moe_route(ra, rows, stream_);
     const int n_pairs = rows * (k + 1);
-    expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, stream_);
-    expert_down(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, stream_);
+    expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, mo.codes48, stream_);
+    expert_down(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, mo.codes48, stream_);
     moe_combine(b.my, b.ldH, b.pairs, k, b.mgl, 4, b.o, b.ldH, H, rows, stream_);
   }
   tap(pre + "moe_out", b.o, rows, H, b.ldH);
