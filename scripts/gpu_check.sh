@@ -62,6 +62,16 @@ timeout "$BT" stdbuf -oL "$D/bench_cuda" ${CK_BENCH_ARGS:---synth-layers 16} --o
 RC_BENCH=$?
 echo "bench rc=$RC_BENCH (CK_CUBLAS=$CK_CUBLAS)" >> "$OUT/bench.log"
 
+# If the default (v2) kernels failed a parity test, check and time the reference schedule (v1) too, so
+# the run still says what works; its output goes to the end of bench.log.
+if [ "$RC_OPS" != 0 ] || [ "$RC_MODEL" != 0 ]; then
+  {
+    echo "================ fallback: CK_GEMV=v1 ================"
+    CK_GEMV=v1 timeout "$TT" stdbuf -oL "$D/test_cuda_model" --gtest_color=no 2>&1 | grep -E '^\[  (PASSED|FAILED) |worst rel L2'
+    CK_GEMV=v1 timeout "$BT" stdbuf -oL "$D/bench_cuda" ${CK_BENCH_ARGS:---synth-layers 16} --no-kernels --prefill 512 2>&1
+  } >> "$OUT/bench.log" 2>&1
+fi
+
 summ() {  # gtest log -> its summary lines ("[  PASSED  ] 9 tests." ...)
   grep -h -E '^\[  (PASSED|FAILED|SKIPPED) \] [0-9]+ test' "$1" 2>/dev/null | tr '\n' ' '
 }
