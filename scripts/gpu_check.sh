@@ -30,7 +30,7 @@ cat "$OUT/env.txt"
 
 if [ "${CK_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   timeout "${CK_SANITIZE_TIMEOUT:-60}" stdbuf -oL compute-sanitizer --tool memcheck --error-exitcode 9 "$D/test_cuda_ops" \
-    --gtest_filter='CudaOps.Gemv*:CudaOps.Expert*:CudaOps.Router*:CudaOps.Topk*:CudaOps.LayerPieces*' \
+    --gtest_filter='CudaOps.Gemv*:CudaOps.Expert*:CudaOps.Router*:CudaOps.Topk*:CudaOps.LayerPieces*:CudaOps.Matvec*' \
     > "$OUT/sanitize.log" 2>&1
   echo "sanitize rc=$?" | tee -a "$OUT/sanitize.log" | tail -1
 fi
