@@ -46,7 +46,7 @@ for f in $S/lib/libicudata.so.*; do
   gcc -shared -fPIC -o "$f" -Wl,-soname,"$(basename "$f")" /tmp/icudata_stub.c
 done
 git rev-parse HEAD > $S/COMMIT
-if git status --porcelain --untracked-files=all -- src/cuda src/engine/session.h src/cli tests/parity bench scripts | grep -q .; then
+if git status --porcelain --untracked-files=all -- src/cuda src/engine/session.h src/cli/model_loader.h src/cli/model_loader.cpp src/cli/cmd_generate.cpp tests/parity/test_cuda_ops.cpp tests/parity/test_cuda_model.cpp bench/e2e bench/kernels scripts/gpu_check.sh scripts/prepare_devcarry.sh | grep -q .; then
   echo "(with uncommitted changes)" >> $S/COMMIT
 fi
 date -u +%Y-%m-%dT%H:%M:%SZ > $S/BUILT
