@@ -103,6 +103,10 @@ std::string py_float_repr(double f) {
 // ---------------------------------------------------------------------------------------------
 // Values
 
+// Nesting limit for the recursive walks over values (JSON input, tojson, ==): deeper data, or a
+// namespace stored inside itself, is an error instead of a stack overflow.
+constexpr int kMaxValueDepth = 256;
+
 struct Value;
 struct Node;
 using List = std::vector<Value>;
@@ -204,18 +208,19 @@ std::string py_str_repr(const std::string& s) {
 }
 
 std::string to_str(const Value& v);
-std::string repr(const Value& v) {
+std::string repr(const Value& v, int depth = 0) {
+  if (depth > kMaxValueDepth) fail(0, "value nested too deeply to print");
   if (v.k == Value::K::Str) return py_str_repr(v.s);
   if (v.k == Value::K::List) {
     std::string out = v.tuple ? "(" : "[";
-    for (size_t n = 0; n < v.l->size(); ++n) out += (n ? ", " : "") + repr((*v.l)[n]);
+    for (size_t n = 0; n < v.l->size(); ++n) out += (n ? ", " : "") + repr((*v.l)[n], depth + 1);
     if (v.tuple && v.l->size() == 1) out += ",";
     return out + (v.tuple ? ")" : "]");
   }
   if (v.k == Value::K::Dict) {
     std::string out = "{";
     size_t n = 0;
-    for (auto& [key, x] : v.d->items) out += (n++ ? ", " : "") + py_str_repr(key) + ": " + repr(x);
+    for (auto& [key, x] : v.d->items) out += (n++ ? ", " : "") + py_str_repr(key) + ": " + repr(x, depth + 1);
     return out + "}";
   }
   return to_str(v);
@@ -237,7 +242,8 @@ std::string to_str(const Value& v) {
   return "";
 }
 
-bool equal(const Value& a, const Value& b) {
+bool equal(const Value& a, const Value& b, int depth = 0) {
+  if (depth > kMaxValueDepth) fail(0, "comparison of values nested too deeply (or containing themselves)");
   if (a.is_num() && b.is_num()) {
     if (a.k == Value::K::Float || b.k == Value::K::Float) return a.as_double() == b.as_double();
     return a.as_int() == b.as_int();
@@ -248,13 +254,13 @@ bool equal(const Value& a, const Value& b) {
     case Value::K::Str: return a.s == b.s;
     case Value::K::List:
       if (a.tuple != b.tuple || a.l->size() != b.l->size()) return false;
-      for (size_t n = 0; n < a.l->size(); ++n) if (!equal((*a.l)[n], (*b.l)[n])) return false;
+      for (size_t n = 0; n < a.l->size(); ++n) if (!equal((*a.l)[n], (*b.l)[n], depth + 1)) return false;
       return true;
     case Value::K::Dict: case Value::K::Ns:
       if (a.d->items.size() != b.d->items.size()) return false;
       for (auto& [key, x] : a.d->items) {
         const Value* y = b.d->find(key);
-        if (!y || !equal(x, *y)) return false;
+        if (!y || !equal(x, *y, depth + 1)) return false;
       }
       return true;
     default: return a.fn == b.fn;
@@ -279,7 +285,8 @@ int compare(const Value& a, const Value& b, int line) {
   fail(line, fmt::format("cannot compare {} with {}", type_name(a), type_name(b)));
 }
 
-Value from_json(const ojson& j) {
+Value from_json(const ojson& j, int depth = 0) {
+  if (depth > kMaxValueDepth) fail(0, "input JSON nested too deeply");
   switch (j.type()) {
     case ojson::value_t::null: return Value::none();
     case ojson::value_t::boolean: return Value::boolean(j.get<bool>());
@@ -289,12 +296,12 @@ Value from_json(const ojson& j) {
     case ojson::value_t::string: return Value::str(j.get<std::string>());
     case ojson::value_t::array: {
       List l;
-      for (auto& x : j) l.push_back(from_json(x));
+      for (auto& x : j) l.push_back(from_json(x, depth + 1));
       return Value::list(std::move(l));
     }
     case ojson::value_t::object: {
       Dict d;
-      for (auto it = j.begin(); it != j.end(); ++it) d.items.emplace_back(it.key(), from_json(it.value()));
+      for (auto it = j.begin(); it != j.end(); ++it) d.items.emplace_back(it.key(), from_json(it.value(), depth + 1));
       return Value::dict(std::move(d));
     }
     default: return Value::none();
@@ -338,6 +345,7 @@ void json_string(const std::string& s, bool ensure_ascii, std::string& out) {
 }
 
 void to_json(const Value& v, const JsonStyle& st, int level, std::string& out, int line) {
+  if (level > kMaxValueDepth) fail(line, "tojson: value nested too deeply (or contains itself)");
   auto newline = [&](int lvl) {
     if (st.indent >= 0) { out += '\n'; out += std::string(static_cast<size_t>(st.indent) * lvl, ' '); }
   };
@@ -692,6 +700,7 @@ class Parser {
   // returns the ender found ("" at the end). The ender's tokens are left in toks_/tp_.
   std::string parse_body(std::vector<NodePtr>& out, const std::vector<std::string>& enders, int open_line,
                          const char* opener) {
+    DepthGuard guard(block_depth_, open_line);
     while (ip_ < pieces_.size()) {
       Piece& p = pieces_[ip_++];
       if (p.p == Piece::P::Text) {
@@ -827,7 +836,18 @@ class Parser {
   }
 
   // --- expressions (precedence as jinja2's parser) ---
+  // Nesting guard: "((((..." or "not not not ..." thousands deep would otherwise overflow the
+  // stack of this recursive-descent parser (and of the evaluator after it).
+  struct DepthGuard {
+    int& depth;
+    DepthGuard(int& d, int line) : depth(d) {
+      if (++depth > 200) fail(line, "nested too deeply");
+    }
+    ~DepthGuard() { --depth; }
+  };
+
   NodePtr parse_expr(bool allow_cond = true) {
+    DepthGuard guard(expr_depth_, cur().line);
     NodePtr e = parse_or();
     while (allow_cond && accept_name("if")) {
       auto c = make(Node::N::Cond, e->line);
@@ -849,6 +869,7 @@ class Parser {
     return l;
   }
   NodePtr parse_not() {
+    DepthGuard guard(expr_depth_, cur().line);
     if (cur().t == Tok::T::Name && cur().s == "not") {
       int line = cur().line;
       ++tp_;
@@ -907,6 +928,7 @@ class Parser {
     return l;
   }
   NodePtr parse_unary(bool with_filter) {
+    DepthGuard guard(expr_depth_, cur().line);
     const Tok& t = cur();
     NodePtr n;
     if (t.t == Tok::T::Op && (t.s == "-" || t.s == "+")) {
@@ -1126,6 +1148,8 @@ class Parser {
   size_t ip_ = 0;
   std::vector<Tok>* toks_ = nullptr;
   size_t tp_ = 0;
+  int expr_depth_ = 0;
+  int block_depth_ = 0;
 };
 
 }  // namespace
@@ -2098,6 +2122,7 @@ Result<ChatTemplate> ChatTemplate::parse(std::string_view source, const std::str
     Parser parser(lexer.run());
     prog->body = parser.parse_template();
   } catch (const TemplateError& e) {
+    if (e.line <= 0) return error("{}: {}", origin, e.msg);
     return error("{}: line {}: {}", origin, e.line, e.msg);
   } catch (const std::exception& e) {
     return error("{}: {}", origin, e.what());
@@ -2113,19 +2138,20 @@ Result<std::string> ChatTemplate::render(const ChatTemplateInput& in) const {
   if (!in.messages.is_array()) return error("{}: messages must be a JSON array", origin);
   if (!in.tools.is_null() && !in.tools.is_array()) return error("{}: tools must be a JSON array", origin);
   Scope root;
-  if (in.extra.is_object()) {
-    for (auto it = in.extra.begin(); it != in.extra.end(); ++it) root.vars[it.key()] = from_json(it.value());
-  }
-  root.vars["messages"] = from_json(in.messages);
-  root.vars["tools"] = from_json(in.tools);
-  root.vars["documents"] = Value::none();
-  root.vars["add_generation_prompt"] = Value::boolean(in.add_generation_prompt);
-  if (in.enable_thinking) root.vars["enable_thinking"] = Value::boolean(*in.enable_thinking);
   std::string out;
   try {
+    if (in.extra.is_object()) {
+      for (auto it = in.extra.begin(); it != in.extra.end(); ++it) root.vars[it.key()] = from_json(it.value());
+    }
+    root.vars["messages"] = from_json(in.messages);
+    root.vars["tools"] = from_json(in.tools);
+    root.vars["documents"] = Value::none();
+    root.vars["add_generation_prompt"] = Value::boolean(in.add_generation_prompt);
+    if (in.enable_thinking) root.vars["enable_thinking"] = Value::boolean(*in.enable_thinking);
     Evaluator ev(&root);
     ev.exec_all(program_->body, root, out);
   } catch (const TemplateError& e) {
+    if (e.line <= 0) return error("{}: {}", origin, e.msg);
     return error("{}: line {}: {}", origin, e.line, e.msg);
   } catch (const std::exception& e) {
     return error("{}: {}", origin, e.what());

@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <map>
+#include <random>
 #include <string>
 
 #include "text/chat_template.h"
@@ -194,4 +195,56 @@ TEST(ChatTemplate, InputValidationAndLoading) {
   bad = ck::text::load_chat_template(dir, nullptr);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("malformed JSON"), std::string::npos);
+}
+
+// Randomly damaged copies of the Qwen3 template, and pathological ones: each must parse and
+// render to a result or an error, never crash or hang. (A crash here fails the whole binary.)
+TEST(ChatTemplate, DamagedTemplatesNeverCrash) {
+  ojson extra;
+  std::string config = *ck::read_file(kSrc + "/tests/fixtures/tokenizer/qwen3/tokenizer_config.json");
+  std::string source = ojson::parse(config)["chat_template"].get<std::string>();
+  ChatTemplateInput in;
+  in.messages = ojson::parse(R"([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "<think>\nr\n</think>\n\nok", "tool_calls": [{"function": {"name": "f", "arguments": {"a": [1, 2]}}}]},
+      {"role": "tool", "content": "res"}])");
+  in.tools = ojson::parse(R"([{"type": "function", "function": {"name": "f"}}])");
+  in.add_generation_prompt = true;
+  std::mt19937 rng(1234);
+  const std::string alphabet = "{}%#-+()[]'\".|~ \n\tabcdefgiflnorstu0123456789=!<>,:*/";
+  size_t n_ok = 0, n_err = 0;
+  for (int k = 0; k < 1500; ++k) {
+    std::string s = source;
+    int n_edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < n_edits; ++e) {
+      size_t at = rng() % (s.size() + 1);
+      switch (rng() % 3) {
+        case 0: s.erase(at, rng() % 12); break;
+        case 1: s.insert(at, 1, alphabet[rng() % alphabet.size()]); break;
+        default: s.insert(at, s.substr(rng() % s.size(), rng() % 40)); break;
+      }
+    }
+    auto t = ChatTemplate::parse(s, "mutant");
+    if (!t.ok()) { ++n_err; continue; }
+    auto r = t->render(in);
+    (r.ok() ? n_ok : n_err)++;
+  }
+  EXPECT_GT(n_ok, 0u);
+  EXPECT_GT(n_err, 0u);
+
+  const std::string deep_parens = "{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}";
+  EXPECT_NE(parse_error(deep_parens).find("nested too deeply"), std::string::npos);
+  std::string deep_ifs;
+  for (int k = 0; k < 5000; ++k) deep_ifs += "{% if true %}";
+  EXPECT_NE(parse_error(deep_ifs).find("nested too deeply"), std::string::npos);
+  std::string nots = "{{ " ;
+  for (int k = 0; k < 5000; ++k) nots += "not ";
+  EXPECT_NE(parse_error(nots + "x }}").find("nested too deeply"), std::string::npos);
+  EXPECT_NE(parse_error("{% set ns = namespace() %}{% set ns.me = ns %}{{ ns | tojson }}").find("nested too deeply"),
+            std::string::npos);
+  ChatTemplateInput deep;
+  std::string nested = std::string(2000, '[') + std::string(2000, ']');
+  deep.messages = ojson::parse("[" + nested + "]");
+  auto t = ChatTemplate::parse("{{ messages | length }}");
+  ASSERT_TRUE(t.ok());
+  EXPECT_FALSE(t->render(deep).ok());
 }

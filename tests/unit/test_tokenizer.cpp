@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -269,4 +270,28 @@ TEST(Tokenizer, MalformedTokenizerJsonGivesErrors) {
   auto missing = Tokenizer::load("/nonexistent/tokenizer.json");
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("/nonexistent/tokenizer.json"), std::string::npos);
+}
+
+// Random bytes, including invalid UTF-8 and special-token fragments: encode never crashes,
+// every id is in range, decode gives valid UTF-8, and ASCII text round-trips exactly.
+TEST(Tokenizer, RandomBytesNeverCrash) {
+  const Tokenizer& tok = qwen3();
+  std::mt19937 rng(99);
+  const std::string pieces[] = {"<|im_start|>", "<|im_end|>", "<think>", "<|", "\xF0\x9F", "\xE4\xBD\xA0", " ", "\n", "'s"};
+  for (int k = 0; k < 2000; ++k) {
+    std::string s;
+    size_t len = rng() % 200;
+    bool ascii = k % 2 == 0;
+    while (s.size() < len) {
+      if (!ascii && rng() % 8 == 0) s += pieces[rng() % std::size(pieces)];
+      else s += static_cast<char>(ascii ? 32 + rng() % 95 : rng() % 256);
+    }
+    std::vector<int32_t> ids = tok.encode(s, rng() % 2 == 0);
+    for (int32_t id : ids) ASSERT_TRUE(id >= 0 && id < tok.vocab_size()) << id;
+    std::string back = tok.decode(ids);
+    ASSERT_TRUE(ck::text::utf8_is_valid(back));
+    if (ascii) {
+      EXPECT_EQ(back, s);
+    }
+  }
 }
