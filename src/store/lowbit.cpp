@@ -7,6 +7,7 @@
 // its error never exceeds TopBits'.
 #include "store/lowbit.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -49,25 +50,29 @@ struct Hist {
 double error_of(const Hist& h, const uint8_t* code, float scale, float bias) {
   double err = 0;
   for (int l = 0; l < h.levels; ++l) {
-    if (!h.n[l]) continue;
     double d = static_cast<double>(scale) * code[l] + bias - h.t[l];
-    err += h.n[l] * d * d;
+    err += h.n[l] * d * d;  // empty levels weigh 0 (branch-free loops run ~2x faster than skipping them)
   }
   return err;
 }
 
-// Best codes for a given (stored) scale and bias: the nearest level, clamped.
 // Round half to even without a libm call (the baseline x86-64 target has no roundsd): exact for
 // |x| < 2^51, far beyond any code here.
 inline double round_even(double x) { return (x + 0x1.8p52) - 0x1.8p52; }
 
-inline uint8_t clamp_code(double c, int dst_max) {
-  return static_cast<uint8_t>(c < 0 ? 0 : (c > dst_max ? dst_max : c));
-}
+inline int clamp_code(double c, double dst_max) { return static_cast<int>(std::min(std::max(c, 0.0), dst_max)); }
 
-void assign(const Hist& h, float scale, float bias, int dst_max, uint8_t* code) {
-  const double inv = scale != 0 ? 1.0 / scale : 0.0;
-  for (int l = 0; l < h.levels; ++l) code[l] = clamp_code(round_even((h.t[l] - bias) * inv), dst_max);
+// Best codes for a stored scale and bias (the nearest level, clamped) and their error, in one pass.
+double assign(const Hist& h, float scale, float bias, int dst_max, uint8_t* code) {
+  const double inv = scale != 0 ? 1.0 / scale : 0.0, sd = scale, bd = bias;
+  double err = 0;
+  for (int l = 0; l < h.levels; ++l) {
+    int c = clamp_code(round_even((h.t[l] - bd) * inv), dst_max);
+    code[l] = static_cast<uint8_t>(c);
+    double d = sd * c + bd - h.t[l];
+    err += h.n[l] * d * d;
+  }
+  return err;
 }
 
 // The per-level code table (code[l] for source level l), scale and bias for one group.
@@ -83,32 +88,34 @@ void fit_group(const Hist& h, int src_bits, float s, float b, int dst_bits, LowB
     int lo = 0, hi = levels - 1;
     while (lo < levels - 1 && !h.n[lo]) ++lo;
     while (hi > 0 && !h.n[hi]) --hi;
+    double sw = 0, sq = 0;  // Σn and Σn·q: fixed for the group
+    for (int l = 0; l < levels; ++l) { sw += h.n[l]; sq += static_cast<double>(h.n[l]) * l; }
     // Starts in units of q: (alpha, beta) = top bits, and the span of the codes present.
     const double starts[2][2] = {{static_cast<double>(1 << shift), ((1 << shift) - 1) * 0.5},
                                  {hi > lo ? static_cast<double>(hi - lo) / dst_max : 1.0, static_cast<double>(lo)}};
     uint8_t code[256], cand[256];
     for (const auto& st : starts) {
       double alpha = st[0], beta = st[1];
-      for (int iter = 0; iter < 16; ++iter) {
-        // Codes given (alpha, beta), in units of the source scale.
-        bool changed = iter == 0;
+      for (int iter = 0; iter < 16; ++iter) {  // converges in 2-3 iterations on bell-shaped groups
+        // Codes given (alpha, beta), in units of the source scale, and the sums of the weighted least
+        // squares of q ~ alpha·c + beta, in one pass.
         const double inv_alpha = 1.0 / alpha;
+        int changed = iter == 0;
+        double sc = 0, scc = 0, scq = 0;
         for (int l = 0; l < levels; ++l) {
-          uint8_t c = clamp_code(round_even((l - beta) * inv_alpha), dst_max);
+          int c = clamp_code(round_even((l - beta) * inv_alpha), dst_max);
           changed |= c != code[l];
-          code[l] = c;
+          code[l] = static_cast<uint8_t>(c);
+          const double w = h.n[l];
+          sc += w * c;
+          scc += w * c * c;
+          scq += w * c * l;
         }
         if (!changed) break;
-        // Weighted least squares of q ~ alpha·c + beta.
-        double sw = 0, sc = 0, scc = 0, sq = 0, scq = 0;
-        for (int l = 0; l < levels; ++l) {
-          if (!h.n[l]) continue;
-          const double w = h.n[l], c = code[l];
-          sw += w; sc += w * c; scc += w * c * c; sq += w * l; scq += w * c * l;
-        }
         double det = sw * scc - sc * sc;
-        if (det <= 1e-12 * sw * sw) beta = sq / sw - alpha * (sc / sw);  // one code: the bias fits the mean
-        else {
+        if (det <= 1e-12 * sw * sw) {
+          beta = sq / sw - alpha * (sc / sw);  // one code for the whole group: the bias fits the mean
+        } else {
           alpha = (sw * scq - sc * sq) / det;
           beta = (sq - alpha * sc) / sw;
         }
@@ -116,8 +123,7 @@ void fit_group(const Hist& h, int src_bits, float s, float b, int dst_bits, LowB
         // The candidate at the stored precision, codes re-picked for the rounded scale and bias.
         float cs = round_to(scale_dtype, static_cast<float>(alpha * s));
         float cb = round_to(scale_dtype, static_cast<float>(b + beta * s));
-        assign(h, cs, cb, dst_max, cand);
-        double err = error_of(h, cand, cs, cb);
+        double err = assign(h, cs, cb, dst_max, cand);
         if (err < best) {
           best = err;
           bs = cs;
