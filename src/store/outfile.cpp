@@ -4,9 +4,12 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 
 #include "store/progress.h"
@@ -60,6 +63,34 @@ Status OutFile::write_at(const void* data, size_t n, uint64_t offset) const {
     p += w;
     n -= static_cast<size_t>(w);
     offset += static_cast<uint64_t>(w);
+  }
+  return {};
+}
+
+Status OutFile::write_pieces_at(const std::vector<Piece>& pieces, uint64_t offset) const {
+  std::vector<iovec> iov;
+  uint64_t total = 0;
+  for (const Piece& p : pieces) {
+    if (!p.n) continue;
+    iov.push_back({const_cast<void*>(p.data), p.n});
+    total += p.n;
+  }
+  size_t first = 0;
+  while (first < iov.size()) {
+    int cnt = static_cast<int>(std::min<size_t>(iov.size() - first, IOV_MAX));
+    ssize_t w = ::pwritev(fd_, iov.data() + first, cnt, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return error("{}: write of {} bytes at offset {} failed: {}", tmp_, total, offset, std::strerror(errno));
+    }
+    offset += static_cast<uint64_t>(w);
+    // Skip the pieces written; a partial piece keeps its tail.
+    size_t left = static_cast<size_t>(w);
+    while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+    if (first < iov.size()) {
+      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
+      iov[first].iov_len -= left;
+    }
   }
   return {};
 }

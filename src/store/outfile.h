@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "util/status.h"
 
@@ -22,6 +23,9 @@ class OutFile {
   static Result<OutFile> create(const std::string& path, uint64_t size);
   // Thread-safe positional write of all n bytes.
   Status write_at(const void* data, size_t n, uint64_t offset) const;
+  // The same for pieces written back to back from `offset` (a record gathered without a copy).
+  struct Piece { const void* data; size_t n; };
+  Status write_pieces_at(const std::vector<Piece>& pieces, uint64_t offset) const;
   // fdatasync (when `sync`), close, rename PATH.tmp -> PATH.
   Status commit(bool sync);
   const std::string& path() const { return path_; }

@@ -141,7 +141,8 @@ Status same_format(const Matrix& a, const Matrix& ref, int rl, int e) {
   return {};
 }
 
-// Fills one primary record (stride bytes, zero padded) from the source views.
+// Fills one primary record (stride bytes, zero padded) from the source views (the quantize and
+// float methods; verbatim Q4 is written straight from the map).
 void build_record(const ExpertFile& f, const ExpertMatrices& src, uint8_t* rec) {
   std::memset(rec + f.record_bytes, 0, f.stride - f.record_bytes);
   const Matrix* mats[3] = {&src.gate, &src.up, &src.down};
@@ -517,29 +518,48 @@ Result<PackReport> pack_store(const PackOptions& o) {
         prefetch_matrix(nx.down);
       }
       auto& b = bufs[th];
-      for (size_t f = 0; f < m.experts.size(); ++f) b[f].resize(m.experts[f].stride);
       const ExpertFile& pf = m.experts[0];
-      build_record(pf, src, b[0].data());
+      ExpertMatrices q4 = src;  // the Q4 matrices the low-bit records are derived from
+      if (pf.method == "copy") {
+        // Verbatim Q4: the record is gathered from the checkpoint's map straight into the file (no
+        // copy through a buffer), hashed piece by piece.
+        static const std::vector<uint8_t> zeros(kAlign, 0);
+        const Matrix* mats[3] = {&src.gate, &src.up, &src.down};
+        const PartLayout* parts[3] = {&pf.gate, &pf.up, &pf.down};
+        std::vector<OutFile::Piece> pieces;
+        for (int k3 = 0; k3 < 3; ++k3) pieces.push_back({mats[k3]->data, parts[k3]->code_bytes});
+        for (int k3 = 0; k3 < 3; ++k3) pieces.push_back({mats[k3]->scales, parts[k3]->scale_bytes});
+        for (int k3 = 0; k3 < 3; ++k3) pieces.push_back({mats[k3]->biases, parts[k3]->scale_bytes});
+        XXH3_state_t* h = XXH3_createState();
+        XXH3_64bits_reset(h);
+        for (const auto& p : pieces) XXH3_64bits_update(h, p.data, p.n);
+        m.experts[0].checksums[k] = XXH3_64bits_digest(h);
+        XXH3_freeState(h);
+        pieces.push_back({zeros.data(), pf.stride - pf.record_bytes});
+        TRY(expert_out[0].write_pieces_at(pieces, k * pf.stride));
+      } else {
+        b[0].resize(pf.stride);
+        build_record(pf, src, b[0].data());
+        m.experts[0].checksums[k] = XXH3_64bits(b[0].data(), pf.record_bytes);
+        TRY(expert_out[0].write_at(b[0].data(), pf.stride, k * pf.stride));
+        q4 = record_views(pf, b[0].data());
+      }
+      TRY(account(pf.stride));
+      for (size_t f = 1; f < m.experts.size(); ++f) {
+        const ExpertFile& lf = m.experts[f];
+        b[f].resize(lf.stride);
+        uint8_t* rec = b[f].data();
+        std::memset(rec + lf.record_bytes, 0, lf.stride - lf.record_bytes);
+        lowbit_matrix(q4.gate, lf.bits, o.method, rec + lf.gate.codes, rec + lf.gate.scales, rec + lf.gate.biases);
+        lowbit_matrix(q4.up, lf.bits, o.method, rec + lf.up.codes, rec + lf.up.scales, rec + lf.up.biases);
+        lowbit_matrix(q4.down, lf.bits, o.method, rec + lf.down.codes, rec + lf.down.scales, rec + lf.down.biases);
+        m.experts[f].checksums[k] = XXH3_64bits(rec, lf.record_bytes);
+        TRY(expert_out[f].write_at(rec, lf.stride, k * lf.stride));
+        TRY(account(lf.stride));
+      }
       release_matrix(src.gate);
       release_matrix(src.up);
       release_matrix(src.down);
-      if (m.experts.size() > 1) {
-        ExpertMatrices q4 = record_views(pf, b[0].data());
-        for (size_t f = 1; f < m.experts.size(); ++f) {
-          const ExpertFile& lf = m.experts[f];
-          uint8_t* rec = b[f].data();
-          std::memset(rec + lf.record_bytes, 0, lf.stride - lf.record_bytes);
-          lowbit_matrix(q4.gate, lf.bits, o.method, rec + lf.gate.codes, rec + lf.gate.scales, rec + lf.gate.biases);
-          lowbit_matrix(q4.up, lf.bits, o.method, rec + lf.up.codes, rec + lf.up.scales, rec + lf.up.biases);
-          lowbit_matrix(q4.down, lf.bits, o.method, rec + lf.down.codes, rec + lf.down.scales, rec + lf.down.biases);
-        }
-      }
-      for (size_t f = 0; f < m.experts.size(); ++f) {
-        const ExpertFile& xf = m.experts[f];
-        m.experts[f].checksums[k] = XXH3_64bits(b[f].data(), xf.record_bytes);
-        TRY(expert_out[f].write_at(b[f].data(), xf.stride, k * xf.stride));
-        TRY(account(xf.stride));
-      }
       return {};
     }));
   }
