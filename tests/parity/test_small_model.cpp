@@ -6,6 +6,10 @@
 
 #include "../common/fixtures.h"
 #include "cpu/qwen4_exp.h"
+#include "store/pack.h"
+#include "store/store.h"
+
+#include <unistd.h>
 
 using namespace ck;
 
@@ -13,6 +17,9 @@ namespace {
 
 const std::string kModel = test::source_dir() + "/models/cherenkov-tiny";
 const std::string kFixture = test::source_dir() + "/tests/fixtures/small_model";
+
+// Checks trunk logits, MTP drafts and greedy tokens of `model` against the fixture.
+void check_against_fixture(const cpu::Model& model, const test::Fixture* fx_in);
 
 TEST(SmallModel, TrunkAndMtpMatchTheTrainingReference) {
   auto fx = test::load_fixture(kFixture);
@@ -22,6 +29,31 @@ TEST(SmallModel, TrunkAndMtpMatchTheTrainingReference) {
   ASSERT_EQ((*ck)->layout, Layout::Mlx);
   ASSERT_TRUE((*ck)->weights.mtp.has_value());
   cpu::Model model((*ck)->weights, (*ck)->experts);
+  check_against_fixture(model, &*fx);
+}
+
+// The same model packed into a store (dense.bin, experts.bin read on demand, ngram.bin).
+TEST(SmallModel, PackedStoreMatchesTheTrainingReference) {
+  auto fx = test::load_fixture(kFixture);
+  ASSERT_TRUE(fx.ok()) << fx.status().message();
+  char tmpl[] = "/tmp/ck_small_store_XXXXXX";
+  std::string dir = std::string(mkdtemp(tmpl)) + "/store";
+  store::PackOptions o;
+  o.src = kModel;
+  o.out = dir;
+  o.sync = false;
+  auto rep = store::pack_store(o);
+  ASSERT_TRUE(rep.ok()) << rep.status().message();
+  store::StoreOptions so;
+  so.verify = store::VerifyReads::Always;
+  auto st = store::open_store(dir, so);
+  ASSERT_TRUE(st.ok()) << st.status().message();
+  ASSERT_TRUE((*st)->weights.mtp.has_value());
+  cpu::Model model((*st)->weights, (*st)->experts);
+  check_against_fixture(model, &*fx);
+}
+
+void check_against_fixture(const cpu::Model& model, const test::Fixture* fx) {
   const int64_t V = model.cfg().vocab_size, W = model.cfg().wide();
   const size_t T = fx->prompt.size();
   auto s = model.new_session();
