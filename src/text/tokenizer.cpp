@@ -657,6 +657,7 @@ void TokenizerImpl::bpe_merge(std::string_view piece, std::vector<int32_t>& out)
       merged[i] = m ? m->id : -1;
     };
     for (int32_t i = 0; i + 1 < n; ++i) look(i);
+    rank[n - 1] = INT32_MAX;  // no pair right of the last symbol; keeps the shifts below defined
     while (n > 1) {
       int32_t best = 0;
       for (int32_t i = 1; i + 1 < n; ++i) {
