@@ -8,7 +8,9 @@
 //     sweeps their codes in units of CPU codes per lane (16-byte loads for one activation row); a unit
 //     of x is loaded once and applied to the RPW rows; warps reduce with shuffles only; a grid-stride
 //     loop keeps every resident warp busy; wide, short matrices split K over up to 8 warps of a block
-//     (added in a fixed order through shared memory). Deterministic: no atomics.
+//     (added in a fixed order through shared memory). Deterministic: no atomics. Its inner loop (qtile,
+//     "v3 arithmetic") sums raw codes times x per unit and applies scale and bias once per unit; the
+//     older arithmetic (qtile_v2, each code dequantized first) stays selectable with CK_GEMV=v2.
 //  v1 (every format): one block per M output rows, threads striding over units, a block reduction.
 //     Kept for the other formats, and selectable (set_gemv_version(1), CK_GEMV=v1) as the reference.
 #include <algorithm>
@@ -326,11 +328,102 @@ __device__ __forceinline__ void load_unit(const uint8_t* p, uint32_t (&w)[CPU * 
   }
 }
 
+// A byte of `v` (k = 0..3, below 256) as a float: PRMT places it in the mantissa of 2^23 (one integer
+// instruction), and 2^23 is subtracted (exact).
+__device__ __forceinline__ float byte_to_float(uint32_t v, int k) {
+  return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7540u + k)) - 8388608.0f;
+}
+
+// v3 arithmetic (the default): per unit of CPU codes (never straddling a group), Σ q·x is accumulated
+// from the raw codes and scale and bias are applied once: Σ (s q + b) x = s Σ q x + b Σ x. Codes are
+// turned into floats two nibbles per byte: one LOP3 masks 4 low (or, after a shift, 4 high) nibbles,
+// then one PRMT + FADD per code. Per code and activation row that is ~2.4 + R instructions instead of
+// ~5 + R. Same loads and schedule as the v2 arithmetic (qtile_v2, kept for CK_GEMV=v2).
+template <int BITS, int CPU, int R, int RPW>
+__device__ __forceinline__ void qtile(const DMatrix& w, int row0, const float* __restrict__ x, int ldx, int nx, int u0,
+                                      int u1, int lane, float (&acc)[RPW][R]) {
+  constexpr int kW = CPU * BITS / 32;
+  const size_t row_bytes = static_cast<size_t>(w.cols) * BITS / 8;
+  const int n_groups = w.cols / w.fmt.group, upg = w.fmt.group / CPU;
+  const uint8_t sk = w.fmt.scale_kind;
+  const uint8_t* rp[RPW];
+  size_t srow[RPW];
+#pragma unroll
+  for (int m = 0; m < RPW; ++m) {
+    const int rc = min(row0 + m, w.rows - 1);
+    rp[m] = w.data + rc * row_bytes;
+    srow[m] = static_cast<size_t>(rc) * n_groups;
+  }
+  for (int u = u0 + lane; u < u1; u += 32) {
+    const int g = u / upg;
+    uint32_t wd[RPW][kW];
+    float s[RPW], b[RPW];
+#pragma unroll
+    for (int m = 0; m < RPW; ++m) {
+      load_unit<BITS, CPU>(rp[m] + static_cast<size_t>(u) * kW * 4, wd[m]);
+      s[m] = load_scale_elem(w.scales, srow[m] + g, sk);
+      b[m] = load_scale_elem(w.biases, srow[m] + g, sk);
+    }
+    // Word by word: the x values of one word's codes are loaded, summed and applied to the RPW rows,
+    // so only 4-8 x values per activation row are live at a time.
+    float sq[RPW][R], sx[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      sx[r] = 0.0f;
+#pragma unroll
+      for (int m = 0; m < RPW; ++m) sq[m][r] = 0.0f;
+    }
+#pragma unroll
+    for (int wi = 0; wi < kW; ++wi) {
+      constexpr int kC = 32 / BITS;  // codes per word
+      float xv[R][kC];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + static_cast<size_t>(r < nx ? r : nx - 1) * ldx + static_cast<size_t>(u) * CPU + wi * kC;
+#pragma unroll
+        for (int i = 0; i < kC; i += 4) {
+          const float4 t = __ldg(reinterpret_cast<const float4*>(xr + i));
+          xv[r][i] = t.x; xv[r][i + 1] = t.y; xv[r][i + 2] = t.z; xv[r][i + 3] = t.w;
+        }
+#pragma unroll
+        for (int i = 0; i < kC; ++i) sx[r] += xv[r][i];
+      }
+#pragma unroll
+      for (int m = 0; m < RPW; ++m) {
+        if constexpr (BITS == 4) {
+          const uint32_t lo = wd[m][wi] & 0x0F0F0F0Fu, hi = (wd[m][wi] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const float q0 = byte_to_float(lo, k), q1 = byte_to_float(hi, k);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              sq[m][r] = fmaf(q0, xv[r][2 * k], sq[m][r]);
+              sq[m][r] = fmaf(q1, xv[r][2 * k + 1], sq[m][r]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const float q = byte_to_float(wd[m][wi], k);
+#pragma unroll
+            for (int r = 0; r < R; ++r) sq[m][r] = fmaf(q, xv[r][k], sq[m][r]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < RPW; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[m][r] = fmaf(s[m], sq[m][r], fmaf(b[m], sx[r], acc[m][r]));
+  }
+}
+
+// The v2 arithmetic (CK_GEMV=v2): every code dequantized to s·q + b before its FMA.
 // acc[m][r] += Σ_{c in units [u0, u1) of this lane} w[row0+m][c] · x_r[c]. Rows past the matrix are
 // clamped to its last row (their sums are never stored), so every load is unconditional and the RPW
 // loads of a unit can all be in flight together.
 template <int BITS, int CPU, int R, int RPW>
-__device__ __forceinline__ void qtile(const DMatrix& w, int row0, const float* __restrict__ x, int ldx, int nx, int u0,
+__device__ __forceinline__ void qtile_v2(const DMatrix& w, int row0, const float* __restrict__ x, int ldx, int nx, int u0,
                                       int u1, int lane, float (&acc)[RPW][R]) {
   constexpr int kW = CPU * BITS / 32;
   const size_t row_bytes = static_cast<size_t>(w.cols) * BITS / 8;
@@ -373,6 +466,13 @@ __device__ __forceinline__ void qtile(const DMatrix& w, int row0, const float* _
   }
 }
 
+template <bool V3, int BITS, int CPU, int R, int RPW>
+__device__ __forceinline__ void qtile_sel(const DMatrix& w, int row0, const float* __restrict__ x, int ldx, int nx,
+                                          int u0, int u1, int lane, float (&acc)[RPW][R]) {
+  if constexpr (V3) qtile<BITS, CPU, R, RPW>(w, row0, x, ldx, nx, u0, u1, lane, acc);
+  else qtile_v2<BITS, CPU, R, RPW>(w, row0, x, ldx, nx, u0, u1, lane, acc);
+}
+
 constexpr int kRpw = 4;  // output rows per warp
 
 struct QLaunch {
@@ -386,8 +486,10 @@ struct QLaunch {
 // block 256 (8 warps): a batch is 8/ks row groups of one job; warp w takes row group w/ks and the
 // (w%ks)-th slice of the columns. Grid-stride over batches (the loop is uniform over the block, so
 // its barriers are safe).
-template <int CPU, int R>
-__global__ void __launch_bounds__(256) gemv_q_kernel(const __grid_constant__ QLaunch L, const float* __restrict__ x,
+// v3: at most 80 registers (3 blocks, 24 warps per SM) for 1 activation row and for 2 rows over short
+// units, 128 (2 blocks) for 2 rows over 16-code units and 4 rows; 8 rows unbounded (a cap spills).
+template <int CPU, int R, bool V3>
+__global__ void __launch_bounds__(256, !V3 ? 1 : (R == 1 || (R == 2 && CPU == 8)) ? 3 : R <= 4 ? 2 : 1) gemv_q_kernel(const __grid_constant__ QLaunch L, const float* __restrict__ x,
                                                      int ldx, int nx) {
   __shared__ float red[8][kRpw * R];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -406,8 +508,8 @@ __global__ void __launch_bounds__(256) gemv_q_kernel(const __grid_constant__ QLa
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
     if (row0 < w.rows) {
-      if (L.bits[j] == 4) qtile<4, CPU, R, kRpw>(w, row0, x, ldx, nx, u0, u1, lane, acc);
-      else qtile<8, CPU, R, kRpw>(w, row0, x, ldx, nx, u0, u1, lane, acc);
+      if (L.bits[j] == 4) qtile_sel<V3, 4, CPU, R, kRpw>(w, row0, x, ldx, nx, u0, u1, lane, acc);
+      else qtile_sel<V3, 8, CPU, R, kRpw>(w, row0, x, ldx, nx, u0, u1, lane, acc);
     }
 #pragma unroll
     for (int m = 0; m < kRpw; ++m)
@@ -447,7 +549,8 @@ __global__ void __launch_bounds__(256) gemv_q_kernel(const __grid_constant__ QLa
 
 // Experts, v2: a warp per (pair, group of kRpw rows), grid-stride, no block barriers.
 // Preconditions: every pair's matrices are 4- or 8-bit codes (cols % 32 == 0); x/h rows 16-byte aligned.
-__global__ void __launch_bounds__(256) expert_gate_up_q_kernel(const ExpertPair* __restrict__ pairs, int n_pairs,
+template <bool V3>
+__global__ void __launch_bounds__(256, V3 ? 2 : 1) expert_gate_up_q_kernel(const ExpertPair* __restrict__ pairs, int n_pairs,
                                                                int n_rg, const float* __restrict__ x, int ldx,
                                                                float* __restrict__ h, int ldh) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -462,11 +565,11 @@ __global__ void __launch_bounds__(256) expert_gate_up_q_kernel(const ExpertPair*
     for (int m = 0; m < kRpw; ++m) ag[m][0] = au[m][0] = 0.0f;
     const int U = gate.cols / 32;
     if (gate.fmt.bits == 4) {
-      qtile<4, 32, 1, kRpw>(gate, row0, xr, ldx, 1, 0, U, lane, ag);
-      qtile<4, 32, 1, kRpw>(up, row0, xr, ldx, 1, 0, U, lane, au);
+      qtile_sel<V3, 4, 32, 1, kRpw>(gate, row0, xr, ldx, 1, 0, U, lane, ag);
+      qtile_sel<V3, 4, 32, 1, kRpw>(up, row0, xr, ldx, 1, 0, U, lane, au);
     } else {
-      qtile<8, 32, 1, kRpw>(gate, row0, xr, ldx, 1, 0, U, lane, ag);
-      qtile<8, 32, 1, kRpw>(up, row0, xr, ldx, 1, 0, U, lane, au);
+      qtile_sel<V3, 8, 32, 1, kRpw>(gate, row0, xr, ldx, 1, 0, U, lane, ag);
+      qtile_sel<V3, 8, 32, 1, kRpw>(up, row0, xr, ldx, 1, 0, U, lane, au);
     }
 #pragma unroll
     for (int m = 0; m < kRpw; ++m) {
@@ -476,7 +579,8 @@ __global__ void __launch_bounds__(256) expert_gate_up_q_kernel(const ExpertPair*
   }
 }
 
-__global__ void __launch_bounds__(256) expert_down_q_kernel(const ExpertPair* __restrict__ pairs, int n_pairs, int n_rg,
+template <bool V3>
+__global__ void __launch_bounds__(256, V3 ? 3 : 1) expert_down_q_kernel(const ExpertPair* __restrict__ pairs, int n_pairs, int n_rg,
                                                             const float* __restrict__ h, int ldh, float* __restrict__ y,
                                                             int ldy) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -490,8 +594,8 @@ __global__ void __launch_bounds__(256) expert_down_q_kernel(const ExpertPair* __
 #pragma unroll
     for (int m = 0; m < kRpw; ++m) acc[m][0] = 0.0f;
     const int U = down.cols / 8;
-    if (down.fmt.bits == 4) qtile<4, 8, 1, kRpw>(down, row0, hr, ldh, 1, 0, U, lane, acc);
-    else qtile<8, 8, 1, kRpw>(down, row0, hr, ldh, 1, 0, U, lane, acc);
+    if (down.fmt.bits == 4) qtile_sel<V3, 4, 8, 1, kRpw>(down, row0, hr, ldh, 1, 0, U, lane, acc);
+    else qtile_sel<V3, 8, 8, 1, kRpw>(down, row0, hr, ldh, 1, 0, U, lane, acc);
 #pragma unroll
     for (int m = 0; m < kRpw; ++m) {
       const float v = warp_sum(acc[m][0]);
@@ -501,6 +605,16 @@ __global__ void __launch_bounds__(256) expert_down_q_kernel(const ExpertPair* __
 }
 
 int g_gemv_version = 0;  // 0: not yet read from the environment
+
+// The arithmetic of the v2 schedule's inner loop: 3 (group sums, the default) or 2 (dequantize each
+// code first; CK_GEMV=v2 in the environment), kept to compare the two in one run.
+int q_arith() {
+  static const int a = [] {
+    const char* e = std::getenv("CK_GEMV");
+    return (e && std::strcmp(e, "v2") == 0) ? 2 : 3;
+  }();
+  return a;
+}
 
 int sm_count() {
   static int n = [] {
@@ -520,12 +634,18 @@ int blocks_per_sm(K kernel) {
   return std::max(1, n);
 }
 
+template <int CPU, int R, bool V3>
+void launch_gemv_q_a(const QLaunch& L, const float* x, int ldx, int nx, cudaStream_t s) {
+  static const int occ = blocks_per_sm(gemv_q_kernel<CPU, R, V3>);
+  const int grid = std::min(L.first_batch[L.n_jobs], sm_count() * occ);
+  gemv_q_kernel<CPU, R, V3><<<grid, 256, 0, s>>>(L, x, ldx, nx);
+  CUDA_CHECK_LAUNCH();
+}
+
 template <int CPU, int R>
 void launch_gemv_q(const QLaunch& L, const float* x, int ldx, int nx, cudaStream_t s) {
-  static const int occ = blocks_per_sm(gemv_q_kernel<CPU, R>);
-  const int grid = std::min(L.first_batch[L.n_jobs], sm_count() * occ);
-  gemv_q_kernel<CPU, R><<<grid, 256, 0, s>>>(L, x, ldx, nx);
-  CUDA_CHECK_LAUNCH();
+  if (q_arith() == 3) launch_gemv_q_a<CPU, R, true>(L, x, ldx, nx, s);
+  else launch_gemv_q_a<CPU, R, false>(L, x, ldx, nx, s);
 }
 
 // The v2 launch, or false when some job is not 4/8-bit codes.
@@ -596,10 +716,16 @@ void init_gemv() {
   (void)sm_count();
   (void)gemv_version();
   // The occupancy of each kernel is asked on its first launch; ask now, before any graph capture.
-  static const int occ[] = {blocks_per_sm(gemv_q_kernel<32, 1>), blocks_per_sm(gemv_q_kernel<8, 1>),
-                            blocks_per_sm(gemv_q_kernel<16, 2>), blocks_per_sm(gemv_q_kernel<8, 2>),
-                            blocks_per_sm(gemv_q_kernel<8, 4>), blocks_per_sm(gemv_q_kernel<8, 8>),
-                            blocks_per_sm(expert_gate_up_q_kernel), blocks_per_sm(expert_down_q_kernel)};
+  (void)q_arith();
+  static const int occ[] = {
+      blocks_per_sm(gemv_q_kernel<32, 1, true>),  blocks_per_sm(gemv_q_kernel<8, 1, true>),
+      blocks_per_sm(gemv_q_kernel<16, 2, true>),  blocks_per_sm(gemv_q_kernel<8, 2, true>),
+      blocks_per_sm(gemv_q_kernel<8, 4, true>),   blocks_per_sm(gemv_q_kernel<8, 8, true>),
+      blocks_per_sm(expert_gate_up_q_kernel<true>), blocks_per_sm(expert_down_q_kernel<true>),
+      blocks_per_sm(gemv_q_kernel<32, 1, false>), blocks_per_sm(gemv_q_kernel<8, 1, false>),
+      blocks_per_sm(gemv_q_kernel<16, 2, false>), blocks_per_sm(gemv_q_kernel<8, 2, false>),
+      blocks_per_sm(gemv_q_kernel<8, 4, false>),  blocks_per_sm(gemv_q_kernel<8, 8, false>),
+      blocks_per_sm(expert_gate_up_q_kernel<false>), blocks_per_sm(expert_down_q_kernel<false>)};
   (void)occ;
 }
 
@@ -664,10 +790,14 @@ void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hid
   CK_REQUIRE(n_pairs >= 1 && max_inter >= 1 && hidden >= 1, "invariant");
   CK_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0, "invariant");
   if (codes48 && gemv_version() == 2) {
-    static const int occ = blocks_per_sm(expert_gate_up_q_kernel);
+    const bool v3 = q_arith() == 3;
+    static const int occ3 = blocks_per_sm(expert_gate_up_q_kernel<true>);
+    static const int occ2 = blocks_per_sm(expert_gate_up_q_kernel<false>);
     const int n_rg = static_cast<int>(ceil_div(max_inter, kRpw));
-    const int grid = static_cast<int>(std::min<int64_t>(ceil_div(static_cast<int64_t>(n_pairs) * n_rg, 8), sm_count() * occ));
-    expert_gate_up_q_kernel<<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, x, ldx, h, ldh);
+    const int grid = static_cast<int>(
+        std::min<int64_t>(ceil_div(static_cast<int64_t>(n_pairs) * n_rg, 8), sm_count() * (v3 ? occ3 : occ2)));
+    if (v3) expert_gate_up_q_kernel<true><<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, x, ldx, h, ldh);
+    else expert_gate_up_q_kernel<false><<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, x, ldx, h, ldh);
     CUDA_CHECK_LAUNCH();
     return;
   }
@@ -682,10 +812,14 @@ void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden
   CK_REQUIRE(n_pairs >= 1 && max_inter >= 1 && hidden >= 1, "invariant");
   CK_REQUIRE(reinterpret_cast<uintptr_t>(h) % 16 == 0 && ldh % 4 == 0, "invariant");
   if (codes48 && gemv_version() == 2) {
-    static const int occ = blocks_per_sm(expert_down_q_kernel);
+    const bool v3 = q_arith() == 3;
+    static const int occ3 = blocks_per_sm(expert_down_q_kernel<true>);
+    static const int occ2 = blocks_per_sm(expert_down_q_kernel<false>);
     const int n_rg = static_cast<int>(ceil_div(hidden, kRpw));
-    const int grid = static_cast<int>(std::min<int64_t>(ceil_div(static_cast<int64_t>(n_pairs) * n_rg, 8), sm_count() * occ));
-    expert_down_q_kernel<<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, h, ldh, y, ldy);
+    const int grid = static_cast<int>(
+        std::min<int64_t>(ceil_div(static_cast<int64_t>(n_pairs) * n_rg, 8), sm_count() * (v3 ? occ3 : occ2)));
+    if (v3) expert_down_q_kernel<true><<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, h, ldh, y, ldy);
+    else expert_down_q_kernel<false><<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, h, ldh, y, ldy);
     CUDA_CHECK_LAUNCH();
     return;
   }
