@@ -7,10 +7,11 @@
 #   bash bench/io/pack_bench.sh [CHERENKOV_BINARY] [WORK_DIR]
 #   env: LAYERS (16), DD_GB (4), THREADS (nproc), KEEP=1 keeps the files
 #
-# Disk budget: 16 layers + MTP at Q4 is 17 x 512 x 2.76 MB = 24.1 GB of experts (+ ~1.7 GB dense,
-# embedding and head at the full 248,320 vocabulary) for the source and as much again for the store:
-# about 52 GB, which fits a 64 GB disk only when it is nearly empty. The script measures what is free
-# and lowers LAYERS until source + store fit with a 10% margin; the summary says which count ran.
+# Disk budget: 16 layers + MTP at Q4 is 17 x 512 x 2.76 MB = 24.1 GB of experts (+ ~1.7 GB of dense
+# tensors, embedding and head at the full 248,320 vocabulary) for the source and as much again for the
+# store: about 52 GB, which fits a 64 GB disk only when it is nearly empty (the source must stay until
+# pack has read it). The script measures what is free and lowers LAYERS until source + store fit with
+# a 5% margin; the summary line says how many layers ran.
 set -euo pipefail
 bin=${1:-build/cherenkov}
 work=${2:-/tmp/ck_pack_bench}
@@ -30,11 +31,12 @@ size_of() { du -sb "$1" | cut -f1; }
 evict() { for f in "$1"/*; do [ -f "$f" ] && dd if="$f" iflag=nocache count=0 status=none of=/dev/null || true; done; }
 
 record=2764800                      # bytes per Q4 expert record (3 x 640 x 2560 / 2 + bf16 scales/biases)
-per_layer=$((512 * record + 60000000))
-fixed=1800000000                    # embedding + head (248320 x 2560 at Q4) + MTP dense + n-gram table
-need() { echo $(( 2 * ( ($1 + 1) * per_layer + fixed ) )); }
+per_layer=$((512 * record + 50000000))  # + a layer's dense tensors (GDN ~45 MB, QSA ~40 MB at Q4)
+fixed=1000000000                    # embedding + head (248320 x 2560 at Q4, 0.72 GB), MTP dense, PLE + n-gram table
+need() { echo $(( 2 * ( ($1 + 1) * per_layer + fixed ) )); }   # source + store, both on this disk
 free=$(df -B1 --output=avail "$work" | tail -1)
-budget=$(( free * 9 / 10 - dd_gb * 1024 * 1024 * 1024 ))
+budget=$(( free * 95 / 100 ))       # the dd file is deleted before synth starts
+if [ $(( dd_gb * 1073741824 )) -gt "$budget" ]; then dd_gb=1; fi
 requested=$layers
 while [ "$layers" -gt 2 ] && [ "$(need "$layers")" -gt "$budget" ]; do layers=$((layers - 1)); done
 if [ "$(need "$layers")" -gt "$budget" ]; then
