@@ -1,4 +1,5 @@
-// manifest.json reading and writing, and the source identity (manifest.h).
+// manifest.json reading and writing, and the source identity (manifest.h). Checksums are written
+// as 16-digit hex strings: JSON numbers above 2^53 do not survive every reader.
 #include "store/manifest.h"
 
 #include <dirent.h>

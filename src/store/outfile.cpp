@@ -1,4 +1,5 @@
-// OutFile and the disk-space check; see outfile.h.
+// OutFile and the disk-space check; see outfile.h. Writes go through the page cache (pwrite,
+// pwritev); durability comes from fdatasync before the rename, not from O_DIRECT.
 #include "store/outfile.h"
 
 #include <fcntl.h>

@@ -1,4 +1,5 @@
-// Progress reporting for store jobs; see progress.h.
+// Progress reporting for store jobs; see progress.h. One mutex guards printing only: threads add
+// bytes with an atomic and skip the report when another thread holds the lock.
 #include "store/progress.h"
 
 #include <sys/resource.h>

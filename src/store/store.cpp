@@ -1,4 +1,6 @@
-// Store reading, on-demand expert records and verification (store.h).
+// Store reading, on-demand expert records and verification (store.h). dense.bin and ngram.bin are
+// memory-mapped and seen as one TensorSet; expert records are read with pread, never mapped, so a
+// corrupt or missing record is an error on its read rather than a SIGBUS.
 #include "store/store.h"
 
 #include <fcntl.h>
