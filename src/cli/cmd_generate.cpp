@@ -45,6 +45,11 @@ int run_generate(int argc, char** argv) {
   app.add_option("--logits-out", logits_out, "write float32 logits of every prompt position, [T, vocab], as .npy");
   app.add_option("--backend", backend, "cpu (the reference), cuda, or auto (cuda when a GPU is visible)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  ck::cli::LoadOptions load_opts;
+  app.add_option("--experts", load_opts.expert_bits, "store only: expert records of 4 (experts.bin), 3 or 2 bits")
+      ->check(CLI::IsMember({2, 3, 4}));
+  app.add_option("--verify-reads", load_opts.verify_reads, "store only: checksum expert reads: always, sampled, never")
+      ->check(CLI::IsMember({"always", "sampled", "never"}));
   app.add_flag("--check", check, "run the CPU reference beside the backend; print the max logit difference per step");
   try {
     app.parse(argc, argv);
@@ -57,7 +62,7 @@ int run_generate(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", err.c_str());
     return 2;
   }
-  auto loaded = ck::cli::load_model(model_dir, backend);
+  auto loaded = ck::cli::load_model(model_dir, backend, load_opts);
   if (!loaded.ok()) {
     std::fprintf(stderr, "error: %s\n", loaded.status().message().c_str());
     return 1;

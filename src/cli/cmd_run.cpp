@@ -141,12 +141,17 @@ int run_run(int argc, char** argv) {
   app.add_option("--enable-thinking", thinking, "pass enable_thinking to the template")->check(CLI::IsMember({"true", "false"}));
   app.add_flag("--raw", raw, "no chat template: the prompt is fed as is");
   app.add_option("--backend", backend, "cpu, cuda or auto")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  ck::cli::LoadOptions load_opts;
+  app.add_option("--experts", load_opts.expert_bits, "store only: expert records of 4 (experts.bin), 3 or 2 bits")
+      ->check(CLI::IsMember({2, 3, 4}));
+  app.add_option("--verify-reads", load_opts.verify_reads, "store only: checksum expert reads: always, sampled, never")
+      ->check(CLI::IsMember({"always", "sampled", "never"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  auto loaded = ck::cli::load_model(model_dir, backend);
+  auto loaded = ck::cli::load_model(model_dir, backend, load_opts);
   if (!loaded.ok()) {
     std::fprintf(stderr, "error: %s\n", loaded.status().message().c_str());
     return 1;
