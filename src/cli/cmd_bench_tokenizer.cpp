@@ -79,6 +79,6 @@ int run_bench_tokenizer(int argc, char** argv) {
   return 0;
 }
 
-ck::cli::Registrar reg("bench-tokenizer", "measure tokenizer encode speed (MB/s, one core)", run_bench_tokenizer);
+ck::cli::Registrar register_bench_tokenizer("bench-tokenizer", "measure tokenizer encode speed (MB/s, one core)", run_bench_tokenizer);
 
 }  // namespace

@@ -129,6 +129,6 @@ int run_generate(int argc, char** argv) {
   return 0;
 }
 
-ck::cli::Registrar reg("generate", "greedy generation from token ids (the test contract)", run_generate);
+ck::cli::Registrar register_generate("generate", "greedy generation from token ids (the test contract)", run_generate);
 
 }  // namespace

@@ -57,6 +57,6 @@ int run_pack(int argc, char** argv) {
   return 0;
 }
 
-ck::cli::Registrar reg("pack", "pack a checkpoint into a store (experts.bin, dense.bin, ngram.bin)", run_pack);
+ck::cli::Registrar register_pack("pack", "pack a checkpoint into a store (experts.bin, dense.bin, ngram.bin)", run_pack);
 
 }  // namespace

@@ -7,7 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
-#include <nlohmann/json.hpp>
+#include "util/json.h"
 #include <string>
 #include <vector>
 
@@ -37,8 +37,8 @@ std::vector<int32_t> stop_ids(const std::string& dir, const ck::ModelConfig& cfg
   };
   auto gen = ck::read_file(ck::join_path(dir, "generation_config.json"));
   if (gen.ok()) {
-    auto j = nlohmann::json::parse(*gen, nullptr, false);
-    if (j.is_object() && j.contains("eos_token_id")) add(j["eos_token_id"]);
+    auto j = ck::parse_json(*gen);
+    if (j.ok() && j->is_object() && j->contains("eos_token_id")) add((*j)["eos_token_id"]);
   }
   if (ids.empty())
     for (int64_t e : cfg.eos_token_ids) ids.push_back(static_cast<int32_t>(e));
@@ -204,6 +204,6 @@ int run_run(int argc, char** argv) {
   return 0;
 }
 
-ck::cli::Registrar reg("run", "generate text from a prompt, or chat (default: the embedded small model)", run_run);
+ck::cli::Registrar register_run("run", "generate text from a prompt, or chat (default: the embedded small model)", run_run);
 
 }  // namespace

@@ -47,6 +47,6 @@ int run_synth(int argc, char** argv) {
   return 0;
 }
 
-ck::cli::Registrar reg("synth", "write a random checkpoint with a released model's geometry", run_synth);
+ck::cli::Registrar register_synth("synth", "write a random checkpoint with a released model's geometry", run_synth);
 
 }  // namespace

@@ -20,12 +20,12 @@ bool read_json(const std::string& path, ojson& out) {
     std::fprintf(stderr, "error: %s\n", text.status().message().c_str());
     return false;
   }
-  try {
-    out = ojson::parse(*text);
-  } catch (const ojson::exception& e) {
-    std::fprintf(stderr, "error: %s: malformed JSON: %s\n", path.c_str(), e.what());
+  auto parsed = ck::parse_ojson(*text);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "error: %s: malformed JSON: %s\n", path.c_str(), parsed.status().message().c_str());
     return false;
   }
+  out = std::move(*parsed);
   return true;
 }
 
@@ -81,6 +81,6 @@ int run_template(int argc, char** argv) {
   return 0;
 }
 
-ck::cli::Registrar reg("template", "render a model's chat template for a conversation", run_template);
+ck::cli::Registrar register_template("template", "render a model's chat template for a conversation", run_template);
 
 }  // namespace

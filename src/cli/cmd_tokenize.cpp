@@ -9,7 +9,7 @@
 #include <iterator>
 #include <string>
 
-#include <nlohmann/json.hpp>
+#include "util/json.h"
 
 #include "cli/command.h"
 #include "text/tokenizer.h"
@@ -98,13 +98,12 @@ int run_tokenize(int argc, char** argv) {
   size_t line_no = 0;
   while (std::getline(std::cin, line)) {
     ++line_no;
-    json v;
-    try {
-      v = json::parse(line);
-    } catch (const json::exception& e) {
-      std::fprintf(stderr, "error: stdin line %zu: malformed JSON: %s\n", line_no, e.what());
+    auto parsed = ck::parse_json(line);
+    if (!parsed.ok()) {
+      std::fprintf(stderr, "error: stdin line %zu: malformed JSON: %s\n", line_no, parsed.status().message().c_str());
       return 1;
     }
+    const json& v = *parsed;
     std::string out;
     if (decode) {
       if (!v.is_array()) {
@@ -119,19 +118,19 @@ int run_tokenize(int argc, char** argv) {
         }
         ids.push_back(x.get<int32_t>());
       }
-      out = json(tok->decode(ids, skip_special)).dump() + "\n";
+      out = ck::dump_json(json(tok->decode(ids, skip_special))) + "\n";
     } else {
       if (!v.is_string()) {
         std::fprintf(stderr, "error: stdin line %zu: expected a JSON string\n", line_no);
         return 1;
       }
-      out = json(tok->encode(v.get_ref<const std::string&>(), !no_special)).dump() + "\n";
+      out = ck::dump_json(json(tok->encode(v.get_ref<const std::string&>(), !no_special))) + "\n";
     }
     std::fwrite(out.data(), 1, out.size(), stdout);
   }
   return 0;
 }
 
-ck::cli::Registrar reg("tokenize", "text on stdin -> token ids (or ids -> text with --decode)", run_tokenize);
+ck::cli::Registrar register_tokenize("tokenize", "text on stdin -> token ids (or ids -> text with --decode)", run_tokenize);
 
 }  // namespace

@@ -33,6 +33,6 @@ int run_verify(int argc, char** argv) {
   return r->failures.empty() ? 0 : 1;
 }
 
-ck::cli::Registrar reg("verify", "check every checksum of a store", run_verify);
+ck::cli::Registrar register_verify("verify", "check every checksum of a store", run_verify);
 
 }  // namespace

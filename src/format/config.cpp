@@ -6,13 +6,12 @@
 #include <cmath>
 #include <set>
 
-#include <nlohmann/json.hpp>
+#include "util/json.h"
 
 #include "util/file.h"
 
 namespace ck {
 
-using nlohmann::json;
 
 std::optional<QuantSpec> QuantConfig::for_module(const std::string& module_path) const {
   auto it = overrides.find(module_path);
@@ -34,7 +33,7 @@ struct Reader {
   std::string origin;  // "config.json" or "config.json: text_config"
 
   Status bad(const std::string& key, const std::string& want) const {
-    return error("{}: field '{}' must be {}, got {}", origin, key, want, obj.at(key).dump());
+    return error("{}: field '{}' must be {}, got {}", origin, key, want, dump_json(obj.at(key)));
   }
   bool has(const std::string& key) const { return obj.contains(key) && !obj.at(key).is_null(); }
 
@@ -327,12 +326,9 @@ Status parse_text(const json& t, const std::string& origin, ModelConfig* c) {
 }  // namespace
 
 Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin) {
-  json j;
-  try {
-    j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    return error("{}: invalid JSON: {}", origin, e.what());
-  }
+  Result<json> parsed = parse_json(json_text);
+  if (!parsed.ok()) return error("{}: invalid JSON: {}", origin, parsed.status().message());
+  const json& j = *parsed;
   if (!j.is_object()) return error("{}: top level must be a JSON object", origin);
   ModelConfig c;
   c.path = origin;
@@ -352,7 +348,7 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
     }
     text_origin = origin + ": text_config";
     if (text->contains("model_type") && (*text)["model_type"] != "qwen4_exp_text")
-      return error("{}: model_type is {} (expected 'qwen4_exp_text')", text_origin, (*text)["model_type"].dump());
+      return error("{}: model_type is {} (expected 'qwen4_exp_text')", text_origin, dump_json((*text)["model_type"]));
   } else if (c.model_type != "qwen4_exp_text") {
     return error("{}: unknown architecture '{}' (expected model_type 'qwen4_exp' or 'qwen4_exp_text')", origin,
                  c.model_type);

@@ -40,6 +40,15 @@ float load_float(DType dtype, const uint8_t* base, int64_t i) {
   return 0;
 }
 
+void store_float(DType dtype, uint8_t* base, int64_t i, float v) {
+  switch (dtype) {
+    case DType::F32: std::memcpy(base + 4 * i, &v, 4); return;
+    case DType::BF16: { uint16_t h = f32_to_bf16(v); std::memcpy(base + 2 * i, &h, 2); return; }
+    case DType::F16: { uint16_t h = f32_to_f16(v); std::memcpy(base + 2 * i, &h, 2); return; }
+    default: CHECK_MSG(false, "store_float: dtype {} is not a writable float type", dtype_name(dtype));
+  }
+}
+
 void matrix_row(const Matrix& m, int64_t r, float* out) {
   if (!m.quantized()) {
     const uint8_t* row = m.data + static_cast<size_t>(r * m.cols) * dtype_size(m.dtype);

@@ -34,6 +34,8 @@ struct Matrix {
 
 // Reads element i of a float array of the given dtype.
 float load_float(DType dtype, const uint8_t* base, int64_t i);
+// Writes element i of a float array (f32, bf16 or f16, rounded to nearest even).
+void store_float(DType dtype, uint8_t* base, int64_t i, float v);
 
 // Code i of a little-endian bit stream of `bits`-bit codes. MLX packs 2/4/8-bit codes in u32 words
 // lowest bits first and 3/5/6-bit codes in 3- or 5-byte units lowest bits first: in every case code i

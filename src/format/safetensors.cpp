@@ -7,11 +7,10 @@
 #include <algorithm>
 #include <cstring>
 
-#include <nlohmann/json.hpp>
+#include "util/json.h"
 
 namespace ck {
 
-using nlohmann::json;
 
 namespace {
 struct DTypeRow { DType t; const char* name; size_t size; };
@@ -58,12 +57,9 @@ Status parse_safetensors_header(const uint8_t* file_data, size_t file_size, cons
   if (header_len > (100u << 20)) return error("{}: header length {} exceeds 100 MB", origin, header_len);
   const uint8_t* data = file_data + 8 + header_len;
   size_t data_size = file_size - 8 - header_len;
-  json h;
-  try {
-    h = json::parse(file_data + 8, file_data + 8 + header_len);
-  } catch (const json::exception& e) {
-    return error("{}: corrupt safetensors header (invalid JSON: {})", origin, e.what());
-  }
+  Result<json> parsed = parse_json({reinterpret_cast<const char*>(file_data) + 8, static_cast<size_t>(header_len)});
+  if (!parsed.ok()) return error("{}: corrupt safetensors header (invalid JSON: {})", origin, parsed.status().message());
+  const json& h = *parsed;
   if (!h.is_object()) return error("{}: safetensors header is not a JSON object", origin);
   std::vector<std::pair<size_t, size_t>> ranges;
   for (auto it = h.begin(); it != h.end(); ++it) {
@@ -76,7 +72,7 @@ Status parse_safetensors_header(const uint8_t* file_data, size_t file_size, cons
     t.name = name;
     t.file = origin;
     if (!v["dtype"].is_string() || !parse_dtype(v["dtype"].get<std::string>(), &t.dtype))
-      return error("{}: tensor '{}': unknown dtype {}", origin, name, v["dtype"].dump());
+      return error("{}: tensor '{}': unknown dtype {}", origin, name, dump_json(v["dtype"]));
     if (!v["shape"].is_array()) return error("{}: tensor '{}': shape is not a list", origin, name);
     unsigned __int128 numel = 1;
     for (const json& d : v["shape"]) {
@@ -132,12 +128,9 @@ Result<TensorSet> TensorSet::open_dir(const std::string& dir) {
   std::vector<std::string> files;
   if (file_exists(index)) {
     ASSIGN_OR_RETURN(std::string text, read_file(index));
-    json j;
-    try {
-      j = json::parse(text);
-    } catch (const json::exception& e) {
-      return error("{}: invalid JSON: {}", index, e.what());
-    }
+    Result<json> parsed = parse_json(text);
+    if (!parsed.ok()) return error("{}: invalid JSON: {}", index, parsed.status().message());
+    const json& j = *parsed;
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       return error("{}: missing 'weight_map' object", index);
     std::vector<std::string> names;

@@ -33,11 +33,6 @@ float round_to(DType t, float v) {
   return v;
 }
 
-void store_scalar(DType t, uint8_t* base, int64_t i, float v) {
-  if (t == DType::BF16) { uint16_t h = f32_to_bf16(v); std::memcpy(base + 2 * i, &h, 2); }
-  else if (t == DType::F16) { uint16_t h = f32_to_f16(v); std::memcpy(base + 2 * i, &h, 2); }
-  else std::memcpy(base + 4 * i, &v, 4);
-}
 
 // The group's histogram and targets, in absolute units: level l (a source code) decodes to t[l].
 struct Hist {
@@ -179,8 +174,8 @@ void lowbit_matrix(const Matrix& src, int dst_bits, LowBitMethod m, uint8_t* cod
       float ns, nb;
       fit_group(h, src.bits, s, b, dst_bits, m, src.scale_dtype, table, &ns, &nb);
       for (int i = 0; i < gs; ++i) c[gi * gs + i] = table[q[gi * gs + i]];
-      store_scalar(src.scale_dtype, scales, r * n_groups + gi, ns);
-      store_scalar(src.scale_dtype, biases, r * n_groups + gi, nb);
+      store_float(src.scale_dtype, scales, r * n_groups + gi, ns);
+      store_float(src.scale_dtype, biases, r * n_groups + gi, nb);
     }
     // Pack the row's codes lowest bits first (the MLX bit stream; rows are whole bytes).
     uint8_t* out = codes + static_cast<size_t>(r) * dst_row_bytes;

@@ -12,13 +12,12 @@
 #include <cerrno>
 #include <cstring>
 
-#include <nlohmann/json.hpp>
+#include "util/json.h"
 
 #include "util/file.h"
 
 namespace ck::store {
 
-using nlohmann::json;
 
 std::string hex64(uint64_t v) { return fmt::format("{:016x}", v); }
 
@@ -76,7 +75,7 @@ struct J {
     try {
       *out = j.at(k).get<T>();
     } catch (const json::exception& e) {
-      return error("{}: '{}' has the wrong type ({})", where, k, j.at(k).dump());
+      return error("{}: '{}' has the wrong type ({})", where, k, dump_json(j.at(k)));
     }
     return {};
   }
@@ -152,16 +151,13 @@ std::string manifest_to_json(const Manifest& m) {
       {"ngram", {{"file", m.ngram_file}, {"size", m.ngram_size}, {"block", kNgramBlock}, {"tables", ngram},
                  {"checksums", nsums}}},
   };
-  return j.dump(1) + "\n";
+  return dump_json(j, 1) + "\n";
 }
 
 Result<Manifest> parse_manifest(const std::string& text, const std::string& origin) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    return error("{}: invalid JSON: {}", origin, e.what());
-  }
+  Result<json> parsed = parse_json(text);
+  if (!parsed.ok()) return error("{}: invalid JSON: {}", origin, parsed.status().message());
+  const json& j = *parsed;
   J r{j, origin};
   Manifest m;
   std::string fmt_name;

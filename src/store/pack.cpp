@@ -22,6 +22,7 @@
 #include "store/outfile.h"
 #include "store/progress.h"
 #include "util/file.h"
+#include "util/parallel.h"
 #include "util/half.h"
 #include "util/log.h"
 
@@ -66,11 +67,6 @@ void prefetch(const void* p, size_t n) {
   if (n) ::madvise(reinterpret_cast<void*>(a), b - a, MADV_WILLNEED);
 }
 
-void store_scalar(DType t, uint8_t* base, int64_t i, float v) {
-  if (t == DType::BF16) { uint16_t h = f32_to_bf16(v); std::memcpy(base + 2 * i, &h, 2); }
-  else if (t == DType::F16) { uint16_t h = f32_to_f16(v); std::memcpy(base + 2 * i, &h, 2); }
-  else std::memcpy(base + 4 * i, &v, 4);
-}
 
 // Quantizes rows [r0, r1) of float matrix m (MLX rule, bits/group) into codes/scales/biases laid out
 // from row r0 (codes: rows back to back; scales/biases: [rows, cols/group] in scale_dtype).
@@ -88,8 +84,8 @@ void quantize_rows(const Matrix& m, int64_t r0, int64_t r1, int bits, int group,
       float s, b;
       quantize_group(row.data() + g * group, group, bits, q.data(), &s, &b);
       for (int i = 0; i < group; ++i) set_code(out, g * group + i, bits, q[i]);
-      store_scalar(scale_dtype, scales, (r - r0) * n_groups + g, s);
-      store_scalar(scale_dtype, biases, (r - r0) * n_groups + g, b);
+      store_float(scale_dtype, scales, (r - r0) * n_groups + g, s);
+      store_float(scale_dtype, biases, (r - r0) * n_groups + g, b);
     }
   }
 }
@@ -256,23 +252,6 @@ void fill_ngram(const std::vector<NgramSource>& tables, uint64_t off, uint64_t n
 
 // ---- work distribution ----
 
-// Runs fn(item, thread) for items [0, n) on `threads` threads; stops at the first error.
-Status parallel_for(size_t n, int threads, const std::function<Status(size_t, int)>& fn) {
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::vector<Status> errors(threads);
-  auto worker = [&](int id) {
-    for (size_t i; !failed && (i = next.fetch_add(1)) < n;) {
-      Status st = fn(i, id);
-      if (!st.ok()) { errors[id] = st; failed = true; return; }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int i = 0; i < threads; ++i) pool.emplace_back(worker, i);
-  for (auto& t : pool) t.join();
-  for (auto& e : errors) TRY(e);
-  return {};
-}
 
 bool store_files_present(const std::string& dir, const Manifest& m) {
   auto sized = [&](const std::string& f, uint64_t size) {

@@ -17,6 +17,7 @@
 
 #include "store/progress.h"
 #include "util/file.h"
+#include "util/parallel.h"
 #include "util/log.h"
 
 namespace ck::store {
@@ -62,22 +63,6 @@ Result<Layout> parse_layout(const std::string& s) {
   return error("unknown source layout '{}' in the manifest", s);
 }
 
-Status parallel_for(size_t n, int threads, const std::function<Status(size_t, int)>& fn) {
-  std::atomic<size_t> next{0};
-  std::vector<Status> errors(threads);
-  std::atomic<bool> failed{false};
-  std::vector<std::thread> pool;
-  for (int id = 0; id < threads; ++id)
-    pool.emplace_back([&, id] {
-      for (size_t i; !failed && (i = next.fetch_add(1)) < n;) {
-        Status st = fn(i, id);
-        if (!st.ok()) { errors[id] = st; failed = true; return; }
-      }
-    });
-  for (auto& t : pool) t.join();
-  for (auto& e : errors) TRY(e);
-  return {};
-}
 
 }  // namespace
 

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include <nlohmann/json.hpp>
+#include "util/json.h"
 
 #include "format/safetensors.h"
 #include "store/outfile.h"
@@ -25,7 +25,6 @@
 
 namespace ck::store {
 
-using nlohmann::json;
 
 namespace {
 
@@ -397,7 +396,7 @@ Result<SynthReport> synth_checkpoint(const SynthOptions& o) {
   }
   for (int s = 0; s < n_shards; ++s) {
     shards[s].name = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n_shards);
-    std::string h = headers[s].dump();
+    std::string h = dump_json(headers[s]);
     h.append((8 - h.size() % 8) % 8, ' ');
     uint64_t len = h.size();
     shards[s].header.assign(reinterpret_cast<const char*>(&len), 8);
@@ -446,10 +445,10 @@ Result<SynthReport> synth_checkpoint(const SynthOptions& o) {
   for (auto& e : errors) TRY(e);
   for (auto& f : files) TRY(f.commit(o.sync));
   json index = {{"metadata", {{"total_size", total}, {"format", "mlx"}}}, {"weight_map", weight_map}};
-  TRY(write_file_atomic(join_path(o.out, "model.safetensors.index.json"), index.dump(2) + "\n"));
+  TRY(write_file_atomic(join_path(o.out, "model.safetensors.index.json"), dump_json(index, 2) + "\n"));
   json gen_cfg = {{"bos_token_id", g.eos}, {"eos_token_id", g.eos}, {"do_sample", false}};
-  TRY(write_file_atomic(join_path(o.out, "generation_config.json"), gen_cfg.dump(2) + "\n"));
-  TRY(write_file_atomic(config_path, make_config(g, o, quantization).dump(2) + "\n"));
+  TRY(write_file_atomic(join_path(o.out, "generation_config.json"), dump_json(gen_cfg, 2) + "\n"));
+  TRY(write_file_atomic(config_path, dump_json(make_config(g, o, quantization), 2) + "\n"));
   SynthReport r;
   r.bytes = total;
   r.seconds = prog.finish();

@@ -1808,11 +1808,9 @@ Result<ChatTemplate> load_chat_template(const std::string& model_dir, ojson* ext
   ojson config;
   if (file_exists(config_path)) {
     ASSIGN_OR_RETURN(std::string text, read_file(config_path));
-    try {
-      config = ojson::parse(text);
-    } catch (const ojson::exception& e) {
-      return error("{}: malformed JSON: {}", config_path, e.what());
-    }
+    Result<ojson> parsed = parse_ojson(text);
+    if (!parsed.ok()) return error("{}: malformed JSON: {}", config_path, parsed.status().message());
+    config = std::move(*parsed);
     if (!config.is_object()) return error("{}: top level is not a JSON object", config_path);
   }
   if (extra) {

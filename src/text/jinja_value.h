@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
+#include "util/json.h"
 
 namespace ck::text::jinja {
 

@@ -16,7 +16,7 @@
 #include <queue>
 #include <unordered_map>
 
-#include <nlohmann/json.hpp>
+#include "util/json.h"
 
 #include "text/utf8.h"
 #include "util/file.h"
@@ -24,7 +24,6 @@
 
 namespace ck::text {
 
-using json = nlohmann::json;
 
 namespace {
 
@@ -265,7 +264,7 @@ class TokenizerSax final : public nlohmann::json_sax<json> {
     if (mode_ == Mode::Merges && nest_ == 0) {
       size_t sp = v.find(' ');
       if (sp == std::string::npos || v.find(' ', sp + 1) != std::string::npos)
-        stream_fail(fmt::format("model.merges[{}]: {} is not two tokens separated by one space", n_merges_, json(v).dump()));
+        stream_fail(fmt::format("model.merges[{}]: {} is not two tokens separated by one space", n_merges_, dump_json(json(v))));
       else
         out_.merges.emplace_back(v.substr(0, sp), v.substr(sp + 1));
       ++n_merges_;
@@ -285,7 +284,7 @@ class TokenizerSax final : public nlohmann::json_sax<json> {
   bool start_object(std::size_t) override {
     if (mode_ != Mode::Dom) {
       ++nest_;
-      if (mode_ == Mode::Vocab) stream_fail(fmt::format("model.vocab[{}]: id is not an integer", json(vocab_key_).dump()));
+      if (mode_ == Mode::Vocab) stream_fail(fmt::format("model.vocab[{}]: id is not an integer", dump_json(json(vocab_key_))));
       else merge_fail();
       return true;
     }
@@ -313,7 +312,7 @@ class TokenizerSax final : public nlohmann::json_sax<json> {
     }
     if (mode_ == Mode::Vocab) {
       ++nest_;
-      stream_fail(fmt::format("model.vocab[{}]: id is not an integer", json(vocab_key_).dump()));
+      stream_fail(fmt::format("model.vocab[{}]: id is not an integer", dump_json(json(vocab_key_))));
       return true;
     }
     if (at_model_key("merges")) {
@@ -353,7 +352,7 @@ class TokenizerSax final : public nlohmann::json_sax<json> {
   }
   bool value(json v) {
     if (mode_ == Mode::Vocab) {
-      if (nest_ == 0) stream_fail(fmt::format("model.vocab[{}]: id is not an integer", json(vocab_key_).dump()));
+      if (nest_ == 0) stream_fail(fmt::format("model.vocab[{}]: id is not an integer", dump_json(json(vocab_key_))));
       return true;
     }
     if (mode_ == Mode::Merges) {
@@ -414,7 +413,7 @@ class TokenizerSax final : public nlohmann::json_sax<json> {
 
 Status check_bool_false(const json& obj, const char* key, const std::string& where) {
   if (obj.contains(key) && !obj[key].is_null() && obj[key] != false)
-    return error("{}.{} = {} is not supported", where, key, obj[key].dump());
+    return error("{}.{} = {} is not supported", where, key, dump_json(obj[key]));
   return {};
 }
 
@@ -494,7 +493,7 @@ Status add_pre_tokenizer(TokenizerImpl& t, const json& pt, const std::string& wh
       return error("{}: Split needs {{\"pattern\": {{\"Regex\": ...}}}} (String patterns are not supported)", where);
     }
     if (pt.value("behavior", std::string()) != "Isolated")
-      return error("{}: Split behavior {} is not supported (only \"Isolated\")", where, pt.value("behavior", json()).dump());
+      return error("{}: Split behavior {} is not supported (only \"Isolated\")", where, dump_json(pt.value("behavior", json())));
     if (pt.value("invert", false)) return error("{}: Split with invert=true is not supported", where);
     ASSIGN_OR_RETURN(pcre2_code * code, compile_split_regex(regex, where));
     t.splitters.push_back({regex, code});
@@ -548,13 +547,13 @@ Status load_impl(TokenizerImpl& t, const RawTokenizer& raw, const std::string& o
   const json& model = root["model"];
   std::string where = origin + ": model";
   if (model.value("type", std::string("BPE")) != "BPE")
-    return error("{}.type = {} is not supported (only BPE)", where, model["type"].dump());
+    return error("{}.type = {} is not supported (only BPE)", where, dump_json(model["type"]));
   TRY(check_bool_false(model, "byte_fallback", where));
   if (model.contains("dropout") && !model["dropout"].is_null())
     return error("{}.dropout is set; BPE dropout is not supported", where);
   for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     if (model.contains(k) && !model[k].is_null() && model[k] != "")
-      return error("{}.{} = {} is not supported", where, k, model[k].dump());
+      return error("{}.{} = {} is not supported", where, k, dump_json(model[k]));
   }
   t.ignore_merges = model.value("ignore_merges", false);
   if (!raw.vocab_streamed) return error("{}.vocab: expected an object of token -> id", where);
@@ -586,8 +585,8 @@ Status load_impl(TokenizerImpl& t, const RawTokenizer& raw, const std::string& o
     ab.assign(a).append(b);
     auto ia = t.token_ids.find(a), ib = t.token_ids.find(b), iab = t.token_ids.find(ab);
     if (ia == t.token_ids.end() || ib == t.token_ids.end() || iab == t.token_ids.end())
-      return error("{}.merges[{}]: [{}, {}] uses a token missing from the vocabulary", where, r, json(a).dump(),
-                   json(b).dump());
+      return error("{}.merges[{}]: [{}, {}] uses a token missing from the vocabulary", where, r, dump_json(json(a)),
+                   dump_json(json(b)));
     t.merges.insert(ia->second, ib->second, {static_cast<int32_t>(r), iab->second});
   }
 
@@ -623,7 +622,7 @@ Status load_impl(TokenizerImpl& t, const RawTokenizer& raw, const std::string& o
   TRY(add_pre_tokenizer(t, root.value("pre_tokenizer", json()), origin + ": pre_tokenizer"));
   const json& dec = root.value("decoder", json());
   if (!dec.is_object() || dec.value("type", std::string()) != "ByteLevel")
-    return error("{}: decoder: {} is not supported (only ByteLevel)", origin, dec.dump());
+    return error("{}: decoder: {} is not supported (only ByteLevel)", origin, dump_json(dec));
 
   // What each id decodes to, per HF's ByteLevel decoder: a token whose characters are all byte
   // characters maps to those bytes; any other token (an added token with a space, say) is taken
