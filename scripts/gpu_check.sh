@@ -4,7 +4,7 @@
 # .devcarry/ from scripts/prepare_devcarry.sh (binaries built on the dev machine + their libraries).
 # Logs go under $OUT (at most 8 files); a short table is printed last.
 #   OUT=/tmp/out bash scripts/gpu_check.sh
-# Env: CK_BENCH_ARGS (default "--synth-layers 16"), CK_SANITIZE=1 (compute-sanitizer memcheck on a
+# Env: CK_BENCH_ARGS (default "--synth-layers 16"), CK_HF_BENCH=0 (skip tools/bench_hf.py), CK_SANITIZE=1 (compute-sanitizer memcheck on a
 # test subset first), CK_TEST_TIMEOUT / CK_BENCH_TIMEOUT / CK_SANITIZE_TIMEOUT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +62,13 @@ timeout "$BT" stdbuf -oL "$D/bench_cuda" ${CK_BENCH_ARGS:---synth-layers 16} --o
 RC_BENCH=$?
 echo "bench rc=$RC_BENCH (CK_CUBLAS=$CK_CUBLAS)" >> "$OUT/bench.log"
 
+# The peer: Hugging Face transformers on the same geometry (bf16 weights), when torch is installed.
+if [ "${CK_HF_BENCH:-1}" = 1 ] && python3 -c "import transformers, torch" 2>/dev/null; then
+  timeout "${CK_HF_TIMEOUT:-240}" stdbuf -oL python3 tools/bench_hf.py ${CK_HF_ARGS:---layers 16 --prefill 512,2048} \
+    > "$OUT/bench_hf.log" 2>&1
+  echo "bench_hf rc=$?" >> "$OUT/bench_hf.log"
+fi
+
 # If the default (v2) kernels failed a parity test, check and time the reference schedule (v1) too, so
 # the run still says what works; its output goes to the end of bench.log.
 if [ "$RC_OPS" != 0 ] || [ "$RC_MODEL" != 0 ]; then
@@ -86,4 +93,5 @@ summ() {  # gtest log -> its summary lines ("[  PASSED  ] 9 tests." ...)
   echo "bench rc=$RC_BENCH"
   cat "$OUT/bench.txt" 2>/dev/null | grep -v '^kernel' 
   grep -h '^kernel' "$OUT/bench.txt" 2>/dev/null | grep -E 'rows 1 |experts' 
+  grep -h -E '^hf|rc=' "$OUT/bench_hf.log" 2>/dev/null
 } | tee "$OUT/summary.txt"

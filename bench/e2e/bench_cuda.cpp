@@ -4,7 +4,7 @@
 //             over pinned memory, and the bf16 matrix rate through cuBLAS (dlopen'ed; "not measured"
 //             when no libcublas is found);
 //   decode    1 row and 4 rows per step (tok/s) vs weight bytes per step / copy bandwidth;
-//   prefill   512, 2048, 8192 tokens (the row path: steps of kMaxRows rows) vs FLOPs / bf16 rate;
+//   prefill   512, 2048, 8192 tokens (prefill chunks of kChunkRows rows on the tensor cores) vs FLOPs / bf16 rate;
 //   kernels   single-layer-geometry GEMVs and the expert products in isolation (bench/kernels/).
 // Model: --model DIR (any checkpoint) or --synth-layers N (the released geometry, random MLX-style
 // 4-bit weights built in memory: no disk). Not a CMake target: scripts/prepare_devcarry.sh builds it.

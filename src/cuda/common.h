@@ -45,7 +45,12 @@
 
 namespace ck::cuda {
 
-constexpr int kMaxRows = 8;  // rows of one device step (decode rows, MTP verification, prefill chunk)
+constexpr int kMaxRows = 8;  // rows of one row-path step (decode rows, MTP verification): GEMV, CUDA graph
+// Rows of one prefill chunk (the tensor-core path, cuda/gemm.cu): longer prompts run in chunks of this
+// many rows; every per-row buffer of a session holds this many rows.
+constexpr int kChunkRows = 256;
+// Rows of one LM-head slice in a prefill chunk (bounds the logits buffer: kLmRows x vocab floats).
+constexpr int kLmRows = 64;
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -107,6 +107,7 @@ struct ExpertPair {
   DMatrix gate, up, down;
   int32_t x_row = 0;
   float weight = 0.0f;
+  int32_t group = 0;  // the expert's index, n_experts for the shared expert (grouping for prefill)
 };
 
 }  // namespace ck::cuda

@@ -466,11 +466,13 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
       const ExpertSlot slot = a.table[e];
       expert_views(slot.addr, slot.fmt, a.inter, a.hidden, &pr.gate, &pr.up, &pr.down);
       pr.weight = a.norm_topk ? prob[e] / top_sum : prob[e];
+      pr.group = e;
     } else {
       pr.gate = a.sh_gate;
       pr.up = a.sh_up;
       pr.down = a.sh_down;
       pr.weight = 0.0f;
+      pr.group = a.E;
     }
     a.pairs[static_cast<size_t>(r) * (a.k + 1) + t] = pr;
   }

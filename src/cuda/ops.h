@@ -33,11 +33,15 @@ constexpr int kMaxGemvJobs = 4;
 
 // y (rows, w.rows) = x (rows, w.cols) · wᵀ for up to kMaxGemvJobs matrices that read the same x, in
 // one launch. Preconditions: every job's w.cols equals the x width; x is 16-byte aligned and ldx % 4
-// == 0 whenever a job is quantized (quantized cols are multiples of 32); 1 <= rows <= kMaxRows.
+// == 0 whenever a job is quantized (quantized cols are multiples of 32). rows > kMaxRows go to gemm_tc.
 void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
 
 // The twin of cpu::matvec for `rows` rows: y (rows, w.rows) = x (rows, w.cols) · wᵀ.
 void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int rows, cudaStream_t stream);
+
+// Tensor-core product for many rows (gemm.cu; gemv() sends rows > kMaxRows here): the same contract
+// as gemv for any number of rows, bf16x3 arithmetic (within ~1e-5 of fp32, not bit-equal to gemv).
+void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
 
 // Which GEMV schedule runs (gemv.cu): 2, the default (warp per row group for 4/8-bit codes; other
 // formats fall back to 1), or 1 (block per rows, every format). CK_GEMV=v1 in the environment picks 1.
@@ -55,6 +59,21 @@ void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hid
 // y (n_pairs, hidden) = down · h_pair.
 void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
                  int ldy, bool codes48, cudaStream_t stream);
+
+// The same expert products for a prefill chunk, grouped per expert (gemm.cu): group_pairs sorts the
+// pairs by ExpertPair::group (n_groups = n_experts + 1, the shared expert last) into `order` and cuts
+// each group into tiles of at most kGroupRows pairs; the grouped kernels then read each expert's
+// weights once per tile instead of once per pair. Tile count and list stay on the device (no sync);
+// launches are sized by grouped_max_tiles. Buffers: order (n_pairs), tiles (grouped_max_tiles).
+constexpr int kGroupRows = 16;
+int grouped_max_tiles(int n_pairs, int n_groups);
+void group_pairs(const ExpertPair* pairs, int n_pairs, int n_groups, int32_t* order, int2* tiles, int32_t* n_tiles,
+                 cudaStream_t stream);
+void expert_gate_up_grouped(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
+                            int max_tiles, int max_inter, const float* x, int ldx, float* h, int ldh,
+                            cudaStream_t stream);
+void expert_down_grouped(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
+                         int max_tiles, int hidden, const float* h, int ldh, float* y, int ldy, cudaStream_t stream);
 
 // cpu::rmsnorm_grouped on `rows` rows: one statistic per group of `group` values; scale (n) fp32.
 void rmsnorm_grouped(const float* x, int64_t n, int64_t group, const float* scale, float eps, float* out, int rows,

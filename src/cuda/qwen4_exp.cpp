@@ -249,6 +249,10 @@ struct Session::Buffers {
   float *emb = nullptr, *pkey = nullptr, *pkn = nullptr, *pval = nullptr, *pqn = nullptr, *pG = nullptr, *pGn = nullptr;
   float *mlog = nullptr, *mgl = nullptr, *mh = nullptr, *my = nullptr, *mo = nullptr;
   ExpertPair* pairs = nullptr;
+  int32_t* order = nullptr;  // prefill chunks: pairs grouped per expert (group_pairs)
+  int2* tiles = nullptr;
+  int32_t* n_tiles = nullptr;
+  int max_tiles = 0;
   float *fy = nullptr, *logits = nullptr, *argmax_scratch = nullptr;
   int32_t* argmax = nullptr;
 };
@@ -257,7 +261,7 @@ Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
   const ModelConfig& c = m.cfg();
   CHECK(max_ctx_ >= 1);
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  const int H = c.hidden_size, S = c.hc_count, W = c.wide(), R = kMaxRows;
+  const int H = c.hidden_size, S = c.hc_count, W = c.wide(), R = kChunkRows;
   b_ = std::make_unique<Buffers>();
   Buffers& b = *b_;
   auto fbuf = [&](int64_t n) {
@@ -293,8 +297,12 @@ Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
   b.pairs = static_cast<ExpertPair*>(arena_.alloc(sizeof(ExpertPair) * n_pairs));
   b.mh = fbuf(static_cast<int64_t>(n_pairs) * b.ldMI); b.my = fbuf(static_cast<int64_t>(n_pairs) * b.ldH);
   b.mo = fbuf(R * b.ldH);
-  b.fy = fbuf(R * b.ldH); b.logits = fbuf(static_cast<int64_t>(R) * b.ldV);
-  b.argmax_scratch = fbuf(R * argmax_scratch_floats(c.vocab_size));
+  b.max_tiles = grouped_max_tiles(n_pairs, c.num_experts + 1);
+  b.order = static_cast<int32_t*>(arena_.alloc(sizeof(int32_t) * n_pairs));
+  b.tiles = static_cast<int2*>(arena_.alloc(sizeof(int2) * b.max_tiles));
+  b.n_tiles = static_cast<int32_t*>(arena_.alloc(sizeof(int32_t)));
+  b.fy = fbuf(R * b.ldH); b.logits = fbuf(static_cast<int64_t>(kLmRows) * b.ldV);
+  b.argmax_scratch = fbuf(kLmRows * argmax_scratch_floats(c.vocab_size));
   b.argmax = static_cast<int32_t*>(arena_.alloc(sizeof(int32_t) * R));
 
   ls_.resize(m.layers_.size());
@@ -329,7 +337,7 @@ Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
   std::memset(ple_emb_h_.get(), 0, ple_emb_h_.size() * sizeof(float));
   argmax_h_.resize(R);
   hidden_h_.resize(static_cast<size_t>(R) * b.ldW);
-  logits_h_.resize(static_cast<size_t>(R) * b.ldV);
+  logits_h_.resize(static_cast<size_t>(kLmRows) * b.ldV);
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -388,7 +396,7 @@ void Session::enqueue_layer(size_t L, int rows) {
   if (d.ple) {  // a: PLE adds to the residual before the attention mix (trap 17)
     const DPle& p = *d.ple;
     const int E = c.ple_embed_dim;
-    CUDA_CHECK(cudaMemcpyAsync(b.emb, ple_emb_h_.get() + static_cast<size_t>(p.index) * kMaxRows * b.ldE,
+    CUDA_CHECK(cudaMemcpyAsync(b.emb, ple_emb_h_.get() + static_cast<size_t>(p.index) * kChunkRows * b.ldE,
                                sizeof(float) * rows * b.ldE, cudaMemcpyHostToDevice, stream_));
     GemvJob jobs[2];
     jobs[0].w = p.key; jobs[0].y = b.pkey; jobs[0].ldy = b.ldW;
@@ -470,8 +478,15 @@ void Session::enqueue_layer(size_t L, int rows) {
     ra.sh_gate = mo.sh_gate; ra.sh_up = mo.sh_up; ra.sh_down = mo.sh_down; ra.pairs = b.pairs;
     moe_route(ra, rows, stream_);
     const int n_pairs = rows * (k + 1);
-    expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, mo.codes48, stream_);
-    expert_down(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, mo.codes48, stream_);
+    if (rows > kMaxRows) {  // prefill chunk: each expert's weights once for all the rows that chose it
+      group_pairs(b.pairs, n_pairs, c.num_experts + 1, b.order, b.tiles, b.n_tiles, stream_);
+      expert_gate_up_grouped(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, m_.max_inter_, b.u, b.ldH, b.mh,
+                             b.ldMI, stream_);
+      expert_down_grouped(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, H, b.mh, b.ldMI, b.my, b.ldH, stream_);
+    } else {
+      expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, mo.codes48, stream_);
+      expert_down(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, mo.codes48, stream_);
+    }
     moe_combine(b.my, b.ldH, b.pairs, k, b.mgl, 4, b.o, b.ldH, H, rows, stream_);
   }
   tap(pre + "moe_out", b.o, rows, H, b.ldH);
@@ -479,7 +494,8 @@ void Session::enqueue_layer(size_t L, int rows) {
   tap(pre + "post_moe", b.R, rows, W, b.ldW);
 }
 
-void Session::enqueue_step(int rows, bool want_logits) {
+// Everything up to the final mixer's output fy (rows, H); the pre-mixer residual goes to hidden_h_.
+void Session::enqueue_trunk(int rows) {
   const ModelConfig& c = m_.cfg();
   Buffers& b = *b_;
   const int H = c.hidden_size, S = c.hc_count;
@@ -489,6 +505,12 @@ void Session::enqueue_step(int rows, bool want_logits) {
   CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * rows * b.ldW, cudaMemcpyDeviceToHost, stream_));
   hc_mix(m_.final_mixer_, rows, b.fy, nullptr);  // §9: no final norm
   tap("final_y", b.fy, rows, H, b.ldH);
+}
+
+void Session::enqueue_step(int rows, bool want_logits) {
+  const ModelConfig& c = m_.cfg();
+  Buffers& b = *b_;
+  enqueue_trunk(rows);
   matvec(m_.lm_head_, b.fy, b.ldH, b.logits, b.ldV, rows, stream_);
   argmax(b.logits, c.vocab_size, b.argmax, rows, b.ldV, b.argmax_scratch, stream_);
   CUDA_CHECK(cudaMemcpyAsync(argmax_h_.get(), b.argmax, sizeof(int32_t) * rows, cudaMemcpyDeviceToHost, stream_));
@@ -521,11 +543,36 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
         const int pi = m_.layers_[L].ple->index;
         const PleWeights& pw = *w.layers[L].ple;
         const std::vector<int64_t> ids = m_.ref_.ngram_rows(pw, ngram_ctx_[pi], tokens[r]);
-        float* dst = ple_emb_h_.get() + (static_cast<size_t>(pi) * kMaxRows + r) * b.ldE;
+        float* dst = ple_emb_h_.get() + (static_cast<size_t>(pi) * kChunkRows + r) * b.ldE;
         for (size_t j = 0; j < ids.size(); ++j) pw.table_row(ids[j], dst + j * rd);  // head-major
       }
       if (snap && r + 1 < rows) ngram_snaps_.push_back(ngram_ctx_);
     }
+  }
+  const int64_t V = c.vocab_size, W = c.wide();
+  if (rows > kMaxRows) {
+    // Prefill chunk: direct launches (a few hundred per chunk against milliseconds of work), the LM head
+    // in slices of kLmRows rows so the logits buffer stays small.
+    enqueue_trunk(rows);
+    for (int s0 = 0; s0 < rows; s0 += kLmRows) {
+      const int n = std::min(kLmRows, rows - s0);
+      matvec(m_.lm_head_, b.fy + static_cast<size_t>(s0) * b.ldH, b.ldH, b.logits, b.ldV, n, stream_);
+      argmax(b.logits, c.vocab_size, b.argmax + s0, n, b.ldV, b.argmax_scratch, stream_);
+      if (!want_logits) continue;
+      CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * n * b.ldV, cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      for (int r = 0; r < n; ++r)
+        std::memcpy(out->logits.data() + static_cast<size_t>(row0 + s0 + r) * V,
+                    logits_h_.get() + static_cast<size_t>(r) * b.ldV, sizeof(float) * V);
+    }
+    CUDA_CHECK(cudaMemcpyAsync(argmax_h_.get(), b.argmax, sizeof(int32_t) * rows, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (int r = 0; r < rows; ++r) {
+      out->argmax[row0 + r] = argmax_h_[r];
+      std::memcpy(out->hidden.data() + static_cast<size_t>(row0 + r) * W,
+                  hidden_h_.get() + static_cast<size_t>(r) * b.ldW, sizeof(float) * W);
+    }
+    return {};
   }
   if (use_graphs_ && !taps_) {
     const auto key = std::make_pair(rows, want_logits);
@@ -545,7 +592,6 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
     enqueue_step(rows, want_logits);
   }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  const int64_t V = c.vocab_size, W = c.wide();
   for (int r = 0; r < rows; ++r) {
     out->argmax[row0 + r] = argmax_h_[r];
     std::memcpy(out->hidden.data() + static_cast<size_t>(row0 + r) * W, hidden_h_.get() + static_cast<size_t>(r) * b.ldW,
@@ -575,9 +621,14 @@ Status Session::step_rows(std::span<const int32_t> tokens, bool snap, bool want_
   out->argmax.assign(rows, 0);
   out->logits.assign(want_logits ? static_cast<size_t>(rows) * V : 0, 0.0f);
   out->hidden.assign(static_cast<size_t>(rows) * W, 0.0f);
-  for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
-    const int n = std::min(kMaxRows, rows - r0);
+  // Without snapshots, long inputs take the prefill path in chunks of prefill_chunk_ rows; what is left
+  // (and every step with snapshots) takes the row path in steps of kMaxRows.
+  for (int r0 = 0; r0 < rows;) {
+    const int left = rows - r0;
+    const int n = (!snap && prefill_chunk_ > kMaxRows && left > kMaxRows) ? std::min(prefill_chunk_, left)
+                                                                          : std::min(kMaxRows, left);
     TRY(run_chunk(tokens.subspan(r0, n), pos_ + r0, snap, want_logits, out, r0, rows));
+    r0 += n;
   }
   pending_rows_ = rows;
   pending_snap_ = snap;

@@ -2,12 +2,14 @@
 // a slot array behind the expert table) and cuda::Session, which mirrors cpu::Session (step_rows with
 // per-row snapshots of the DeltaNet/conv/PLE state on the device, commit(n) with rollback). Each step
 // of up to kMaxRows rows is one stream submission: a CUDA graph captured per (rows, want_logits) and
-// replayed, with positions and tokens read on the device. Longer calls run as consecutive steps of
-// kMaxRows rows (the row path; a tensor-core prefill is later work). No MTP head on the GPU yet.
+// replayed, with positions and tokens read on the device. Longer calls without snapshots run as prefill
+// chunks of up to kChunkRows rows on the tensor cores (cuda/gemm.cu: dense projections as GEMMs, experts
+// grouped per expert, the other kernels over all the chunk's rows).
 // Host-compiled header: no device code here.
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <optional>
@@ -125,6 +127,10 @@ class Session {
 
   // Graphs on (default) or off (every kernel launched directly, same kernels, same results).
   void set_use_graphs(bool on) { use_graphs_ = on; }
+  // Rows per prefill chunk (the tensor-core path for inputs longer than kMaxRows, taken when a step
+  // needs no snapshots), at most kChunkRows; <= kMaxRows turns it off (every row through the GEMV
+  // path: bit-for-bit independent of how rows are grouped, which the tests compare).
+  void set_prefill_chunk(int rows) { prefill_chunk_ = std::min(rows, kChunkRows); }
   // Debug: with a map, each step records named intermediates ("L3.post_attn", ...; rows x width,
   // row-major) of its rows; launches directly and synchronises after each piece. Not for speed.
   void set_taps(std::map<std::string, std::vector<float>>* taps) { taps_ = taps; }
@@ -133,6 +139,7 @@ class Session {
   struct LayerState;
   Status run_chunk(std::span<const int32_t> tokens, int64_t pos, bool snap, bool want_logits, StepResult* out,
                    int row0, int total_rows);
+  void enqueue_trunk(int rows);
   void enqueue_step(int rows, bool want_logits);
   void enqueue_layer(size_t L, int rows);
   void hc_mix(const DHc& hc, int rows, float* u, float* w);
@@ -145,6 +152,7 @@ class Session {
   int pending_rows_ = 0;
   bool pending_snap_ = false;
   bool use_graphs_ = true;
+  int prefill_chunk_ = kChunkRows;
   std::map<std::string, std::vector<float>>* taps_ = nullptr;
 
   cudaStream_t stream_ = nullptr;

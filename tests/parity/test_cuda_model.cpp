@@ -18,7 +18,10 @@ using namespace ck;
 namespace {
 
 constexpr double kLogitTol = 1e-4;    // vs the oracle, as test_cpu_reference
-constexpr double kSelfTol = 1e-6;     // between two CUDA runs that differ only in how rows are grouped
+constexpr double kSelfTol = 1e-6;     // between two row-path runs that differ only in how rows are grouped
+// Prefill chunks (tensor cores, bf16x3 products: each fp32 operand as two bf16 parts, the lo*lo term
+// dropped, ~2^-16 relative per product) against the fp32 row path of the same engine.
+constexpr double kChunkTol = 1e-4;
 constexpr float kMarginFloor = 1e-3f;
 
 std::vector<std::string> all_fixtures() { return test::fixture_dirs("oracle"); }
@@ -33,6 +36,10 @@ std::string fixture_name(const ::testing::TestParamInfo<std::string>& info) {
 class CudaOracle : public ::testing::TestWithParam<std::string> {};
 
 #if CHERENKOV_HAVE_CUDA
+// The two ways a prompt runs: the row path only (GEMV, steps of kMaxRows) and prefill chunks.
+struct PathCase { const char* name; int chunk; };
+constexpr PathCase kPaths[] = {{"rows", 0}, {"chunks", cuda::kChunkRows}};
+
 bool have_gpu() {
   static const bool g = cuda::device_count() > 0;
   return g;
@@ -67,40 +74,71 @@ Loaded load(const std::string& dir) {
 TEST_P(CudaOracle, PromptLogitsMatchOracle) {
   SETUP();
   ASSERT_EQ(fx->logits.size(), fx->prompt.size() * V);
-  auto s = l.model->new_session(256);
-  cuda::StepResult r;
-  ASSERT_TRUE(s->step_rows(fx->prompt, false, true, &r).ok());
-  std::string bad;
-  int n_bad = 0;
-  double worst = 0;
-  for (size_t t = 0; t < fx->prompt.size(); ++t) {
-    const double e = test::rel_l2(r.logits.data() + t * V, fx->logits.data() + t * V, V);
-    worst = std::max(worst, e);
-    if (!(e <= kLogitTol)) { ++n_bad; bad += "position " + std::to_string(t) + ": rel L2 " + std::to_string(e) + "\n"; }
+  for (const PathCase& path : kPaths) {
+    auto s = l.model->new_session(256);
+    s->set_prefill_chunk(path.chunk);
+    cuda::StepResult r;
+    ASSERT_TRUE(s->step_rows(fx->prompt, false, true, &r).ok());
+    std::string bad;
+    int n_bad = 0;
+    double worst = 0;
+    for (size_t t = 0; t < fx->prompt.size(); ++t) {
+      const double e = test::rel_l2(r.logits.data() + t * V, fx->logits.data() + t * V, V);
+      worst = std::max(worst, e);
+      if (!(e <= kLogitTol)) { ++n_bad; bad += "position " + std::to_string(t) + ": rel L2 " + std::to_string(e) + "\n"; }
+    }
+    EXPECT_EQ(n_bad, 0) << path.name << ": " << n_bad << " positions over " << kLogitTol << ":\n" << bad;
+    std::printf("  %s: cuda (%s) vs oracle, worst rel L2 %.3g over %zu positions\n", fixture_name({GetParam(), 0}).c_str(),
+                path.name, worst, fx->prompt.size());
   }
-  EXPECT_EQ(n_bad, 0) << n_bad << " positions over " << kLogitTol << ":\n" << bad;
-  std::printf("  %s: cuda vs oracle, worst rel L2 %.3g over %zu positions\n", fixture_name({GetParam(), 0}).c_str(), worst,
-              fx->prompt.size());
 }
 
 TEST_P(CudaOracle, MatchesCpuReference) {
   SETUP();
   cpu::Model cm(l.ck->weights, l.ck->experts);
   auto cs = cm.new_session();
-  auto s = l.model->new_session(256);
-  cpu::StepResult a, b;
+  cpu::StepResult a;
   ASSERT_TRUE(cs->step_rows(fx->prompt, false, true, &a).ok());
-  ASSERT_TRUE(s->step_rows(fx->prompt, false, true, &b).ok());
-  double worst = 0, max_abs = 0;
-  int argmax_diff = 0;
-  for (size_t t = 0; t < fx->prompt.size(); ++t) {
-    worst = std::max(worst, test::rel_l2(b.logits.data() + t * V, a.logits.data() + t * V, V));
-    for (int64_t i = 0; i < V; ++i) max_abs = std::max<double>(max_abs, std::fabs(b.logits[t * V + i] - a.logits[t * V + i]));
-    argmax_diff += a.argmax[t] != b.argmax[t];
+  for (const PathCase& path : kPaths) {
+    auto s = l.model->new_session(256);
+    s->set_prefill_chunk(path.chunk);
+    cpu::StepResult b;
+    ASSERT_TRUE(s->step_rows(fx->prompt, false, true, &b).ok());
+    double worst = 0, max_abs = 0;
+    int argmax_diff = 0;
+    for (size_t t = 0; t < fx->prompt.size(); ++t) {
+      worst = std::max(worst, test::rel_l2(b.logits.data() + t * V, a.logits.data() + t * V, V));
+      for (int64_t i = 0; i < V; ++i) max_abs = std::max<double>(max_abs, std::fabs(b.logits[t * V + i] - a.logits[t * V + i]));
+      argmax_diff += a.argmax[t] != b.argmax[t];
+    }
+    std::printf("  %s: cuda (%s) vs cpu, worst rel L2 %.3g, max |logit diff| %.3g, argmax differs at %d of %zu positions\n",
+                fixture_name({GetParam(), 0}).c_str(), path.name, worst, max_abs, argmax_diff, fx->prompt.size());
+    EXPECT_LE(worst, kLogitTol) << path.name;
   }
-  std::printf("  %s: cuda vs cpu, worst rel L2 %.3g, max |logit diff| %.3g, argmax differs at %d of %zu positions\n",
-              fixture_name({GetParam(), 0}).c_str(), worst, max_abs, argmax_diff, fx->prompt.size());
-  EXPECT_LE(worst, kLogitTol);
+}
+
+// Prefill chunks of 16 rows (several chunks, then a row-path tail) against the row path.
+TEST_P(CudaOracle, PrefillChunksMatchRowPath) {
+  SETUP();
+  auto rows = l.model->new_session(256);
+  rows->set_prefill_chunk(0);
+  auto chunks = l.model->new_session(256);
+  chunks->set_prefill_chunk(16);
+  cuda::StepResult a, b;
+  ASSERT_TRUE(rows->step_rows(fx->prompt, false, true, &a).ok());
+  ASSERT_TRUE(chunks->step_rows(fx->prompt, false, true, &b).ok());
+  double worst = 0;
+  for (size_t t = 0; t < fx->prompt.size(); ++t)
+    worst = std::max(worst, test::rel_l2(b.logits.data() + t * V, a.logits.data() + t * V, V));
+  std::printf("  %s: chunks of 16 vs row path, worst rel L2 %.3g\n", fixture_name({GetParam(), 0}).c_str(), worst);
+  EXPECT_LE(worst, kChunkTol);
+  // Decoding after a chunked prefill continues from the same state.
+  rows->commit(static_cast<int>(fx->prompt.size()));
+  chunks->commit(static_cast<int>(fx->prompt.size()));
+  int32_t tok[1] = {a.argmax.back()};
+  ASSERT_TRUE(rows->step_rows(tok, false, true, &a).ok());
+  ASSERT_TRUE(chunks->step_rows(tok, false, true, &b).ok());
+  EXPECT_LE(test::rel_l2(b.logits.data(), a.logits.data(), V), kChunkTol);
 }
 
 TEST_P(CudaOracle, GreedyTokensMatchOracle) {
@@ -124,9 +162,11 @@ TEST_P(CudaOracle, GreedyTokensMatchOracle) {
 TEST_P(CudaOracle, IncrementalDecodeEqualsFullForward) {
   SETUP();
   auto full = l.model->new_session(256);
+  full->set_prefill_chunk(0);  // the row path: grouping rows must not change a bit (prefill chunks: own test)
   cuda::StepResult all, one;
   ASSERT_TRUE(full->step_rows(fx->prompt, false, true, &all).ok());
   auto inc = l.model->new_session(256);
+  inc->set_prefill_chunk(0);
   size_t t = 0;
   for (size_t chunk = 1; t < fx->prompt.size(); ++chunk) {
     const size_t n = std::min(chunk % 11, fx->prompt.size() - t) + (chunk % 11 == 0);  // 1..10 rows, then 1
@@ -143,10 +183,12 @@ TEST_P(CudaOracle, StepRowsRollbackEqualsPlainDecode) {
   const size_t half = fx->prompt.size() / 2;
   std::span<const int32_t> head(fx->prompt.data(), half);
   auto plain = l.model->new_session(256);
+  plain->set_prefill_chunk(0);
   cuda::StepResult ref, r;
   ASSERT_TRUE(plain->step_rows(fx->prompt, false, true, &ref).ok());
   // After the head: steps of k true rows plus 3 wrong drafts, only the k accepted.
   auto spec = l.model->new_session(256);
+  spec->set_prefill_chunk(0);
   ASSERT_TRUE(spec->step_rows(head, false, false, &r).ok());
   spec->commit(static_cast<int>(half));
   size_t t = half;
@@ -173,15 +215,18 @@ TEST_P(CudaOracle, StepRowsRollbackEqualsPlainDecode) {
 
 TEST_P(CudaOracle, ExpertPlacementDoesNotChangeLogits) {
   SETUP();
-  std::vector<float> before;
+  std::vector<float> before[2];
   for (int pass = 0; pass < 2; ++pass) {
     if (pass == 1) l.model->permute_expert_slots(12345);
-    auto s = l.model->new_session(256);
-    cuda::StepResult r;
-    ASSERT_TRUE(s->step_rows(fx->prompt, false, true, &r).ok());
-    if (pass == 0) before = r.logits;
-    else EXPECT_EQ(std::memcmp(before.data(), r.logits.data(), before.size() * sizeof(float)), 0)
-        << "the logits changed when the experts moved to other slots";
+    for (int p = 0; p < 2; ++p) {
+      auto s = l.model->new_session(256);
+      s->set_prefill_chunk(kPaths[p].chunk);
+      cuda::StepResult r;
+      ASSERT_TRUE(s->step_rows(fx->prompt, false, true, &r).ok());
+      if (pass == 0) before[p] = r.logits;
+      else EXPECT_EQ(std::memcmp(before[p].data(), r.logits.data(), before[p].size() * sizeof(float)), 0)
+          << kPaths[p].name << ": the logits changed when the experts moved to other slots";
+    }
   }
 }
 

@@ -1,0 +1,328 @@
+// Tensor-core matrix products for prefill chunks (more than kMaxRows rows at once): the dense
+// projections (gemv() hands rows > kMaxRows here) and the routed/shared experts grouped per expert,
+// so each expert's weights are read once per chunk for all the rows that chose it.
+//
+// Arithmetic ("bf16x3"): the weight tile is dequantized to fp32 in shared memory exactly as the CPU
+// does (s * q + b), then every fp32 operand v is split into two bf16 parts, hi = bf16(v) and
+// lo = bf16(v - hi), and the product is hi·hi + hi·lo + lo·hi on the tensor cores with fp32
+// accumulation (the dropped lo·lo term is ~2^-16 of the product). That keeps the result within ~1e-5
+// of fp32 (not bit-identical to the row path: the tests state the tolerance) for 3x the tensor-core
+// work of plain bf16. A single-pass bf16 mode would be 3x faster and ~1e-2 off; not offered.
+//
+// Tiles: a block of 4 warps computes BM = 16*MF rows x 64 output features, sweeping K in steps of 32;
+// each warp owns 16 output features and MF row fragments. Loads are plain (no cp.async pipeline yet:
+// the first version, docs/roofline-cuda.md says what is next).
+#include <cuda_bf16.h>
+#include <mma.h>
+
+#include <algorithm>
+
+#include "cuda/common.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/ops.h"
+
+namespace ck::cuda {
+namespace {
+
+using namespace nvcuda;
+
+constexpr int kBN = 64;       // output features per block
+constexpr int kBK = 32;       // K per shared-memory tile
+constexpr int kLd = kBK + 8;  // bf16 row pitch of the tiles (a multiple of 8, as WMMA needs)
+constexpr int kThreads = 128;
+
+enum Mode : int { kDense = 0, kGateUp = 1, kDown = 2 };
+
+struct TcArgs {
+  // Dense: up to kMaxGemvJobs matrices over the same x; block x enumerates their 64-feature tiles.
+  GemvJob job[kMaxGemvJobs];
+  int first_tile[kMaxGemvJobs + 1] = {};
+  int n_jobs = 0;
+  int rows = 0;  // dense: x rows
+  const float* x = nullptr;
+  int ldx = 0;
+  int K = 0;
+  // Grouped experts: tiles of up to BM pairs of one expert (group_pairs), read on the device.
+  const ExpertPair* pairs = nullptr;
+  const int32_t* order = nullptr;  // pair indices grouped by expert
+  const int2* tiles = nullptr;     // (first index into order, count)
+  const int32_t* n_tiles = nullptr;
+  float* y = nullptr;  // experts: output row per pair
+  int ldy = 0;
+};
+
+__device__ __forceinline__ void split(float v, __nv_bfloat16& hi, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(v);
+  lo = __float2bfloat16_rn(v - __bfloat162float(hi));
+}
+
+// 16 consecutive weights w[n][k0 .. k0+16) as fp32 (zero past the end of the row), the CPU's rounding.
+__device__ __forceinline__ void load16(const DMatrix& w, int n, int k0, float (&v)[16]) {
+  if (n >= w.rows) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+    return;
+  }
+  const bool full = k0 + 16 <= w.cols;
+  if (w.quantized() && full && (w.fmt.bits == 4 || w.fmt.bits == 8) && w.cols % 32 == 0) {
+    // k0 is a multiple of 16 and groups are >= 32 wide: one scale and bias for the 16 codes.
+    const size_t row_bytes = static_cast<size_t>(w.cols) * w.fmt.bits / 8;
+    const int64_t si = static_cast<int64_t>(n) * (w.cols / w.fmt.group) + k0 / w.fmt.group;
+    const float s = load_kind(w.scales, si, w.fmt.scale_kind), b = load_kind(w.biases, si, w.fmt.scale_kind);
+    const uint8_t* p = w.data + n * row_bytes + static_cast<size_t>(k0) * w.fmt.bits / 8;
+    if (w.fmt.bits == 4) {
+      const uint2 q = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        v[i] = __fadd_rn(__fmul_rn(s, static_cast<float>((q.x >> (4 * i)) & 15u)), b);
+        v[8 + i] = __fadd_rn(__fmul_rn(s, static_cast<float>((q.y >> (4 * i)) & 15u)), b);
+      }
+    } else {
+      const uint4 q = *reinterpret_cast<const uint4*>(p);
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        v[i] = __fadd_rn(__fmul_rn(s, static_cast<float>((words[i / 4] >> (8 * (i % 4))) & 255u)), b);
+    }
+    return;
+  }
+  if (!w.quantized() && full && w.fmt.kind == static_cast<uint8_t>(WKind::BF16) && w.cols % 8 == 0) {
+    const uint4* p = reinterpret_cast<const uint4*>(w.data + (static_cast<size_t>(n) * w.cols + k0) * 2);
+    const uint4 a = p[0], c = p[1];
+    const uint32_t words[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[2 * i] = __uint_as_float(words[i] << 16);
+      v[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = k0 + i < w.cols ? dmatrix_elem(w, n, k0 + i) : 0.0f;
+}
+
+template <int MF, int NW>
+struct TcSmem {
+  __nv_bfloat16 xh[16 * MF][kLd], xl[16 * MF][kLd];
+  __nv_bfloat16 wh[NW][kBN][kLd], wl[NW][kBN][kLd];
+  float out[NW][16 * MF][kBN + 4];
+};
+
+// Rows of the block: src[i] (the x row, or -1 past the end), dst[i] (the output row).
+// Dense: x rows m0+i, outputs the same. Gate/up: x = the pair's x_row, output = the pair. Down: both
+// are the pair (h is per pair).
+template <int MF, int MODE>
+__global__ void __launch_bounds__(kThreads) tc_kernel(const __grid_constant__ TcArgs a) {
+  constexpr int BM = 16 * MF;
+  constexpr int NW = MODE == kGateUp ? 2 : 1;
+  __shared__ __align__(128) TcSmem<MF, NW> sm;
+  __shared__ int src[BM], dst[BM];
+  __shared__ int n_rows_s;
+
+  DMatrix w0, w1;
+  int n0 = 0, K = a.K, ldy = a.ldy;
+  float* y = a.y;
+  Epilogue epi = Epilogue::None;
+  float epi_arg = 1.0f;
+  if constexpr (MODE == kDense) {
+    int j = 0;
+    while (j + 1 < a.n_jobs && static_cast<int>(blockIdx.x) >= a.first_tile[j + 1]) ++j;
+    w0 = a.job[j].w;
+    n0 = (static_cast<int>(blockIdx.x) - a.first_tile[j]) * kBN;
+    y = a.job[j].y;
+    ldy = a.job[j].ldy;
+    epi = a.job[j].epi;
+    epi_arg = a.job[j].epi_arg;
+    const int m0 = static_cast<int>(blockIdx.y) * BM;
+    if (threadIdx.x < BM) {
+      const int r = m0 + static_cast<int>(threadIdx.x);
+      src[threadIdx.x] = r < a.rows ? r : -1;
+      dst[threadIdx.x] = r;
+    }
+    if (threadIdx.x == 0) n_rows_s = min(BM, a.rows - m0);
+  } else {
+    if (static_cast<int>(blockIdx.y) >= *a.n_tiles) return;  // uniform over the block
+    const int2 t = a.tiles[blockIdx.y];
+    const ExpertPair& p0 = a.pairs[a.order[t.x]];
+    w0 = MODE == kGateUp ? p0.gate : p0.down;
+    w1 = p0.up;
+    n0 = static_cast<int>(blockIdx.x) * kBN;
+    K = w0.cols;
+    if (threadIdx.x < BM) {
+      const int i = static_cast<int>(threadIdx.x);
+      const int p = i < t.y ? a.order[t.x + i] : -1;
+      src[i] = p < 0 ? -1 : MODE == kGateUp ? a.pairs[p].x_row : p;
+      dst[i] = p;
+    }
+    if (threadIdx.x == 0) n_rows_s = t.y;
+  }
+  if (n0 >= w0.rows) return;  // uniform: this expert is narrower than the widest
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[NW][MF];
+#pragma unroll
+  for (int q = 0; q < NW; ++q)
+#pragma unroll
+    for (int f = 0; f < MF; ++f) wmma::fill_fragment(acc[q][f], 0.0f);
+
+  const bool x_vec = (a.ldx % 4 == 0) && (reinterpret_cast<uintptr_t>(a.x) % 16 == 0);
+  for (int k0 = 0; k0 < K; k0 += kBK) {
+    __syncthreads();  // the previous tile is consumed
+    // x tile: BM rows x 32 columns, 4 values per thread per pass.
+    for (int e = threadIdx.x; e < BM * (kBK / 4); e += kThreads) {
+      const int i = e / (kBK / 4), c = (e % (kBK / 4)) * 4;
+      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const int r = src[i];
+      if (r >= 0) {
+        const float* xr = a.x + static_cast<size_t>(r) * a.ldx + k0 + c;
+        if (x_vec && k0 + c + 4 <= K) {
+          const float4 f = *reinterpret_cast<const float4*>(xr);
+          v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+        } else {
+          for (int t = 0; t < 4; ++t) v[t] = k0 + c + t < K ? xr[t] : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < 4; ++t) split(v[t], sm.xh[i][c + t], sm.xl[i][c + t]);
+    }
+    // weight tile(s): 64 rows x 32 columns, 16 per thread.
+    {
+      const int n = threadIdx.x >> 1, c = (threadIdx.x & 1) * 16;
+#pragma unroll
+      for (int q = 0; q < NW; ++q) {
+        float v[16];
+        load16(q == 0 ? w0 : w1, n0 + n, k0 + c, v);
+#pragma unroll
+        for (int t = 0; t < 16; ++t) split(v[t], sm.wh[q][n][c + t], sm.wl[q][n][c + t]);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> ah[MF], al[MF];
+#pragma unroll
+      for (int f = 0; f < MF; ++f) {
+        wmma::load_matrix_sync(ah[f], &sm.xh[f * 16][kk], kLd);
+        wmma::load_matrix_sync(al[f], &sm.xl[f * 16][kk], kLd);
+      }
+#pragma unroll
+      for (int q = 0; q < NW; ++q) {
+        // B = Wᵀ: element (k, n) is w[n][k], i.e. the [n][k] tile read column-major.
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> bh, bl;
+        wmma::load_matrix_sync(bh, &sm.wh[q][warp * 16][kk], kLd);
+        wmma::load_matrix_sync(bl, &sm.wl[q][warp * 16][kk], kLd);
+#pragma unroll
+        for (int f = 0; f < MF; ++f) {
+          wmma::mma_sync(acc[q][f], al[f], bh, acc[q][f]);  // small terms first
+          wmma::mma_sync(acc[q][f], ah[f], bl, acc[q][f]);
+          wmma::mma_sync(acc[q][f], ah[f], bh, acc[q][f]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < NW; ++q)
+#pragma unroll
+    for (int f = 0; f < MF; ++f)
+      wmma::store_matrix_sync(&sm.out[q][f * 16][warp * 16], acc[q][f], kBN + 4, wmma::mem_row_major);
+  __syncthreads();
+  const int n_rows = n_rows_s;
+  for (int e = threadIdx.x; e < BM * kBN; e += kThreads) {
+    const int i = e / kBN, c = e % kBN;
+    if (i >= n_rows || n0 + c >= w0.rows) continue;
+    float v = sm.out[0][i][c];
+    if constexpr (MODE == kGateUp) {
+      v = siluf_(v) * sm.out[1][i][c];
+    } else if constexpr (MODE == kDense) {
+      if (epi == Epilogue::SiluDiv) v = siluf_(v / epi_arg);
+      else if (epi == Epilogue::TwoSigmoidDiv) v = 2.0f * sigmoidf_(v / epi_arg);
+    }
+    y[static_cast<size_t>(dst[i]) * ldy + n0 + c] = v;
+  }
+}
+
+// One block: counting sort of the pairs by expert (ExpertPair::group), then the tile list.
+// Order inside a group may differ between runs; no result depends on it (rows are independent).
+__global__ void group_pairs_kernel(const ExpertPair* pairs, int n_pairs, int n_groups, int bm, int32_t* order,
+                                   int2* tiles, int32_t* n_tiles) {
+  extern __shared__ int sh[];
+  int* count = sh;
+  int* start = sh + n_groups;
+  for (int g = threadIdx.x; g < n_groups; g += blockDim.x) count[g] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) atomicAdd(&count[pairs[p].group], 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int o = 0, nt = 0;
+    for (int g = 0; g < n_groups; ++g) {
+      start[g] = o;
+      for (int t = 0; t < count[g]; t += bm) tiles[nt++] = make_int2(o + t, min(bm, count[g] - t));
+      o += count[g];
+      count[g] = 0;
+    }
+    *n_tiles = nt;
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+    const int g = pairs[p].group;
+    order[start[g] + atomicAdd(&count[g], 1)] = p;
+  }
+}
+
+template <int MF, int MODE>
+void launch(const TcArgs& a, dim3 grid, cudaStream_t s) {
+  tc_kernel<MF, MODE><<<grid, kThreads, 0, s>>>(a);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+int grouped_max_tiles(int n_pairs, int n_groups) { return static_cast<int>(ceil_div(n_pairs, kGroupRows)) + n_groups; }
+
+void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
+  CK_REQUIRE(n_jobs >= 1 && n_jobs <= kMaxGemvJobs && rows >= 1, "invariant");
+  TcArgs a;
+  a.n_jobs = n_jobs;
+  a.rows = rows;
+  a.x = x;
+  a.ldx = ldx;
+  a.K = jobs[0].w.cols;
+  int tiles = 0;
+  for (int j = 0; j < n_jobs; ++j) {
+    CK_REQUIRE(jobs[j].w.cols == a.K && jobs[j].w.rows >= 1 && jobs[j].y, "gemm_tc: job %d", j);
+    a.job[j] = jobs[j];
+    a.first_tile[j] = tiles;
+    tiles += static_cast<int>(ceil_div(jobs[j].w.rows, kBN));
+  }
+  a.first_tile[n_jobs] = tiles;
+  launch<4, kDense>(a, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(ceil_div(rows, 64))), stream);
+}
+
+void group_pairs(const ExpertPair* pairs, int n_pairs, int n_groups, int32_t* order, int2* tiles, int32_t* n_tiles,
+                 cudaStream_t stream) {
+  CK_REQUIRE(n_pairs >= 1 && n_groups >= 1 && n_groups <= 16384, "invariant");
+  group_pairs_kernel<<<1, 1024, sizeof(int) * 2 * n_groups, stream>>>(pairs, n_pairs, n_groups, kGroupRows, order,
+                                                                        tiles, n_tiles);
+  CUDA_CHECK_LAUNCH();
+}
+
+void expert_gate_up_grouped(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
+                            int max_tiles, int max_inter, const float* x, int ldx, float* h, int ldh,
+                            cudaStream_t stream) {
+  TcArgs a;
+  a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
+  a.x = x; a.ldx = ldx; a.y = h; a.ldy = ldh;
+  launch<1, kGateUp>(a, dim3(static_cast<unsigned>(ceil_div(max_inter, kBN)), static_cast<unsigned>(max_tiles)),
+                     stream);
+}
+
+void expert_down_grouped(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
+                         int max_tiles, int hidden, const float* h, int ldh, float* y, int ldy, cudaStream_t stream) {
+  TcArgs a;
+  a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
+  a.x = h; a.ldx = ldh; a.y = y; a.ldy = ldy;
+  launch<1, kDown>(a, dim3(static_cast<unsigned>(ceil_div(hidden, kBN)), static_cast<unsigned>(max_tiles)), stream);
+}
+
+}  // namespace ck::cuda
