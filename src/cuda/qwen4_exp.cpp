@@ -1,7 +1,7 @@
 // The CUDA forward of qwen4_exp (cuda/qwen4_exp.h). enqueue_step() reads top to bottom like the CPU's
 // token_forward/layer_token and puts a whole step on one stream with no host synchronisation; the
 // same function is captured into a graph per (rows, want_logits) and replayed. Every buffer is fp32;
-// activation buffers hold kMaxRows rows at a leading dimension rounded up to 4 floats (16 bytes).
+// activation buffers hold kChunkRows rows (a prefill chunk; a row-path step uses kMaxRows of them) at a leading dimension rounded up to 4 floats (16 bytes).
 #include "cuda/qwen4_exp.h"
 
 #include <algorithm>
@@ -47,6 +47,11 @@ Status Model::supports(const ModelWeights& w) {
     has_attn |= lw.kind == LayerKind::SparseAttention;
     has_ple |= lw.ple.has_value();
   }
+  if (w.mtp) {  // §10: one attention layer, no PLE (mtp_step has no n-gram path)
+    if (w.mtp->layer.kind != LayerKind::SparseAttention || w.mtp->layer.ple)
+      return error("CUDA engine: the MTP head's layer must be a QSA attention layer without PLE");
+    has_attn = true;
+  }
   if (has_attn) {
     if (!c.has_indexer || c.indexer_compress_ratio < 1 || c.indexer_budget < c.indexer_compress_ratio)
       return error("CUDA engine: attention layers need the QSA indexer (compress ratio and budget)");
@@ -78,65 +83,82 @@ Model::Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts)
   CHECK_MSG(st.ok(), "cuda::Model: {}", st.message());
 }
 
+namespace {
+// One hyper-connection module (§4) on the device.
+Status upload_hc(DenseUploader& up, const HcWeights& h, DHc* d) {
+  d->norm = up.vector(h.norm);
+  ASSIGN_OR_RETURN(d->down, up.matrix(h.down));
+  ASSIGN_OR_RETURN(d->up, up.matrix(h.up));
+  ASSIGN_OR_RETURN(d->inject, up.matrix(h.inject));
+  return {};
+}
+}  // namespace
+
+// One decoder layer's dense weights (a trunk layer or the MTP's); its routed experts live in the pool.
+Status Model::upload_layer(DenseUploader& up, const LayerWeights& lw, DLayer* d) {
+  d->kind = lw.kind;
+  TRY(upload_hc(up, lw.hc_attn, &d->hc_attn));
+  TRY(upload_hc(up, lw.hc_mlp, &d->hc_mlp));
+  if (lw.kind == LayerKind::LinearAttention) {
+    ASSIGN_OR_RETURN(d->gdn.in_qkv, up.matrix(lw.gdn.in_qkv));
+    ASSIGN_OR_RETURN(d->gdn.in_z, up.matrix(lw.gdn.in_z));
+    ASSIGN_OR_RETURN(d->gdn.in_b, up.matrix(lw.gdn.in_b));
+    ASSIGN_OR_RETURN(d->gdn.in_a, up.matrix(lw.gdn.in_a));
+    ASSIGN_OR_RETURN(d->gdn.out, up.matrix(lw.gdn.out));
+    d->gdn.conv = up.vector(lw.gdn.conv);
+    d->gdn.a_log = up.vector(lw.gdn.a_log);
+    d->gdn.dt_bias = up.vector(lw.gdn.dt_bias);
+    d->gdn.norm = up.vector(lw.gdn.norm);
+  } else {
+    ASSIGN_OR_RETURN(d->attn.q, up.matrix(lw.attn.q));
+    ASSIGN_OR_RETURN(d->attn.k, up.matrix(lw.attn.k));
+    ASSIGN_OR_RETURN(d->attn.v, up.matrix(lw.attn.v));
+    ASSIGN_OR_RETURN(d->attn.o, up.matrix(lw.attn.o));
+    ASSIGN_OR_RETURN(d->attn.index_qk, up.matrix(lw.attn.index_qk));
+    d->attn.q_norm = up.vector(lw.attn.q_norm);
+    d->attn.k_norm = up.vector(lw.attn.k_norm);
+    d->attn.iq_norm = up.vector(lw.attn.index_q_norm);
+    d->attn.ik_norm = up.vector(lw.attn.index_k_norm);
+  }
+  if (lw.ple) {
+    DPle p;
+    ASSIGN_OR_RETURN(p.key, up.matrix(lw.ple->key));
+    ASSIGN_OR_RETURN(p.value, up.matrix(lw.ple->value));
+    p.norm_key = up.vector(lw.ple->norm_key);
+    p.norm_query = up.vector(lw.ple->norm_query);
+    p.norm_conv = up.vector(lw.ple->norm_conv);
+    p.conv = up.vector(lw.ple->conv);
+    p.index = n_ple_++;
+    d->ple = p;
+  }
+  ASSIGN_OR_RETURN(d->moe.router, up.matrix(lw.moe.router));
+  ASSIGN_OR_RETURN(d->moe.sh_gate, up.matrix(lw.moe.shared_gate));
+  ASSIGN_OR_RETURN(d->moe.sh_up, up.matrix(lw.moe.shared_up));
+  ASSIGN_OR_RETURN(d->moe.sh_down, up.matrix(lw.moe.shared_down));
+  ASSIGN_OR_RETURN(d->moe.sh_expert_gate, up.matrix(lw.moe.shared_expert_gate));
+  return {};
+}
+
 Status Model::init() {
   const ModelConfig& c = cfg();
   LOG_INF("cuda", "device: {}", device_banner());
   init_kernels();
   DenseUploader up(&arena_);
-  auto hc = [&](const HcWeights& h, DHc* d) -> Status {
-    d->norm = up.vector(h.norm);
-    ASSIGN_OR_RETURN(d->down, up.matrix(h.down));
-    ASSIGN_OR_RETURN(d->up, up.matrix(h.up));
-    ASSIGN_OR_RETURN(d->inject, up.matrix(h.inject));
-    return {};
-  };
   ASSIGN_OR_RETURN(embed_, up.matrix(w_.embed));
   ASSIGN_OR_RETURN(lm_head_, up.matrix(w_.lm_head));
-  TRY(hc(w_.final_mixer, &final_mixer_));
+  TRY(upload_hc(up, w_.final_mixer, &final_mixer_));
   layers_.resize(w_.layers.size());
-  for (size_t L = 0; L < w_.layers.size(); ++L) {
-    const LayerWeights& lw = w_.layers[L];
-    DLayer& d = layers_[L];
-    d.kind = lw.kind;
-    TRY(hc(lw.hc_attn, &d.hc_attn));
-    TRY(hc(lw.hc_mlp, &d.hc_mlp));
-    if (lw.kind == LayerKind::LinearAttention) {
-      ASSIGN_OR_RETURN(d.gdn.in_qkv, up.matrix(lw.gdn.in_qkv));
-      ASSIGN_OR_RETURN(d.gdn.in_z, up.matrix(lw.gdn.in_z));
-      ASSIGN_OR_RETURN(d.gdn.in_b, up.matrix(lw.gdn.in_b));
-      ASSIGN_OR_RETURN(d.gdn.in_a, up.matrix(lw.gdn.in_a));
-      ASSIGN_OR_RETURN(d.gdn.out, up.matrix(lw.gdn.out));
-      d.gdn.conv = up.vector(lw.gdn.conv);
-      d.gdn.a_log = up.vector(lw.gdn.a_log);
-      d.gdn.dt_bias = up.vector(lw.gdn.dt_bias);
-      d.gdn.norm = up.vector(lw.gdn.norm);
-    } else {
-      ASSIGN_OR_RETURN(d.attn.q, up.matrix(lw.attn.q));
-      ASSIGN_OR_RETURN(d.attn.k, up.matrix(lw.attn.k));
-      ASSIGN_OR_RETURN(d.attn.v, up.matrix(lw.attn.v));
-      ASSIGN_OR_RETURN(d.attn.o, up.matrix(lw.attn.o));
-      ASSIGN_OR_RETURN(d.attn.index_qk, up.matrix(lw.attn.index_qk));
-      d.attn.q_norm = up.vector(lw.attn.q_norm);
-      d.attn.k_norm = up.vector(lw.attn.k_norm);
-      d.attn.iq_norm = up.vector(lw.attn.index_q_norm);
-      d.attn.ik_norm = up.vector(lw.attn.index_k_norm);
-    }
-    if (lw.ple) {
-      DPle p;
-      ASSIGN_OR_RETURN(p.key, up.matrix(lw.ple->key));
-      ASSIGN_OR_RETURN(p.value, up.matrix(lw.ple->value));
-      p.norm_key = up.vector(lw.ple->norm_key);
-      p.norm_query = up.vector(lw.ple->norm_query);
-      p.norm_conv = up.vector(lw.ple->norm_conv);
-      p.conv = up.vector(lw.ple->conv);
-      p.index = n_ple_++;
-      d.ple = p;
-    }
-    ASSIGN_OR_RETURN(d.moe.router, up.matrix(lw.moe.router));
-    ASSIGN_OR_RETURN(d.moe.sh_gate, up.matrix(lw.moe.shared_gate));
-    ASSIGN_OR_RETURN(d.moe.sh_up, up.matrix(lw.moe.shared_up));
-    ASSIGN_OR_RETURN(d.moe.sh_down, up.matrix(lw.moe.shared_down));
-    ASSIGN_OR_RETURN(d.moe.sh_expert_gate, up.matrix(lw.moe.shared_expert_gate));
+  for (size_t L = 0; L < w_.layers.size(); ++L) TRY(upload_layer(up, w_.layers[L], &layers_[L]));
+  if (w_.mtp) {  // §10: the embedding and the LM head are the trunk's (uploaded once above)
+    const MtpWeights& mw = *w_.mtp;
+    DMtp d;
+    d.norm_embedding = up.vector(mw.pre_fc_norm_embedding);
+    d.norm_hidden = up.vector(mw.pre_fc_norm_hidden);
+    ASSIGN_OR_RETURN(d.fc_embedding, up.matrix(mw.fc_embedding));
+    ASSIGN_OR_RETURN(d.fc_hidden, up.matrix(mw.fc_hidden));
+    TRY(upload_layer(up, mw.layer, &d.layer));
+    TRY(upload_hc(up, mw.mixer, &d.mixer));
+    mtp_ = std::move(d);
   }
   dense_bytes_ = up.bytes();
   auto codes48 = [](const DMatrix& m) { return m.quantized() && (m.fmt.bits == 4 || m.fmt.bits == 8) && m.cols % 32 == 0; };
@@ -144,15 +166,19 @@ Status Model::init() {
   inv_freq_.resize(std::max<size_t>(1, inv.size()));
   if (!inv.empty()) CUDA_CHECK(cudaMemcpy(inv_freq_.get(), inv.data(), inv.size() * sizeof(float), cudaMemcpyHostToDevice));
   max_inter_ = std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size);
-  TRY(upload_experts(*experts_src_, static_cast<int>(w_.layers.size()), c.num_experts, c.moe_intermediate_size,
-                     c.hidden_size, &pool_));
-  for (DLayer& d : layers_) {
-    DMatrix g, u, dn;
-    expert_views(nullptr, pool_.fmt, c.moe_intermediate_size, c.hidden_size, &g, &u, &dn);
-    d.moe.codes48 = codes48(g) && codes48(dn) && codes48(d.moe.sh_gate) && codes48(d.moe.sh_up) && codes48(d.moe.sh_down);
-  }
-  LOG_INF("cuda", "model: {} layers, H {}, {} experts top-{}; dense {:.2f} GB on device", w_.layers.size(),
-          c.hidden_size, c.num_experts, c.num_experts_per_tok, dense_bytes_ / 1e9);
+  // Record layer num_hidden_layers is the MTP's (format/weights.h ExpertSource); its table entries
+  // follow the trunk's, at table + num_hidden_layers * num_experts.
+  const int record_layers = static_cast<int>(w_.layers.size()) + (mtp_ ? 1 : 0);
+  TRY(upload_experts(*experts_src_, record_layers, c.num_experts, c.moe_intermediate_size, c.hidden_size, &pool_));
+  DMatrix g, u, dn;
+  expert_views(nullptr, pool_.fmt, c.moe_intermediate_size, c.hidden_size, &g, &u, &dn);
+  auto set_codes48 = [&](DMoe& mo) {
+    mo.codes48 = codes48(g) && codes48(dn) && codes48(mo.sh_gate) && codes48(mo.sh_up) && codes48(mo.sh_down);
+  };
+  for (DLayer& d : layers_) set_codes48(d.moe);
+  if (mtp_) set_codes48(mtp_->layer.moe);
+  LOG_INF("cuda", "model: {} layers{}, H {}, {} experts top-{}; dense {:.2f} GB on device", w_.layers.size(),
+          mtp_ ? " + MTP" : "", c.hidden_size, c.num_experts, c.num_experts_per_tok, dense_bytes_ / 1e9);
   return {};
 }
 
@@ -255,6 +281,11 @@ struct Session::Buffers {
   int max_tiles = 0;
   float *fy = nullptr, *logits = nullptr, *argmax_scratch = nullptr;
   int32_t* argmax = nullptr;
+  // MTP head (one row): its StepParams, the embedding row e, N1(e), fe, the input hidden and its norm,
+  // and S ones (the unit injection of fe into every stream).
+  StepParams* mtp_params = nullptr;
+  float *mtp_e = nullptr, *mtp_en = nullptr, *mtp_fe = nullptr, *mtp_h = nullptr, *mtp_hn = nullptr,
+        *mtp_ones = nullptr;
 };
 
 Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
@@ -305,11 +336,8 @@ Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
   b.argmax_scratch = fbuf(kLmRows * argmax_scratch_floats(c.vocab_size));
   b.argmax = static_cast<int32_t*>(arena_.alloc(sizeof(int32_t) * R));
 
-  ls_.resize(m.layers_.size());
   const int64_t snaps = kMaxRows - 1;
-  for (size_t L = 0; L < ls_.size(); ++L) {
-    const DLayer& d = m.layers_[L];
-    LayerState& st = ls_[L];
+  auto init_state = [&](const DLayer& d, LayerState& st) {
     if (d.kind == LayerKind::LinearAttention) {
       st.gdn_conv_n = static_cast<int64_t>(c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim();
       st.gdn_s_n = static_cast<int64_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim;
@@ -329,6 +357,20 @@ Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
       st.ple_conv = fbuf(std::max<int64_t>(1, st.ple_n));
       st.ple_snaps = fbuf(std::max<int64_t>(1, snaps * st.ple_n));
     }
+  };
+  ls_.resize(m.layers_.size());
+  for (size_t L = 0; L < ls_.size(); ++L) init_state(m.layers_[L], ls_[L]);
+  if (m.mtp_) {  // its KV and indexer caches, max_ctx positions like the trunk's attention layers
+    mtp_ls_ = std::make_unique<LayerState>();
+    init_state(m.mtp_->layer, *mtp_ls_);
+    b.mtp_params = static_cast<StepParams*>(arena_.alloc(sizeof(StepParams)));
+    b.mtp_e = fbuf(b.ldH); b.mtp_en = fbuf(b.ldH); b.mtp_fe = fbuf(b.ldH);
+    b.mtp_h = fbuf(b.ldW); b.mtp_hn = fbuf(b.ldW);
+    b.mtp_ones = fbuf(b.ldS);
+    const std::vector<float> ones(static_cast<size_t>(S), 1.0f);
+    CUDA_CHECK(cudaMemcpy(b.mtp_ones, ones.data(), sizeof(float) * S, cudaMemcpyHostToDevice));
+    mtp_params_h_.resize(sizeof(StepParams));
+    mtp_in_h_.resize(static_cast<size_t>(W));
   }
   ngram_ctx_.assign(static_cast<size_t>(m.n_ple_),
                     std::vector<int64_t>(static_cast<size_t>(std::max(0, c.ngram_size - 1)), c.ple_eos()));
@@ -384,14 +426,14 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   hc_gate_mean(b.hc_g, b.X, b.ldW, S, H, u, b.ldH, rows, stream_);
 }
 
-void Session::enqueue_layer(size_t L, int rows) {
+// One decoder layer (§2 a-c) on b.R: a trunk layer, or the MTP's. Positions and tokens come from the
+// device StepParams `sp`; `table` is this block's entries of the expert table.
+void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* table, const StepParams* sp,
+                            const std::string& pre, int rows) {
   const ModelConfig& c = m_.cfg();
-  const DLayer& d = m_.layers_[L];
-  LayerState& st = ls_[L];
   Buffers& b = *b_;
   const int H = c.hidden_size, S = c.hc_count, W = c.wide();
   const float eps = static_cast<float>(c.rms_norm_eps);
-  const std::string pre = "L" + std::to_string(L) + ".";
 
   if (d.ple) {  // a: PLE adds to the residual before the attention mix (trap 17)
     const DPle& p = *d.ple;
@@ -411,7 +453,7 @@ void Session::enqueue_layer(size_t L, int rows) {
     a.G = b.pG; a.Gn = b.pGn; a.ld = b.ldW; a.taps = p.conv;
     a.state = st.ple_conv; a.snaps = st.ple_snaps; a.snap_stride = st.ple_n;
     a.R = b.R; a.ldR = b.ldW; a.W = W; a.K = c.ple_conv_kernel_size; a.dil = c.ngram_size;
-    ple_conv(a, b.params, rows, stream_);
+    ple_conv(a, sp, rows, stream_);
     tap(pre + "ple", b.R, rows, W, b.ldW);
   }
 
@@ -428,14 +470,14 @@ void Session::enqueue_layer(size_t L, int rows) {
     GdnConvArgs ca;
     ca.x = b.gx; ca.ldx = b.ldC; ca.taps = g.conv; ca.state = st.gdn_conv; ca.snaps = st.gdn_conv_snaps;
     ca.snap_stride = st.gdn_conv_n; ca.y = b.gy; ca.ldy = b.ldC; ca.C = c.gdn_conv_dim(); ca.K = c.linear_conv_kernel_dim;
-    gdn_conv(ca, b.params, rows, stream_);
+    gdn_conv(ca, sp, rows, stream_);
     GdnRecArgs ra;
     ra.y = b.gy; ra.ldy = b.ldC; ra.z = b.gz; ra.ldz = b.ldVd; ra.b = b.gb; ra.a = b.ga; ra.ldab = b.ldNV;
     ra.a_log = g.a_log; ra.dt_bias = g.dt_bias; ra.norm = g.norm; ra.state = st.gdn_s; ra.snaps = st.gdn_s_snaps;
     ra.snap_stride = st.gdn_s_n; ra.out = b.go; ra.ldo = b.ldVd;
     ra.nk = c.linear_num_key_heads; ra.nv = c.linear_num_value_heads; ra.dk = c.linear_key_head_dim;
     ra.dv = c.linear_value_head_dim; ra.eps = eps; ra.sigmoid_gate = c.output_gate_type == "sigmoid" ? 1 : 0;
-    gdn_recurrent(ra, b.params, rows, stream_);
+    gdn_recurrent(ra, sp, rows, stream_);
     matvec(g.out, b.go, b.ldVd, b.o, b.ldH, rows, stream_);
   } else {
     const DAttn& at = d.attn;
@@ -455,7 +497,7 @@ void Session::enqueue_layer(size_t L, int rows) {
     a.nh = c.num_attention_heads; a.nkv = c.num_key_value_heads; a.hd = c.head_dim; a.inh = c.indexer_n_heads;
     a.ihd = c.indexer_head_dim; a.cr = c.indexer_compress_ratio;
     a.block_topk = c.indexer_budget / c.indexer_compress_ratio; a.eps = eps;
-    attention(a, b.params, rows, stream_);
+    attention(a, sp, rows, stream_);
     matvec(at.o, b.ao, b.ldQ, b.o, b.ldH, rows, stream_);
   }
   tap(pre + "attn_out", b.o, rows, H, b.ldH);
@@ -473,7 +515,7 @@ void Session::enqueue_layer(size_t L, int rows) {
     gemv(jobs, 2, b.u, b.ldH, rows, stream_);
     MoeRouteArgs ra;
     ra.logits = b.mlog; ra.ld = b.ldEx; ra.E = c.num_experts; ra.k = k; ra.norm_topk = c.norm_topk_prob ? 1 : 0;
-    ra.table = m_.pool_.table.get() + L * static_cast<size_t>(c.num_experts);
+    ra.table = table;
     ra.inter = c.moe_intermediate_size; ra.hidden = H;
     ra.sh_gate = mo.sh_gate; ra.sh_up = mo.sh_up; ra.sh_down = mo.sh_down; ra.pairs = b.pairs;
     moe_route(ra, rows, stream_);
@@ -501,7 +543,9 @@ void Session::enqueue_trunk(int rows) {
   const int H = c.hidden_size, S = c.hc_count;
   CUDA_CHECK(cudaMemcpyAsync(b.params, params_h_.get(), sizeof(StepParams), cudaMemcpyHostToDevice, stream_));
   embed_wide(m_.embed_, b.params, rows, S, H, b.R, b.ldW, stream_);  // trap 5: the embedding in every stream
-  for (size_t L = 0; L < m_.layers_.size(); ++L) enqueue_layer(L, rows);
+  for (size_t L = 0; L < m_.layers_.size(); ++L)
+    enqueue_block(m_.layers_[L], ls_[L], m_.pool_.table.get() + L * static_cast<size_t>(c.num_experts), b.params,
+                  "L" + std::to_string(L) + ".", rows);
   CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * rows * b.ldW, cudaMemcpyDeviceToHost, stream_));
   hc_mix(m_.final_mixer_, rows, b.fy, nullptr);  // §9: no final norm
   tap("final_y", b.fy, rows, H, b.ldH);
@@ -658,6 +702,59 @@ void Session::commit(int n) {
   pos_ += n;
   pending_rows_ = 0;
   ngram_snaps_.clear();
+}
+
+// ==================================================================== §10 MTP draft head
+
+// The CPU's mtp_step on the device, fp32 throughout. One row, launched directly on the session's
+// stream (no graph: a draft step is a few dozen launches; capturing it is later work), then one
+// synchronisation. It uses the step buffers (b.R and the scratch of enqueue_block) but no trunk
+// state, and its own StepParams, so the trunk's graphs and pending rows are untouched.
+Status Session::mtp_step(const float* h_in, int32_t next_token, int64_t mtp_pos, float* logits, float* h_out) {
+  if (!m_.has_mtp()) return error("this model has no MTP head");
+  const ModelConfig& c = m_.cfg();
+  if (next_token < 0 || next_token >= c.vocab_size)
+    return error("MTP token id {} is outside the vocabulary [0, {})", next_token, c.vocab_size);
+  if (mtp_pos < 0 || mtp_pos >= max_ctx_)
+    return error("mtp_step: MTP position {} is outside the session's context of {} (--max-ctx)", mtp_pos, max_ctx_);
+  const DMtp& mt = *m_.mtp_;
+  Buffers& b = *b_;
+  const int H = c.hidden_size, S = c.hc_count, W = c.wide();
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  StepParams p;
+  p.pos = mtp_pos;
+  p.rows = 1;
+  p.snap = 0;
+  p.tokens[0] = next_token;
+  std::memcpy(mtp_params_h_.get(), &p, sizeof(p));
+  std::memcpy(mtp_in_h_.get(), h_in, sizeof(float) * W);
+  CUDA_CHECK(cudaMemcpyAsync(b.mtp_params, mtp_params_h_.get(), sizeof(StepParams), cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaMemcpyAsync(b.mtp_h, mtp_in_h_.get(), sizeof(float) * W, cudaMemcpyHostToDevice, stream_));
+  // fe = fc_embedding · N1(E[x]): the embedding row as one "stream" of embed_wide.
+  embed_wide(m_.embed_, b.mtp_params, 1, 1, H, b.mtp_e, b.ldH, stream_);
+  rmsnorm_grouped(b.mtp_e, H, H, mt.norm_embedding, eps, b.mtp_en, 1, b.ldH, stream_);
+  matvec(mt.fc_embedding, b.mtp_en, b.ldH, b.mtp_fe, b.ldH, 1, stream_);
+  // pre_fc_norm_hidden: one RMS statistic per stream (grouped), as the CPU (spec §14 open question 1).
+  rmsnorm_grouped(b.mtp_h, W, H, mt.norm_hidden, eps, b.mtp_hn, 1, b.ldW, stream_);
+  // fh_s = fc_hidden · Hn_s for every stream: the S streams as S rows of H (ld = H), straight into R.
+  for (int s0 = 0; s0 < S; s0 += kMaxRows)
+    matvec(mt.fc_hidden, b.mtp_hn + static_cast<size_t>(s0) * H, H, b.R + static_cast<size_t>(s0) * H, H,
+           std::min(kMaxRows, S - s0), stream_);
+  // R0_s = fh_s + fe: hc_combine with unit weights is exactly that sum (fe · 1 is exact, one rounding).
+  hc_combine(b.R, b.ldW, b.mtp_fe, b.ldH, b.mtp_ones, b.ldS, S, H, 1, stream_);
+  tap("MTP.R0", b.R, 1, W, b.ldW);
+  const ExpertSlot* table = m_.pool_.table.get() + static_cast<size_t>(c.num_hidden_layers) * c.num_experts;
+  enqueue_block(mt.layer, *mtp_ls_, table, b.mtp_params, "MTP.", 1);
+  if (h_out)
+    CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * W, cudaMemcpyDeviceToHost, stream_));
+  hc_mix(mt.mixer, 1, b.fy, nullptr);  // the head's own final mixer, no norm after it
+  tap("MTP.final_y", b.fy, 1, H, b.ldH);
+  matvec(m_.lm_head_, b.fy, b.ldH, b.logits, b.ldV, 1, stream_);
+  CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * c.vocab_size, cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::memcpy(logits, logits_h_.get(), sizeof(float) * c.vocab_size);
+  if (h_out) std::memcpy(h_out, hidden_h_.get(), sizeof(float) * W);
+  return {};
 }
 
 }  // namespace ck::cuda

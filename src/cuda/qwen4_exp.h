@@ -4,7 +4,8 @@
 // of up to kMaxRows rows is one stream submission: a CUDA graph captured per (rows, want_logits) and
 // replayed, with positions and tokens read on the device. Longer calls without snapshots run as prefill
 // chunks of up to kChunkRows rows on the tensor cores (cuda/gemm.cu: dense projections as GEMMs, experts
-// grouped per expert, the other kernels over all the chunk's rows).
+// grouped per expert, the other kernels over all the chunk's rows). The MTP draft head (spec §10) runs
+// as Session::mtp_step, one token at a time with direct launches (no graph yet).
 // Host-compiled header: no device code here.
 #pragma once
 #include <cuda_runtime_api.h>
@@ -26,6 +27,7 @@
 namespace ck::cuda {
 
 using StepResult = cpu::StepResult;
+struct StepParams;  // cuda/layers.h
 
 struct DHc {
   const float* norm = nullptr;  // (W)
@@ -59,6 +61,15 @@ struct DLayer {
   std::optional<DPle> ple;
   DMoe moe;
 };
+// The MTP draft head (spec §10): its input projections, one attention decoder layer with its own
+// experts (record layer num_hidden_layers of the expert pool) and its own final mixer.
+struct DMtp {
+  const float* norm_embedding = nullptr;  // (H) 1+w
+  const float* norm_hidden = nullptr;     // (W) 1+w
+  DMatrix fc_embedding, fc_hidden;        // (H, H) each
+  DLayer layer;
+  DHc mixer;
+};
 
 class Session;
 
@@ -74,6 +85,7 @@ class Model {
   const ModelConfig& cfg() const { return w_.cfg; }
   const ModelWeights& weights() const { return w_; }
   const cpu::Model& reference() const { return ref_; }  // the host half: n-gram ids and rows
+  bool has_mtp() const { return mtp_.has_value(); }
   // max_ctx: positions the session's caches hold (attention KV, indexer keys).
   std::unique_ptr<Session> new_session(int64_t max_ctx = 4096) const;
 
@@ -81,14 +93,15 @@ class Model {
   size_t dense_bytes() const { return dense_bytes_; }
   const ExpertPool& experts() const { return pool_; }
   // Weight bytes one decode token reads: dense matrices it touches (one embedding row) plus k experts
-  // per layer.
+  // per layer. The trunk only: MTP draft steps are extra work a driver counts itself.
   double active_bytes_per_token() const;
-  // Multiply-adds per token (x2 = FLOPs) of the matrices a token uses, attention scores excluded.
+  // Multiply-adds per token (x2 = FLOPs) of the matrices a token uses, attention scores excluded
+  // (the trunk only, as above).
   double macs_per_token() const;
 
   // Moves every expert record to another slot (a seeded permutation into a fresh slot array) and
-  // rewrites the table in place. Kernels reach experts only through the table, so results must not
-  // change by a bit (tests/parity/test_cuda_model.cpp). Not while a step runs.
+  // rewrites the table in place (the MTP's experts included). Kernels reach experts only through the
+  // table, so results must not change by a bit (tests/parity/test_cuda_model.cpp). Not while a step runs.
   void permute_expert_slots(uint64_t seed);
 
  private:
@@ -96,6 +109,7 @@ class Model {
   struct Deferred {};
   Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts, Deferred);  // no upload yet
   Status init();
+  Status upload_layer(DenseUploader& up, const LayerWeights& lw, DLayer* d);
 
   const ModelWeights& w_;
   std::shared_ptr<ExpertSource> experts_src_;
@@ -105,7 +119,8 @@ class Model {
   DMatrix embed_, lm_head_;
   DHc final_mixer_;
   std::vector<DLayer> layers_;
-  ExpertPool pool_;
+  std::optional<DMtp> mtp_;
+  ExpertPool pool_;  // record layers 0..L-1 of the trunk, then the MTP's layer L when it exists
   DeviceBuffer<float> inv_freq_;  // (rotary_dim / 2)
   int max_inter_ = 0;
   int n_ple_ = 0;
@@ -125,6 +140,15 @@ class Session {
   int64_t pos() const { return pos_; }
   int64_t max_ctx() const { return max_ctx_; }
 
+  // As cpu::Session::mtp_step (spec §10): one MTP draft step at position mtp_pos (< max_ctx) from the
+  // wide hidden h_in (W floats, host) and the next token; writes the draft logits (vocab, host) and,
+  // when h_out is not null, the new wide hidden (W, host). The MTP's own KV/indexer caches live in
+  // this session, indexed by position: redoing a position overwrites its slot. Positions after a
+  // rollback point must be redone in increasing order (as §10's driving does): a block's pooled
+  // indexer key is recomputed when the block's last position is written, as in the trunk.
+  // Independent of the trunk's state; may run between step_rows and commit. Synchronous.
+  Status mtp_step(const float* h_in, int32_t next_token, int64_t mtp_pos, float* logits, float* h_out);
+
   // Graphs on (default) or off (every kernel launched directly, same kernels, same results).
   void set_use_graphs(bool on) { use_graphs_ = on; }
   // Rows per prefill chunk (the tensor-core path for inputs longer than kMaxRows, taken when a step
@@ -141,7 +165,8 @@ class Session {
                    int row0, int total_rows);
   void enqueue_trunk(int rows);
   void enqueue_step(int rows, bool want_logits);
-  void enqueue_layer(size_t L, int rows);
+  void enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* table, const StepParams* sp,
+                     const std::string& tap_prefix, int rows);
   void hc_mix(const DHc& hc, int rows, float* u, float* w);
   void tap(const std::string& name, const float* d, int rows, int64_t n, int64_t ld);
   void restore_snapshot(int row);
@@ -158,6 +183,7 @@ class Session {
   cudaStream_t stream_ = nullptr;
   DeviceArena arena_{size_t{64} << 20};
   std::vector<LayerState> ls_;
+  std::unique_ptr<LayerState> mtp_ls_;  // the MTP layer's caches, when the model has the head
   // Host recurrent state: the n-gram context of each PLE layer, and its snapshots.
   std::vector<std::vector<int64_t>> ngram_ctx_;
   std::vector<std::vector<std::vector<int64_t>>> ngram_snaps_;  // [row][ple layer]
@@ -168,6 +194,9 @@ class Session {
   PinnedBuffer<int32_t> argmax_h_;   // (kMaxRows)
   PinnedBuffer<float> hidden_h_;     // (kMaxRows, ldW)
   PinnedBuffer<float> logits_h_;     // (kMaxRows, ldV)
+  // The MTP step's own inputs (the trunk's StepParams stay as the trunk's graphs left them).
+  PinnedBuffer<uint8_t> mtp_params_h_;  // StepParams
+  PinnedBuffer<float> mtp_in_h_;        // (W)
 
   struct Buffers;
   std::unique_ptr<Buffers> b_;

@@ -2,10 +2,13 @@
 // CPU reference: logits at every prompt position (relative L2 <= 1e-4, the bound the CPU reference
 // meets), greedy tokens wherever the oracle's margin exceeds 1e-3, incremental decode and
 // step_rows/commit rollback equal to plain decoding, and logits that do not change by a bit when the
-// experts move to other slots. Skips when no CUDA device is visible (CI); always compiles.
+// experts move to other slots. The MTP draft head (CudaMtp) against the small model's fixture and
+// against cpu::Session::mtp_step. Skips when no CUDA device is visible (CI); always compiles.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "../common/fixtures.h"
 #include "cpu/qwen4_exp.h"
@@ -240,8 +243,128 @@ TEST_P(CudaOracle, OutOfVocabularyTokenIsAnError) {
   EXPECT_NE(st.message().find("outside the vocabulary"), std::string::npos) << st.message();
 }
 
+// ---------------------------------------------------------------- the MTP draft head (spec §10)
+// On the small trained model (models/cherenkov-tiny), the only checkpoint with an MTP head and a
+// reference for its drafts (tests/fixtures/small_model, as tests/parity/test_small_model.cpp).
+
+const std::string kTinyModel = test::source_dir() + "/models/cherenkov-tiny";
+const std::string kTinyFixture = test::source_dir() + "/tests/fixtures/small_model";
+constexpr double kMtpTol = 1e-4;  // the CPU reference's bound against the same fixture
+
+// The CUDA trunk's R_last feeds the CUDA head, as a driver does: row t drafts from
+// (R_last[t], x_{t+1}) at position t (the fixture's mtp_logits row t).
+TEST(CudaMtp, DraftsMatchTheTrainingReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto fx = test::load_fixture(kTinyFixture);
+  ASSERT_TRUE(fx.ok()) << fx.status().message();
+  Loaded l = load(kTinyModel);
+  ASSERT_TRUE(l.model);
+  ASSERT_TRUE(l.model->has_mtp());
+  const int64_t V = l.model->cfg().vocab_size, W = l.model->cfg().wide();
+  const size_t T = fx->prompt.size();
+  ASSERT_EQ(fx->mtp_logits.size(), (T - 1) * V);
+  auto s = l.model->new_session(256);
+  cuda::StepResult r;
+  ASSERT_TRUE(s->step_rows(fx->prompt, false, false, &r).ok());
+  s->commit(static_cast<int>(T));
+  std::vector<float> draft(V), h(W);
+  double worst = 0;
+  for (size_t t = 0; t + 1 < T; ++t) {
+    Status st = s->mtp_step(r.hidden.data() + t * W, fx->prompt[t + 1], static_cast<int64_t>(t), draft.data(), h.data());
+    ASSERT_TRUE(st.ok()) << st.message();
+    const double e = test::rel_l2(draft.data(), fx->mtp_logits.data() + t * V, V);
+    worst = std::max(worst, e);
+    EXPECT_LE(e, kMtpTol) << "MTP position " << t;
+  }
+  std::printf("  cuda MTP vs the training reference: worst rel L2 %.3g over %zu positions\n", worst, T - 1);
+  // Bad inputs are errors, not crashes.
+  Status st = s->mtp_step(r.hidden.data(), static_cast<int32_t>(V), 0, draft.data(), nullptr);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("outside the vocabulary"), std::string::npos) << st.message();
+  EXPECT_FALSE(s->mtp_step(r.hidden.data(), fx->prompt[1], s->max_ctx(), draft.data(), nullptr).ok());
+  EXPECT_FALSE(s->mtp_step(r.hidden.data(), fx->prompt[1], -1, draft.data(), nullptr).ok());
+}
+
+// CUDA mtp_step against cpu::Session::mtp_step on identical inputs (the CPU trunk's hiddens, then
+// the CPU head's own outputs), step by step: the prompt's positions (past position 67, where the
+// indexer starts to drop blocks), a chain of drafts, a rollback that rewrites positions from drafted
+// inputs and then from the true ones. Both sides are fp32 with fp32 accumulation (fp64 only for the
+// expert sum, in both), so they differ by summation order alone: the bound the trunk meets.
+TEST(CudaMtp, MatchesCpuOverDraftsAndRollback) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto fx = test::load_fixture(kTinyFixture);
+  ASSERT_TRUE(fx.ok()) << fx.status().message();
+  Loaded l = load(kTinyModel);
+  ASSERT_TRUE(l.model);
+  ASSERT_TRUE(l.model->has_mtp());
+  const int64_t V = l.model->cfg().vocab_size, W = l.model->cfg().wide();
+  const size_t T = fx->prompt.size();
+  cpu::Model cm(l.ck->weights, l.ck->experts);
+  auto cs = cm.new_session();
+  cpu::StepResult tr;
+  ASSERT_TRUE(cs->step_rows(fx->prompt, false, false, &tr).ok());
+  cs->commit(static_cast<int>(T));
+  auto gs = l.model->new_session(256);
+  std::vector<float> lc(V), lg(V), hc(W), hg(W);
+  double worst = 0;
+  // One draft step on both backends from the same (h, x, pos); checks logits and h_out.
+  auto both = [&](const float* h, int32_t x, int64_t pos, const char* phase) {
+    ASSERT_TRUE(cs->mtp_step(h, x, pos, lc.data(), hc.data()).ok());
+    Status st = gs->mtp_step(h, x, pos, lg.data(), hg.data());
+    ASSERT_TRUE(st.ok()) << st.message();
+    const double el = test::rel_l2(lg.data(), lc.data(), V), eh = test::rel_l2(hg.data(), hc.data(), W);
+    worst = std::max({worst, el, eh});
+    EXPECT_LE(el, kMtpTol) << phase << ": logits at MTP position " << pos;
+    EXPECT_LE(eh, kMtpTol) << phase << ": h_out at MTP position " << pos;
+  };
+  // Prefill: the trunk pairs (R_last[t], x_{t+1}) at every position t < T-1; keep CUDA's drafts.
+  std::vector<float> first((T - 1) * V);
+  for (size_t t = 0; t + 1 < T; ++t) {
+    both(tr.hidden.data() + t * W, fx->prompt[t + 1], static_cast<int64_t>(t), "prefill");
+    std::copy(lg.begin(), lg.end(), first.begin() + t * V);
+  }
+  // Drafts from the last trunk hidden: each step's input is the previous step's h_out and greedy
+  // draft token (the CPU's, fed to both so that the two runs see the same inputs).
+  std::vector<float> h(tr.hidden.end() - W, tr.hidden.end());
+  int32_t x = fx->greedy.empty() ? fx->prompt[0] : fx->greedy[0];
+  for (int k = 0; k < 6; ++k) {
+    both(h.data(), x, static_cast<int64_t>(T - 1) + k, "draft");
+    h = hc;
+    x = static_cast<int32_t>(std::max_element(lc.begin(), lc.end()) - lc.begin());
+  }
+  // Rollback to r0 (mid-block, with complete blocks after it): first rewrite r0.. from wrong tokens,
+  // then from the true pairs again, in increasing order as a driver does.
+  const size_t r0 = T - 11;
+  for (size_t t = r0; t + 1 < T; ++t)
+    both(tr.hidden.data() + t * W, (fx->prompt[t + 1] + 17) % static_cast<int32_t>(V), static_cast<int64_t>(t),
+         "wrong rewrite");
+  for (size_t t = r0; t + 1 < T; ++t) {
+    both(tr.hidden.data() + t * W, fx->prompt[t + 1], static_cast<int64_t>(t), "true rewrite");
+    // The positional caches hold what they held after the prefill: the same drafts as then.
+    EXPECT_LE(test::rel_l2(lg.data(), first.data() + t * V, V), kSelfTol) << "redone MTP position " << t;
+  }
+  std::printf("  cuda MTP vs cpu MTP: worst rel L2 %.3g (logits and h_out)\n", worst);
+}
+
+TEST(CudaMtp, ModelWithoutTheHeadIsAnError) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto ck = open_checkpoint(kTinyModel, /*load_mtp=*/false);
+  ASSERT_TRUE(ck.ok()) << ck.status().message();
+  ASSERT_FALSE((*ck)->weights.mtp.has_value());
+  auto m = cuda::Model::create((*ck)->weights, (*ck)->experts);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_FALSE((*m)->has_mtp());
+  auto s = (*m)->new_session(64);
+  const ModelConfig& c = (*m)->cfg();
+  std::vector<float> h(static_cast<size_t>(c.wide()), 0.0f), logits(static_cast<size_t>(c.vocab_size));
+  Status st = s->mtp_step(h.data(), 1, 0, logits.data(), nullptr);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("no MTP head"), std::string::npos) << st.message();
+}
+
 #else
 TEST_P(CudaOracle, NotBuilt) { GTEST_SKIP() << "this build has no CUDA engine"; }
+TEST(CudaMtp, NotBuilt) { GTEST_SKIP() << "this build has no CUDA engine"; }
 #endif
 
 INSTANTIATE_TEST_SUITE_P(Oracle, CudaOracle, ::testing::ValuesIn(all_fixtures()), fixture_name);
