@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -281,6 +282,8 @@ int main(int argc, char** argv) {
     // session); the rest, a multiple of kMaxRows rows, is timed.
     const int warm = 2 * cuda::kMaxRows;
     auto s = m->new_session(T + 16);
+    const bool profile = std::getenv("CK_PROFILE") != nullptr;  // per-piece GPU time of the chunks
+    s->set_profile(profile);
     std::vector<int32_t> prompt = rand_tokens(T);
     if (!s->step_rows(std::span<const int32_t>(prompt.data(), warm), false, false, &res).ok()) return 1;
     s->commit(warm);
@@ -297,6 +300,14 @@ int main(int argc, char** argv) {
     emit(out, "prefill  %5d tokens      %8.1f tok/s  (%.3f s for %d rows)   ceiling %8.0f tok/s (FLOPs / bf16 rate)%s; "
               "row-path bound %.0f tok/s (weights once per %d rows)\n",
          T, timed / sec, sec, timed, ceil_c, tflops > 0 ? "" : " [no bf16 rate: not measured]", ceil_row, cuda::kMaxRows);
+    if (profile) {
+      double total = 0;
+      const auto prof = s->take_profile();
+      for (const auto& [piece, ms] : prof) total += ms;
+      for (const auto& [piece, ms] : prof)
+        emit(out, "profile  prefill %5d  %-22s %9.2f ms  %5.1f%%  (%.2f us/token)\n", T, piece.c_str(), ms,
+             100.0 * ms / total, 1e3 * ms / timed);
+    }
   }
   if (out) std::fclose(out);
   return 0;

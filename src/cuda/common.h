@@ -48,7 +48,7 @@ namespace ck::cuda {
 constexpr int kMaxRows = 8;  // rows of one row-path step (decode rows, MTP verification): GEMV, CUDA graph
 // Rows of one prefill chunk (the tensor-core path, cuda/gemm.cu): longer prompts run in chunks of this
 // many rows; every per-row buffer of a session holds this many rows.
-constexpr int kChunkRows = 256;
+constexpr int kChunkRows = 1024;
 // Rows of one LM-head slice in a prefill chunk (bounds the logits buffer: kLmRows x vocab floats).
 constexpr int kLmRows = 64;
 

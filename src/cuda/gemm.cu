@@ -10,8 +10,12 @@
 // work of plain bf16. A single-pass bf16 mode would be 3x faster and ~1e-2 off; not offered.
 //
 // Tiles: a block of 4 warps computes BM = 16*MF rows x 64 output features, sweeping K in steps of 32;
-// each warp owns 16 output features and MF row fragments. Loads are plain (no cp.async pipeline yet:
-// the first version, docs/roofline-cuda.md says what is next).
+// each warp owns 16 output features and MF row fragments (dense: BM 64; experts: BM kGroupRows). The
+// next tile's global loads are issued into registers before the current tile's products (fetch16 /
+// dequant16), so their latency overlaps the tensor-core work. Short, wide dense matrices split K over
+// more blocks and add the partial sums in a fixed order (deterministic). Every weight is dequantized
+// and split once per tile: with few rows per expert that, not the tensor cores, bounds the expert
+// products (docs/roofline-cuda.md).
 #include <cuda_bf16.h>
 #include <mma.h>
 
@@ -49,56 +53,90 @@ struct TcArgs {
   const int32_t* n_tiles = nullptr;
   float* y = nullptr;  // experts: output row per pair
   int ldy = 0;
+  // Dense split-K (short, wide matrices such as the hyper-connection down projection, which would
+  // otherwise give a few dozen blocks): block z covers K [z*k_chunk, (z+1)*k_chunk) and writes raw sums to
+  // partial[z * partial_stride + partial_off[job] + row * N + n]; dense_reduce_kernel finishes.
+  int k_chunk = 0;
+  float* partial = nullptr;
+  size_t partial_stride = 0;
+  size_t partial_off[kMaxGemvJobs + 1] = {};
 };
+
+__device__ __forceinline__ float apply_epilogue(float v, Epilogue epi, float arg) {
+  if (epi == Epilogue::SiluDiv) return siluf_(v / arg);
+  if (epi == Epilogue::TwoSigmoidDiv) return 2.0f * sigmoidf_(v / arg);
+  return v;
+}
 
 __device__ __forceinline__ void split(float v, __nv_bfloat16& hi, __nv_bfloat16& lo) {
   hi = __float2bfloat16_rn(v);
   lo = __float2bfloat16_rn(v - __bfloat162float(hi));
 }
 
-// 16 consecutive weights w[n][k0 .. k0+16) as fp32 (zero past the end of the row), the CPU's rounding.
-__device__ __forceinline__ void load16(const DMatrix& w, int n, int k0, float (&v)[16]) {
-  if (n >= w.rows) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = 0.0f;
-    return;
-  }
+// 16 consecutive weights w[n][k0 .. k0+16) in two steps, so a tile's global loads are in flight while
+// the tensor cores work on the previous tile: fetch16 issues the loads into registers (raw codes, scale
+// and bias), dequant16 turns them into fp32 with the CPU's rounding (s * q + b, no FMA). Rows past the
+// end read as zero; rare forms (2/3-bit codes, f16/f32, a ragged tail) are read element by element in
+// dequant16 (no prefetch).
+enum WPath : int { kWZero = 0, kWQ4 = 1, kWQ8 = 2, kWBF16 = 3, kWElem = 4 };
+struct WRaw {
+  uint4 a, b;
+  float s, bias;
+  int path;
+};
+
+__device__ __forceinline__ void fetch16(const DMatrix& w, int n, int k0, WRaw& r) {
+  r.path = kWElem;
+  if (n >= w.rows) { r.path = kWZero; return; }
   const bool full = k0 + 16 <= w.cols;
   if (w.quantized() && full && (w.fmt.bits == 4 || w.fmt.bits == 8) && w.cols % 32 == 0) {
     // k0 is a multiple of 16 and groups are >= 32 wide: one scale and bias for the 16 codes.
     const size_t row_bytes = static_cast<size_t>(w.cols) * w.fmt.bits / 8;
     const int64_t si = static_cast<int64_t>(n) * (w.cols / w.fmt.group) + k0 / w.fmt.group;
-    const float s = load_kind(w.scales, si, w.fmt.scale_kind), b = load_kind(w.biases, si, w.fmt.scale_kind);
+    r.s = load_kind(w.scales, si, w.fmt.scale_kind);
+    r.bias = load_kind(w.biases, si, w.fmt.scale_kind);
     const uint8_t* p = w.data + n * row_bytes + static_cast<size_t>(k0) * w.fmt.bits / 8;
     if (w.fmt.bits == 4) {
       const uint2 q = *reinterpret_cast<const uint2*>(p);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        v[i] = __fadd_rn(__fmul_rn(s, static_cast<float>((q.x >> (4 * i)) & 15u)), b);
-        v[8 + i] = __fadd_rn(__fmul_rn(s, static_cast<float>((q.y >> (4 * i)) & 15u)), b);
-      }
+      r.a = make_uint4(q.x, q.y, 0, 0);
+      r.path = kWQ4;
     } else {
-      const uint4 q = *reinterpret_cast<const uint4*>(p);
-      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-      for (int i = 0; i < 16; ++i)
-        v[i] = __fadd_rn(__fmul_rn(s, static_cast<float>((words[i / 4] >> (8 * (i % 4))) & 255u)), b);
+      r.a = *reinterpret_cast<const uint4*>(p);
+      r.path = kWQ8;
     }
-    return;
-  }
-  if (!w.quantized() && full && w.fmt.kind == static_cast<uint8_t>(WKind::BF16) && w.cols % 8 == 0) {
+  } else if (!w.quantized() && full && w.fmt.kind == static_cast<uint8_t>(WKind::BF16) && w.cols % 8 == 0) {
     const uint4* p = reinterpret_cast<const uint4*>(w.data + (static_cast<size_t>(n) * w.cols + k0) * 2);
-    const uint4 a = p[0], c = p[1];
-    const uint32_t words[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+    r.a = p[0];
+    r.b = p[1];
+    r.path = kWBF16;
+  }
+}
+
+__device__ __forceinline__ void dequant16(const DMatrix& w, int n, int k0, const WRaw& r, float (&v)[16]) {
+  if (r.path == kWQ4) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[i] = __fadd_rn(__fmul_rn(r.s, static_cast<float>((r.a.x >> (4 * i)) & 15u)), r.bias);
+      v[8 + i] = __fadd_rn(__fmul_rn(r.s, static_cast<float>((r.a.y >> (4 * i)) & 15u)), r.bias);
+    }
+  } else if (r.path == kWQ8) {
+    const uint32_t words[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      v[i] = __fadd_rn(__fmul_rn(r.s, static_cast<float>((words[i / 4] >> (8 * (i % 4))) & 255u)), r.bias);
+  } else if (r.path == kWBF16) {
+    const uint32_t words[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       v[2 * i] = __uint_as_float(words[i] << 16);
       v[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
     }
-    return;
-  }
+  } else if (r.path == kWZero) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = k0 + i < w.cols ? dmatrix_elem(w, n, k0 + i) : 0.0f;
+    for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+  } else {
+    for (int i = 0; i < 16; ++i) v[i] = k0 + i < w.cols ? dmatrix_elem(w, n, k0 + i) : 0.0f;
+  }
 }
 
 template <int MF, int NW>
@@ -120,13 +158,14 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(const __grid_constant__ Tc
   __shared__ int n_rows_s;
 
   DMatrix w0, w1;
-  int n0 = 0, K = a.K, ldy = a.ldy;
+  int job = 0, n0 = 0, K = a.K, ldy = a.ldy;
   float* y = a.y;
   Epilogue epi = Epilogue::None;
   float epi_arg = 1.0f;
   if constexpr (MODE == kDense) {
     int j = 0;
     while (j + 1 < a.n_jobs && static_cast<int>(blockIdx.x) >= a.first_tile[j + 1]) ++j;
+    job = j;
     w0 = a.job[j].w;
     n0 = (static_cast<int>(blockIdx.x) - a.first_tile[j]) * kBN;
     y = a.job[j].y;
@@ -167,37 +206,61 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(const __grid_constant__ Tc
     for (int f = 0; f < MF; ++f) wmma::fill_fragment(acc[q][f], 0.0f);
 
   const bool x_vec = (a.ldx % 4 == 0) && (reinterpret_cast<uintptr_t>(a.x) % 16 == 0);
-  for (int k0 = 0; k0 < K; k0 += kBK) {
-    __syncthreads();  // the previous tile is consumed
-    // x tile: BM rows x 32 columns, 4 values per thread per pass.
-    for (int e = threadIdx.x; e < BM * (kBK / 4); e += kThreads) {
+  // This block's K range: all of K, or one split of it (dense split-K, partial sums to a.partial).
+  const int k_begin = MODE == kDense ? static_cast<int>(blockIdx.z) * a.k_chunk : 0;
+  const int k_end = MODE == kDense ? min(K, k_begin + a.k_chunk) : K;
+  // Per thread: MF float4 of the x tile (BM x 32 = 128*MF float4), 16 weights of each W tile.
+  const int wn = threadIdx.x >> 1, wc = (threadIdx.x & 1) * 16;
+  float4 xr[MF];
+  WRaw wr[NW];
+  auto fetch = [&](int k0) {
+#pragma unroll
+    for (int f = 0; f < MF; ++f) {
+      const int e = threadIdx.x + f * kThreads;
       const int i = e / (kBK / 4), c = (e % (kBK / 4)) * 4;
-      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const int r = src[i];
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       if (r >= 0) {
-        const float* xr = a.x + static_cast<size_t>(r) * a.ldx + k0 + c;
+        const float* xp = a.x + static_cast<size_t>(r) * a.ldx + k0 + c;
         if (x_vec && k0 + c + 4 <= K) {
-          const float4 f = *reinterpret_cast<const float4*>(xr);
-          v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+          v = *reinterpret_cast<const float4*>(xp);
         } else {
-          for (int t = 0; t < 4; ++t) v[t] = k0 + c + t < K ? xr[t] : 0.0f;
+          v.x = k0 + c + 0 < K ? xp[0] : 0.0f;
+          v.y = k0 + c + 1 < K ? xp[1] : 0.0f;
+          v.z = k0 + c + 2 < K ? xp[2] : 0.0f;
+          v.w = k0 + c + 3 < K ? xp[3] : 0.0f;
         }
       }
-#pragma unroll
-      for (int t = 0; t < 4; ++t) split(v[t], sm.xh[i][c + t], sm.xl[i][c + t]);
+      xr[f] = v;
     }
-    // weight tile(s): 64 rows x 32 columns, 16 per thread.
-    {
-      const int n = threadIdx.x >> 1, c = (threadIdx.x & 1) * 16;
 #pragma unroll
-      for (int q = 0; q < NW; ++q) {
-        float v[16];
-        load16(q == 0 ? w0 : w1, n0 + n, k0 + c, v);
+    for (int q = 0; q < NW; ++q) fetch16(q == 0 ? w0 : w1, n0 + wn, k0 + wc, wr[q]);
+  };
+  auto store = [&](int k0) {
 #pragma unroll
-        for (int t = 0; t < 16; ++t) split(v[t], sm.wh[q][n][c + t], sm.wl[q][n][c + t]);
-      }
+    for (int f = 0; f < MF; ++f) {
+      const int e = threadIdx.x + f * kThreads;
+      const int i = e / (kBK / 4), c = (e % (kBK / 4)) * 4;
+      split(xr[f].x, sm.xh[i][c + 0], sm.xl[i][c + 0]);
+      split(xr[f].y, sm.xh[i][c + 1], sm.xl[i][c + 1]);
+      split(xr[f].z, sm.xh[i][c + 2], sm.xl[i][c + 2]);
+      split(xr[f].w, sm.xh[i][c + 3], sm.xl[i][c + 3]);
     }
+#pragma unroll
+    for (int q = 0; q < NW; ++q) {
+      float v[16];
+      dequant16(q == 0 ? w0 : w1, n0 + wn, k0 + wc, wr[q], v);
+#pragma unroll
+      for (int t = 0; t < 16; ++t) split(v[t], sm.wh[q][wn][wc + t], sm.wl[q][wn][wc + t]);
+    }
+  };
+
+  if (k_begin < k_end) fetch(k_begin);
+  for (int k0 = k_begin; k0 < k_end; k0 += kBK) {
+    __syncthreads();  // the previous tile is consumed
+    store(k0);
     __syncthreads();
+    if (k0 + kBK < k_end) fetch(k0 + kBK);  // in flight during the products below
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> ah[MF], al[MF];
@@ -235,8 +298,12 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(const __grid_constant__ Tc
     if constexpr (MODE == kGateUp) {
       v = siluf_(v) * sm.out[1][i][c];
     } else if constexpr (MODE == kDense) {
-      if (epi == Epilogue::SiluDiv) v = siluf_(v / epi_arg);
-      else if (epi == Epilogue::TwoSigmoidDiv) v = 2.0f * sigmoidf_(v / epi_arg);
+      if (a.partial) {  // split-K: the raw partial sum; dense_reduce adds the splits in a fixed order
+        a.partial[static_cast<size_t>(blockIdx.z) * a.partial_stride + a.partial_off[job] +
+                  static_cast<size_t>(dst[i]) * w0.rows + n0 + c] = v;
+        continue;
+      }
+      v = apply_epilogue(v, epi, epi_arg);
     }
     y[static_cast<size_t>(dst[i]) * ldy + n0 + c] = v;
   }
@@ -270,6 +337,30 @@ __global__ void group_pairs_kernel(const ExpertPair* pairs, int n_pairs, int n_g
   }
 }
 
+// y = epi(Σ_z partial_z) for every (job, row, n), the splits added in index order (deterministic).
+__global__ void dense_reduce_kernel(const __grid_constant__ TcArgs a, int splits) {
+  const size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= a.partial_stride) return;
+  int j = 0;
+  while (j + 1 < a.n_jobs && t >= a.partial_off[j + 1]) ++j;
+  const size_t local = t - a.partial_off[j];
+  const int N = a.job[j].w.rows;
+  const size_t r = local / N, n = local % N;
+  float v = 0.0f;
+  for (int z = 0; z < splits; ++z) v += a.partial[static_cast<size_t>(z) * a.partial_stride + t];
+  a.job[j].y[r * a.job[j].ldy + n] = apply_epilogue(v, a.job[j].epi, a.job[j].epi_arg);
+}
+
+int device_sms() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
 template <int MF, int MODE>
 void launch(const TcArgs& a, dim3 grid, cudaStream_t s) {
   tc_kernel<MF, MODE><<<grid, kThreads, 0, s>>>(a);
@@ -296,7 +387,31 @@ void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     tiles += static_cast<int>(ceil_div(jobs[j].w.rows, kBN));
   }
   a.first_tile[n_jobs] = tiles;
-  launch<4, kDense>(a, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(ceil_div(rows, 64))), stream);
+  const int m_tiles = static_cast<int>(ceil_div(rows, 64));
+  // Fewer blocks than two waves and a long K: split K so every SM gets work.
+  const int blocks = tiles * m_tiles, want = 2 * device_sms();
+  int splits = 1;
+  if (blocks < want && a.K >= 8 * kBK) splits = std::min<int>({16, static_cast<int>(ceil_div(want, blocks)), a.K / (4 * kBK)});
+  a.k_chunk = static_cast<int>(round_up(ceil_div(a.K, splits), kBK));
+  splits = static_cast<int>(ceil_div(a.K, a.k_chunk));
+  if (splits == 1) {
+    launch<4, kDense>(a, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(m_tiles), 1), stream);
+    return;
+  }
+  size_t total = 0;
+  for (int j = 0; j < n_jobs; ++j) {
+    a.partial_off[j] = total;
+    total += static_cast<size_t>(rows) * jobs[j].w.rows;
+  }
+  a.partial_off[n_jobs] = total;
+  a.partial_stride = total;
+  // Stream-ordered scratch: safe for any number of sessions and streams, pooled by the driver.
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&a.partial), sizeof(float) * total * splits, stream));
+  launch<4, kDense>(a, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(m_tiles), static_cast<unsigned>(splits)),
+                    stream);
+  dense_reduce_kernel<<<static_cast<unsigned>(ceil_div(static_cast<int64_t>(total), 256)), 256, 0, stream>>>(a, splits);
+  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(cudaFreeAsync(a.partial, stream));
 }
 
 void group_pairs(const ExpertPair* pairs, int n_pairs, int n_groups, int32_t* order, int2* tiles, int32_t* n_tiles,
@@ -313,7 +428,7 @@ void expert_gate_up_grouped(const ExpertPair* pairs, const int32_t* order, const
   TcArgs a;
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.x = x; a.ldx = ldx; a.y = h; a.ldy = ldh;
-  launch<1, kGateUp>(a, dim3(static_cast<unsigned>(ceil_div(max_inter, kBN)), static_cast<unsigned>(max_tiles)),
+  launch<kGroupRows / 16, kGateUp>(a, dim3(static_cast<unsigned>(ceil_div(max_inter, kBN)), static_cast<unsigned>(max_tiles)),
                      stream);
 }
 
@@ -322,7 +437,7 @@ void expert_down_grouped(const ExpertPair* pairs, const int32_t* order, const in
   TcArgs a;
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.x = h; a.ldx = ldh; a.y = y; a.ldy = ldy;
-  launch<1, kDown>(a, dim3(static_cast<unsigned>(ceil_div(hidden, kBN)), static_cast<unsigned>(max_tiles)), stream);
+  launch<kGroupRows / 16, kDown>(a, dim3(static_cast<unsigned>(ceil_div(hidden, kBN)), static_cast<unsigned>(max_tiles)), stream);
 }
 
 }  // namespace ck::cuda

@@ -65,7 +65,7 @@ void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden
 // each group into tiles of at most kGroupRows pairs; the grouped kernels then read each expert's
 // weights once per tile instead of once per pair. Tile count and list stay on the device (no sync);
 // launches are sized by grouped_max_tiles. Buffers: order (n_pairs), tiles (grouped_max_tiles).
-constexpr int kGroupRows = 16;
+constexpr int kGroupRows = 32;
 int grouped_max_tiles(int n_pairs, int n_groups);
 void group_pairs(const ExpertPair* pairs, int n_pairs, int n_groups, int32_t* order, int2* tiles, int32_t* n_tiles,
                  cudaStream_t stream);

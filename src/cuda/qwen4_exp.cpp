@@ -5,6 +5,7 @@
 #include "cuda/qwen4_exp.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 
 #include "cpu/ops.h"
@@ -454,10 +455,12 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     a.state = st.ple_conv; a.snaps = st.ple_snaps; a.snap_stride = st.ple_n;
     a.R = b.R; a.ldR = b.ldW; a.W = W; a.K = c.ple_conv_kernel_size; a.dil = c.ngram_size;
     ple_conv(a, sp, rows, stream_);
+    mark("ple");
     tap(pre + "ple", b.R, rows, W, b.ldW);
   }
 
   hc_mix(d.hc_attn, rows, b.u, b.w);  // b
+  mark("hc mix");
   tap(pre + "attn_u", b.u, rows, H, b.ldH);
   if (d.kind == LayerKind::LinearAttention) {
     const DGdn& g = d.gdn;
@@ -467,10 +470,12 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     jobs[2].w = g.in_b; jobs[2].y = b.gb; jobs[2].ldy = b.ldNV;
     jobs[3].w = g.in_a; jobs[3].y = b.ga; jobs[3].ldy = b.ldNV;
     gemv(jobs, 4, b.u, b.ldH, rows, stream_);
+    mark("gdn in_proj");
     GdnConvArgs ca;
     ca.x = b.gx; ca.ldx = b.ldC; ca.taps = g.conv; ca.state = st.gdn_conv; ca.snaps = st.gdn_conv_snaps;
     ca.snap_stride = st.gdn_conv_n; ca.y = b.gy; ca.ldy = b.ldC; ca.C = c.gdn_conv_dim(); ca.K = c.linear_conv_kernel_dim;
     gdn_conv(ca, sp, rows, stream_);
+    mark("gdn conv");
     GdnRecArgs ra;
     ra.y = b.gy; ra.ldy = b.ldC; ra.z = b.gz; ra.ldz = b.ldVd; ra.b = b.gb; ra.a = b.ga; ra.ldab = b.ldNV;
     ra.a_log = g.a_log; ra.dt_bias = g.dt_bias; ra.norm = g.norm; ra.state = st.gdn_s; ra.snaps = st.gdn_s_snaps;
@@ -478,7 +483,9 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     ra.nk = c.linear_num_key_heads; ra.nv = c.linear_num_value_heads; ra.dk = c.linear_key_head_dim;
     ra.dv = c.linear_value_head_dim; ra.eps = eps; ra.sigmoid_gate = c.output_gate_type == "sigmoid" ? 1 : 0;
     gdn_recurrent(ra, sp, rows, stream_);
+    mark("gdn recurrent");
     matvec(g.out, b.go, b.ldVd, b.o, b.ldH, rows, stream_);
+    mark("gdn out_proj");
   } else {
     const DAttn& at = d.attn;
     GemvJob jobs[4];
@@ -487,6 +494,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     jobs[2].w = at.v; jobs[2].y = b.av; jobs[2].ldy = b.ldKV;
     jobs[3].w = at.index_qk; jobs[3].y = b.iqk; jobs[3].ldy = b.ldIQK;
     gemv(jobs, 4, b.u, b.ldH, rows, stream_);
+    mark("attn q/k/v/index proj");
     AttnArgs a;
     a.qg = b.qg; a.ldqg = b.ldQG; a.k = b.ak; a.ldk = b.ldKV; a.v = b.av; a.ldv = b.ldKV; a.iqk = b.iqk;
     a.ldiqk = b.ldIQK; a.q_norm = at.q_norm; a.k_norm = at.k_norm; a.iq_norm = at.iq_norm; a.ik_norm = at.ik_norm;
@@ -498,13 +506,16 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     a.ihd = c.indexer_head_dim; a.cr = c.indexer_compress_ratio;
     a.block_topk = c.indexer_budget / c.indexer_compress_ratio; a.eps = eps;
     attention(a, sp, rows, stream_);
+    mark("attn core");
     matvec(at.o, b.ao, b.ldQ, b.o, b.ldH, rows, stream_);
+    mark("attn o_proj");
   }
   tap(pre + "attn_out", b.o, rows, H, b.ldH);
   hc_combine(b.R, b.ldW, b.o, b.ldH, b.w, b.ldS, S, H, rows, stream_);
   tap(pre + "post_attn", b.R, rows, W, b.ldW);
 
   hc_mix(d.hc_mlp, rows, b.u, b.w);  // c
+  mark("hc mix");
   tap(pre + "moe_u", b.u, rows, H, b.ldH);
   const int k = c.num_experts_per_tok;
   {
@@ -519,20 +530,24 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     ra.inter = c.moe_intermediate_size; ra.hidden = H;
     ra.sh_gate = mo.sh_gate; ra.sh_up = mo.sh_up; ra.sh_down = mo.sh_down; ra.pairs = b.pairs;
     moe_route(ra, rows, stream_);
+    mark("moe router");
     const int n_pairs = rows * (k + 1);
     if (rows > kMaxRows) {  // prefill chunk: each expert's weights once for all the rows that chose it
       group_pairs(b.pairs, n_pairs, c.num_experts + 1, b.order, b.tiles, b.n_tiles, stream_);
       expert_gate_up_grouped(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, m_.max_inter_, b.u, b.ldH, b.mh,
                              b.ldMI, stream_);
       expert_down_grouped(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, H, b.mh, b.ldMI, b.my, b.ldH, stream_);
+      mark("moe experts");
     } else {
       expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, mo.codes48, stream_);
       expert_down(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, mo.codes48, stream_);
+      mark("moe experts");
     }
     moe_combine(b.my, b.ldH, b.pairs, k, b.mgl, 4, b.o, b.ldH, H, rows, stream_);
   }
   tap(pre + "moe_out", b.o, rows, H, b.ldH);
   hc_combine(b.R, b.ldW, b.o, b.ldH, b.w, b.ldS, S, H, rows, stream_);
+  mark("combine");
   tap(pre + "post_moe", b.R, rows, W, b.ldW);
 }
 
@@ -541,13 +556,18 @@ void Session::enqueue_trunk(int rows) {
   const ModelConfig& c = m_.cfg();
   Buffers& b = *b_;
   const int H = c.hidden_size, S = c.hc_count;
-  CUDA_CHECK(cudaMemcpyAsync(b.params, params_h_.get(), sizeof(StepParams), cudaMemcpyHostToDevice, stream_));
+  mark(nullptr);  // the start of the step (profiling)
+  // Only the rows' tokens travel (a chunk's StepParams is 4 KB; a decode step needs 20 bytes of it).
+  const size_t param_bytes = offsetof(StepParams, tokens) + sizeof(int32_t) * rows;
+  CUDA_CHECK(cudaMemcpyAsync(b.params, params_h_.get(), param_bytes, cudaMemcpyHostToDevice, stream_));
   embed_wide(m_.embed_, b.params, rows, S, H, b.R, b.ldW, stream_);  // trap 5: the embedding in every stream
+  mark("embed");
   for (size_t L = 0; L < m_.layers_.size(); ++L)
     enqueue_block(m_.layers_[L], ls_[L], m_.pool_.table.get() + L * static_cast<size_t>(c.num_experts), b.params,
                   "L" + std::to_string(L) + ".", rows);
   CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * rows * b.ldW, cudaMemcpyDeviceToHost, stream_));
   hc_mix(m_.final_mixer_, rows, b.fy, nullptr);  // §9: no final norm
+  mark("final mixer");
   tap("final_y", b.fy, rows, H, b.ldH);
 }
 
@@ -561,6 +581,36 @@ void Session::enqueue_step(int rows, bool want_logits) {
   if (want_logits)
     CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * rows * b.ldV, cudaMemcpyDeviceToHost,
                                stream_));
+}
+
+// ==================================================================== profiling
+
+// Records an event after the work enqueued so far, attributed to `piece` (nullptr: the start). Only in
+// prefill chunks, which launch directly (events inside a captured graph would not time the replay).
+void Session::mark(const char* piece) {
+  if (!profile_ || !marking_) return;
+  cudaEvent_t e = nullptr;
+  CUDA_CHECK(cudaEventCreate(&e));
+  CUDA_CHECK(cudaEventRecord(e, stream_));
+  marks_.emplace_back(piece ? piece : "", e);
+}
+
+// After the stream has synchronised: adds each interval to its piece and frees the events.
+void Session::collect_marks() {
+  for (size_t i = 1; i < marks_.size(); ++i) {
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[i - 1].second, marks_[i].second));
+    if (!marks_[i].first.empty()) prof_ms_[marks_[i].first] += ms;
+  }
+  for (auto& [name, e] : marks_) CUDA_CHECK(cudaEventDestroy(e));
+  marks_.clear();
+}
+
+std::vector<std::pair<std::string, double>> Session::take_profile() {
+  std::vector<std::pair<std::string, double>> v(prof_ms_.begin(), prof_ms_.end());
+  std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  prof_ms_.clear();
+  return v;
 }
 
 // ==================================================================== steps
@@ -597,11 +647,13 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
   if (rows > kMaxRows) {
     // Prefill chunk: direct launches (a few hundred per chunk against milliseconds of work), the LM head
     // in slices of kLmRows rows so the logits buffer stays small.
+    marking_ = true;
     enqueue_trunk(rows);
     for (int s0 = 0; s0 < rows; s0 += kLmRows) {
       const int n = std::min(kLmRows, rows - s0);
       matvec(m_.lm_head_, b.fy + static_cast<size_t>(s0) * b.ldH, b.ldH, b.logits, b.ldV, n, stream_);
       argmax(b.logits, c.vocab_size, b.argmax + s0, n, b.ldV, b.argmax_scratch, stream_);
+      mark("lm head");
       if (!want_logits) continue;
       CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * n * b.ldV, cudaMemcpyDeviceToHost, stream_));
       CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -611,6 +663,8 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
     }
     CUDA_CHECK(cudaMemcpyAsync(argmax_h_.get(), b.argmax, sizeof(int32_t) * rows, cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    marking_ = false;
+    collect_marks();
     for (int r = 0; r < rows; ++r) {
       out->argmax[row0 + r] = argmax_h_[r];
       std::memcpy(out->hidden.data() + static_cast<size_t>(row0 + r) * W,

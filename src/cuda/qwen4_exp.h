@@ -155,6 +155,11 @@ class Session {
   // needs no snapshots), at most kChunkRows; <= kMaxRows turns it off (every row through the GEMV
   // path: bit-for-bit independent of how rows are grouped, which the tests compare).
   void set_prefill_chunk(int rows) { prefill_chunk_ = std::min(rows, kChunkRows); }
+  // Profiling of prefill chunks: GPU time per piece of the forward ("gdn recurrent", "moe experts",
+  // ...; events between the pieces), summed over layers and chunks until take_profile(), which returns
+  // the sums in ms, largest first, and clears them. Off by default (events cost a little).
+  void set_profile(bool on) { profile_ = on; }
+  std::vector<std::pair<std::string, double>> take_profile();
   // Debug: with a map, each step records named intermediates ("L3.post_attn", ...; rows x width,
   // row-major) of its rows; launches directly and synchronises after each piece. Not for speed.
   void set_taps(std::map<std::string, std::vector<float>>* taps) { taps_ = taps; }
@@ -164,6 +169,8 @@ class Session {
   Status run_chunk(std::span<const int32_t> tokens, int64_t pos, bool snap, bool want_logits, StepResult* out,
                    int row0, int total_rows);
   void enqueue_trunk(int rows);
+  void mark(const char* piece);
+  void collect_marks();
   void enqueue_step(int rows, bool want_logits);
   void enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* table, const StepParams* sp,
                      const std::string& tap_prefix, int rows);
@@ -178,6 +185,9 @@ class Session {
   bool pending_snap_ = false;
   bool use_graphs_ = true;
   int prefill_chunk_ = kChunkRows;
+  bool profile_ = false, marking_ = false;
+  std::vector<std::pair<std::string, cudaEvent_t>> marks_;
+  std::map<std::string, double> prof_ms_;
   std::map<std::string, std::vector<float>>* taps_ = nullptr;
 
   cudaStream_t stream_ = nullptr;
