@@ -146,6 +146,7 @@ struct Args {
   int synth_layers = 16;
   std::vector<int> prefill = {512, 2048, 8192};
   int decode_steps = 48;
+  std::vector<int> decode_rows = {1, 4};
   bool kernels = true;
 };
 
@@ -161,6 +162,7 @@ int main(int argc, char** argv) {
     else if (s == "--out") a.out_path = next();
     else if (s == "--decode-steps") a.decode_steps = std::stoi(next());
     else if (s == "--no-kernels") a.kernels = false;
+    else if (s == "--decode-rows") a.decode_rows = {std::stoi(next())};
     else if (s == "--prefill") {
       a.prefill.clear();
       std::string v = next();
@@ -172,7 +174,7 @@ int main(int argc, char** argv) {
       }
     } else {
       std::fprintf(stderr, "usage: bench_cuda [--model DIR | --synth-layers N] [--prefill 512,2048,8192] "
-                           "[--decode-steps N] [--no-kernels] [--out FILE]\n");
+                           "[--decode-steps N] [--decode-rows R] [--no-kernels] [--out FILE]\n");
       return 2;
     }
   }
@@ -246,7 +248,7 @@ int main(int argc, char** argv) {
   cuda::StepResult res;
 
   // ---- decode, 1 and 4 rows per step
-  for (int rows : {1, 4}) {
+  for (int rows : a.decode_rows) {
     auto s = m->new_session(4096);
     std::vector<int32_t> prompt = rand_tokens(64);
     if (!s->step_rows(prompt, false, false, &res).ok()) return 1;
