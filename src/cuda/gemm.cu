@@ -2,12 +2,12 @@
 // projections (gemv() hands rows > kMaxRows here) and the routed/shared experts grouped per expert,
 // so each expert's weights are read once per chunk for all the rows that chose it.
 //
-// Arithmetic ("bf16x3"): the weight tile is dequantized to fp32 in shared memory exactly as the CPU
-// does (s * q + b), then every fp32 operand v is split into two bf16 parts, hi = bf16(v) and
-// lo = bf16(v - hi), and the product is hi·hi + hi·lo + lo·hi on the tensor cores with fp32
-// accumulation (the dropped lo·lo term is ~2^-16 of the product). That keeps the result within ~1e-5
-// of fp32 (not bit-identical to the row path: the tests state the tolerance) for 3x the tensor-core
-// work of plain bf16. A single-pass bf16 mode would be 3x faster and ~1e-2 off; not offered.
+// Arithmetic ("tf32x3", the default): the weight tile is dequantized to fp32 in shared memory exactly
+// as the CPU does (s * q + b), then every fp32 operand v is split into two tf32 parts, hi = tf32(v) and
+// lo = tf32(v - hi), and the product is hi·hi + hi·lo + lo·hi on the tensor cores with fp32
+// accumulation (the dropped lo·lo term is ~2^-21 of the product). Results stay within ~1e-6 of fp32
+// (not bit-identical to the row path: the tests state the tolerance). CK_TC=bf16x3 selects bf16 parts
+// instead (~1e-5, twice the tensor-core rate; these kernels are bound by dequantization, not by it).
 //
 // Tiles: a block of 4 warps computes BM = 16*MF rows x 64 output features, sweeping K in steps of 32;
 // each warp owns 16 output features and MF row fragments (dense: BM 64; experts: BM kGroupRows). The
@@ -20,6 +20,8 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
@@ -32,7 +34,31 @@ using namespace nvcuda;
 
 constexpr int kBN = 64;       // output features per block
 constexpr int kBK = 32;       // K per shared-memory tile
-constexpr int kLd = kBK + 8;  // bf16 row pitch of the tiles (a multiple of 8, as WMMA needs)
+// The two operand splits (TcArith): tf32x3 (the default: tf32 parts, 21 significant bits, results
+// within ~1e-6 of fp32) or bf16x3 (CK_TC=bf16x3: bf16 parts, 16 bits, ~1e-5; twice the tensor-core
+// rate, which these dequantization-bound kernels barely use).
+template <bool kTf32>
+struct TcArith {
+  using T = __nv_bfloat16;  // element type of the shared-memory tiles
+  using Prec = __nv_bfloat16;
+  static constexpr int kK = 16;  // K of one WMMA product
+  static constexpr int kLd = kBK + 8;  // row pitch of the tiles (a multiple of 8 elements)
+  __device__ static void split(float v, T& hi, T& lo) {
+    hi = __float2bfloat16_rn(v);
+    lo = __float2bfloat16_rn(v - __bfloat162float(hi));
+  }
+};
+template <>
+struct TcArith<true> {
+  using T = float;
+  using Prec = wmma::precision::tf32;
+  static constexpr int kK = 8;
+  static constexpr int kLd = kBK + 4;  // a multiple of 4 elements
+  __device__ static void split(float v, T& hi, T& lo) {
+    hi = wmma::__float_to_tf32(v);
+    lo = wmma::__float_to_tf32(v - hi);
+  }
+};
 constexpr int kThreads = 128;
 
 enum Mode : int { kDense = 0, kGateUp = 1, kDown = 2 };
@@ -66,11 +92,6 @@ __device__ __forceinline__ float apply_epilogue(float v, Epilogue epi, float arg
   if (epi == Epilogue::SiluDiv) return siluf_(v / arg);
   if (epi == Epilogue::TwoSigmoidDiv) return 2.0f * sigmoidf_(v / arg);
   return v;
-}
-
-__device__ __forceinline__ void split(float v, __nv_bfloat16& hi, __nv_bfloat16& lo) {
-  hi = __float2bfloat16_rn(v);
-  lo = __float2bfloat16_rn(v - __bfloat162float(hi));
 }
 
 // 16 consecutive weights w[n][k0 .. k0+16) in two steps, so a tile's global loads are in flight while
@@ -139,21 +160,25 @@ __device__ __forceinline__ void dequant16(const DMatrix& w, int n, int k0, const
   }
 }
 
-template <int MF, int NW>
-struct TcSmem {
-  __nv_bfloat16 xh[16 * MF][kLd], xl[16 * MF][kLd];
-  __nv_bfloat16 wh[NW][kBN][kLd], wl[NW][kBN][kLd];
+// The operand tiles, and (after the last product) the block's results in the same bytes.
+template <int MF, int NW, class A>
+union TcSmem {
+  struct {
+    typename A::T xh[16 * MF][A::kLd], xl[16 * MF][A::kLd];
+    typename A::T wh[NW][kBN][A::kLd], wl[NW][kBN][A::kLd];
+  } t;
   float out[NW][16 * MF][kBN + 4];
 };
 
 // Rows of the block: src[i] (the x row, or -1 past the end), dst[i] (the output row).
 // Dense: x rows m0+i, outputs the same. Gate/up: x = the pair's x_row, output = the pair. Down: both
 // are the pair (h is per pair).
-template <int MF, int MODE>
+template <int MF, int MODE, bool kTf32>
 __global__ void __launch_bounds__(kThreads) tc_kernel(const __grid_constant__ TcArgs a) {
-  constexpr int BM = 16 * MF;
+  using A = TcArith<kTf32>;
+  constexpr int BM = 16 * MF, KK = A::kK, kLd = A::kLd;
   constexpr int NW = MODE == kGateUp ? 2 : 1;
-  __shared__ __align__(128) TcSmem<MF, NW> sm;
+  __shared__ __align__(128) TcSmem<MF, NW, A> sm;
   __shared__ int src[BM], dst[BM];
   __shared__ int n_rows_s;
 
@@ -199,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(const __grid_constant__ Tc
   __syncthreads();
 
   const int warp = threadIdx.x >> 5;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[NW][MF];
+  wmma::fragment<wmma::accumulator, 16, 16, KK, float> acc[NW][MF];
 #pragma unroll
   for (int q = 0; q < NW; ++q)
 #pragma unroll
@@ -241,17 +266,17 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(const __grid_constant__ Tc
     for (int f = 0; f < MF; ++f) {
       const int e = threadIdx.x + f * kThreads;
       const int i = e / (kBK / 4), c = (e % (kBK / 4)) * 4;
-      split(xr[f].x, sm.xh[i][c + 0], sm.xl[i][c + 0]);
-      split(xr[f].y, sm.xh[i][c + 1], sm.xl[i][c + 1]);
-      split(xr[f].z, sm.xh[i][c + 2], sm.xl[i][c + 2]);
-      split(xr[f].w, sm.xh[i][c + 3], sm.xl[i][c + 3]);
+      A::split(xr[f].x, sm.t.xh[i][c + 0], sm.t.xl[i][c + 0]);
+      A::split(xr[f].y, sm.t.xh[i][c + 1], sm.t.xl[i][c + 1]);
+      A::split(xr[f].z, sm.t.xh[i][c + 2], sm.t.xl[i][c + 2]);
+      A::split(xr[f].w, sm.t.xh[i][c + 3], sm.t.xl[i][c + 3]);
     }
 #pragma unroll
     for (int q = 0; q < NW; ++q) {
       float v[16];
       dequant16(q == 0 ? w0 : w1, n0 + wn, k0 + wc, wr[q], v);
 #pragma unroll
-      for (int t = 0; t < 16; ++t) split(v[t], sm.wh[q][wn][wc + t], sm.wl[q][wn][wc + t]);
+      for (int t = 0; t < 16; ++t) A::split(v[t], sm.t.wh[q][wn][wc + t], sm.t.wl[q][wn][wc + t]);
     }
   };
 
@@ -262,19 +287,19 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(const __grid_constant__ Tc
     __syncthreads();
     if (k0 + kBK < k_end) fetch(k0 + kBK);  // in flight during the products below
 #pragma unroll
-    for (int kk = 0; kk < kBK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> ah[MF], al[MF];
+    for (int kk = 0; kk < kBK; kk += KK) {
+      wmma::fragment<wmma::matrix_a, 16, 16, KK, typename A::Prec, wmma::row_major> ah[MF], al[MF];
 #pragma unroll
       for (int f = 0; f < MF; ++f) {
-        wmma::load_matrix_sync(ah[f], &sm.xh[f * 16][kk], kLd);
-        wmma::load_matrix_sync(al[f], &sm.xl[f * 16][kk], kLd);
+        wmma::load_matrix_sync(ah[f], &sm.t.xh[f * 16][kk], kLd);
+        wmma::load_matrix_sync(al[f], &sm.t.xl[f * 16][kk], kLd);
       }
 #pragma unroll
       for (int q = 0; q < NW; ++q) {
         // B = Wᵀ: element (k, n) is w[n][k], i.e. the [n][k] tile read column-major.
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> bh, bl;
-        wmma::load_matrix_sync(bh, &sm.wh[q][warp * 16][kk], kLd);
-        wmma::load_matrix_sync(bl, &sm.wl[q][warp * 16][kk], kLd);
+        wmma::fragment<wmma::matrix_b, 16, 16, KK, typename A::Prec, wmma::col_major> bh, bl;
+        wmma::load_matrix_sync(bh, &sm.t.wh[q][warp * 16][kk], kLd);
+        wmma::load_matrix_sync(bl, &sm.t.wl[q][warp * 16][kk], kLd);
 #pragma unroll
         for (int f = 0; f < MF; ++f) {
           wmma::mma_sync(acc[q][f], al[f], bh, acc[q][f]);  // small terms first
@@ -284,6 +309,7 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(const __grid_constant__ Tc
       }
     }
   }
+  __syncthreads();  // every warp is done with the tiles: their bytes now hold the results
 #pragma unroll
   for (int q = 0; q < NW; ++q)
 #pragma unroll
@@ -361,9 +387,19 @@ int device_sms() {
   return n;
 }
 
+// tf32x3 unless CK_TC=bf16x3 (read once).
+bool use_tf32() {
+  static const bool tf32 = [] {
+    const char* e = std::getenv("CK_TC");
+    return !(e && std::strcmp(e, "bf16x3") == 0);
+  }();
+  return tf32;
+}
+
 template <int MF, int MODE>
 void launch(const TcArgs& a, dim3 grid, cudaStream_t s) {
-  tc_kernel<MF, MODE><<<grid, kThreads, 0, s>>>(a);
+  if (use_tf32()) tc_kernel<MF, MODE, true><<<grid, kThreads, 0, s>>>(a);
+  else tc_kernel<MF, MODE, false><<<grid, kThreads, 0, s>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -40,7 +40,7 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
 void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int rows, cudaStream_t stream);
 
 // Tensor-core product for many rows (gemm.cu; gemv() sends rows > kMaxRows here): the same contract
-// as gemv for any number of rows, bf16x3 arithmetic (within ~1e-5 of fp32, not bit-equal to gemv).
+// as gemv for any number of rows, tf32x3 arithmetic (within ~1e-6 of fp32, not bit-equal to gemv).
 void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
 
 // Which GEMV schedule runs (gemv.cu): 2, the default (warp per row group for 4/8-bit codes; other
