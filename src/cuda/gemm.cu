@@ -7,7 +7,7 @@
 // lo = tf32(v - hi), and the product is hi·hi + hi·lo + lo·hi on the tensor cores with fp32
 // accumulation (the dropped lo·lo term is ~2^-21 of the product). Results stay within ~1e-6 of fp32
 // (not bit-identical to the row path: the tests state the tolerance). CK_TC=bf16x3 selects bf16 parts
-// instead (~1e-5, twice the tensor-core rate; these kernels are bound by dequantization, not by it).
+// instead (~1e-5 of fp32, 27-34% faster prefill).
 //
 // Tiles: a block of 4 warps computes BM = 16*MF rows x 64 output features, sweeping K in steps of 32;
 // each warp owns 16 output features and MF row fragments (dense: BM 64; experts: BM kGroupRows). The
@@ -34,9 +34,11 @@ using namespace nvcuda;
 
 constexpr int kBN = 64;       // output features per block
 constexpr int kBK = 32;       // K per shared-memory tile
+constexpr int kThreads = 128;  // 4 warps, 16 output features each
+
 // The two operand splits (TcArith): tf32x3 (the default: tf32 parts, 21 significant bits, results
 // within ~1e-6 of fp32) or bf16x3 (CK_TC=bf16x3: bf16 parts, 16 bits, ~1e-5; twice the tensor-core
-// rate, which these dequantization-bound kernels barely use).
+// rate, 27-34% faster prefill on the H200, docs/performance.md).
 template <bool kTf32>
 struct TcArith {
   using T = __nv_bfloat16;  // element type of the shared-memory tiles
@@ -59,7 +61,6 @@ struct TcArith<true> {
     lo = wmma::__float_to_tf32(v - hi);
   }
 };
-constexpr int kThreads = 128;
 
 enum Mode : int { kDense = 0, kGateUp = 1, kDown = 2 };
 
