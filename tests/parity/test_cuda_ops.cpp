@@ -409,8 +409,10 @@ TEST(CudaOps, GroupedExpertsMatchCpu) {
     ck::cpu::matvec(e.d.m, gt.data(), y.data());
     std::vector<float> g1(hh.begin() + p * ldh, hh.begin() + p * ldh + inter), g2(yh.begin() + p * ldy, yh.begin() + p * ldy + H);
     const std::string tag = "grouped experts pair " + std::to_string(p) + " (expert " + std::to_string(pairs[p].group) + ")";
-    report(tag + " gate/up", compare(g1, gt, {}, scale_atol(gt), 1e-4));
-    report(tag + " down", compare(g2, y, {}, scale_atol(y), 1e-4));
+    // tf32x3 products: per-product error ~2^-21 (fp32: 2^-24), so elements that cancel to near zero
+    // get an absolute bound of 1e-4 of the largest output (the GEMV tests use 1e-5).
+    report(tag + " gate/up", compare(g1, gt, {}, scale_atol(gt, 1e-4), 1e-4));
+    report(tag + " down", compare(g2, y, {}, scale_atol(y, 1e-4), 1e-4));
   }
 }
 
