@@ -100,10 +100,14 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   extern __shared__ float sh[];
   __shared__ float scratch[32];
   const int h = blockIdx.x, dk = a.dk, dv = a.dv, parts = (dk + kKeyPart - 1) / kKeyPart;
+  // Value columns are independent in the delta rule (column j of S only needs (Sᵀk)_j): block y owns
+  // `cols` of them. With one block per head the norm is fused; otherwise gdn_out_norm_kernel follows.
+  const int cols = dv / static_cast<int>(gridDim.y), jc0 = static_cast<int>(blockIdx.y) * cols;
+  const bool fused_norm = gridDim.y == 1;
   float* sq = sh;
   float* sk = sh + dk;
   float* red = sh + 2 * dk;
-  const int tid = threadIdx.x, j = tid % dv, p = tid / dv;
+  const int tid = threadIdx.x, jl = tid % cols, j = jc0 + jl, p = tid / cols;
   const bool active = p < parts;
   const int kh = h / (a.nv / a.nk);  // repeat_interleave grouping (trap 12)
   const int Kd = a.nk * dk;
@@ -149,10 +153,10 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
         pm += Sreg[t] * sk[i];
       }
     }
-    if (active) red[p * dv + j] = pm;
+    if (active) red[p * cols + jl] = pm;
     __syncthreads();
     float m = 0.0f;
-    for (int pp = 0; pp < parts; ++pp) m += red[pp * dv + j];
+    for (int pp = 0; pp < parts; ++pp) m += red[pp * cols + jl];
     __syncthreads();  // red is reused below
     const float delta = beta * (yr[2 * Kd + h * dv + j] - m);
     float po = 0.0f;
@@ -164,17 +168,21 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
         po += Sreg[t] * sq[i];
       }
     }
-    if (active) red[p * dv + j] = po;
+    if (active) red[p * cols + jl] = po;
     __syncthreads();
     float o = 0.0f;
-    for (int pp = 0; pp < parts; ++pp) o += red[pp * dv + j];
-    // Gated RMS norm (N2) over the head's dv outputs: plain weight, then act(z).
-    const float ss = block_sum((active && p == 0) ? o * o : 0.0f, scratch);
-    const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
-    if (active && p == 0) {
-      const float zz = a.z[static_cast<size_t>(r) * a.ldz + h * dv + j];
-      const float act = a.sigmoid_gate ? sigmoidf_(zz) : siluf_(zz);
-      a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = __fmul_rn(__fmul_rn(a.norm[j], __fmul_rn(o, rr)), act);
+    for (int pp = 0; pp < parts; ++pp) o += red[pp * cols + jl];
+    if (fused_norm) {
+      // Gated RMS norm (N2) over the head's dv outputs: plain weight, then act(z).
+      const float ss = block_sum((active && p == 0) ? o * o : 0.0f, scratch);
+      const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
+      if (active && p == 0) {
+        const float zz = a.z[static_cast<size_t>(r) * a.ldz + h * dv + j];
+        const float act = a.sigmoid_gate ? sigmoidf_(zz) : siluf_(zz);
+        a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = __fmul_rn(__fmul_rn(a.norm[j], __fmul_rn(o, rr)), act);
+      }
+    } else if (active && p == 0) {
+      a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = o;  // normed by gdn_out_norm_kernel
     }
     if (snap && r + 1 < rows) {
       float* Sn = a.snaps + static_cast<size_t>(r) * a.snap_stride + static_cast<size_t>(h) * dk * dv;
@@ -190,6 +198,23 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   for (int t = 0; t < kKeyPart; ++t) {
     const int i = p * kKeyPart + t;
     if (active && i < dk) S[static_cast<size_t>(i) * dv + j] = Sreg[t];
+  }
+}
+
+// grid (nv, rows), block round_up(dv, 32): the gated RMS norm (N2) of each head's output, in place,
+// after a split gdn_recurrent_kernel. Thread j holds column j, as in the fused form, so the sum of
+// squares adds the same values in the same order.
+__global__ void gdn_out_norm_kernel(const GdnRecArgs a) {
+  __shared__ float scratch[32];
+  const int h = blockIdx.x, r = blockIdx.y, j = threadIdx.x, dv = a.dv;
+  float* o = a.out + static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h) * dv;
+  const float v = j < dv ? o[j] : 0.0f;
+  const float ss = block_sum(v * v, scratch);
+  const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
+  if (j < dv) {
+    const float zz = a.z[static_cast<size_t>(r) * a.ldz + h * dv + j];
+    const float act = a.sigmoid_gate ? sigmoidf_(zz) : siluf_(zz);
+    o[j] = __fmul_rn(__fmul_rn(a.norm[j], __fmul_rn(v, rr)), act);
   }
 }
 
@@ -580,10 +605,18 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
   const int parts = static_cast<int>(ceil_div(a.dk, kKeyPart));
   CK_REQUIRE(a.dk <= 256 && a.dv * parts <= 512 && a.nv % a.nk == 0, "GDN dims dk %d dv %d nk %d nv %d", a.dk, a.dv,
             a.nk, a.nv);
-  const int threads = static_cast<int>(round_up(a.dv * parts, 32));
-  const size_t smem = sizeof(float) * (2 * a.dk + parts * a.dv);
-  gdn_recurrent_kernel<<<a.nv, threads, smem, stream>>>(a, sp, rows);
+  // Split each head's value columns over blocks of 32 (4x the blocks at dv 128: 48 heads alone use a
+  // third of the GPU), then norm in a second kernel; small heads keep one block and the fused norm.
+  const int split = (a.dv % 32 == 0 && a.dv >= 64 && a.dv <= 1024) ? a.dv / 32 : 1;
+  const int cols = a.dv / split;
+  const int threads = static_cast<int>(round_up(cols * parts, 32));
+  const size_t smem = sizeof(float) * (2 * a.dk + parts * cols);
+  gdn_recurrent_kernel<<<dim3(a.nv, split), threads, smem, stream>>>(a, sp, rows);
   CUDA_CHECK_LAUNCH();
+  if (split > 1) {
+    gdn_out_norm_kernel<<<dim3(a.nv, rows), static_cast<unsigned>(round_up(a.dv, 32)), 0, stream>>>(a);
+    CUDA_CHECK_LAUNCH();
+  }
 }
 
 int64_t attention_max_selected(int block_topk, int cr) { return static_cast<int64_t>(block_topk + 1) * cr - 1; }
