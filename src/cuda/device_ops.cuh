@@ -85,4 +85,65 @@ __device__ __forceinline__ void block_topk(const float* v, int n, int k, int* ou
   }
 }
 
+// The same top-k (same indices, same order, the same NaN rule) with no block barrier per round: each
+// warp takes the k best of its own contiguous slice (k rounds of "the best after the previous pick"
+// in the order larger value, then lower index), then warp 0 merges the warps' candidates the same
+// way. Every global top-k element is among its warp's k best, so the merged sequence equals
+// block_topk's. cand_v/cand_i: (blockDim/32) * k entries of shared memory; flags: n bytes, used only
+// when fewer than k values are not NaN (then the lowest unused indices follow, as in block_topk).
+// Contains __syncthreads: call from all threads.
+__device__ __forceinline__ void block_topk_warps(const float* v, int n, int k, int* out, float* cand_v, int* cand_i,
+                                                uint8_t* flags) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  const int seg = (n + n_warps - 1) / n_warps, lo = warp * seg, hi = min(n, lo + seg);
+  float pv = INFINITY;
+  int pi = -1;  // the previous pick: candidates must come after it in the order
+  for (int t = 0; t < k; ++t) {
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int i = lo + lane; i < hi; i += 32) {
+      const float x = v[i];
+      const bool after = pi < 0 || arg_better(pv, pi, x, i);
+      if (after && arg_better(x, i, bv, bi)) { bv = x; bi = i; }
+    }
+    warp_argmax(bv, bi);
+    if (lane == 0) { cand_v[warp * k + t] = bv; cand_i[warp * k + t] = bi; }
+    if (bi != INT_MAX) { pv = bv; pi = bi; }
+  }
+  __syncthreads();
+  if (warp == 0) {
+    pv = INFINITY;
+    pi = -1;
+    int found = 0;
+    for (int t = 0; t < k; ++t) {
+      float bv = -INFINITY;
+      int bi = INT_MAX;
+      for (int c = lane; c < n_warps * k; c += 32) {
+        const float x = cand_v[c];
+        const int i = cand_i[c];
+        if (i == INT_MAX) continue;
+        const bool after = pi < 0 || arg_better(pv, pi, x, i);
+        if (after && arg_better(x, i, bv, bi)) { bv = x; bi = i; }
+      }
+      warp_argmax(bv, bi);
+      if (bi == INT_MAX) break;  // only NaNs (or nothing) left
+      if (lane == 0) out[t] = bi;
+      pv = bv;
+      pi = bi;
+      ++found;
+    }
+    if (found < k && lane == 0) {  // block_topk's rule: then the lowest unused indices
+      for (int i = 0; i < n; ++i) flags[i] = 0;
+      for (int t = 0; t < found; ++t) flags[out[t]] = 1;
+      int next = 0;
+      for (int t = found; t < k; ++t) {
+        while (flags[next]) ++next;
+        out[t] = next;
+        flags[next] = 1;
+      }
+    }
+  }
+  __syncthreads();
+}
+
 }  // namespace ck::cuda
