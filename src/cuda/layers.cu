@@ -502,9 +502,9 @@ __global__ void ple_conv_kernel(const PleConvArgs a, const StepParams* sp, int r
 __global__ void moe_route_kernel(const MoeRouteArgs a) {
   extern __shared__ float prob[];
   __shared__ float scratch[32];
+  __shared__ float sv[32];
+  __shared__ int si[32];
   __shared__ int top[64];
-  __shared__ float cand_v[8 * 64];  // block_topk_warps: 8 warps (block 256) x k <= 64
-  __shared__ int cand_i[8 * 64];
   __shared__ float top_sum;
   uint8_t* flags = reinterpret_cast<uint8_t*>(prob + a.E);
   const int r = blockIdx.x;
@@ -521,7 +521,7 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
   sum = block_sum(sum, scratch);
   for (int e = threadIdx.x; e < a.E; e += blockDim.x) prob[e] /= sum;
   __syncthreads();
-  block_topk_warps(prob, a.E, a.k, top, cand_v, cand_i, flags);
+  block_topk(prob, a.E, a.k, top, flags, sv, si);
   if (threadIdx.x == 0) {
     float ts = 0.0f;
     for (int t = 0; t < a.k; ++t) ts += prob[top[t]];
