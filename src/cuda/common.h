@@ -57,6 +57,8 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Number of CUDA devices; 0 when there is no driver or no device (never aborts).
 int device_count();
+// Streaming multiprocessors of the current device (asked once; call before any graph capture).
+int sm_count();
 // One line naming the device: name, SMs, memory, L2 (for the startup banner).
 std::string device_banner();
 

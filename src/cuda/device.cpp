@@ -14,6 +14,16 @@ int device_count() {
   return n;
 }
 
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
 std::string device_banner() {
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));

@@ -6,6 +6,7 @@
 
 #include "cuda/common.h"
 #include "cuda/dmatrix.h"
+#include "cuda/ops.h"
 
 namespace ck::cuda {
 
@@ -35,6 +36,15 @@ __device__ __forceinline__ float dmatrix_elem(const DMatrix& m, int64_t r, int64
     return __fadd_rn(__fmul_rn(s, static_cast<float>(get_code_dev(codes, c, m.fmt.bits))), b);
   }
   return load_kind(m.data, r * m.cols + c, m.fmt.kind);
+}
+
+// What a GEMV or GEMM applies to each output before it is stored (ops.h Epilogue; `d` is the divisor).
+__device__ __forceinline__ float apply_epilogue(float y, Epilogue e, float d) {
+  switch (e) {
+    case Epilogue::SiluDiv: return siluf_(y / d);
+    case Epilogue::TwoSigmoidDiv: return 2.0f * sigmoidf_(y / d);
+    default: return y;
+  }
 }
 
 // (v, i) beats (bv, bi): larger value, or equal value and lower index. NaN never beats anything.

@@ -89,11 +89,6 @@ struct TcArgs {
   size_t partial_off[kMaxGemvJobs + 1] = {};
 };
 
-__device__ __forceinline__ float apply_epilogue(float v, Epilogue epi, float arg) {
-  if (epi == Epilogue::SiluDiv) return siluf_(v / arg);
-  if (epi == Epilogue::TwoSigmoidDiv) return 2.0f * sigmoidf_(v / arg);
-  return v;
-}
 
 // 16 consecutive weights w[n][k0 .. k0+16) in two steps, so a tile's global loads are in flight while
 // the tensor cores work on the previous tile: fetch16 issues the loads into registers (raw codes, scale
@@ -378,16 +373,6 @@ __global__ void dense_reduce_kernel(const __grid_constant__ TcArgs a, int splits
   a.job[j].y[r * a.job[j].ldy + n] = apply_epilogue(v, a.job[j].epi, a.job[j].epi_arg);
 }
 
-int device_sms() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
 // tf32x3 unless CK_TC=bf16x3 (read once).
 bool use_tf32() {
   static const bool tf32 = [] {
@@ -426,7 +411,7 @@ void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   a.first_tile[n_jobs] = tiles;
   const int m_tiles = static_cast<int>(ceil_div(rows, 64));
   // Fewer blocks than two waves and a long K: split K so every SM gets work.
-  const int blocks = tiles * m_tiles, want = 2 * device_sms();
+  const int blocks = tiles * m_tiles, want = 2 * sm_count();
   int splits = 1;
   if (blocks < want && a.K >= 8 * kBK) splits = std::min<int>({16, static_cast<int>(ceil_div(want, blocks)), a.K / (4 * kBK)});
   a.k_chunk = static_cast<int>(round_up(ceil_div(a.K, splits), kBK));

@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "cuda/common.h"
+#include "cuda/device_ops.cuh"
 #include "cuda/ops.h"
 
 namespace ck::cuda {
@@ -211,14 +212,6 @@ __device__ __forceinline__ void block_reduce_n(float (&v)[N], float* red) {
     red[8 * N + threadIdx.x] = t;  // the totals live after the per-warp partials
   }
   __syncthreads();
-}
-
-__device__ __forceinline__ float apply_epilogue(float y, Epilogue e, float d) {
-  switch (e) {
-    case Epilogue::SiluDiv: return siluf_(y / d);
-    case Epilogue::TwoSigmoidDiv: return 2.0f * sigmoidf_(y / d);
-    default: return y;
-  }
 }
 
 struct GemvLaunch {
@@ -614,16 +607,6 @@ int q_arith() {
     return (e && std::strcmp(e, "v2") == 0) ? 2 : 3;
   }();
   return a;
-}
-
-int sm_count() {
-  static int n = [] {
-    int dev = 0, v = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
 }
 
 // Resident blocks per SM of a 256-thread kernel (asked once per kernel).

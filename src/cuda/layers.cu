@@ -96,6 +96,14 @@ constexpr int kKeyPart = 32;  // state rows (key dims) held in registers per thr
 // S[p*32 .. p*32+31][j] of its head in registers for the whole step; sums over the key dimension are
 // per-part partials added in part order through shared memory.
 // Dynamic shared memory: (2*dk + parts*dv) floats.
+// The gated RMS norm (N2) of value column j of head h, row r: plain weight, then act(z). `rr` is the
+// head's 1 / rms.
+__device__ __forceinline__ float gdn_gated_out(const GdnRecArgs& a, int r, int h, int j, float o, float rr) {
+  const float zz = a.z[static_cast<size_t>(r) * a.ldz + static_cast<size_t>(h) * a.dv + j];
+  const float act = a.sigmoid_gate ? sigmoidf_(zz) : siluf_(zz);
+  return __fmul_rn(__fmul_rn(a.norm[j], __fmul_rn(o, rr)), act);
+}
+
 __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, const StepParams* sp, int rows) {
   extern __shared__ float sh[];
   __shared__ float scratch[32];
@@ -176,11 +184,7 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
       // Gated RMS norm (N2) over the head's dv outputs: plain weight, then act(z).
       const float ss = block_sum((active && p == 0) ? o * o : 0.0f, scratch);
       const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
-      if (active && p == 0) {
-        const float zz = a.z[static_cast<size_t>(r) * a.ldz + h * dv + j];
-        const float act = a.sigmoid_gate ? sigmoidf_(zz) : siluf_(zz);
-        a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = __fmul_rn(__fmul_rn(a.norm[j], __fmul_rn(o, rr)), act);
-      }
+      if (active && p == 0) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, r, h, j, o, rr);
     } else if (active && p == 0) {
       a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = o;  // normed by gdn_out_norm_kernel
     }
@@ -211,11 +215,7 @@ __global__ void gdn_out_norm_kernel(const GdnRecArgs a) {
   const float v = j < dv ? o[j] : 0.0f;
   const float ss = block_sum(v * v, scratch);
   const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
-  if (j < dv) {
-    const float zz = a.z[static_cast<size_t>(r) * a.ldz + h * dv + j];
-    const float act = a.sigmoid_gate ? sigmoidf_(zz) : siluf_(zz);
-    o[j] = __fmul_rn(__fmul_rn(a.norm[j], __fmul_rn(v, rr)), act);
-  }
+  if (j < dv) o[j] = gdn_gated_out(a, r, h, j, v, rr);
 }
 
 // ------------------------------------------------------------------ QSA attention

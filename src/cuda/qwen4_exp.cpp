@@ -644,6 +644,20 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
     }
   }
   const int64_t V = c.vocab_size, W = c.wide();
+  // From the pinned buffers into `out`: logits rows [r0, r0+n) of this step (logits_h_ holds them from
+  // its first row), and every row's argmax and pre-mixer hidden.
+  auto copy_logits = [&](int r0, int n) {
+    for (int r = 0; r < n; ++r)
+      std::memcpy(out->logits.data() + static_cast<size_t>(row0 + r0 + r) * V,
+                  logits_h_.get() + static_cast<size_t>(r) * b.ldV, sizeof(float) * V);
+  };
+  auto copy_rows = [&] {
+    for (int r = 0; r < rows; ++r) {
+      out->argmax[row0 + r] = argmax_h_[r];
+      std::memcpy(out->hidden.data() + static_cast<size_t>(row0 + r) * W,
+                  hidden_h_.get() + static_cast<size_t>(r) * b.ldW, sizeof(float) * W);
+    }
+  };
   if (rows > kMaxRows) {
     // Prefill chunk: direct launches (a few hundred per chunk against milliseconds of work), the LM head
     // in slices of kLmRows rows so the logits buffer stays small.
@@ -657,19 +671,13 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
       if (!want_logits) continue;
       CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * n * b.ldV, cudaMemcpyDeviceToHost, stream_));
       CUDA_CHECK(cudaStreamSynchronize(stream_));
-      for (int r = 0; r < n; ++r)
-        std::memcpy(out->logits.data() + static_cast<size_t>(row0 + s0 + r) * V,
-                    logits_h_.get() + static_cast<size_t>(r) * b.ldV, sizeof(float) * V);
+      copy_logits(s0, n);
     }
     CUDA_CHECK(cudaMemcpyAsync(argmax_h_.get(), b.argmax, sizeof(int32_t) * rows, cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     marking_ = false;
     collect_marks();
-    for (int r = 0; r < rows; ++r) {
-      out->argmax[row0 + r] = argmax_h_[r];
-      std::memcpy(out->hidden.data() + static_cast<size_t>(row0 + r) * W,
-                  hidden_h_.get() + static_cast<size_t>(r) * b.ldW, sizeof(float) * W);
-    }
+    copy_rows();
     return {};
   }
   if (use_graphs_ && !taps_) {
@@ -690,14 +698,8 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
     enqueue_step(rows, want_logits);
   }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  for (int r = 0; r < rows; ++r) {
-    out->argmax[row0 + r] = argmax_h_[r];
-    std::memcpy(out->hidden.data() + static_cast<size_t>(row0 + r) * W, hidden_h_.get() + static_cast<size_t>(r) * b.ldW,
-                sizeof(float) * W);
-    if (want_logits)
-      std::memcpy(out->logits.data() + static_cast<size_t>(row0 + r) * V,
-                  logits_h_.get() + static_cast<size_t>(r) * b.ldV, sizeof(float) * V);
-  }
+  copy_rows();
+  if (want_logits) copy_logits(0, rows);
   (void)total_rows;
   return {};
 }

@@ -14,7 +14,6 @@
 
 namespace ck::text::jinja {
 
-using ojson = nlohmann::ordered_json;
 
 struct TemplateError {
   int line;  // template line; 0 when no line applies (bad input data)
