@@ -361,6 +361,7 @@ Status Session::token_forward(int32_t token, int64_t pos, float* logits, float* 
   for (size_t L = 0; L < w.layers.size(); ++L)
     TRY(m_.layer_token(w.layers[L], static_cast<int>(L), layers_[L], R.data(), token, pos));
   if (hidden) std::memcpy(hidden, R.data(), sizeof(float) * W);
+  if (!logits) return {};  // a row without outputs (RowOutputs::kLast)
   m_.hc_mix(w.final_mixer, R.data(), y.data(), nullptr);  // §9: no final norm
   matvec(w.lm_head, y.data(), logits);
   return {};
@@ -386,26 +387,33 @@ void Session::restore(const RecurrentSnapshot& s) {
   }
 }
 
-Status Session::step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out) {
+Status Session::step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out,
+                          RowOutputs which) {
   CHECK_MSG(pending_rows_ == 0, "step_rows called twice without commit");
   if (tokens.empty()) return error("step_rows: no tokens");
   const int64_t V = m_.cfg().vocab_size, W = m_.cfg().wide();
   const int rows = static_cast<int>(tokens.size());
-  out->argmax.assign(rows, 0);
-  out->logits.assign(want_logits ? rows * V : 0, 0.0f);
-  out->hidden.assign(static_cast<size_t>(rows) * W, 0.0f);
+  const int first_out = which == RowOutputs::kLast ? rows - 1 : 0;  // rows before it produce no outputs
+  const int n_out = rows - first_out;
+  out->argmax.assign(n_out, 0);
+  out->logits.assign(want_logits ? n_out * V : 0, 0.0f);
+  out->hidden.assign(static_cast<size_t>(n_out) * W, 0.0f);
   pending_snaps_.clear();
   RecurrentSnapshot before;
   if (snap) before = snapshot();
   std::vector<float> logits(V);
   for (int r = 0; r < rows; ++r) {
-    Status st = token_forward(tokens[r], pos_ + r, logits.data(), out->hidden.data() + r * W);
+    const int o = r - first_out;  // output row, or negative: no outputs
+    Status st = token_forward(tokens[r], pos_ + r, o >= 0 ? logits.data() : nullptr,
+                              o >= 0 ? out->hidden.data() + o * W : nullptr);
     if (!st.ok()) {
       if (snap) restore(before);
       return st;
     }
-    out->argmax[r] = argmax(logits);
-    if (want_logits) std::copy(logits.begin(), logits.end(), out->logits.begin() + r * V);
+    if (o >= 0) {
+      out->argmax[o] = argmax(logits);
+      if (want_logits) std::copy(logits.begin(), logits.end(), out->logits.begin() + o * V);
+    }
     if (snap && r + 1 < rows) pending_snaps_.push_back(snapshot());
   }
   pending_rows_ = rows;

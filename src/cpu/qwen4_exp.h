@@ -34,10 +34,16 @@ struct RecurrentSnapshot {
   std::vector<std::vector<int64_t>> ngram_ctx;
 };
 
+// Which rows of a step produce outputs. A prompt's prefill needs only its last row: kLast skips the
+// final mixer and LM head of every other row (on a 248k vocabulary the LM head is a large share of
+// prefill), and the StepResult then holds that one row.
+enum class RowOutputs { kEvery, kLast };
+
 struct StepResult {
-  std::vector<int32_t> argmax;            // (rows) greedy token per row
-  std::vector<float> logits;              // (rows, vocab) when requested
-  std::vector<float> hidden;              // (rows, W) pre-mixer wide residual R_last, for MTP
+  std::vector<int32_t> argmax;            // (n) greedy token per output row
+  std::vector<float> logits;              // (n, vocab) when requested
+  std::vector<float> hidden;              // (n, W) pre-mixer wide residual R_last, for MTP
+  // n = rows of the step (RowOutputs::kEvery) or 1, its last row (RowOutputs::kLast).
 };
 
 class Model;
@@ -48,7 +54,8 @@ class Session {
 
   // Runs `tokens` at positions pos().. as rows; nothing is committed until commit(n). With `snap`,
   // the recurrent state after every row is kept so that commit(n < rows) can roll back.
-  Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out);
+  Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out,
+                   RowOutputs which = RowOutputs::kEvery);
   // Accepts the first n rows of the last step_rows (n >= 1; n < rows needs snap).
   void commit(int n);
   int64_t pos() const { return pos_; }

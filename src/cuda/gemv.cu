@@ -3,14 +3,18 @@
 // read their matrices from ExpertPair views built on the device from the expert table. fp32 activations
 // and fp32 accumulation throughout (the CPU reference's arithmetic, up to summation order).
 //
-// Two schedules (docs/roofline-cuda.md):
+// Schedules (docs/roofline-cuda.md):
+//  v4 (4-bit codes of tall matrices, 2-8 activation rows, and the LM head at one row): the tensor
+//     cores (gemv_tc4_kernel, below). CK_GEMV=v3 turns it off.
 //  v2 (4- and 8-bit codes, the real checkpoint's forms): each warp owns a group of RPW output rows and
 //     sweeps their codes in units of CPU codes per lane (16-byte loads for one activation row); a unit
 //     of x is loaded once and applied to the RPW rows; warps reduce with shuffles only; a grid-stride
 //     loop keeps every resident warp busy; wide, short matrices split K over up to 8 warps of a block
-//     (added in a fixed order through shared memory). Deterministic: no atomics. Its inner loop (qtile,
-//     "v3 arithmetic") sums raw codes times x per unit and applies scale and bias once per unit; the
-//     older arithmetic (qtile_v2, each code dequantized first) stays selectable with CK_GEMV=v2.
+//     (added in a fixed order through shared memory) and, when still too few blocks, over up to 8
+//     blocks (partial sums added in index order by a second kernel). Deterministic: no atomics. Its
+//     inner loop (qtile, "v3 arithmetic") sums raw codes times x per unit and applies scale and bias
+//     once per unit; the older arithmetic (qtile_v2, each code dequantized first) stays selectable
+//     with CK_GEMV=v2.
 //  v1 (every format): one block per M output rows, threads striding over units, a block reduction.
 //     Kept for the other formats, and selectable (set_gemv_version(1), CK_GEMV=v1) as the reference.
 #include <algorithm>
@@ -472,13 +476,18 @@ struct QLaunch {
   GemvJob job[kMaxGemvJobs];
   int32_t bits[kMaxGemvJobs];
   int32_t first_batch[kMaxGemvJobs + 1];  // job j owns batches [first_batch[j], first_batch[j+1])
+  int32_t part_off[kMaxGemvJobs];         // split-K: job j's rows start here in a partial-sum slice
   int32_t n_jobs;
-  int32_t ks;                             // warps that split one row group's columns (1, 2, 4, 8)
+  int32_t ks;                             // warps of a block that split one row group's columns (1-8)
+  int32_t kb;                             // blocks that split them (1: no split-K across blocks)
+  int32_t part_rows;                      // split-K: rows of all jobs (Σ w.rows); a slice is part_rows*R
+  float* partial;                         // split-K: kb slices of raw sums; gemv_q_reduce_kernel finishes
 };
 
-// block 256 (8 warps): a batch is 8/ks row groups of one job; warp w takes row group w/ks and the
-// (w%ks)-th slice of the columns. Grid-stride over batches (the loop is uniform over the block, so
-// its barriers are safe).
+// block 256 (8 warps): a batch is 8/ks row groups of one job and one of kb slices of K; warp w takes
+// row group w/ks and the (w%ks)-th part of that slice. Grid-stride over batches (the loop is uniform
+// over the block, so its barriers are safe). With kb > 1 the raw sums go to L.partial and
+// gemv_q_reduce_kernel adds the slices in index order (deterministic) and applies the epilogue.
 // v3: at most 80 registers (3 blocks, 24 warps per SM) for 1 activation row and for 2 rows over short
 // units, 128 (2 blocks) for 2 rows over 16-code units and 4 rows; 8 rows unbounded (a cap spills).
 template <int CPU, int R, bool V3>
@@ -492,9 +501,10 @@ __global__ void __launch_bounds__(256, !V3 ? 1 : (R == 1 || (R == 2 && CPU == 8)
     int j = 0;
     while (j + 1 < L.n_jobs && batch >= L.first_batch[j + 1]) ++j;
     const DMatrix& w = L.job[j].w;
-    const int row0 = ((batch - L.first_batch[j]) * gpb + my_g) * kRpw;
-    const int U = w.cols / CPU, per = (U + ks - 1) / ks;
-    const int u0 = my_ks * per, u1 = min(U, u0 + per);
+    const int local = batch - L.first_batch[j], kslice = local % L.kb;
+    const int row0 = ((local / L.kb) * gpb + my_g) * kRpw;
+    const int U = w.cols / CPU, n_parts = ks * L.kb, per = (U + n_parts - 1) / n_parts;
+    const int u0 = min(U, (kslice * ks + my_ks) * per), u1 = min(U, u0 + per);
     float acc[kRpw][R];
 #pragma unroll
     for (int m = 0; m < kRpw; ++m)
@@ -530,13 +540,31 @@ __global__ void __launch_bounds__(256, !V3 ? 1 : (R == 1 || (R == 2 && CPU == 8)
     }
     if (my_ks == 0 && row0 < w.rows) {
       const GemvJob& jb = L.job[j];
+      float* part = L.partial ? L.partial + static_cast<size_t>(kslice) * L.part_rows * R + L.part_off[j] : nullptr;
 #pragma unroll
       for (int m = 0; m < kRpw; ++m)
 #pragma unroll
         for (int r = 0; r < R; ++r)
-          if (lane == m * R + r && row0 + m < w.rows && r < nx)
-            jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue(acc[m][r], jb.epi, jb.epi_arg);
+          if (lane == m * R + r && row0 + m < w.rows && r < nx) {
+            if (part) part[static_cast<size_t>(r) * L.part_rows + row0 + m] = acc[m][r];
+            else jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue(acc[m][r], jb.epi, jb.epi_arg);
+          }
     }
+  }
+}
+
+// Split-K finish: y = epi(Σ_{z < kb} partial_z) per (job, activation row, output row), the slices
+// added in index order. grid-stride over rows * part_rows elements.
+__global__ void gemv_q_reduce_kernel(const __grid_constant__ QLaunch L, int rows, int R) {
+  const int total = rows * L.part_rows;
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += gridDim.x * blockDim.x) {
+    const int r = t / L.part_rows, i = t % L.part_rows;
+    int j = 0;
+    while (j + 1 < L.n_jobs && i >= L.part_off[j + 1]) ++j;
+    float v = 0.0f;
+    for (int z = 0; z < L.kb; ++z) v += L.partial[(static_cast<size_t>(z) * R + r) * L.part_rows + i];
+    const GemvJob& jb = L.job[j];
+    jb.y[static_cast<size_t>(r) * jb.ldy + (i - L.part_off[j])] = apply_epilogue(v, jb.epi, jb.epi_arg);
   }
 }
 
@@ -597,16 +625,250 @@ __global__ void __launch_bounds__(256, V3 ? 3 : 1) expert_down_q_kernel(const Ex
   }
 }
 
+
+// ------------------------------------------------------------------ v4: 4-bit codes on the tensor cores
+
+// The MLX 4-bit codes are small integers, exact in bf16, so a warp can multiply 16 weight rows by the
+// activations with mma.m16n8k16 (bf16 in, fp32 accumulate) instead of dequantizing every code on the
+// CUDA cores. The activations are not exact in bf16: each fp32 x is split into three bf16 parts
+// (hi + mid + lo, 24 significant bits: fp32's), which go in three columns of the B operand, so one MMA
+// serves up to two activation rows (3 columns each). Per 64-code group, as in the v3 arithmetic,
+// y += s * Σ q x + b * Σ x, with Σ q x from the MMAs (fresh accumulators per group) and Σ x per group
+// computed once. Per code this costs ~0.7 instructions (a SHF + LOP3 + HADD2 per pair) instead of ~3.
+//
+// K order: any permutation of k inside an MMA is fine as long as A and B use the same one. Lane
+// (g = lane/4, t = lane%4) reads 8 bytes (two u32 words, 16 codes) of its rows g and g+8 per group:
+// words 2t and 2t+1. A word's nibble pairs (i, i+4) come out of one mask as a bf16x2 (code i low,
+// code i+4 high); step s of the group's 4 k16 steps takes pairs 2(s&1) and 2(s&1)+1 of word s/2.
+// tc4_frag_kernel writes the B fragments (the x parts at the same physical columns) once per call, in
+// the order lanes read them, so every warp loads them with one coalesced 8-byte load per step.
+// Where v4 wins (kernel lab, H200, docs/performance.md): 2-8 activation rows on matrices of >= 1024
+// rows and >= 1024 columns (in_proj 8 rows: 77.6 -> 30.9 us), and one row only on the LM head (272 ->
+// 228 us); one row on the other projections stays on v3 (its extra fragment kernel costs more than
+// the MMAs save), as do short K (the hyper-connection up projection, K = 320).
+constexpr int kTcMinRows = 1024, kTcMinCols = 1024, kTcMinRowsOneRow = 65536;
+
+struct TcLaunch {
+  GemvJob job[kMaxGemvJobs];
+  int32_t first_tile[kMaxGemvJobs + 1];  // job j owns 16-row tiles [first_tile[j], first_tile[j+1])
+  int32_t n_jobs;
+  int32_t groups;                        // K / 64
+  int32_t ks;                            // warps that split one tile's groups (1, 2, 4, 8)
+  const uint2* frag;                     // [groups][4 steps][NB][32 lanes]
+  const float* gsum;                     // [groups][8 NB]: Σ x of the group on each row's hi column
+};
+
+__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Part p (0 hi, 1 mid, 2 lo) of v: hi = bf16(v), mid = bf16(v - hi), lo = bf16(v - hi - mid). The
+// residuals are exact in fp32, so hi + mid + lo carries v's 24 significant bits.
+__device__ __forceinline__ float bf16_part(float v, int p) {
+  float r = v;
+  for (int i = 0; i < p; ++i) r -= __bfloat162float(__float2bfloat16_rn(r));
+  return __bfloat162float(__float2bfloat16_rn(r));
+}
+
+// Codes i and i+4 of a 4-bit word as a bf16x2 of the exact integers: masked into the mantissa of 128
+// (0x4300), then 128 subtracted (exact).
+__device__ __forceinline__ uint32_t code_pair(uint32_t w, int i) {
+  const uint32_t v = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;
+  const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(128.0f, 128.0f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// grid (groups), block 128: group blockIdx.x's B fragments for R activation rows (nx real; the other
+// columns zero), and its Σ x per column (one warp per column, a fixed shuffle order).
+template <int R>
+__global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__ x, int ldx, int nx, uint2* frag,
+                                                       float* gsum) {
+  constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
+  const int G = blockIdx.x;
+  for (int e = threadIdx.x; e < 4 * NB * 32; e += blockDim.x) {
+    const int lane_e = e & 31, nb = (e >> 5) % NB, s = e / (32 * NB);
+    const int t = lane_e >> 3, n = nb * 8 + (lane_e & 7), r = n / 3, p = n % 3;
+    uint2 v = make_uint2(0u, 0u);
+    if (r < nx) {
+      const float* xr = x + static_cast<size_t>(r) * ldx + G * 64 + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
+      v.x = bf16_pair(bf16_part(xr[0], p), bf16_part(xr[4], p));
+      v.y = bf16_pair(bf16_part(xr[1], p), bf16_part(xr[5], p));
+    }
+    frag[static_cast<size_t>(G) * 4 * NB * 32 + e] = v;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int n = warp; n < NC; n += blockDim.x >> 5) {
+    const int r = n / 3;
+    float v = 0.0f;
+    if (n % 3 == 0 && r < nx) {  // the bias term rides on each row's hi column
+      const float* xr = x + static_cast<size_t>(r) * ldx + G * 64;
+      v = warp_sum(xr[lane] + xr[lane + 32]);
+    }
+    if (lane == 0) gsum[G * NC + n] = v;
+  }
+}
+
+// block 256 = 8 warps = 8/ks tiles of 16 rows, each tile's groups split over ks warps (added in a
+// fixed order through shared memory). grid: tiles / (8/ks).
+// Register caps keep 3-4 blocks (24-32 warps) per SM: with fewer the loads in flight cannot cover DRAM
+// latency (1 block per SM, uncapped: lm_head at 1.2 TB/s).
+template <int R>
+__global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __grid_constant__ TcLaunch L, int nx) {
+  constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
+  __shared__ float red[8][16][NC + 1];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int ks = L.ks, part = warp % ks, tile = blockIdx.x * (8 / ks) + warp / ks;
+  const int n_tiles = L.first_tile[L.n_jobs];
+  int j = 0;
+  while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
+  const DMatrix& w = L.job[j].w;
+  const int row0 = (tile - L.first_tile[j]) * 16;
+  float acc[NB][4];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+  if (tile < n_tiles) {
+    const int per = (L.groups + ks - 1) / ks, G0 = min(L.groups, part * per), G1 = min(L.groups, G0 + per);
+    const int ra = min(row0 + g, w.rows - 1), rb = min(row0 + g + 8, w.rows - 1);
+    const size_t row_bytes = static_cast<size_t>(w.cols) / 2, n_groups = w.cols / w.fmt.group;
+    const uint8_t* pa = w.data + ra * row_bytes + 8 * t;
+    const uint8_t* pb = w.data + rb * row_bytes + 8 * t;
+    const uint8_t sk = w.fmt.scale_kind;
+    const int gpg = w.fmt.group / 64;  // 64-code groups per scale group
+#pragma unroll 4
+    for (int G = G0; G < G1; ++G) {
+      const uint2 wa = __ldg(reinterpret_cast<const uint2*>(pa + G * 32));
+      const uint2 wb = __ldg(reinterpret_cast<const uint2*>(pb + G * 32));
+      const size_t sg = G / gpg;
+      const float sa = load_scale_elem(w.scales, ra * n_groups + sg, sk), ba = load_scale_elem(w.biases, ra * n_groups + sg, sk);
+      const float sb = load_scale_elem(w.scales, rb * n_groups + sg, sk), bb = load_scale_elem(w.biases, rb * n_groups + sg, sk);
+      const uint2* fg = L.frag + static_cast<size_t>(G) * 4 * NB * 32 + t * 8 + g;
+      float d[NB][4];
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) d[nb][0] = d[nb][1] = d[nb][2] = d[nb][3] = 0.0f;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
+        const int i0 = 2 * (s & 1);
+        const uint32_t a0 = code_pair(xa, i0), a1 = code_pair(xb, i0), a2 = code_pair(xa, i0 + 1),
+                       a3 = code_pair(xb, i0 + 1);
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          const uint2 b = __ldg(fg + (s * NB + nb) * 32);
+          mma_bf16(d[nb], a0, a1, a2, a3, b.x, b.y);
+        }
+      }
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        const float x0 = __ldg(L.gsum + G * NC + nb * 8 + 2 * t), x1 = __ldg(L.gsum + G * NC + nb * 8 + 2 * t + 1);
+        acc[nb][0] = fmaf(sa, d[nb][0], fmaf(ba, x0, acc[nb][0]));
+        acc[nb][1] = fmaf(sa, d[nb][1], fmaf(ba, x1, acc[nb][1]));
+        acc[nb][2] = fmaf(sb, d[nb][2], fmaf(bb, x0, acc[nb][2]));
+        acc[nb][3] = fmaf(sb, d[nb][3], fmaf(bb, x1, acc[nb][3]));
+      }
+    }
+  }
+  // Rows g, g+8 x columns (2t, 2t+1) of each MMA -> this warp's tile in shared memory.
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    red[warp][g][nb * 8 + 2 * t] = acc[nb][0];
+    red[warp][g][nb * 8 + 2 * t + 1] = acc[nb][1];
+    red[warp][g + 8][nb * 8 + 2 * t] = acc[nb][2];
+    red[warp][g + 8][nb * 8 + 2 * t + 1] = acc[nb][3];
+  }
+  __syncthreads();
+  if (part != 0 || tile >= n_tiles) return;
+  // The tile's ks parts in index order, then y = hi + mid + lo per row.
+  const GemvJob& jb = L.job[j];
+  for (int o = lane; o < 16 * R; o += 32) {
+    const int m = o / R, r = o % R;
+    if (r >= nx || row0 + m >= w.rows) continue;
+    float c[3];
+    for (int q = 0; q < 3; ++q) {
+      float v = 0.0f;
+      for (int k = 0; k < ks; ++k) v += red[warp + k][m][3 * r + q];
+      c[q] = v;
+    }
+    jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue((c[0] + c[1]) + c[2], jb.epi, jb.epi_arg);
+  }
+}
+
 int g_gemv_version = 0;  // 0: not yet read from the environment
 
-// The arithmetic of the v2 schedule's inner loop: 3 (group sums, the default) or 2 (dequantize each
-// code first; CK_GEMV=v2 in the environment), kept to compare the two in one run.
+// The arithmetic of 4/8-bit GEMVs: 4 (the default: 4-bit codes of tall matrices on the tensor cores,
+// v4, the rest as 3), 3 (group sums on the CUDA cores for all; CK_GEMV=v3) or 2 (dequantize each code
+// first; CK_GEMV=v2), the older ones kept to compare in one run.
 int q_arith() {
   static const int a = [] {
     const char* e = std::getenv("CK_GEMV");
-    return (e && std::strcmp(e, "v2") == 0) ? 2 : 3;
+    if (e && std::strcmp(e, "v2") == 0) return 2;
+    if (e && std::strcmp(e, "v3") == 0) return 3;
+    return 4;
   }();
   return a;
+}
+
+template <int R>
+void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, cudaStream_t s) {
+  constexpr int NB = (3 * R + 7) / 8;
+  // The B fragments and group sums live for this call only (stream-ordered, so graph-capturable).
+  const size_t frag_bytes = static_cast<size_t>(L.groups) * 4 * NB * 32 * sizeof(uint2);
+  uint8_t* scratch = nullptr;
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch), frag_bytes + sizeof(float) * L.groups * 8 * NB, s));
+  uint2* frag = reinterpret_cast<uint2*>(scratch);
+  float* gsum = reinterpret_cast<float*>(scratch + frag_bytes);
+  tc4_frag_kernel<R><<<static_cast<unsigned>(L.groups), 128, 0, s>>>(x, ldx, nx, frag, gsum);
+  CUDA_CHECK_LAUNCH();
+  L.frag = frag;
+  L.gsum = gsum;
+  const int tiles = L.first_tile[L.n_jobs];
+  gemv_tc4_kernel<R><<<static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 256, 0, s>>>(L, nx);
+  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(cudaFreeAsync(scratch, s));
+}
+
+// The v4 launch, or false when the jobs do not suit it: not all 4-bit codes in groups of 64 or 128,
+// a shape where v3 is faster (kTcMin*), or CK_GEMV asks for v2/v3.
+bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
+  if (q_arith() != 4 || n_jobs < 1 || n_jobs > kMaxGemvJobs) return false;
+  int total_rows = 0;
+  for (int j = 0; j < n_jobs; ++j) {
+    const DMatrix& w = jobs[j].w;
+    if (!w.quantized() || w.fmt.bits != 4 || w.fmt.group % 64 != 0 || w.cols % w.fmt.group != 0) return false;
+    total_rows += w.rows;
+  }
+  if (total_rows < (rows == 1 ? kTcMinRowsOneRow : kTcMinRows) || jobs[0].w.cols < kTcMinCols) return false;
+  TcLaunch L{};
+  L.n_jobs = n_jobs;
+  L.groups = jobs[0].w.cols / 64;
+  int tiles = 0;
+  for (int j = 0; j < n_jobs; ++j) {
+    L.job[j] = jobs[j];
+    L.first_tile[j] = tiles;
+    tiles += static_cast<int>(ceil_div(jobs[j].w.rows, 16));
+  }
+  L.first_tile[n_jobs] = tiles;
+  // Split each tile's groups over more warps while there are too few warps to keep every SM's memory
+  // pipe busy (~16 per SM) and each keeps at least 4 groups.
+  int ks = 1;
+  while (ks < 8 && tiles * ks < sm_count() * 16 && L.groups >= 8 * ks) ks *= 2;
+  L.ks = ks;
+  const int R = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
+  switch (R) {
+    case 1: launch_tc4<1>(L, x, ldx, rows, stream); break;
+    case 2: launch_tc4<2>(L, x, ldx, rows, stream); break;
+    case 4: launch_tc4<4>(L, x, ldx, rows, stream); break;
+    default: launch_tc4<8>(L, x, ldx, rows, stream); break;
+  }
+  return true;
 }
 
 // Resident blocks per SM of a 256-thread kernel (asked once per kernel).
@@ -618,16 +880,25 @@ int blocks_per_sm(K kernel) {
 }
 
 template <int CPU, int R, bool V3>
-void launch_gemv_q_a(const QLaunch& L, const float* x, int ldx, int nx, cudaStream_t s) {
+void launch_gemv_q_a(QLaunch L, const float* x, int ldx, int nx, cudaStream_t s) {
   static const int occ = blocks_per_sm(gemv_q_kernel<CPU, R, V3>);
   const int grid = std::min(L.first_batch[L.n_jobs], sm_count() * occ);
+  if (L.kb > 1) {
+    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&L.partial), sizeof(float) * L.kb * R * L.part_rows, s));
+  }
   gemv_q_kernel<CPU, R, V3><<<grid, 256, 0, s>>>(L, x, ldx, nx);
   CUDA_CHECK_LAUNCH();
+  if (L.kb > 1) {
+    const int total = nx * L.part_rows;
+    gemv_q_reduce_kernel<<<static_cast<unsigned>(ceil_div(total, 256)), 256, 0, s>>>(L, nx, R);
+    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(cudaFreeAsync(L.partial, s));
+  }
 }
 
 template <int CPU, int R>
 void launch_gemv_q(const QLaunch& L, const float* x, int ldx, int nx, cudaStream_t s) {
-  if (q_arith() == 3) launch_gemv_q_a<CPU, R, true>(L, x, ldx, nx, s);
+  if (q_arith() != 2) launch_gemv_q_a<CPU, R, true>(L, x, ldx, nx, s);
   else launch_gemv_q_a<CPU, R, false>(L, x, ldx, nx, s);
 }
 
@@ -657,12 +928,24 @@ bool gemv_v2(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   while (ks < 8 && total_groups * ks < sm_count() * 16 && U >= 64 * ks * 2) ks *= 2;
   L.ks = ks;
   const int gpb = 8 / ks;
-  int batches = 0;
+  int row_batches = 0;
+  for (int j = 0; j < n_jobs; ++j) row_batches += static_cast<int>(ceil_div(ceil_div(jobs[j].w.rows, kRpw), gpb));
+  // Still fewer blocks than two per SM (the hyper-connection down projection: 81 blocks; the router: 33;
+  // the DeltaNet out projection: 80): split K over blocks too, while each warp keeps at least one full
+  // sweep of its lanes (docs/performance.md, "split-K over blocks").
+  int kb = 1;
+  while (kb < 8 && row_batches * kb < 2 * sm_count() && U >= 32 * ks * kb * 2) kb *= 2;
+  L.kb = kb;
+  int batches = 0, part_rows = 0;
   for (int j = 0; j < n_jobs; ++j) {
     L.first_batch[j] = batches;
-    batches += static_cast<int>(ceil_div(ceil_div(jobs[j].w.rows, kRpw), gpb));
+    L.part_off[j] = part_rows;
+    batches += static_cast<int>(ceil_div(ceil_div(jobs[j].w.rows, kRpw), gpb)) * kb;
+    part_rows += jobs[j].w.rows;
   }
   L.first_batch[n_jobs] = batches;
+  L.part_rows = part_rows;
+  L.partial = nullptr;
   if (rows == 1) {
     if (cpu == 32) launch_gemv_q<32, 1>(L, x, ldx, rows, stream);
     else launch_gemv_q<8, 1>(L, x, ldx, rows, stream);
@@ -734,6 +1017,7 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
     CK_REQUIRE(jobs[j].w.cols == jobs[0].w.cols && jobs[j].w.rows >= 1 && jobs[j].w.data && jobs[j].y,
                "gemv: job %d: %d x %d matrix, output %p (job 0 has %d cols)", j, jobs[j].w.rows, jobs[j].w.cols,
                static_cast<void*>(jobs[j].y), jobs[0].w.cols);
+  if (gemv_version() == 2 && gemv_tc4(jobs, n_jobs, x, ldx, rows, stream)) return;
   if (gemv_version() == 2 && x_aligned && gemv_v2(jobs, n_jobs, x, ldx, rows, stream)) return;
   GemvLaunch L{};
   L.n_jobs = n_jobs;
@@ -779,7 +1063,7 @@ void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hid
   CK_REQUIRE(n_pairs >= 1 && max_inter >= 1 && hidden >= 1, "invariant");
   CK_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0, "invariant");
   if (codes48 && gemv_version() == 2) {
-    const bool v3 = q_arith() == 3;
+    const bool v3 = q_arith() != 2;
     static const int occ3 = blocks_per_sm(expert_gate_up_q_kernel<true>);
     static const int occ2 = blocks_per_sm(expert_gate_up_q_kernel<false>);
     const int n_rg = static_cast<int>(ceil_div(max_inter, kRpw));
@@ -801,7 +1085,7 @@ void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden
   CK_REQUIRE(n_pairs >= 1 && max_inter >= 1 && hidden >= 1, "invariant");
   CK_REQUIRE(reinterpret_cast<uintptr_t>(h) % 16 == 0 && ldh % 4 == 0, "invariant");
   if (codes48 && gemv_version() == 2) {
-    const bool v3 = q_arith() == 3;
+    const bool v3 = q_arith() != 2;
     static const int occ3 = blocks_per_sm(expert_down_q_kernel<true>);
     static const int occ2 = blocks_per_sm(expert_down_q_kernel<false>);
     const int n_rg = static_cast<int>(ceil_div(hidden, kRpw));

@@ -43,8 +43,9 @@ void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int ro
 // as gemv for any number of rows, tf32x3 arithmetic (within ~1e-6 of fp32, not bit-equal to gemv).
 void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
 
-// Which GEMV schedule runs (gemv.cu): 2, the default (warp per row group for 4/8-bit codes; other
-// formats fall back to 1), or 1 (block per rows, every format). CK_GEMV=v1 in the environment picks 1.
+// Which GEMV schedule runs (gemv.cu): 2, the default (tensor cores for tall 4-bit matrices, a warp per
+// row group for the other 4/8-bit codes; other formats fall back to 1), or 1 (block per rows, every
+// format). CK_GEMV=v1 in the environment picks 1; CK_GEMV=v3 keeps 4-bit codes off the tensor cores.
 void set_gemv_version(int v);
 int gemv_version();
 // Reads the device's SM count and the kernels' occupancy once (before any graph capture).

@@ -616,7 +616,7 @@ std::vector<std::pair<std::string, double>> Session::take_profile() {
 // ==================================================================== steps
 
 Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool snap, bool want_logits, StepResult* out,
-                          int row0, int total_rows) {
+                          int row0, int first_out) {
   const ModelConfig& c = m_.cfg();
   const ModelWeights& w = m_.weights();
   const int rows = static_cast<int>(tokens.size());
@@ -644,26 +644,28 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
     }
   }
   const int64_t V = c.vocab_size, W = c.wide();
-  // From the pinned buffers into `out`: logits rows [r0, r0+n) of this step (logits_h_ holds them from
-  // its first row), and every row's argmax and pre-mixer hidden.
-  auto copy_logits = [&](int r0, int n) {
+  // Rows of this chunk from `start` on produce outputs: output row (row0 + r - first_out) of `out`.
+  const int start = std::clamp(first_out - row0, 0, rows);
+  auto out_row = [&](int r) { return static_cast<size_t>(row0 + r - first_out); };
+  // From the pinned buffers into `out`: logits rows [r0, r0+n) of this chunk (`src` holds row r0 first,
+  // rows b.ldV apart), and each output row's argmax and pre-mixer hidden.
+  auto copy_logits = [&](int r0, int n, const float* src) {
     for (int r = 0; r < n; ++r)
-      std::memcpy(out->logits.data() + static_cast<size_t>(row0 + r0 + r) * V,
-                  logits_h_.get() + static_cast<size_t>(r) * b.ldV, sizeof(float) * V);
+      std::memcpy(out->logits.data() + out_row(r0 + r) * V, src + static_cast<size_t>(r) * b.ldV, sizeof(float) * V);
   };
   auto copy_rows = [&] {
-    for (int r = 0; r < rows; ++r) {
-      out->argmax[row0 + r] = argmax_h_[r];
-      std::memcpy(out->hidden.data() + static_cast<size_t>(row0 + r) * W,
-                  hidden_h_.get() + static_cast<size_t>(r) * b.ldW, sizeof(float) * W);
+    for (int r = start; r < rows; ++r) {
+      out->argmax[out_row(r)] = argmax_h_[r];
+      std::memcpy(out->hidden.data() + out_row(r) * W, hidden_h_.get() + static_cast<size_t>(r) * b.ldW,
+                  sizeof(float) * W);
     }
   };
   if (rows > kMaxRows) {
     // Prefill chunk: direct launches (a few hundred per chunk against milliseconds of work), the LM head
-    // in slices of kLmRows rows so the logits buffer stays small.
+    // in slices of kLmRows rows so the logits buffer stays small, and only over the output rows.
     marking_ = true;
     enqueue_trunk(rows);
-    for (int s0 = 0; s0 < rows; s0 += kLmRows) {
+    for (int s0 = start; s0 < rows; s0 += kLmRows) {
       const int n = std::min(kLmRows, rows - s0);
       matvec(m_.lm_head_, b.fy + static_cast<size_t>(s0) * b.ldH, b.ldH, b.logits, b.ldV, n, stream_);
       argmax(b.logits, c.vocab_size, b.argmax + s0, n, b.ldV, b.argmax_scratch, stream_);
@@ -671,9 +673,11 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
       if (!want_logits) continue;
       CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * n * b.ldV, cudaMemcpyDeviceToHost, stream_));
       CUDA_CHECK(cudaStreamSynchronize(stream_));
-      copy_logits(s0, n);
+      copy_logits(s0, n, logits_h_.get());
     }
-    CUDA_CHECK(cudaMemcpyAsync(argmax_h_.get(), b.argmax, sizeof(int32_t) * rows, cudaMemcpyDeviceToHost, stream_));
+    if (start < rows)
+      CUDA_CHECK(cudaMemcpyAsync(argmax_h_.get() + start, b.argmax + start, sizeof(int32_t) * (rows - start),
+                                 cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     marking_ = false;
     collect_marks();
@@ -699,12 +703,12 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
   }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   copy_rows();
-  if (want_logits) copy_logits(0, rows);
-  (void)total_rows;
+  if (want_logits) copy_logits(start, rows - start, logits_h_.get() + static_cast<size_t>(start) * b.ldV);
   return {};
 }
 
-Status Session::step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out) {
+Status Session::step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out,
+                          RowOutputs which) {
   CHECK_MSG(pending_rows_ == 0, "step_rows called twice without commit");
   const ModelConfig& c = m_.cfg();
   if (tokens.empty()) return error("step_rows: no tokens");
@@ -718,16 +722,18 @@ Status Session::step_rows(std::span<const int32_t> tokens, bool snap, bool want_
   if (snap && rows > kMaxRows)
     return error("step_rows: snapshots need at most {} rows (got {})", kMaxRows, rows);
   const int64_t V = c.vocab_size, W = c.wide();
-  out->argmax.assign(rows, 0);
-  out->logits.assign(want_logits ? static_cast<size_t>(rows) * V : 0, 0.0f);
-  out->hidden.assign(static_cast<size_t>(rows) * W, 0.0f);
+  const int first_out = which == RowOutputs::kLast ? rows - 1 : 0;
+  const size_t n_out = static_cast<size_t>(rows - first_out);
+  out->argmax.assign(n_out, 0);
+  out->logits.assign(want_logits ? n_out * V : 0, 0.0f);
+  out->hidden.assign(n_out * W, 0.0f);
   // Without snapshots, long inputs take the prefill path in chunks of prefill_chunk_ rows; what is left
   // (and every step with snapshots) takes the row path in steps of kMaxRows.
   for (int r0 = 0; r0 < rows;) {
     const int left = rows - r0;
     const int n = (!snap && prefill_chunk_ > kMaxRows && left > kMaxRows) ? std::min(prefill_chunk_, left)
                                                                           : std::min(kMaxRows, left);
-    TRY(run_chunk(tokens.subspan(r0, n), pos_ + r0, snap, want_logits, out, r0, rows));
+    TRY(run_chunk(tokens.subspan(r0, n), pos_ + r0, snap, want_logits, out, r0, first_out));
     r0 += n;
   }
   pending_rows_ = rows;

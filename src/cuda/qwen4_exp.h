@@ -27,6 +27,7 @@
 namespace ck::cuda {
 
 using StepResult = cpu::StepResult;
+using RowOutputs = cpu::RowOutputs;
 struct StepParams;  // cuda/layers.h
 
 struct DHc {
@@ -135,7 +136,8 @@ class Session {
 
   // As cpu::Session::step_rows. Rows beyond kMaxRows run as consecutive device steps; `snap` is
   // limited to kMaxRows rows.
-  Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out);
+  Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out,
+                   RowOutputs which = RowOutputs::kEvery);
   void commit(int n);
   int64_t pos() const { return pos_; }
   int64_t max_ctx() const { return max_ctx_; }
@@ -166,8 +168,10 @@ class Session {
 
  private:
   struct LayerState;
+  // Rows [row0, row0 + tokens.size()) of a step_rows call; rows from first_out on produce outputs (as
+  // output row r - first_out of `out`).
   Status run_chunk(std::span<const int32_t> tokens, int64_t pos, bool snap, bool want_logits, StepResult* out,
-                   int row0, int total_rows);
+                   int row0, int first_out);
   void enqueue_trunk(int rows);
   void mark(const char* piece);
   void collect_marks();

@@ -22,13 +22,14 @@ Status Generator::generate(std::span<const int32_t> prompt, const GenerateOption
   const bool greedy = opt.sampling.temperature <= 0 && opt.sampling.presence_penalty == 0 &&
                       opt.sampling.frequency_penalty == 0;
   StepResult r;
-  // Prefill in chunks; only the last chunk's last row needs logits (for sampling).
+  // Prefill in chunks; only the last chunk's last row produces outputs (its argmax, or its logits for
+  // sampling): the LM head runs for that row alone.
   double t0 = now_s();
   const size_t chunk = static_cast<size_t>(std::max(1, opt.prefill_chunk));
   for (size_t i = 0; i < prompt.size(); i += chunk) {
     size_t n = std::min(chunk, prompt.size() - i);
     bool last = i + n == prompt.size();
-    TRY(session_.step_rows(prompt.subspan(i, n), false, last && !greedy, &r));
+    TRY(session_.step_rows(prompt.subspan(i, n), false, last && !greedy, &r, RowOutputs::kLast));
     session_.commit(static_cast<int>(n));
   }
   history_.insert(history_.end(), prompt.begin(), prompt.end());

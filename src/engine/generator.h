@@ -16,7 +16,9 @@ struct GenerateOptions {
   int max_tokens = 256;
   std::vector<int32_t> stop_ids;      // generation ends after emitting one of these (not included)
   text::SamplingParams sampling;
-  int prefill_chunk = 64;             // rows per step_rows call during prefill
+  // Rows per step_rows call during prefill. Only the last row produces outputs, so a call's memory does
+  // not grow with it; the CUDA session splits a call into tensor-core chunks of up to 1,024 rows.
+  int prefill_chunk = 1024;
 };
 
 struct GenerateStats {

@@ -17,13 +17,18 @@
 namespace ck::engine {
 
 using StepResult = cpu::StepResult;
+using RowOutputs = cpu::RowOutputs;
 
 // One sequence. Same contract as cpu::Session: step_rows runs rows at pos().., commit(n) accepts the
 // first n (rolling the recurrent state back when n < rows, which needs snap).
 class Session {
  public:
   virtual ~Session() = default;
-  virtual Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out) = 0;
+  virtual Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out,
+                           RowOutputs which) = 0;
+  Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out) {
+    return step_rows(tokens, snap, want_logits, out, RowOutputs::kEvery);
+  }
   virtual void commit(int n) = 0;
   virtual int64_t pos() const = 0;
 };
@@ -41,8 +46,10 @@ template <class S>
 class SessionAdapter final : public Session {
  public:
   explicit SessionAdapter(std::unique_ptr<S> s) : s_(std::move(s)) {}
-  Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out) override {
-    return s_->step_rows(tokens, snap, want_logits, out);
+  using Session::step_rows;
+  Status step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out,
+                   RowOutputs which) override {
+    return s_->step_rows(tokens, snap, want_logits, out, which);
   }
   void commit(int n) override { s_->commit(n); }
   int64_t pos() const override { return s_->pos(); }

@@ -4,6 +4,8 @@
 // is accumulation order (GEMM blocking, chunked vs recurrent DeltaNet), measured at ~1e-6.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "../common/fixtures.h"
 #include "cpu/qwen4_exp.h"
 
@@ -95,6 +97,34 @@ TEST_P(OracleFixture, IncrementalDecodeEqualsFullForward) {
       ASSERT_LE(test::rel_l2(one.logits.data() + r * V, all.logits.data() + (t + r) * V, V), 1e-6) << "position " << t + r;
     t += n;
   }
+}
+
+// RowOutputs::kLast (a prompt's prefill): one output row, equal to the last row of a full step, and
+// the same state afterwards.
+TEST_P(OracleFixture, LastRowOutputsEqualTheFullStepsLastRow) {
+  auto fx = test::load_fixture(GetParam());
+  ASSERT_TRUE(fx.ok());
+  Loaded l = load(GetParam());
+  ASSERT_TRUE(l.model);
+  const int64_t V = l.model->cfg().vocab_size, W = l.model->cfg().wide();
+  const size_t T = fx->prompt.size();
+  auto full = l.model->new_session();
+  auto last = l.model->new_session();
+  cpu::StepResult a, b;
+  ASSERT_TRUE(full->step_rows(fx->prompt, false, true, &a).ok());
+  ASSERT_TRUE(last->step_rows(fx->prompt, false, true, &b, cpu::RowOutputs::kLast).ok());
+  ASSERT_EQ(b.argmax.size(), 1u);
+  ASSERT_EQ(b.logits.size(), static_cast<size_t>(V));
+  ASSERT_EQ(b.hidden.size(), static_cast<size_t>(W));
+  EXPECT_EQ(b.argmax[0], a.argmax.back());
+  EXPECT_EQ(0, std::memcmp(b.logits.data(), a.logits.data() + (T - 1) * V, sizeof(float) * V));
+  EXPECT_EQ(0, std::memcmp(b.hidden.data(), a.hidden.data() + (T - 1) * W, sizeof(float) * W));
+  full->commit(static_cast<int>(T));
+  last->commit(static_cast<int>(T));
+  int32_t tok[1] = {a.argmax.back()};
+  ASSERT_TRUE(full->step_rows(tok, false, true, &a).ok());
+  ASSERT_TRUE(last->step_rows(tok, false, true, &b).ok());
+  EXPECT_EQ(0, std::memcmp(b.logits.data(), a.logits.data(), sizeof(float) * V));
 }
 
 TEST_P(OracleFixture, StepRowsRollbackEqualsPlainDecode) {

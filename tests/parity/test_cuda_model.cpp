@@ -145,6 +145,39 @@ TEST_P(CudaOracle, PrefillChunksMatchRowPath) {
   EXPECT_LE(test::rel_l2(b.logits.data(), a.logits.data(), V), kChunkTol);
 }
 
+// RowOutputs::kLast (the LM head skips every row but the last): the same last row as a full step and
+// the same state afterwards. On the row path, bit for bit; over chunks of 16 the full step's LM head
+// runs on the tensor cores (16 rows) and the last row's alone as a GEMV: within kChunkTol.
+TEST_P(CudaOracle, LastRowOutputsEqualTheFullStepsLastRow) {
+  SETUP();
+  const int64_t W = l.model->cfg().wide();
+  const size_t T = fx->prompt.size();
+  for (int chunk : {0, 16}) {
+    auto full = l.model->new_session(256);
+    auto last = l.model->new_session(256);
+    full->set_prefill_chunk(chunk);
+    last->set_prefill_chunk(chunk);
+    cuda::StepResult a, b;
+    ASSERT_TRUE(full->step_rows(fx->prompt, false, true, &a).ok());
+    ASSERT_TRUE(last->step_rows(fx->prompt, false, true, &b, cuda::RowOutputs::kLast).ok());
+    ASSERT_EQ(b.argmax.size(), 1u);
+    ASSERT_EQ(b.logits.size(), static_cast<size_t>(V));
+    ASSERT_EQ(b.hidden.size(), static_cast<size_t>(W));
+    EXPECT_EQ(b.argmax[0], a.argmax.back()) << "chunk " << chunk;
+    if (chunk == 0)
+      EXPECT_EQ(0, std::memcmp(b.logits.data(), a.logits.data() + (T - 1) * V, sizeof(float) * V));
+    else
+      EXPECT_LE(test::rel_l2(b.logits.data(), a.logits.data() + (T - 1) * V, V), kChunkTol) << "chunk " << chunk;
+    EXPECT_EQ(0, std::memcmp(b.hidden.data(), a.hidden.data() + (T - 1) * W, sizeof(float) * W)) << "chunk " << chunk;
+    full->commit(static_cast<int>(T));
+    last->commit(static_cast<int>(T));
+    int32_t tok[1] = {a.argmax.back()};
+    ASSERT_TRUE(full->step_rows(tok, false, true, &a).ok());
+    ASSERT_TRUE(last->step_rows(tok, false, true, &b).ok());
+    EXPECT_EQ(0, std::memcmp(b.logits.data(), a.logits.data(), sizeof(float) * V)) << "chunk " << chunk;
+  }
+}
+
 TEST_P(CudaOracle, GreedyTokensMatchOracle) {
   SETUP();
   auto s = l.model->new_session(256);

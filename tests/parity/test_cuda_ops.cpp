@@ -212,6 +212,10 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
       {70, 256, q(8, 128, DType::BF16)},    {31, 64, q(2, 32, DType::BF16)},     {45, 128, q(2, 64, DType::F16)},
       {29, 96, q(3, 32, DType::BF16)},      {50, 192, q(3, 64, DType::BF16)},    {12, 640, q(3, 128, DType::F32)},
       {4100, 64, q(4, 64, DType::BF16)},    {17000, 32, q(4, 32, DType::BF16)},  {4099, 40, bf16},
+      // Tall 4-bit matrices take the tensor-core GEMV (v4): one K segment, several (groups of 128,
+      // 8 rows: 3 MMAs per step), and a row count that is not a multiple of 16.
+      {2048, 2560, q(4, 64, DType::BF16)},  {1100, 6144, q(4, 128, DType::F16)}, {1037, 1024, q(4, 64, DType::F32)},
+      {65600, 1024, q(4, 64, DType::BF16)},  // one activation row too (the LM head's shape class)
   };
   DeviceArena arena;
   for (const GemvCase& gc : cases) {
@@ -248,23 +252,27 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
 
 TEST(CudaOps, GemvMultiJobWithEpilogues) {
   REQUIRE_GPU();
-  for (int variant = 0; variant < 3; ++variant) {  // mixed formats (v1 path), then all codes under v2 and v1
+  // Mixed formats (v1 path), then all codes under v2 and v1 (split K over blocks: few rows), then
+  // three tall-enough 4-bit jobs (the tensor-core GEMV; 5 rows: 3 MMAs per step, five K segments).
+  for (int variant = 0; variant < 4; ++variant) {
   set_gemv_version(variant == 2 ? 1 : 2);
   std::mt19937_64 rng(77 + variant);
-  const int cols = variant ? 2560 : 64, rows = variant ? 5 : 3, ldx = cols;
+  const int cols = variant == 3 ? 3840 : variant ? 2560 : 64, rows = variant ? 5 : 3, ldx = cols;
+  const int na = variant == 3 ? 1000 : 40, ld_a = na;
   const WeightForm q4{DType::U32, 4, 64, DType::BF16}, q8{DType::U32, 8, 64, DType::BF16};
-  HostMatrix a = make_matrix(40, cols, variant ? q4 : WeightForm{DType::U32, 4, 32, DType::BF16}, rng);
-  HostMatrix b = make_matrix(5, cols, variant ? q8 : WeightForm{DType::BF16}, rng);
-  HostMatrix c = make_matrix(7, cols, variant ? q4 : WeightForm{DType::F32}, rng);
+  HostMatrix a = make_matrix(na, cols, variant ? q4 : WeightForm{DType::U32, 4, 32, DType::BF16}, rng);
+  HostMatrix b = make_matrix(5, cols, variant == 3 ? q4 : variant ? q8 : WeightForm{DType::BF16}, rng);
+  HostMatrix c = make_matrix(variant == 3 ? 70 : 7, cols, variant ? q4 : WeightForm{DType::F32}, rng);
+  const int nc = static_cast<int>(c.m.rows);
   DeviceArena arena;
   DenseUploader up(&arena);
   std::vector<float> x = randn(rows * ldx, rng);
-  DeviceBuffer<float> xd, ya(rows * 40), yb(rows * 8), yc(rows * 7);
+  DeviceBuffer<float> xd, ya(rows * ld_a), yb(rows * 8), yc(rows * nc);
   CUDA_CHECK(cudaMemset(ya.get(), 0xff, ya.bytes()));  // poison: every output must be written
   GemvJob jobs[3];
-  jobs[0].w = *up.matrix(a.m); jobs[0].y = ya.get(); jobs[0].ldy = 40; jobs[0].epi = Epilogue::SiluDiv; jobs[0].epi_arg = 3.0f;
+  jobs[0].w = *up.matrix(a.m); jobs[0].y = ya.get(); jobs[0].ldy = ld_a; jobs[0].epi = Epilogue::SiluDiv; jobs[0].epi_arg = 3.0f;
   jobs[1].w = *up.matrix(b.m); jobs[1].y = yb.get(); jobs[1].ldy = 8; jobs[1].epi = Epilogue::TwoSigmoidDiv; jobs[1].epi_arg = 4.0f;
-  jobs[2].w = *up.matrix(c.m); jobs[2].y = yc.get(); jobs[2].ldy = 7;
+  jobs[2].w = *up.matrix(c.m); jobs[2].y = yc.get(); jobs[2].ldy = nc;
   gemv(jobs, 3, to_device(x, &xd), ldx, rows, nullptr);
   const HostMatrix* hm[3] = {&a, &b, &c};
   const DeviceBuffer<float>* yd[3] = {&ya, &yb, &yc};

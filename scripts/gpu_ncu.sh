@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Nsight Compute on one kernel of bench_cuda, on the GPU machine, after scripts/gpu_check.sh has
+# unpacked .devcarry/ (or on its own: it unpacks too). Warm caches and the GPU's own clocks
+# (--cache-control none --clock-control none), so durations are those of a real run; the warp-state
+# and scheduler sections say why the kernel stalls. Appends the kernel's SASS.
+#   CK_NCU_KERNEL=regex:gemv_q_kernel CK_NCU_SKIP=0 OUT=/tmp/out bash scripts/gpu_ncu.sh
+# Env: CK_NCU_KERNEL (ncu -k filter), CK_NCU_SKIP (launches of it to skip), CK_NCU_COUNT (launches to
+# profile), CK_NCU_ARGS (bench_cuda arguments), CK_NCU_SASS (a function-name pattern for cuobjdump).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ck_gpu_ncu}
+mkdir -p "$OUT"
+D=/tmp/ck_devcarry
+if [ ! -x "$D/bench_cuda" ]; then
+  mkdir -p "$D" && tar -C "$D" -xJf .devcarry/bundle.tar.xz || exit 3
+fi
+export LD_LIBRARY_PATH=$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+CUDA_BIN=${CUDA_BIN:-/usr/local/cuda/bin}
+NCU=$(command -v ncu || echo "$CUDA_BIN/ncu")
+timeout "${CK_NCU_TIMEOUT:-240}" "$NCU" --cache-control none --clock-control none \
+  -k "${CK_NCU_KERNEL:-regex:gemv_q_kernel}" --launch-skip "${CK_NCU_SKIP:-0}" --launch-count "${CK_NCU_COUNT:-1}" \
+  --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+  --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+  --section InstructionStats \
+  "$D/bench_cuda" ${CK_NCU_ARGS:---synth-layers 1 --prefill "" --decode-steps 2} > "$OUT/ncu.txt" 2>&1
+echo "ncu rc=$?" >> "$OUT/ncu.txt"
+# The SASS of the functions whose mangled name contains CK_NCU_SASS, appended (one file comes back).
+if [ -n "${CK_NCU_SASS:-}" ]; then
+  echo "================ SASS (${CK_NCU_SASS})" >> "$OUT/ncu.txt"
+  "$CUDA_BIN/cuobjdump" -sass "$D/bench_cuda" 2>&1 | awk -v pat="${CK_NCU_SASS}" '
+    /Function :/ { on = index($0, pat) > 0 } on' >> "$OUT/ncu.txt"
+fi
+grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issued Ipc|No Eligible|Stall|Block Size|Grid Size|Executed Ipc|Warp Cycles Per Issued" "$OUT/ncu.txt" | head -60
