@@ -23,6 +23,7 @@
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
+#include "cuda/mma_q4.cuh"
 #include "cuda/ops.h"
 
 namespace ck::cuda {
@@ -657,35 +658,6 @@ struct TcLaunch {
   const uint2* frag;                     // [groups][4 steps][NB][32 lanes]
   const float* gsum;                     // [groups][8 NB]: Σ x of the group on each row's hi column
 };
-
-__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// Part p (0 hi, 1 mid, 2 lo) of v: hi = bf16(v), mid = bf16(v - hi), lo = bf16(v - hi - mid). The
-// residuals are exact in fp32, so hi + mid + lo carries v's 24 significant bits.
-__device__ __forceinline__ float bf16_part(float v, int p) {
-  float r = v;
-  for (int i = 0; i < p; ++i) r -= __bfloat162float(__float2bfloat16_rn(r));
-  return __bfloat162float(__float2bfloat16_rn(r));
-}
-
-// Codes i and i+4 of a 4-bit word as a bf16x2 of the exact integers: masked into the mantissa of 128
-// (0x4300), then 128 subtracted (exact).
-__device__ __forceinline__ uint32_t code_pair(uint32_t w, int i) {
-  const uint32_t v = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;
-  const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(128.0f, 128.0f));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // grid (groups), block 128: group blockIdx.x's B fragments for R activation rows (nx real; the other
 // columns zero), and its Σ x per column (one warp per column, a fixed shuffle order).

@@ -76,6 +76,19 @@ void expert_gate_up_grouped(const ExpertPair* pairs, const int32_t* order, const
 void expert_down_grouped(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                          int max_tiles, int hidden, const float* h, int ldh, float* y, int ldy, cudaStream_t stream);
 
+// The same grouped products when every expert matrix is MLX 4-bit codes in groups of 64 or 128
+// (expert_q4_ok), in the factored form on the tensor cores (experts_q4.cu): codes as exact bf16 MMA
+// operands, the activations split into three bf16 parts once per call, scale and bias per group after
+// the product. gate/up reads x rows [0, x_rows) of width hidden; down reads the n_pairs rows of h
+// (width max_inter, a multiple of 64).
+bool expert_q4_ok(const DMatrix& m);
+void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
+                       int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
+                       cudaStream_t stream);
+void expert_down_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
+                    int max_tiles, int hidden, int max_inter, const float* h, int ldh, int n_pairs, float* y, int ldy,
+                    cudaStream_t stream);
+
 // cpu::rmsnorm_grouped on `rows` rows: one statistic per group of `group` values; scale (n) fp32.
 void rmsnorm_grouped(const float* x, int64_t n, int64_t group, const float* scale, float eps, float* out, int rows,
                      int64_t ld, cudaStream_t stream);

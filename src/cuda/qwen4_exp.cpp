@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 
 #include "cpu/ops.h"
@@ -173,8 +174,13 @@ Status Model::init() {
   TRY(upload_experts(*experts_src_, record_layers, c.num_experts, c.moe_intermediate_size, c.hidden_size, &pool_));
   DMatrix g, u, dn;
   expert_views(nullptr, pool_.fmt, c.moe_intermediate_size, c.hidden_size, &g, &u, &dn);
+  // CK_Q4_EXPERTS=0 keeps prefill's experts on gemm.cu's dequantizing kernels (to compare).
+  const char* q4_env = std::getenv("CK_Q4_EXPERTS");
+  const bool q4_on = !(q4_env && std::strcmp(q4_env, "0") == 0);
   auto set_codes48 = [&](DMoe& mo) {
     mo.codes48 = codes48(g) && codes48(dn) && codes48(mo.sh_gate) && codes48(mo.sh_up) && codes48(mo.sh_down);
+    mo.q4 = q4_on && expert_q4_ok(g) && expert_q4_ok(dn) && expert_q4_ok(mo.sh_gate) && expert_q4_ok(mo.sh_up) &&
+            expert_q4_ok(mo.sh_down) && max_inter_ % 64 == 0;
   };
   for (DLayer& d : layers_) set_codes48(d.moe);
   if (mtp_) set_codes48(mtp_->layer.moe);
@@ -534,9 +540,16 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     const int n_pairs = rows * (k + 1);
     if (rows > kMaxRows) {  // prefill chunk: each expert's weights once for all the rows that chose it
       group_pairs(b.pairs, n_pairs, c.num_experts + 1, b.order, b.tiles, b.n_tiles, stream_);
-      expert_gate_up_grouped(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, m_.max_inter_, b.u, b.ldH, b.mh,
-                             b.ldMI, stream_);
-      expert_down_grouped(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, H, b.mh, b.ldMI, b.my, b.ldH, stream_);
+      if (mo.q4) {
+        expert_gate_up_q4(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, m_.max_inter_, b.u, b.ldH, rows, H, b.mh,
+                          b.ldMI, stream_);
+        expert_down_q4(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, H, m_.max_inter_, b.mh, b.ldMI, n_pairs,
+                       b.my, b.ldH, stream_);
+      } else {
+        expert_gate_up_grouped(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, m_.max_inter_, b.u, b.ldH, b.mh,
+                               b.ldMI, stream_);
+        expert_down_grouped(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, H, b.mh, b.ldMI, b.my, b.ldH, stream_);
+      }
       mark("moe experts");
     } else {
       expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, mo.codes48, stream_);

@@ -53,6 +53,7 @@ struct DPle {
 struct DMoe {
   DMatrix router, sh_gate, sh_up, sh_down, sh_expert_gate;
   bool codes48 = false;  // routed and shared experts all 4/8-bit codes: the faster expert kernels apply
+  bool q4 = false;       // ... all 4-bit codes in groups of 64k: prefill's factored tensor-core experts
 };
 struct DLayer {
   LayerKind kind = LayerKind::LinearAttention;

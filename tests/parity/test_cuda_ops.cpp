@@ -359,14 +359,11 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
 // Prefill experts: pairs grouped per expert (group_pairs), each expert's tiles through the tensor
 // cores, against the CPU per pair. Experts of several formats and two intermediate sizes; one expert
 // chosen by more than kGroupRows pairs (several tiles), one by none.
-TEST(CudaOps, GroupedExpertsMatchCpu) {
-  REQUIRE_GPU();
-  std::mt19937_64 rng(4242);
+// `q4`: every form is 4-bit codes in groups of 64k, and the factored tensor-core kernels
+// (expert_*_q4) run instead of gemm.cu's.
+void check_grouped_experts(const WeightForm (&forms)[7], bool q4, uint64_t seed) {
+  std::mt19937_64 rng(seed);
   const int H = 256, I = 128, SI = 192, E = 6, rows = 40, k = 3;
-  const WeightForm forms[] = {WeightForm{DType::U32, 4, 64, DType::BF16}, WeightForm{DType::U32, 8, 64, DType::BF16},
-                              WeightForm{DType::U32, 3, 32, DType::BF16}, WeightForm{DType::BF16},
-                              WeightForm{DType::U32, 4, 32, DType::F16}, WeightForm{DType::F32},
-                              WeightForm{DType::U32, 4, 64, DType::BF16}};
   DeviceArena arena;
   DenseUploader up(&arena);
   struct Ex { HostMatrix g, u, d; DMatrix dg, du, dd; };
@@ -401,10 +398,18 @@ TEST(CudaOps, GroupedExpertsMatchCpu) {
   DeviceBuffer<int2> tiles(max_tiles);
   to_device(pairs, &pd);
   group_pairs(pd.get(), n_pairs, E + 1, order.get(), tiles.get(), n_tiles.get(), nullptr);
-  expert_gate_up_grouped(pd.get(), order.get(), tiles.get(), n_tiles.get(), max_tiles, SI, to_device(x, &xd), H,
-                         hd.get(), ldh, nullptr);
-  expert_down_grouped(pd.get(), order.get(), tiles.get(), n_tiles.get(), max_tiles, H, hd.get(), ldh, yd.get(), ldy,
-                      nullptr);
+  if (q4) {
+    for (const Ex& e : ex) ASSERT_TRUE(expert_q4_ok(e.dg) && expert_q4_ok(e.du) && expert_q4_ok(e.dd));
+    expert_gate_up_q4(pd.get(), order.get(), tiles.get(), n_tiles.get(), max_tiles, SI, to_device(x, &xd), H, rows, H,
+                      hd.get(), ldh, nullptr);
+    expert_down_q4(pd.get(), order.get(), tiles.get(), n_tiles.get(), max_tiles, H, SI, hd.get(), ldh, n_pairs,
+                   yd.get(), ldy, nullptr);
+  } else {
+    expert_gate_up_grouped(pd.get(), order.get(), tiles.get(), n_tiles.get(), max_tiles, SI, to_device(x, &xd), H,
+                           hd.get(), ldh, nullptr);
+    expert_down_grouped(pd.get(), order.get(), tiles.get(), n_tiles.get(), max_tiles, H, hd.get(), ldh, yd.get(), ldy,
+                        nullptr);
+  }
   std::vector<float> hh = to_host(hd.get(), n_pairs * ldh), yh = to_host(yd.get(), n_pairs * ldy);
   for (int p = 0; p < n_pairs; ++p) {
     const Ex& e = ex[pairs[p].group];
@@ -416,12 +421,33 @@ TEST(CudaOps, GroupedExpertsMatchCpu) {
     for (int i = 0; i < inter; ++i) gt[i] = ck::cpu::silu(gt[i]) * u[i];
     ck::cpu::matvec(e.d.m, gt.data(), y.data());
     std::vector<float> g1(hh.begin() + p * ldh, hh.begin() + p * ldh + inter), g2(yh.begin() + p * ldy, yh.begin() + p * ldy + H);
-    const std::string tag = "grouped experts pair " + std::to_string(p) + " (expert " + std::to_string(pairs[p].group) + ")";
+    const std::string tag = std::string(q4 ? "q4 " : "") + "grouped experts pair " + std::to_string(p) + " (expert " + std::to_string(pairs[p].group) + ")";
     // tf32x3 products: per-product error ~2^-21 (fp32: 2^-24), so elements that cancel to near zero
-    // get an absolute bound of 1e-4 of the largest output (the GEMV tests use 1e-5).
+    // get an absolute bound of 1e-4 of the largest output (the GEMV tests use 1e-5). The q4 kernels'
+    // products are exact; the same bound holds them.
     report(tag + " gate/up", compare(g1, gt, {}, scale_atol(gt, 1e-4), 1e-4));
     report(tag + " down", compare(g2, y, {}, scale_atol(y, 1e-4), 1e-4));
   }
+}
+
+TEST(CudaOps, GroupedExpertsMatchCpu) {
+  REQUIRE_GPU();
+  const WeightForm forms[7] = {WeightForm{DType::U32, 4, 64, DType::BF16}, WeightForm{DType::U32, 8, 64, DType::BF16},
+                               WeightForm{DType::U32, 3, 32, DType::BF16}, WeightForm{DType::BF16},
+                               WeightForm{DType::U32, 4, 32, DType::F16},  WeightForm{DType::F32},
+                               WeightForm{DType::U32, 4, 64, DType::BF16}};
+  check_grouped_experts(forms, false, 4242);
+}
+
+// The factored 4-bit kernels: groups of 64 and 128, bf16/f16/f32 scales, the same tiles (expert 0 in
+// two tiles, expert 5 in none, a wider shared expert).
+TEST(CudaOps, GroupedExpertsQ4MatchCpu) {
+  REQUIRE_GPU();
+  const WeightForm forms[7] = {WeightForm{DType::U32, 4, 64, DType::BF16},  WeightForm{DType::U32, 4, 128, DType::BF16},
+                               WeightForm{DType::U32, 4, 64, DType::F16},   WeightForm{DType::U32, 4, 64, DType::F32},
+                               WeightForm{DType::U32, 4, 128, DType::F16},  WeightForm{DType::U32, 4, 64, DType::BF16},
+                               WeightForm{DType::U32, 4, 64, DType::BF16}};
+  check_grouped_experts(forms, true, 4243);
 }
 
 TEST(CudaOps, RouterSoftmaxTopkAndTable) {

@@ -1,0 +1,244 @@
+// Prefill experts whose matrices are all MLX 4-bit codes (the real checkpoint's form), grouped per
+// expert as in gemm.cu (group_pairs' tiles of up to kGroupRows pairs of one expert), in the factored
+// form: the codes go to the tensor cores as they are (exact in bf16; mma_q4.cuh) and each 64-code
+// group's scale and bias are applied to the group's sums, y += s * Σ q x + b * Σ x. gemm.cu's grouped
+// kernels instead dequantize and split every weight into shared memory once per tile, which with the
+// few rows an expert gets per chunk (~20 of 1,024 at top-10 of 512) is what bounds them.
+//
+// The activations are split once per call into three bf16 parts, already in the lanes' fragment order
+// (q4_xfrag_kernel), with each row's Σ x per group; the products are then exact (integer codes times
+// 8-bit mantissas) and accumulate in fp32: results within fp32 rounding of the CPU's, closer than the
+// tf32x3 kernels.
+//
+// Block: 4 warps, a tile of 32 pairs (two m16 fragments) x 64 output features (16 per warp, two n8
+// fragments). Per group, each warp loads 8 bytes of codes per feature row and matrix, its pairs' A
+// fragments (3 parts) from the split activations, and runs 3 x 2 x 2 MMAs per k16 step and matrix.
+#include <algorithm>
+
+#include "cuda/common.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/mma_q4.cuh"
+#include "cuda/ops.h"
+
+namespace ck::cuda {
+namespace {
+
+constexpr int kQ4Threads = 128;
+
+// Split activations of one row: [groups][4 steps][4 lanes t][3 parts] of uint2 (pair A, pair B), and
+// Σ x per group. grid (rows), block 128.
+__global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __restrict__ x, int ldx, int K, int groups,
+                                                              uint2* xf, float* gsum) {
+  const int row = blockIdx.x;
+  const float* xr = x + static_cast<size_t>(row) * ldx;
+  uint2* out = xf + static_cast<size_t>(row) * groups * 48;
+  for (int e = threadIdx.x; e < groups * 48; e += blockDim.x) {
+    const int p = e % 3, t = (e / 3) % 4, s = (e / 12) % 4, G = e / 48;
+    const int c = G * 64 + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
+    uint2 v = make_uint2(0u, 0u);
+    if (c < K) {  // K % 64 == 0 for the groups that exist; rows of a shorter matrix read zeros
+      v.x = bf16_pair(bf16_part(xr[c], p), bf16_part(xr[c + 4], p));
+      v.y = bf16_pair(bf16_part(xr[c + 1], p), bf16_part(xr[c + 5], p));
+    }
+    out[e] = v;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int G = warp; G < groups; G += blockDim.x >> 5) {
+    const float v = G * 64 < K ? warp_sum(xr[G * 64 + lane] + xr[G * 64 + 32 + lane]) : 0.0f;
+    if (lane == 0) gsum[static_cast<size_t>(row) * groups + G] = v;
+  }
+}
+
+struct Q4Args {
+  const ExpertPair* pairs;
+  const int32_t* order;
+  const int2* tiles;
+  const int32_t* n_tiles;
+  const uint2* xf;    // q4_xfrag_kernel's output for the x rows (gate/up: tokens; down: pairs)
+  const float* gsum;
+  int groups;         // groups per x row in xf (the longest K / 64)
+  float* y;
+  int ldy;
+};
+
+// grid (features / 64, max tiles). kGateUp: h[pair] = silu(gate · x) * (up · x); else y[pair] = down · h.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kQ4Threads, 4) expert_q4_kernel(const __grid_constant__ Q4Args a) {
+  constexpr int NW = kGateUp ? 2 : 1;
+  if (static_cast<int>(blockIdx.y) >= *a.n_tiles) return;  // uniform over the block
+  const int2 tile = a.tiles[blockIdx.y];
+  const ExpertPair& p0 = a.pairs[a.order[tile.x]];
+  const DMatrix w0 = kGateUp ? p0.gate : p0.down, w1 = p0.up;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int f_warp = static_cast<int>(blockIdx.x) * 64 + warp * 16;  // this warp's first feature
+  if (f_warp >= w0.rows) return;  // warp-uniform; no block barrier follows
+  // The x row of each of the tile's 32 slots this lane reads (rows g, g+8 of both m16 fragments), and
+  // the output row; slots past the tile's pairs read row 0 and are not stored.
+  int src[2][2], dst[2][2];
+#pragma unroll
+  for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = mf * 16 + h * 8 + g;
+      const int p = i < tile.y ? a.order[tile.x + i] : -1;
+      dst[mf][h] = p;
+      src[mf][h] = p < 0 ? 0 : kGateUp ? a.pairs[p].x_row : p;
+    }
+  const int K = w0.cols, groups = K / 64, gpg = w0.fmt.group / 64;
+  const size_t row_bytes = static_cast<size_t>(K) / 2, n_sg = K / w0.fmt.group;
+  const uint8_t sk = w0.fmt.scale_kind;
+  // Feature rows this lane loads codes of (col g of each n8 fragment), and the two output features
+  // (cols 2t, 2t+1) whose scales it applies; rows past the matrix are clamped (never stored).
+  int fr[2], fo[2][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    fr[nt] = min(f_warp + nt * 8 + g, w0.rows - 1);
+    fo[nt][0] = min(f_warp + nt * 8 + 2 * t, w0.rows - 1);
+    fo[nt][1] = min(f_warp + nt * 8 + 2 * t + 1, w0.rows - 1);
+  }
+  float acc[NW][2][2][4];
+#pragma unroll
+  for (int q = 0; q < NW; ++q)
+#pragma unroll
+    for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) acc[q][mf][nt][0] = acc[q][mf][nt][1] = acc[q][mf][nt][2] = acc[q][mf][nt][3] = 0.0f;
+
+  for (int G = 0; G < groups; ++G) {
+    uint2 wq[NW][2];
+#pragma unroll
+    for (int q = 0; q < NW; ++q) {
+      const DMatrix& w = q == 0 ? w0 : w1;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+        wq[q][nt] = __ldg(reinterpret_cast<const uint2*>(w.data + fr[nt] * row_bytes + G * 32 + 8 * t));
+    }
+    float d[NW][2][2][4];
+#pragma unroll
+    for (int q = 0; q < NW; ++q)
+#pragma unroll
+      for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) d[q][mf][nt][0] = d[q][mf][nt][1] = d[q][mf][nt][2] = d[q][mf][nt][3] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      // A: this step's pairs of rows g and g+8 of each m16 fragment, three parts each.
+      uint2 xa[2][2][3];
+#pragma unroll
+      for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint2* xp = a.xf + ((static_cast<size_t>(src[mf][h]) * a.groups + G) * 4 + s) * 12 + t * 3;
+#pragma unroll
+          for (int pt = 0; pt < 3; ++pt) xa[mf][h][pt] = __ldg(xp + pt);
+        }
+      const int i0 = 2 * (s & 1);
+#pragma unroll
+      for (int q = 0; q < NW; ++q)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint32_t wd = (s >> 1) ? wq[q][nt].y : wq[q][nt].x;
+          const uint32_t b0 = code_pair(wd, i0), b1 = code_pair(wd, i0 + 1);
+#pragma unroll
+          for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+            for (int pt = 2; pt >= 0; --pt)  // small parts first
+              mma_bf16(d[q][mf][nt], xa[mf][0][pt].x, xa[mf][1][pt].x, xa[mf][0][pt].y, xa[mf][1][pt].y, b0, b1);
+        }
+    }
+    // y += s * Σ q x + b * Σ x for this group: features (2t, 2t+1) of each n8 fragment, rows (g, g+8).
+    float sx[2][2];
+#pragma unroll
+    for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sx[mf][h] = __ldg(a.gsum + static_cast<size_t>(src[mf][h]) * a.groups + G);
+    const size_t sg = G / gpg;
+#pragma unroll
+    for (int q = 0; q < NW; ++q) {
+      const DMatrix& w = q == 0 ? w0 : w1;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float s0 = load_kind(w.scales, fo[nt][0] * n_sg + sg, sk), b0 = load_kind(w.biases, fo[nt][0] * n_sg + sg, sk);
+        const float s1 = load_kind(w.scales, fo[nt][1] * n_sg + sg, sk), b1 = load_kind(w.biases, fo[nt][1] * n_sg + sg, sk);
+#pragma unroll
+        for (int mf = 0; mf < 2; ++mf) {
+          float* c = acc[q][mf][nt];
+          const float* e = d[q][mf][nt];
+          c[0] = fmaf(s0, e[0], fmaf(b0, sx[mf][0], c[0]));
+          c[1] = fmaf(s1, e[1], fmaf(b1, sx[mf][0], c[1]));
+          c[2] = fmaf(s0, e[2], fmaf(b0, sx[mf][1], c[2]));
+          c[3] = fmaf(s1, e[3], fmaf(b1, sx[mf][1], c[3]));
+        }
+      }
+    }
+  }
+  // Store: slot (mf, h) row, features f_warp + nt*8 + 2t + {0, 1}.
+#pragma unroll
+  for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (dst[mf][h] < 0) continue;
+      float* yr = a.y + static_cast<size_t>(dst[mf][h]) * a.ldy;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int f = f_warp + nt * 8 + 2 * t + c;
+          if (f >= w0.rows) continue;
+          const float v0 = acc[0][mf][nt][2 * h + c];
+          yr[f] = kGateUp ? siluf_(v0) * acc[NW - 1][mf][nt][2 * h + c] : v0;
+        }
+    }
+}
+
+// Scratch for one call's split activations (stream-ordered: freed after the call's kernels).
+struct XFrag {
+  uint8_t* mem = nullptr;
+  uint2* xf = nullptr;
+  float* gsum = nullptr;
+};
+
+XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, cudaStream_t stream) {
+  XFrag f;
+  const size_t xf_bytes = static_cast<size_t>(rows) * groups * 48 * sizeof(uint2);
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + sizeof(float) * rows * groups, stream));
+  f.xf = reinterpret_cast<uint2*>(f.mem);
+  f.gsum = reinterpret_cast<float*>(f.mem + xf_bytes);
+  q4_xfrag_kernel<<<static_cast<unsigned>(rows), kQ4Threads, 0, stream>>>(x, ldx, K, groups, f.xf, f.gsum);
+  CUDA_CHECK_LAUNCH();
+  return f;
+}
+
+}  // namespace
+
+bool expert_q4_ok(const DMatrix& m) {
+  return m.quantized() && m.fmt.bits == 4 && m.fmt.group % 64 == 0 && m.cols % m.fmt.group == 0 && m.rows >= 1;
+}
+
+void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
+                       int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
+                       cudaStream_t stream) {
+  CK_REQUIRE(hidden % 64 == 0 && x_rows >= 1, "expert_gate_up_q4: hidden %d, rows %d", hidden, x_rows);
+  const int groups = hidden / 64;
+  XFrag f = make_xfrag(x, ldx, x_rows, hidden, groups, stream);
+  Q4Args a{pairs, order, tiles, n_tiles, f.xf, f.gsum, groups, h, ldh};
+  expert_q4_kernel<true><<<dim3(static_cast<unsigned>(ceil_div(max_inter, 64)), static_cast<unsigned>(max_tiles)),
+                           kQ4Threads, 0, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(cudaFreeAsync(f.mem, stream));
+}
+
+void expert_down_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
+                    int max_tiles, int hidden, int max_inter, const float* h, int ldh, int n_pairs, float* y, int ldy,
+                    cudaStream_t stream) {
+  CK_REQUIRE(max_inter % 64 == 0 && n_pairs >= 1, "expert_down_q4: inter %d, pairs %d", max_inter, n_pairs);
+  const int groups = max_inter / 64;
+  XFrag f = make_xfrag(h, ldh, n_pairs, max_inter, groups, stream);
+  Q4Args a{pairs, order, tiles, n_tiles, f.xf, f.gsum, groups, y, ldy};
+  expert_q4_kernel<false><<<dim3(static_cast<unsigned>(ceil_div(hidden, 64)), static_cast<unsigned>(max_tiles)),
+                            kQ4Threads, 0, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(cudaFreeAsync(f.mem, stream));
+}
+
+}  // namespace ck::cuda
