@@ -395,6 +395,7 @@ int grouped_max_tiles(int n_pairs, int n_groups) { return static_cast<int>(ceil_
 
 void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
   CK_REQUIRE(n_jobs >= 1 && n_jobs <= kMaxGemvJobs && rows >= 1, "invariant");
+  if (gemm_q4(jobs, n_jobs, x, ldx, rows, stream)) return;
   TcArgs a;
   a.n_jobs = n_jobs;
   a.rows = rows;

@@ -174,7 +174,7 @@ Status Model::init() {
   TRY(upload_experts(*experts_src_, record_layers, c.num_experts, c.moe_intermediate_size, c.hidden_size, &pool_));
   DMatrix g, u, dn;
   expert_views(nullptr, pool_.fmt, c.moe_intermediate_size, c.hidden_size, &g, &u, &dn);
-  // CK_Q4_EXPERTS=0 keeps prefill's experts on gemm.cu's dequantizing kernels (to compare).
+  // CK_Q4_EXPERTS=0 keeps prefill's experts on gemm.cu's dequantizing kernels (gemm_q4.cu; to compare).
   const char* q4_env = std::getenv("CK_Q4_EXPERTS");
   const bool q4_on = !(q4_env && std::strcmp(q4_env, "0") == 0);
   auto set_codes48 = [&](DMoe& mo) {

@@ -253,16 +253,17 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
 TEST(CudaOps, GemvMultiJobWithEpilogues) {
   REQUIRE_GPU();
   // Mixed formats (v1 path), then all codes under v2 and v1 (split K over blocks: few rows), then
-  // three tall-enough 4-bit jobs (the tensor-core GEMV; 5 rows: 3 MMAs per step, five K segments).
-  for (int variant = 0; variant < 4; ++variant) {
+  // three tall-enough 4-bit jobs: 5 rows (the tensor-core GEMV, 3 MMAs per step), then 70 rows over
+  // enough features for prefill's factored 4-bit GEMM (gemm_q4).
+  for (int variant = 0; variant < 5; ++variant) {
   set_gemv_version(variant == 2 ? 1 : 2);
   std::mt19937_64 rng(77 + variant);
-  const int cols = variant == 3 ? 3840 : variant ? 2560 : 64, rows = variant ? 5 : 3, ldx = cols;
-  const int na = variant == 3 ? 1000 : 40, ld_a = na;
+  const int cols = variant >= 3 ? 3840 : variant ? 2560 : 64, rows = variant == 4 ? 70 : variant ? 5 : 3, ldx = cols;
+  const int na = variant == 4 ? 8000 : variant == 3 ? 1000 : 40, ld_a = na;
   const WeightForm q4{DType::U32, 4, 64, DType::BF16}, q8{DType::U32, 8, 64, DType::BF16};
   HostMatrix a = make_matrix(na, cols, variant ? q4 : WeightForm{DType::U32, 4, 32, DType::BF16}, rng);
-  HostMatrix b = make_matrix(5, cols, variant == 3 ? q4 : variant ? q8 : WeightForm{DType::BF16}, rng);
-  HostMatrix c = make_matrix(variant == 3 ? 70 : 7, cols, variant ? q4 : WeightForm{DType::F32}, rng);
+  HostMatrix b = make_matrix(5, cols, variant >= 3 ? q4 : variant ? q8 : WeightForm{DType::BF16}, rng);
+  HostMatrix c = make_matrix(variant >= 3 ? 70 : 7, cols, variant ? q4 : WeightForm{DType::F32}, rng);
   const int nc = static_cast<int>(c.m.rows);
   DeviceArena arena;
   DenseUploader up(&arena);

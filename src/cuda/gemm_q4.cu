@@ -1,19 +1,24 @@
-// Prefill experts whose matrices are all MLX 4-bit codes (the real checkpoint's form), grouped per
-// expert as in gemm.cu (group_pairs' tiles of up to kGroupRows pairs of one expert), in the factored
-// form: the codes go to the tensor cores as they are (exact in bf16; mma_q4.cuh) and each 64-code
-// group's scale and bias are applied to the group's sums, y += s * Σ q x + b * Σ x. gemm.cu's grouped
-// kernels instead dequantize and split every weight into shared memory once per tile, which with the
-// few rows an expert gets per chunk (~20 of 1,024 at top-10 of 512) is what bounds them.
+// Prefill products of MLX 4-bit codes (the real checkpoint's form) in the factored form: the codes go
+// to the tensor cores as they are (exact in bf16; mma_q4.cuh) and each 64-code group's scale and bias
+// are applied to the group's sums, y += s * Σ q x + b * Σ x. Two users:
+//  - the routed and shared experts, grouped per expert as in gemm.cu (group_pairs' tiles of up to
+//    kGroupRows pairs of one expert);
+//  - dense projections of a prefill chunk (gemm_tc hands them here when every job is 4-bit codes and
+//    the grid is large enough).
+// gemm.cu's kernels instead dequantize and split every weight into shared memory once per tile, which
+// bounds them (with the ~20 rows an expert gets per 1,024-row chunk, and for the dense projections).
 //
 // The activations are split once per call into three bf16 parts, already in the lanes' fragment order
 // (q4_xfrag_kernel), with each row's Σ x per group; the products are then exact (integer codes times
-// 8-bit mantissas) and accumulate in fp32: results within fp32 rounding of the CPU's, closer than the
-// tf32x3 kernels.
+// 8-bit mantissas) and accumulate in fp32: results within fp32 rounding of the CPU's, closer than
+// gemm.cu's tf32x3.
 //
-// Block: 4 warps, a tile of 32 pairs (two m16 fragments) x 64 output features (16 per warp, two n8
-// fragments). Per group, each warp loads 8 bytes of codes per feature row and matrix, its pairs' A
+// Block: 4 warps, a tile of 32 rows (two m16 fragments) x 64 output features (16 per warp, two n8
+// fragments). Per group, each warp loads 8 bytes of codes per feature row and matrix, its rows' A
 // fragments (3 parts) from the split activations, and runs 3 x 2 x 2 MMAs per k16 step and matrix.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
@@ -49,41 +54,77 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
   }
 }
 
+enum Q4Mode : int { kQ4Dense = 0, kQ4GateUp = 1, kQ4Down = 2 };
+
 struct Q4Args {
+  // Experts: group_pairs' tiles, read on the device.
   const ExpertPair* pairs;
   const int32_t* order;
   const int2* tiles;
   const int32_t* n_tiles;
-  const uint2* xf;    // q4_xfrag_kernel's output for the x rows (gate/up: tokens; down: pairs)
+  // Dense: up to kMaxGemvJobs matrices over the same x rows [0, rows); blockIdx.x enumerates their
+  // 64-feature tiles, blockIdx.y the 32-row tiles of x.
+  GemvJob job[kMaxGemvJobs];
+  int32_t first_tile[kMaxGemvJobs + 1];
+  int32_t n_jobs;
+  int32_t rows;
+  const uint2* xf;    // q4_xfrag_kernel's output for the x rows (dense/gate-up: tokens; down: pairs)
   const float* gsum;
   int groups;         // groups per x row in xf (the longest K / 64)
-  float* y;
+  float* y;           // experts: the output row per pair
   int ldy;
 };
 
-// grid (features / 64, max tiles). kGateUp: h[pair] = silu(gate · x) * (up · x); else y[pair] = down · h.
-template <bool kGateUp>
-__global__ void __launch_bounds__(kQ4Threads, 4) expert_q4_kernel(const __grid_constant__ Q4Args a) {
-  constexpr int NW = kGateUp ? 2 : 1;
-  if (static_cast<int>(blockIdx.y) >= *a.n_tiles) return;  // uniform over the block
-  const int2 tile = a.tiles[blockIdx.y];
-  const ExpertPair& p0 = a.pairs[a.order[tile.x]];
-  const DMatrix w0 = kGateUp ? p0.gate : p0.down, w1 = p0.up;
+// kQ4GateUp: h[pair] = silu(gate · x) * (up · x); kQ4Down: y[pair] = down · h; grid (features / 64,
+// max tiles). kQ4Dense: y_job[row] = epi(w_job · x[row]); grid (feature tiles of all jobs, rows / 32).
+template <int MODE>
+__global__ void __launch_bounds__(kQ4Threads, 4) q4_tile_kernel(const __grid_constant__ Q4Args a) {
+  constexpr int NW = MODE == kQ4GateUp ? 2 : 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int f_warp = static_cast<int>(blockIdx.x) * 64 + warp * 16;  // this warp's first feature
-  if (f_warp >= w0.rows) return;  // warp-uniform; no block barrier follows
+  DMatrix w0, w1;
+  float* y = a.y;
+  int ldy = a.ldy, f_warp = 0;
+  Epilogue epi = Epilogue::None;
+  float epi_arg = 1.0f;
   // The x row of each of the tile's 32 slots this lane reads (rows g, g+8 of both m16 fragments), and
-  // the output row; slots past the tile's pairs read row 0 and are not stored.
+  // the output row; slots past the tile's rows read row 0 and are not stored.
   int src[2][2], dst[2][2];
+  if constexpr (MODE == kQ4Dense) {
+    int j = 0;
+    while (j + 1 < a.n_jobs && static_cast<int>(blockIdx.x) >= a.first_tile[j + 1]) ++j;
+    w0 = a.job[j].w;
+    y = a.job[j].y;
+    ldy = a.job[j].ldy;
+    epi = a.job[j].epi;
+    epi_arg = a.job[j].epi_arg;
+    f_warp = (static_cast<int>(blockIdx.x) - a.first_tile[j]) * 64 + warp * 16;
+    const int m0 = static_cast<int>(blockIdx.y) * 32;
 #pragma unroll
-  for (int mf = 0; mf < 2; ++mf)
+    for (int mf = 0; mf < 2; ++mf)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int i = mf * 16 + h * 8 + g;
-      const int p = i < tile.y ? a.order[tile.x + i] : -1;
-      dst[mf][h] = p;
-      src[mf][h] = p < 0 ? 0 : kGateUp ? a.pairs[p].x_row : p;
-    }
+      for (int h = 0; h < 2; ++h) {
+        const int r = m0 + mf * 16 + h * 8 + g;
+        dst[mf][h] = r < a.rows ? r : -1;
+        src[mf][h] = r < a.rows ? r : 0;
+      }
+  } else {
+    if (static_cast<int>(blockIdx.y) >= *a.n_tiles) return;  // uniform over the block
+    const int2 tile = a.tiles[blockIdx.y];
+    const ExpertPair& p0 = a.pairs[a.order[tile.x]];
+    w0 = MODE == kQ4GateUp ? p0.gate : p0.down;
+    w1 = p0.up;
+    f_warp = static_cast<int>(blockIdx.x) * 64 + warp * 16;
+#pragma unroll
+    for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = mf * 16 + h * 8 + g;
+        const int p = i < tile.y ? a.order[tile.x + i] : -1;
+        dst[mf][h] = p;
+        src[mf][h] = p < 0 ? 0 : MODE == kQ4GateUp ? a.pairs[p].x_row : p;
+      }
+  }
+  if (f_warp >= w0.rows) return;  // warp-uniform; no block barrier follows
   const int K = w0.cols, groups = K / 64, gpg = w0.fmt.group / 64;
   const size_t row_bytes = static_cast<size_t>(K) / 2, n_sg = K / w0.fmt.group;
   const uint8_t sk = w0.fmt.scale_kind;
@@ -178,7 +219,7 @@ __global__ void __launch_bounds__(kQ4Threads, 4) expert_q4_kernel(const __grid_c
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (dst[mf][h] < 0) continue;
-      float* yr = a.y + static_cast<size_t>(dst[mf][h]) * a.ldy;
+      float* yr = y + static_cast<size_t>(dst[mf][h]) * ldy;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -186,7 +227,9 @@ __global__ void __launch_bounds__(kQ4Threads, 4) expert_q4_kernel(const __grid_c
           const int f = f_warp + nt * 8 + 2 * t + c;
           if (f >= w0.rows) continue;
           const float v0 = acc[0][mf][nt][2 * h + c];
-          yr[f] = kGateUp ? siluf_(v0) * acc[NW - 1][mf][nt][2 * h + c] : v0;
+          if constexpr (MODE == kQ4GateUp) yr[f] = siluf_(v0) * acc[NW - 1][mf][nt][2 * h + c];
+          else if constexpr (MODE == kQ4Dense) yr[f] = apply_epilogue(v0, epi, epi_arg);
+          else yr[f] = v0;
         }
     }
 }
@@ -221,9 +264,11 @@ void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2
   CK_REQUIRE(hidden % 64 == 0 && x_rows >= 1, "expert_gate_up_q4: hidden %d, rows %d", hidden, x_rows);
   const int groups = hidden / 64;
   XFrag f = make_xfrag(x, ldx, x_rows, hidden, groups, stream);
-  Q4Args a{pairs, order, tiles, n_tiles, f.xf, f.gsum, groups, h, ldh};
-  expert_q4_kernel<true><<<dim3(static_cast<unsigned>(ceil_div(max_inter, 64)), static_cast<unsigned>(max_tiles)),
-                           kQ4Threads, 0, stream>>>(a);
+  Q4Args a{};
+  a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
+  a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = h; a.ldy = ldh;
+  q4_tile_kernel<kQ4GateUp><<<dim3(static_cast<unsigned>(ceil_div(max_inter, 64)), static_cast<unsigned>(max_tiles)),
+                              kQ4Threads, 0, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
 }
@@ -234,11 +279,50 @@ void expert_down_q4(const ExpertPair* pairs, const int32_t* order, const int2* t
   CK_REQUIRE(max_inter % 64 == 0 && n_pairs >= 1, "expert_down_q4: inter %d, pairs %d", max_inter, n_pairs);
   const int groups = max_inter / 64;
   XFrag f = make_xfrag(h, ldh, n_pairs, max_inter, groups, stream);
-  Q4Args a{pairs, order, tiles, n_tiles, f.xf, f.gsum, groups, y, ldy};
-  expert_q4_kernel<false><<<dim3(static_cast<unsigned>(ceil_div(hidden, 64)), static_cast<unsigned>(max_tiles)),
+  Q4Args a{};
+  a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
+  a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
+  q4_tile_kernel<kQ4Down><<<dim3(static_cast<unsigned>(ceil_div(hidden, 64)), static_cast<unsigned>(max_tiles)),
                             kQ4Threads, 0, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
+}
+
+bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
+  if (n_jobs < 1 || n_jobs > kMaxGemvJobs || rows < 1) return false;
+  const int K = jobs[0].w.cols;
+  int tiles = 0;
+  for (int j = 0; j < n_jobs; ++j) {
+    if (!expert_q4_ok(jobs[j].w) || jobs[j].w.cols != K) return false;
+    tiles += static_cast<int>(ceil_div(jobs[j].w.rows, 64));
+  }
+  // Few blocks over a long K (the hyper-connection down projection: 5 feature tiles over K = 10240)
+  // stay on gemm.cu, which splits K; short K (the up projection, K = 320) too.
+  const int row_tiles = static_cast<int>(ceil_div(rows, 32));
+  if (static_cast<int64_t>(tiles) * row_tiles < 2 * sm_count() || K < 1024) return false;
+  static const bool on = [] {
+    const char* e = std::getenv("CK_Q4_DENSE");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  if (!on) return false;
+  const int groups = K / 64;
+  XFrag f = make_xfrag(x, ldx, rows, K, groups, stream);
+  Q4Args a{};
+  a.n_jobs = n_jobs;
+  a.rows = rows;
+  int t = 0;
+  for (int j = 0; j < n_jobs; ++j) {
+    a.job[j] = jobs[j];
+    a.first_tile[j] = t;
+    t += static_cast<int>(ceil_div(jobs[j].w.rows, 64));
+  }
+  a.first_tile[n_jobs] = t;
+  a.xf = f.xf; a.gsum = f.gsum; a.groups = groups;
+  q4_tile_kernel<kQ4Dense><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles)), kQ4Threads, 0,
+                             stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(cudaFreeAsync(f.mem, stream));
+  return true;
 }
 
 }  // namespace ck::cuda
