@@ -437,11 +437,16 @@ __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
     sum += e;
   }
   sum = block_sum(sum, scratch);  // its barriers also publish p
+  // The weights p / sum once per key (as the CPU: the same IEEE quotient), not once per key and column:
+  // the division was most of this kernel's time at long contexts.
+  for (int jj = threadIdx.x; jj < m; jj += blockDim.x) p[jj] = p[jj] / sum;
+  __syncthreads();
   const float* gate = a.qg + static_cast<size_t>(r) * a.ldqg + static_cast<size_t>(h) * 2 * a.hd + a.hd;
+  const float* vg = a.v_cache + static_cast<size_t>(g) * a.hd;
   for (int i = threadIdx.x; i < a.hd; i += blockDim.x) {
     float acc = 0.0f;
-    for (int jj = 0; jj < m; ++jj)
-      acc = mul_add_rn(acc, p[jj] / sum, a.v_cache[static_cast<size_t>(idx[jj]) * kvw + static_cast<size_t>(g) * a.hd + i]);
+#pragma unroll 4
+    for (int jj = 0; jj < m; ++jj) acc = mul_add_rn(acc, p[jj], vg[static_cast<size_t>(idx[jj]) * kvw + i]);
     a.out[static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h) * a.hd + i] = acc * sigmoidf_(gate[i]);
   }
 }
