@@ -13,9 +13,10 @@
 // 8-bit mantissas) and accumulate in fp32: results within fp32 rounding of the CPU's, closer than
 // gemm.cu's tf32x3.
 //
-// Block: 4 warps, a tile of 32 rows (two m16 fragments) x 64 output features (16 per warp, two n8
-// fragments). Per group, each warp loads 8 bytes of codes per feature row and matrix, its rows' A
-// fragments (3 parts) from the split activations, and runs 3 x 2 x 2 MMAs per k16 step and matrix.
+// Block: 4 warps, a tile of 32 rows (two m16 fragments) x 4 * 8 * NT output features (NT n8 fragments
+// per warp: 2 for gate/up, 4 otherwise). Per group, each warp loads 8 bytes of codes per feature row
+// and matrix, its rows' A fragments (3 parts) from the split activations, and runs 3 x 2 x NT MMAs per
+// k16 step and matrix.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -75,11 +76,19 @@ struct Q4Args {
   int ldy;
 };
 
-// kQ4GateUp: h[pair] = silu(gate · x) * (up · x); kQ4Down: y[pair] = down · h; grid (features / 64,
-// max tiles). kQ4Dense: y_job[row] = epi(w_job · x[row]); grid (feature tiles of all jobs, rows / 32).
+// Output features per warp: NT n8 fragments. Gate/up keeps 2 (two matrices' accumulators); dense and
+// down take 4, so each A fragment (the three x parts) feeds twice the MMAs.
+template <int MODE>
+__host__ __device__ constexpr int q4_nt() { return MODE == kQ4GateUp ? 2 : 4; }
+template <int MODE>
+__host__ __device__ constexpr int q4_block_features() { return 4 * 8 * q4_nt<MODE>(); }
+
+// kQ4GateUp: h[pair] = silu(gate · x) * (up · x); kQ4Down: y[pair] = down · h; grid (features /
+// q4_block_features, max tiles). kQ4Dense: y_job[row] = epi(w_job · x[row]); grid (feature tiles of all
+// jobs, rows / 32).
 template <int MODE>
 __global__ void __launch_bounds__(kQ4Threads, 4) q4_tile_kernel(const __grid_constant__ Q4Args a) {
-  constexpr int NW = MODE == kQ4GateUp ? 2 : 1;
+  constexpr int NW = MODE == kQ4GateUp ? 2 : 1, NT = q4_nt<MODE>(), BF = q4_block_features<MODE>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   DMatrix w0, w1;
   float* y = a.y;
@@ -97,7 +106,7 @@ __global__ void __launch_bounds__(kQ4Threads, 4) q4_tile_kernel(const __grid_con
     ldy = a.job[j].ldy;
     epi = a.job[j].epi;
     epi_arg = a.job[j].epi_arg;
-    f_warp = (static_cast<int>(blockIdx.x) - a.first_tile[j]) * 64 + warp * 16;
+    f_warp = (static_cast<int>(blockIdx.x) - a.first_tile[j]) * BF + warp * 8 * NT;
     const int m0 = static_cast<int>(blockIdx.y) * 32;
 #pragma unroll
     for (int mf = 0; mf < 2; ++mf)
@@ -113,7 +122,7 @@ __global__ void __launch_bounds__(kQ4Threads, 4) q4_tile_kernel(const __grid_con
     const ExpertPair& p0 = a.pairs[a.order[tile.x]];
     w0 = MODE == kQ4GateUp ? p0.gate : p0.down;
     w1 = p0.up;
-    f_warp = static_cast<int>(blockIdx.x) * 64 + warp * 16;
+    f_warp = static_cast<int>(blockIdx.x) * BF + warp * 8 * NT;
 #pragma unroll
     for (int mf = 0; mf < 2; ++mf)
 #pragma unroll
@@ -130,37 +139,37 @@ __global__ void __launch_bounds__(kQ4Threads, 4) q4_tile_kernel(const __grid_con
   const uint8_t sk = w0.fmt.scale_kind;
   // Feature rows this lane loads codes of (col g of each n8 fragment), and the two output features
   // (cols 2t, 2t+1) whose scales it applies; rows past the matrix are clamped (never stored).
-  int fr[2], fo[2][2];
+  int fr[NT], fo[NT][2];
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
     fr[nt] = min(f_warp + nt * 8 + g, w0.rows - 1);
     fo[nt][0] = min(f_warp + nt * 8 + 2 * t, w0.rows - 1);
     fo[nt][1] = min(f_warp + nt * 8 + 2 * t + 1, w0.rows - 1);
   }
-  float acc[NW][2][2][4];
+  float acc[NW][2][NT][4];
 #pragma unroll
   for (int q = 0; q < NW; ++q)
 #pragma unroll
     for (int mf = 0; mf < 2; ++mf)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) acc[q][mf][nt][0] = acc[q][mf][nt][1] = acc[q][mf][nt][2] = acc[q][mf][nt][3] = 0.0f;
+      for (int nt = 0; nt < NT; ++nt) acc[q][mf][nt][0] = acc[q][mf][nt][1] = acc[q][mf][nt][2] = acc[q][mf][nt][3] = 0.0f;
 
   for (int G = 0; G < groups; ++G) {
-    uint2 wq[NW][2];
+    uint2 wq[NW][NT];
 #pragma unroll
     for (int q = 0; q < NW; ++q) {
       const DMatrix& w = q == 0 ? w0 : w1;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
         wq[q][nt] = __ldg(reinterpret_cast<const uint2*>(w.data + fr[nt] * row_bytes + G * 32 + 8 * t));
     }
-    float d[NW][2][2][4];
+    float d[NW][2][NT][4];
 #pragma unroll
     for (int q = 0; q < NW; ++q)
 #pragma unroll
       for (int mf = 0; mf < 2; ++mf)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) d[q][mf][nt][0] = d[q][mf][nt][1] = d[q][mf][nt][2] = d[q][mf][nt][3] = 0.0f;
+        for (int nt = 0; nt < NT; ++nt) d[q][mf][nt][0] = d[q][mf][nt][1] = d[q][mf][nt][2] = d[q][mf][nt][3] = 0.0f;
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       // A: this step's pairs of rows g and g+8 of each m16 fragment, three parts each.
@@ -177,7 +186,7 @@ __global__ void __launch_bounds__(kQ4Threads, 4) q4_tile_kernel(const __grid_con
 #pragma unroll
       for (int q = 0; q < NW; ++q)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
+        for (int nt = 0; nt < NT; ++nt) {
           const uint32_t wd = (s >> 1) ? wq[q][nt].y : wq[q][nt].x;
           const uint32_t b0 = code_pair(wd, i0), b1 = code_pair(wd, i0 + 1);
 #pragma unroll
@@ -198,7 +207,7 @@ __global__ void __launch_bounds__(kQ4Threads, 4) q4_tile_kernel(const __grid_con
     for (int q = 0; q < NW; ++q) {
       const DMatrix& w = q == 0 ? w0 : w1;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
+      for (int nt = 0; nt < NT; ++nt) {
         const float s0 = load_kind(w.scales, fo[nt][0] * n_sg + sg, sk), b0 = load_kind(w.biases, fo[nt][0] * n_sg + sg, sk);
         const float s1 = load_kind(w.scales, fo[nt][1] * n_sg + sg, sk), b1 = load_kind(w.biases, fo[nt][1] * n_sg + sg, sk);
 #pragma unroll
@@ -221,7 +230,7 @@ __global__ void __launch_bounds__(kQ4Threads, 4) q4_tile_kernel(const __grid_con
       if (dst[mf][h] < 0) continue;
       float* yr = y + static_cast<size_t>(dst[mf][h]) * ldy;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int f = f_warp + nt * 8 + 2 * t + c;
@@ -267,7 +276,7 @@ void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2
   Q4Args a{};
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = h; a.ldy = ldh;
-  q4_tile_kernel<kQ4GateUp><<<dim3(static_cast<unsigned>(ceil_div(max_inter, 64)), static_cast<unsigned>(max_tiles)),
+  q4_tile_kernel<kQ4GateUp><<<dim3(static_cast<unsigned>(ceil_div(max_inter, q4_block_features<kQ4GateUp>())), static_cast<unsigned>(max_tiles)),
                               kQ4Threads, 0, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
@@ -282,7 +291,7 @@ void expert_down_q4(const ExpertPair* pairs, const int32_t* order, const int2* t
   Q4Args a{};
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
-  q4_tile_kernel<kQ4Down><<<dim3(static_cast<unsigned>(ceil_div(hidden, 64)), static_cast<unsigned>(max_tiles)),
+  q4_tile_kernel<kQ4Down><<<dim3(static_cast<unsigned>(ceil_div(hidden, q4_block_features<kQ4Down>())), static_cast<unsigned>(max_tiles)),
                             kQ4Threads, 0, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
@@ -294,7 +303,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   int tiles = 0;
   for (int j = 0; j < n_jobs; ++j) {
     if (!expert_q4_ok(jobs[j].w) || jobs[j].w.cols != K) return false;
-    tiles += static_cast<int>(ceil_div(jobs[j].w.rows, 64));
+    tiles += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
   }
   // Few blocks over a long K (the hyper-connection down projection: 5 feature tiles over K = 10240)
   // stay on gemm.cu, which splits K; short K (the up projection, K = 320) too.
@@ -314,7 +323,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   for (int j = 0; j < n_jobs; ++j) {
     a.job[j] = jobs[j];
     a.first_tile[j] = t;
-    t += static_cast<int>(ceil_div(jobs[j].w.rows, 64));
+    t += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
   }
   a.first_tile[n_jobs] = t;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups;

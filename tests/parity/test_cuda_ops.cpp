@@ -259,7 +259,7 @@ TEST(CudaOps, GemvMultiJobWithEpilogues) {
   set_gemv_version(variant == 2 ? 1 : 2);
   std::mt19937_64 rng(77 + variant);
   const int cols = variant >= 3 ? 3840 : variant ? 2560 : 64, rows = variant == 4 ? 70 : variant ? 5 : 3, ldx = cols;
-  const int na = variant == 4 ? 8000 : variant == 3 ? 1000 : 40, ld_a = na;
+  const int na = variant == 4 ? 12000 : variant == 3 ? 1000 : 40, ld_a = na;
   const WeightForm q4{DType::U32, 4, 64, DType::BF16}, q8{DType::U32, 8, 64, DType::BF16};
   HostMatrix a = make_matrix(na, cols, variant ? q4 : WeightForm{DType::U32, 4, 32, DType::BF16}, rng);
   HostMatrix b = make_matrix(5, cols, variant >= 3 ? q4 : variant ? q8 : WeightForm{DType::BF16}, rng);
