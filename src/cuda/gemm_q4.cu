@@ -13,7 +13,7 @@
 // 8-bit mantissas) and accumulate in fp32: results within fp32 rounding of the CPU's, closer than
 // gemm.cu's tf32x3.
 //
-// Block: 4 warps, a tile of 32 rows (two m16 fragments) x 4 * 8 * NT output features (NT n8 fragments
+// Block: 8 warps, a tile of 32 rows (two m16 fragments) x 8 * 8 * NT output features (NT n8 fragments
 // per warp: 2 for gate/up, 4 otherwise). Per group, each warp loads 8 bytes of codes per feature row
 // and matrix, its rows' A fragments (3 parts) from the split activations, and runs 3 x 2 x NT MMAs per
 // k16 step and matrix.
@@ -29,7 +29,8 @@
 namespace ck::cuda {
 namespace {
 
-constexpr int kQ4Threads = 128;
+constexpr int kQ4Threads = 128;      // q4_xfrag_kernel
+constexpr int kQ4TileWarps = 8;      // q4_tile_kernel: 8 warps share (through L1) their rows' A fragments
 
 // Split activations of one row: [groups][4 steps][4 lanes t][3 parts] of uint2 (pair A, pair B), and
 // Σ x per group. grid (rows), block 128.
@@ -81,13 +82,13 @@ struct Q4Args {
 template <int MODE>
 __host__ __device__ constexpr int q4_nt() { return MODE == kQ4GateUp ? 2 : 4; }
 template <int MODE>
-__host__ __device__ constexpr int q4_block_features() { return 4 * 8 * q4_nt<MODE>(); }
+__host__ __device__ constexpr int q4_block_features() { return kQ4TileWarps * 8 * q4_nt<MODE>(); }
 
 // kQ4GateUp: h[pair] = silu(gate · x) * (up · x); kQ4Down: y[pair] = down · h; grid (features /
 // q4_block_features, max tiles). kQ4Dense: y_job[row] = epi(w_job · x[row]); grid (feature tiles of all
 // jobs, rows / 32).
 template <int MODE>
-__global__ void __launch_bounds__(kQ4Threads, 4) q4_tile_kernel(const __grid_constant__ Q4Args a) {
+__global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __grid_constant__ Q4Args a) {
   constexpr int NW = MODE == kQ4GateUp ? 2 : 1, NT = q4_nt<MODE>(), BF = q4_block_features<MODE>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   DMatrix w0, w1;
@@ -277,7 +278,7 @@ void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = h; a.ldy = ldh;
   q4_tile_kernel<kQ4GateUp><<<dim3(static_cast<unsigned>(ceil_div(max_inter, q4_block_features<kQ4GateUp>())), static_cast<unsigned>(max_tiles)),
-                              kQ4Threads, 0, stream>>>(a);
+                              kQ4TileWarps * 32, 0, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
 }
@@ -292,7 +293,7 @@ void expert_down_q4(const ExpertPair* pairs, const int32_t* order, const int2* t
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
   q4_tile_kernel<kQ4Down><<<dim3(static_cast<unsigned>(ceil_div(hidden, q4_block_features<kQ4Down>())), static_cast<unsigned>(max_tiles)),
-                            kQ4Threads, 0, stream>>>(a);
+                            kQ4TileWarps * 32, 0, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
 }
@@ -305,10 +306,10 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     if (!expert_q4_ok(jobs[j].w) || jobs[j].w.cols != K) return false;
     tiles += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
   }
-  // Few blocks over a long K (the hyper-connection down projection: 5 feature tiles over K = 10240)
-  // stay on gemm.cu, which splits K; short K (the up projection, K = 320) too.
+  // Fewer blocks than SMs over a long K (the hyper-connection down projection: 3 feature tiles over
+  // K = 10240) stay on gemm.cu, which splits K; so does K < 256.
   const int row_tiles = static_cast<int>(ceil_div(rows, 32));
-  if (static_cast<int64_t>(tiles) * row_tiles < 2 * sm_count() || K < 1024) return false;
+  if (static_cast<int64_t>(tiles) * row_tiles < sm_count() || K < 256) return false;
   static const bool on = [] {
     const char* e = std::getenv("CK_Q4_DENSE");
     return !(e && std::strcmp(e, "0") == 0);
@@ -327,7 +328,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   }
   a.first_tile[n_jobs] = t;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups;
-  q4_tile_kernel<kQ4Dense><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles)), kQ4Threads, 0,
+  q4_tile_kernel<kQ4Dense><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles)), kQ4TileWarps * 32, 0,
                              stream>>>(a);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));

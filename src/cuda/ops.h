@@ -42,8 +42,8 @@ void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int ro
 // Tensor-core product for many rows (gemm.cu; gemv() sends rows > kMaxRows here): the same contract
 // as gemv for any number of rows, tf32x3 arithmetic (within ~1e-6 of fp32, not bit-equal to gemv).
 void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
-// gemm_tc's first choice (gemm_q4.cu): when every job is 4-bit codes in groups of 64k, K >= 1024 and the
-// grid fills the GPU, the factored tensor-core form (exact products); false otherwise, or with
+// gemm_tc's first choice (gemm_q4.cu): when every job is 4-bit codes in groups of 64k, K >= 256 and the
+// grid has a block per SM, the factored tensor-core form (exact products); false otherwise, or with
 // CK_Q4_DENSE=0.
 bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
 

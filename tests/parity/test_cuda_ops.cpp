@@ -216,6 +216,7 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
       // 8 rows: 3 MMAs per step), and a row count that is not a multiple of 16.
       {2048, 2560, q(4, 64, DType::BF16)},  {1100, 6144, q(4, 128, DType::F16)}, {1037, 1024, q(4, 64, DType::F32)},
       {65600, 1024, q(4, 64, DType::BF16)},  // one activation row too (the LM head's shape class)
+      {40000, 320, q(4, 64, DType::BF16)},   // prefill's 4-bit GEMM over a short K (the hc up projection's)
   };
   DeviceArena arena;
   for (const GemvCase& gc : cases) {
