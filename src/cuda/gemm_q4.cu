@@ -268,34 +268,40 @@ bool expert_q4_ok(const DMatrix& m) {
   return m.quantized() && m.fmt.bits == 4 && m.fmt.group % 64 == 0 && m.cols % m.fmt.group == 0 && m.rows >= 1;
 }
 
+namespace {
+
+// One grouped expert product: x (x_rows rows of width K, a multiple of 64) split into fragments, then
+// q4_tile_kernel over (features / block, tiles).
+template <int MODE>
+void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
+                       int max_tiles, int features, const float* x, int ldx, int x_rows, int K, float* y, int ldy,
+                       cudaStream_t stream) {
+  CK_REQUIRE(K % 64 == 0 && x_rows >= 1, "experts q4: K %d, rows %d", K, x_rows);
+  const int groups = K / 64;
+  XFrag f = make_xfrag(x, ldx, x_rows, K, groups, stream);
+  Q4Args a{};
+  a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
+  a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
+  const dim3 grid(static_cast<unsigned>(ceil_div(features, q4_block_features<MODE>())), static_cast<unsigned>(max_tiles));
+  q4_tile_kernel<MODE><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(cudaFreeAsync(f.mem, stream));
+}
+
+}  // namespace
+
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
                        cudaStream_t stream) {
-  CK_REQUIRE(hidden % 64 == 0 && x_rows >= 1, "expert_gate_up_q4: hidden %d, rows %d", hidden, x_rows);
-  const int groups = hidden / 64;
-  XFrag f = make_xfrag(x, ldx, x_rows, hidden, groups, stream);
-  Q4Args a{};
-  a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
-  a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = h; a.ldy = ldh;
-  q4_tile_kernel<kQ4GateUp><<<dim3(static_cast<unsigned>(ceil_div(max_inter, q4_block_features<kQ4GateUp>())), static_cast<unsigned>(max_tiles)),
-                              kQ4TileWarps * 32, 0, stream>>>(a);
-  CUDA_CHECK_LAUNCH();
-  CUDA_CHECK(cudaFreeAsync(f.mem, stream));
+  launch_experts_q4<kQ4GateUp>(pairs, order, tiles, n_tiles, max_tiles, max_inter, x, ldx, x_rows, hidden, h, ldh,
+                               stream);
 }
 
 void expert_down_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                     int max_tiles, int hidden, int max_inter, const float* h, int ldh, int n_pairs, float* y, int ldy,
                     cudaStream_t stream) {
-  CK_REQUIRE(max_inter % 64 == 0 && n_pairs >= 1, "expert_down_q4: inter %d, pairs %d", max_inter, n_pairs);
-  const int groups = max_inter / 64;
-  XFrag f = make_xfrag(h, ldh, n_pairs, max_inter, groups, stream);
-  Q4Args a{};
-  a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
-  a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
-  q4_tile_kernel<kQ4Down><<<dim3(static_cast<unsigned>(ceil_div(hidden, q4_block_features<kQ4Down>())), static_cast<unsigned>(max_tiles)),
-                            kQ4TileWarps * 32, 0, stream>>>(a);
-  CUDA_CHECK_LAUNCH();
-  CUDA_CHECK(cudaFreeAsync(f.mem, stream));
+  launch_experts_q4<kQ4Down>(pairs, order, tiles, n_tiles, max_tiles, hidden, h, ldh, n_pairs, max_inter, y, ldy,
+                             stream);
 }
 
 bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
