@@ -80,7 +80,7 @@ if [ "$RC_OPS" != 0 ] || [ "$RC_MODEL" != 0 ]; then
 fi
 
 summ() {  # gtest log -> its summary lines ("[  PASSED  ] 9 tests." ...)
-  grep -h -E '^\[  (PASSED|FAILED|SKIPPED) \] [0-9]+ test' "$1" 2>/dev/null | tr '\n' ' '
+  grep -h -E '^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ test' "$1" 2>/dev/null | tr '\n' ' '
 }
 {
   echo "================ gpu_check summary ($(( $(date +%s) - START )) s) ================"
