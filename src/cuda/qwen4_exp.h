@@ -88,6 +88,12 @@ class Model {
   const ModelWeights& weights() const { return w_; }
   const cpu::Model& reference() const { return ref_; }  // the host half: n-gram ids and rows
   bool has_mtp() const { return mtp_.has_value(); }
+  // Whether prefill chunks run every trunk layer's experts in the factored 4-bit form (gemm_q4.cu).
+  bool prefill_experts_q4() const {
+    for (const DLayer& d : layers_)
+      if (!d.moe.q4) return false;
+    return !layers_.empty();
+  }
   // max_ctx: positions the session's caches hold (attention KV, indexer keys).
   std::unique_ptr<Session> new_session(int64_t max_ctx = 4096) const;
 

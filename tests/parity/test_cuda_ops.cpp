@@ -799,6 +799,33 @@ TEST(CudaOps, GraphsEqualDirectLaunches) {
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "graph replay and direct launches differ";
 }
 
+// A whole prefill through chunks of 32 rows with every expert matrix (routed and shared) 4-bit in groups
+// of 64, so the experts take the factored tensor-core kernels (gemm_q4.cu), against the CPU.
+TEST(CudaOps, PrefillChunksWithQ4ExpertsMatchCpu) {
+  REQUIRE_GPU();
+  Geometry g = geometries()[1];
+  g.cfg.hc_lowrank = 64;  // every dense matrix's columns a multiple of 64
+  g.opt.dense = WeightForm{DType::U32, 4, 64, DType::BF16};
+  auto rm = make_random_model(g.cfg, g.opt);
+  ck::cpu::Model cm(rm->weights, rm->experts);
+  auto dm = Model::create(rm->weights, rm->experts);
+  ASSERT_TRUE(dm.ok()) << dm.status().message();
+  ASSERT_TRUE((*dm)->prefill_experts_q4());
+  const int T = 100;
+  const std::vector<int32_t> tokens = random_tokens(T, g.cfg.vocab_size, g.cfg.ple_eos(), 11);
+  std::map<std::string, std::vector<float>> ref;
+  std::vector<float> ref_logits;
+  cpu_taps(cm, tokens, &ref, &ref_logits);
+  auto s = (*dm)->new_session(128);
+  s->set_prefill_chunk(32);
+  StepResult res;
+  ASSERT_TRUE(s->step_rows(tokens, false, true, &res).ok());
+  ASSERT_EQ(res.logits.size(), ref_logits.size());
+  const double rl = rel_l2(res.logits.data(), ref_logits.data(), ref_logits.size());
+  std::printf("  q4 experts, prefill chunks of 32: logits rel_l2 %.3e\n", rl);
+  EXPECT_LE(rl, 1e-4);
+}
+
 #else
 TEST(CudaOps, NotBuilt) { GTEST_SKIP() << "this build has no CUDA engine"; }
 #endif
