@@ -147,13 +147,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     fo[nt][0] = min(f_warp + nt * 8 + 2 * t, w0.rows - 1);
     fo[nt][1] = min(f_warp + nt * 8 + 2 * t + 1, w0.rows - 1);
   }
-  float acc[NW][2][NT][4];
-#pragma unroll
-  for (int q = 0; q < NW; ++q)
-#pragma unroll
-    for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) acc[q][mf][nt][0] = acc[q][mf][nt][1] = acc[q][mf][nt][2] = acc[q][mf][nt][3] = 0.0f;
+  float acc[NW][2][NT][4] = {};
 
   for (int G = 0; G < groups; ++G) {
     uint2 wq[NW][NT];
@@ -164,13 +158,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
       for (int nt = 0; nt < NT; ++nt)
         wq[q][nt] = __ldg(reinterpret_cast<const uint2*>(w.data + fr[nt] * row_bytes + G * 32 + 8 * t));
     }
-    float d[NW][2][NT][4];
-#pragma unroll
-    for (int q = 0; q < NW; ++q)
-#pragma unroll
-      for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) d[q][mf][nt][0] = d[q][mf][nt][1] = d[q][mf][nt][2] = d[q][mf][nt][3] = 0.0f;
+    float d[NW][2][NT][4] = {};  // the group's Σ q x, fresh per group
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       // A: this step's pairs of rows g and g+8 of each m16 fragment, three parts each.

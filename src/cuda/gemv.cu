@@ -704,9 +704,7 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
   const DMatrix& w = L.job[j].w;
   const int row0 = (tile - L.first_tile[j]) * 16;
-  float acc[NB][4];
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+  float acc[NB][4] = {};
   if (tile < n_tiles) {
     const int per = (L.groups + ks - 1) / ks, G0 = min(L.groups, part * per), G1 = min(L.groups, G0 + per);
     const int ra = min(row0 + g, w.rows - 1), rb = min(row0 + g + 8, w.rows - 1);
@@ -723,9 +721,7 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
       const float sa = load_scale_elem(w.scales, ra * n_groups + sg, sk), ba = load_scale_elem(w.biases, ra * n_groups + sg, sk);
       const float sb = load_scale_elem(w.scales, rb * n_groups + sg, sk), bb = load_scale_elem(w.biases, rb * n_groups + sg, sk);
       const uint2* fg = L.frag + static_cast<size_t>(G) * 4 * NB * 32 + t * 8 + g;
-      float d[NB][4];
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) d[nb][0] = d[nb][1] = d[nb][2] = d[nb][3] = 0.0f;
+      float d[NB][4] = {};  // the group's Σ q x, fresh per group
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;

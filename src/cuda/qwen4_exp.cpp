@@ -564,8 +564,9 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
   tap(pre + "post_moe", b.R, rows, W, b.ldW);
 }
 
-// Everything up to the final mixer's output fy (rows, H); the pre-mixer residual goes to hidden_h_.
-void Session::enqueue_trunk(int rows) {
+// Everything up to the final mixer's output fy (rows, H); the pre-mixer residual of rows [from, rows)
+// goes to hidden_h_ (at the same row offsets): only the rows that produce outputs travel.
+void Session::enqueue_trunk(int rows, int from) {
   const ModelConfig& c = m_.cfg();
   Buffers& b = *b_;
   const int H = c.hidden_size, S = c.hc_count;
@@ -578,7 +579,9 @@ void Session::enqueue_trunk(int rows) {
   for (size_t L = 0; L < m_.layers_.size(); ++L)
     enqueue_block(m_.layers_[L], ls_[L], m_.pool_.table.get() + L * static_cast<size_t>(c.num_experts), b.params,
                   "L" + std::to_string(L) + ".", rows);
-  CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * rows * b.ldW, cudaMemcpyDeviceToHost, stream_));
+  if (from < rows)
+    CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get() + static_cast<size_t>(from) * b.ldW, b.R + static_cast<size_t>(from) * b.ldW,
+                               sizeof(float) * (rows - from) * b.ldW, cudaMemcpyDeviceToHost, stream_));
   hc_mix(m_.final_mixer_, rows, b.fy, nullptr);  // §9: no final norm
   mark("final mixer");
   tap("final_y", b.fy, rows, H, b.ldH);
@@ -587,7 +590,7 @@ void Session::enqueue_trunk(int rows) {
 void Session::enqueue_step(int rows, bool want_logits) {
   const ModelConfig& c = m_.cfg();
   Buffers& b = *b_;
-  enqueue_trunk(rows);
+  enqueue_trunk(rows, 0);
   matvec(m_.lm_head_, b.fy, b.ldH, b.logits, b.ldV, rows, stream_);
   argmax(b.logits, c.vocab_size, b.argmax, rows, b.ldV, b.argmax_scratch, stream_);
   CUDA_CHECK(cudaMemcpyAsync(argmax_h_.get(), b.argmax, sizeof(int32_t) * rows, cudaMemcpyDeviceToHost, stream_));
@@ -677,7 +680,7 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
     // Prefill chunk: direct launches (a few hundred per chunk against milliseconds of work), the LM head
     // in slices of kLmRows rows so the logits buffer stays small, and only over the output rows.
     marking_ = true;
-    enqueue_trunk(rows);
+    enqueue_trunk(rows, start);
     for (int s0 = start; s0 < rows; s0 += kLmRows) {
       const int n = std::min(kLmRows, rows - s0);
       matvec(m_.lm_head_, b.fy + static_cast<size_t>(s0) * b.ldH, b.ldH, b.logits, b.ldV, n, stream_);

@@ -179,7 +179,7 @@ class Session {
   // output row r - first_out of `out`).
   Status run_chunk(std::span<const int32_t> tokens, int64_t pos, bool snap, bool want_logits, StepResult* out,
                    int row0, int first_out);
-  void enqueue_trunk(int rows);
+  void enqueue_trunk(int rows, int from);
   void mark(const char* piece);
   void collect_marks();
   void enqueue_step(int rows, bool want_logits);

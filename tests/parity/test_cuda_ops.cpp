@@ -299,6 +299,19 @@ TEST(CudaOps, GemvMultiJobWithEpilogues) {
 
 // ------------------------------------------------------------------ experts through pair views
 
+// The CPU's expert product for one input row: h = silu(gate · x) * (up · x) (inter), y = down · h (H).
+void cpu_expert(const Matrix& gate, const Matrix& up, const Matrix& down, const float* x, std::vector<float>* h,
+                std::vector<float>* y) {
+  const int inter = static_cast<int>(gate.rows);
+  std::vector<float> u(inter);
+  h->assign(inter, 0.0f);
+  y->assign(down.rows, 0.0f);
+  ck::cpu::matvec(gate, x, h->data());
+  ck::cpu::matvec(up, x, u.data());
+  for (int i = 0; i < inter; ++i) (*h)[i] = ck::cpu::silu((*h)[i]) * u[i];
+  ck::cpu::matvec(down, h->data(), y->data());
+}
+
 TEST(CudaOps, ExpertProductsThroughPairViews) {
   REQUIRE_GPU();
   for (int variant = 0; variant < 3; ++variant) {  // mixed formats; then 4/8-bit codes only, v2 and v1
@@ -343,12 +356,8 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
   for (int p = 0; p < n_pairs; ++p) {
     const Ex& e = ex[p];
     const int inter = static_cast<int>(e.g.m.rows);
-    std::vector<float> gt(inter), u(inter), y(H);
-    const float* xr = x.data() + pairs[p].x_row * H;
-    ck::cpu::matvec(e.g.m, xr, gt.data());
-    ck::cpu::matvec(e.u.m, xr, u.data());
-    for (int i = 0; i < inter; ++i) gt[i] = ck::cpu::silu(gt[i]) * u[i];
-    ck::cpu::matvec(e.d.m, gt.data(), y.data());
+    std::vector<float> gt, y;
+    cpu_expert(e.g.m, e.u.m, e.d.m, x.data() + pairs[p].x_row * H, &gt, &y);
     std::vector<float> g1(hh.begin() + p * ldh, hh.begin() + p * ldh + inter), g2(yh.begin() + p * ldy, yh.begin() + p * ldy + H);
     const std::string tag = "experts variant " + std::to_string(variant) + " pair " + std::to_string(p);
     report(tag + " gate/up (inter " + std::to_string(inter) + ")", compare(g1, gt, {}, scale_atol(gt), 1e-4));
@@ -416,12 +425,8 @@ void check_grouped_experts(const WeightForm (&forms)[7], bool q4, uint64_t seed)
   for (int p = 0; p < n_pairs; ++p) {
     const Ex& e = ex[pairs[p].group];
     const int inter = static_cast<int>(e.g.m.rows);
-    std::vector<float> gt(inter), u(inter), y(H);
-    const float* xr = x.data() + pairs[p].x_row * H;
-    ck::cpu::matvec(e.g.m, xr, gt.data());
-    ck::cpu::matvec(e.u.m, xr, u.data());
-    for (int i = 0; i < inter; ++i) gt[i] = ck::cpu::silu(gt[i]) * u[i];
-    ck::cpu::matvec(e.d.m, gt.data(), y.data());
+    std::vector<float> gt, y;
+    cpu_expert(e.g.m, e.u.m, e.d.m, x.data() + pairs[p].x_row * H, &gt, &y);
     std::vector<float> g1(hh.begin() + p * ldh, hh.begin() + p * ldh + inter), g2(yh.begin() + p * ldy, yh.begin() + p * ldy + H);
     const std::string tag = std::string(q4 ? "q4 " : "") + "grouped experts pair " + std::to_string(p) + " (expert " + std::to_string(pairs[p].group) + ")";
     // tf32x3 products: per-product error ~2^-21 (fp32: 2^-24), so elements that cancel to near zero
