@@ -218,6 +218,274 @@ __global__ void gdn_out_norm_kernel(const GdnRecArgs a) {
   if (j < dv) o[j] = gdn_gated_out(a, r, h, j, v, rr);
 }
 
+// ------------------------------------------------------------------ Gated DeltaNet, chunked (prefill)
+
+// The delta rule 64 rows at a time (spec §6 "Chunked prefill", the form transformers and FLA use). It is
+// the recurrence rearranged, so only fp32 rounding differs. Within a chunk, with cumulative log decays
+// G_t = g_0 + ... + g_t, and L[t][s] = β_t (k̂_t·k̂_s) e^(G_t - G_s) for s < t, T = (I + L)⁻¹ gives
+//   U = T (β v),   W = T (β e^G k̂)                                   (need no state)
+// and then, with S the state before the chunk:
+//   v_new = U - W S
+//   out   = (e^G q̂) S + P v_new,         P[t][s] = (q̂_t·k̂_s) e^(G_t - G_s) for s <= t
+//   S     = e^(G_last) S + (e^(G_last - G) k̂)ᵀ v_new
+// gdn_chunk_prep_kernel computes every chunk's W, U, e^G q̂, e^(G_last-G) k̂, P and e^(G_last) at once
+// (one block per head and chunk); gdn_chunk_scan_kernel then walks the chunks in order with the state
+// in shared memory, one block per head and 32 value columns (columns are independent, as in the
+// recurrent kernel). Rows past the input are zero (k̂ = q̂ = 0, β = 0, g = 0), which changes nothing.
+constexpr int kGdnChunk = 64;
+constexpr int kGdnScanCols = 32;
+constexpr int kGdnChunkMaxDim = 128;  // dk and dv: shared memory, and the scan's four state rows per thread
+
+// One (chunk, head) record of the prep kernel's output, offsets in floats.
+struct GdnChunkLayout {
+  int64_t w, u, qd, kd, p, dl, size;
+  __host__ __device__ GdnChunkLayout(int dk, int dv) {
+    w = 0;
+    u = w + int64_t{kGdnChunk} * dk;
+    qd = u + int64_t{kGdnChunk} * dv;
+    kd = qd + int64_t{kGdnChunk} * dk;
+    p = kd + int64_t{kGdnChunk} * dk;
+    dl = p + int64_t{kGdnChunk} * kGdnChunk;
+    size = dl + 4;  // keeps every record 16-byte aligned
+  }
+};
+
+size_t gdn_prep_smem(int dk, int dv) {
+  constexpr int C = kGdnChunk;
+  return sizeof(float) * (2 * C * (dk + 1) + C * (dv + 1) + 2 * C * (C + 1) + 3 * C);
+}
+size_t gdn_scan_smem(int dk) {
+  constexpr int C = kGdnChunk;
+  return sizeof(float) * (C * (dk + 1) + C * (C + 1) + dk * kGdnScanCols + C * kGdnScanCols);
+}
+
+// grid (nv, chunks), block 256, dynamic shared memory gdn_prep_smem(dk, dv).
+__global__ void __launch_bounds__(256) gdn_chunk_prep_kernel(const GdnRecArgs a, int rows, float* records) {
+  extern __shared__ float sh[];
+  constexpr int C = kGdnChunk, ldc = C + 1;
+  const int h = blockIdx.x, c = blockIdx.y, dk = a.dk, dv = a.dv, ld = dk + 1, ldv = dv + 1;
+  float* qs = sh;             // [C][ld]  q̂ / sqrt(dk)
+  float* ks = qs + C * ld;    // [C][ld]  k̂
+  float* vs = ks + C * ld;    // [C][ldv] β v
+  float* Lm = vs + C * ldv;   // [C][ldc] L, strictly lower
+  float* Tm = Lm + C * ldc;   // [C][ldc] T = (I + L)⁻¹, unit lower
+  float* G = Tm + C * ldc;    // [C] cumulative log decay
+  float* beta = G + C;        // [C]
+  float* coef = beta + C;     // [C] β e^G
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int r0 = c * C, n = min(C, rows - r0);
+  const int kh = h / (a.nv / a.nk), Kd = a.nk * dk;  // repeat_interleave grouping (trap 12)
+  const float q_scale = 1.0f / sqrtf(static_cast<float>(dk));
+
+  // One warp per row: L2 norms of q and k (N3), β v, and the row's β and log decay g.
+  for (int t = warp; t < C; t += nwarps) {
+    const float* yr = a.y + static_cast<size_t>(r0 + t) * a.ldy;
+    float ssq = 0.0f, ssk = 0.0f;
+    for (int i = lane; i < dk; i += 32) {
+      const float qv = t < n ? yr[kh * dk + i] : 0.0f, kv = t < n ? yr[Kd + kh * dk + i] : 0.0f;
+      qs[t * ld + i] = qv;
+      ks[t * ld + i] = kv;
+      ssq += qv * qv;
+      ssk += kv * kv;
+    }
+    ssq = warp_sum(ssq);
+    ssk = warp_sum(ssk);
+    const float rq = 1.0f / sqrtf(ssq + 1e-6f), rk = 1.0f / sqrtf(ssk + 1e-6f);
+    float bt = 0.0f, gt = 0.0f;
+    if (t < n) {
+      bt = sigmoidf_(a.b[static_cast<size_t>(r0 + t) * a.ldab + h]);
+      gt = -expf(a.a_log[h]) * softplusf_(a.a[static_cast<size_t>(r0 + t) * a.ldab + h] + a.dt_bias[h]);
+    }
+    for (int i = lane; i < dk; i += 32) {
+      qs[t * ld + i] = (qs[t * ld + i] * rq) * q_scale;
+      ks[t * ld + i] = ks[t * ld + i] * rk;
+    }
+    for (int j = lane; j < dv; j += 32) vs[t * ldv + j] = t < n ? bt * yr[2 * Kd + h * dv + j] : 0.0f;
+    if (lane == 0) {
+      beta[t] = bt;
+      G[t] = gt;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float acc = 0.0f;
+    for (int t = 0; t < C; ++t) G[t] = acc += G[t];
+  }
+  __syncthreads();
+  if (tid < C) coef[tid] = beta[tid] * expf(G[tid]);
+
+  // k̂ k̂ᵀ and q̂ k̂ᵀ: thread (ty, tx) holds rows ty + 16m and columns tx + 16n (odd strides: no bank
+  // conflicts). L goes to shared memory, P to the record.
+  const GdnChunkLayout lay(dk, dv);
+  float* rec = records + (static_cast<size_t>(c) * a.nv + h) * lay.size;
+  {
+    const int ty = tid / 16, tx = tid % 16;
+    float kk[4][4] = {}, qk[4][4] = {};
+    for (int i = 0; i < dk; ++i) {
+      float kt[4], qt[4], kc[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        kt[m] = ks[(ty + 16 * m) * ld + i];
+        qt[m] = qs[(ty + 16 * m) * ld + i];
+        kc[m] = ks[(tx + 16 * m) * ld + i];
+      }
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          kk[m][q] += kt[m] * kc[q];
+          qk[m][q] += qt[m] * kc[q];
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int t = ty + 16 * m, s = tx + 16 * q;
+        const float d = s <= t ? expf(G[t] - G[s]) : 0.0f;
+        Lm[t * ldc + s] = s < t ? beta[t] * kk[m][q] * d : 0.0f;
+        rec[lay.p + t * C + s] = qk[m][q] * d;
+      }
+  }
+  __syncthreads();
+
+  // T = (I + L)⁻¹ by forward substitution: T[t][j] = -Σ_{j<=s<t} L[t][s] T[s][j] for j < t. Row t needs
+  // the rows before it; thread j owns column j.
+  for (int t = 0; t < C; ++t) {
+    if (tid < C) {
+      const int j = tid;
+      float v = j == t ? 1.0f : 0.0f;
+      for (int s = j; s < t; ++s) v -= Lm[t * ldc + s] * Tm[s * ldc + j];
+      Tm[t * ldc + j] = v;
+    }
+    __syncthreads();
+  }
+
+  // W = T (β e^G k̂), U = T (β v), and the decayed q̂ and k̂ the scan multiplies the state with.
+  const float g_last = G[C - 1];
+  for (int idx = tid; idx < C * dk; idx += blockDim.x) {
+    const int t = idx / dk, i = idx % dk;
+    float acc = 0.0f;
+    for (int s = 0; s <= t; ++s) acc += Tm[t * ldc + s] * (coef[s] * ks[s * ld + i]);
+    rec[lay.w + idx] = acc;
+    rec[lay.qd + idx] = qs[t * ld + i] * expf(G[t]);
+    rec[lay.kd + idx] = ks[t * ld + i] * expf(g_last - G[t]);
+  }
+  for (int idx = tid; idx < C * dv; idx += blockDim.x) {
+    const int t = idx / dv, j = idx % dv;
+    float acc = 0.0f;
+    for (int s = 0; s <= t; ++s) acc += Tm[t * ldc + s] * vs[s * ldv + j];
+    rec[lay.u + idx] = acc;
+  }
+  if (tid == 0) rec[lay.dl] = expf(g_last);
+}
+
+// grid (nv, ceil(dv / 32)), block 256, dynamic shared memory gdn_scan_smem(dk). Thread (ty, tx) computes
+// rows ty and ty + 32 of each chunk (state rows ty + 32m in the update) at columns 4tx .. 4tx+3.
+__global__ void __launch_bounds__(256) gdn_chunk_scan_kernel(const GdnRecArgs a, int rows, const float* records) {
+  extern __shared__ float sh[];
+  constexpr int C = kGdnChunk, NC = kGdnScanCols, ldc = C + 1;
+  const int h = blockIdx.x, c0 = blockIdx.y * NC, dk = a.dk, dv = a.dv, ld = dk + 1;
+  float* B = sh;               // [C][ld] W, then e^G q̂, then e^(G_last-G) k̂
+  float* Pm = B + C * ld;      // [C][ldc]
+  float* Ss = Pm + C * ldc;    // [dk][NC] this block's state columns
+  float* vn = Ss + dk * NC;    // [C][NC] v_new
+  const int tid = threadIdx.x, ty = tid / 8, tx = tid % 8, j0 = 4 * tx;
+  const GdnChunkLayout lay(dk, dv);
+  float* S = a.state + static_cast<size_t>(h) * dk * dv;
+  for (int idx = tid; idx < dk * NC; idx += blockDim.x) {
+    const int i = idx / NC, j = idx % NC;
+    Ss[idx] = c0 + j < dv ? S[static_cast<size_t>(i) * dv + c0 + j] : 0.0f;
+  }
+  auto stage = [&](const float* src) {  // a [C][dk] block of the record into B
+    for (int idx = tid; idx < C * dk; idx += blockDim.x) B[(idx / dk) * ld + idx % dk] = src[idx];
+  };
+  const int chunks = (rows + C - 1) / C;
+  for (int c = 0; c < chunks; ++c) {
+    const float* rec = records + (static_cast<size_t>(c) * a.nv + h) * lay.size;
+    stage(rec + lay.w);
+    for (int idx = tid; idx < C * C; idx += blockDim.x) Pm[(idx / C) * ldc + idx % C] = rec[lay.p + idx];
+    __syncthreads();
+
+    // v_new = U - W S
+    float acc[2][4] = {};
+    for (int i = 0; i < dk; ++i) {
+      const float4 s4 = *reinterpret_cast<const float4*>(&Ss[i * NC + j0]);
+      const float w0 = B[ty * ld + i], w1 = B[(ty + 32) * ld + i];
+      acc[0][0] += w0 * s4.x; acc[0][1] += w0 * s4.y; acc[0][2] += w0 * s4.z; acc[0][3] += w0 * s4.w;
+      acc[1][0] += w1 * s4.x; acc[1][1] += w1 * s4.y; acc[1][2] += w1 * s4.z; acc[1][3] += w1 * s4.w;
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int t = ty + 32 * m;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int col = c0 + j0 + q;
+        const float u = col < dv ? rec[lay.u + t * dv + col] : 0.0f;
+        vn[t * NC + j0 + q] = u - acc[m][q];
+      }
+    }
+    __syncthreads();
+
+    // out = (e^G q̂) S + P v_new
+    stage(rec + lay.qd);
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[m][q] = 0.0f;
+    for (int i = 0; i < dk; ++i) {
+      const float4 s4 = *reinterpret_cast<const float4*>(&Ss[i * NC + j0]);
+      const float w0 = B[ty * ld + i], w1 = B[(ty + 32) * ld + i];
+      acc[0][0] += w0 * s4.x; acc[0][1] += w0 * s4.y; acc[0][2] += w0 * s4.z; acc[0][3] += w0 * s4.w;
+      acc[1][0] += w1 * s4.x; acc[1][1] += w1 * s4.y; acc[1][2] += w1 * s4.z; acc[1][3] += w1 * s4.w;
+    }
+    for (int s = 0; s < C; ++s) {
+      const float4 v4 = *reinterpret_cast<const float4*>(&vn[s * NC + j0]);
+      const float p0 = Pm[ty * ldc + s], p1 = Pm[(ty + 32) * ldc + s];
+      acc[0][0] += p0 * v4.x; acc[0][1] += p0 * v4.y; acc[0][2] += p0 * v4.z; acc[0][3] += p0 * v4.w;
+      acc[1][0] += p1 * v4.x; acc[1][1] += p1 * v4.y; acc[1][2] += p1 * v4.z; acc[1][3] += p1 * v4.w;
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int row = c * C + ty + 32 * m;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int col = c0 + j0 + q;
+        if (row < rows && col < dv) a.out[static_cast<size_t>(row) * a.ldo + static_cast<size_t>(h) * dv + col] = acc[m][q];
+      }
+    }
+    __syncthreads();
+
+    // S = e^(G_last) S + (e^(G_last-G) k̂)ᵀ v_new
+    stage(rec + lay.kd);
+    __syncthreads();
+    float up[4][4] = {};
+    for (int t = 0; t < C; ++t) {
+      const float4 v4 = *reinterpret_cast<const float4*>(&vn[t * NC + j0]);
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int i = ty + 32 * m;
+        const float kd = i < dk ? B[t * ld + i] : 0.0f;
+        up[m][0] += kd * v4.x; up[m][1] += kd * v4.y; up[m][2] += kd * v4.z; up[m][3] += kd * v4.w;
+      }
+    }
+    const float dl = rec[lay.dl];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int i = ty + 32 * m;
+      if (i < dk)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) Ss[i * NC + j0 + q] = dl * Ss[i * NC + j0 + q] + up[m][q];
+    }
+    __syncthreads();
+  }
+  for (int idx = tid; idx < dk * NC; idx += blockDim.x) {
+    const int i = idx / NC, j = idx % NC;
+    if (c0 + j < dv) S[static_cast<size_t>(i) * dv + c0 + j] = Ss[idx];
+  }
+}
+
 // ------------------------------------------------------------------ QSA attention
 
 // Normalises src (n values, N1 with `norm`) into buf, then writes buf to dst with RoPE at `pos` on the
@@ -571,6 +839,10 @@ __global__ void moe_combine_kernel(const float* y, int ldy, const ExpertPair* pa
 
 void init_kernels() {
   init_gemv();
+  CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(gdn_prep_smem(kGdnChunkMaxDim, kGdnChunkMaxDim))));
+  CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(gdn_scan_smem(kGdnChunkMaxDim))));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
 }
 
@@ -622,6 +894,28 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
     gdn_out_norm_kernel<<<dim3(a.nv, rows), static_cast<unsigned>(round_up(a.dv, 32)), 0, stream>>>(a);
     CUDA_CHECK_LAUNCH();
   }
+}
+
+bool gdn_chunked_fits(const GdnRecArgs& a) {
+  return a.dk >= 1 && a.dk <= kGdnChunkMaxDim && a.dv >= 1 && a.dv <= kGdnChunkMaxDim && a.nk >= 1 && a.nv % a.nk == 0;
+}
+
+void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream) {
+  CK_REQUIRE(gdn_chunked_fits(a), "GDN dims dk %d dv %d nk %d nv %d (chunked form: dk, dv <= %d)", a.dk, a.dv, a.nk,
+             a.nv, kGdnChunkMaxDim);
+  if (rows <= 0) return;
+  const int chunks = static_cast<int>(ceil_div(rows, kGdnChunk));
+  const GdnChunkLayout lay(a.dk, a.dv);
+  float* records = nullptr;  // stream-ordered scratch, pooled by the driver
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&records), sizeof(float) * lay.size * chunks * a.nv, stream));
+  gdn_chunk_prep_kernel<<<dim3(a.nv, chunks), 256, gdn_prep_smem(a.dk, a.dv), stream>>>(a, rows, records);
+  CUDA_CHECK_LAUNCH();
+  gdn_chunk_scan_kernel<<<dim3(a.nv, static_cast<unsigned>(ceil_div(a.dv, kGdnScanCols))), 256, gdn_scan_smem(a.dk),
+                          stream>>>(a, rows, records);
+  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(cudaFreeAsync(records, stream));
+  gdn_out_norm_kernel<<<dim3(a.nv, rows), static_cast<unsigned>(round_up(a.dv, 32)), 0, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
 }
 
 int64_t attention_max_selected(int block_topk, int cr) { return static_cast<int64_t>(block_topk + 1) * cr - 1; }

@@ -70,6 +70,12 @@ struct GdnRecArgs {
 };
 void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
 
+// The same delta rule and norm in the chunked form (64 rows at a time, WY representation; spec §6
+// "Chunked prefill"): equal to gdn_recurrent up to fp32 rounding, much faster for long inputs. Takes
+// no snapshots (a.snaps is ignored): for prefill chunks only. Needs gdn_chunked_fits(a).
+bool gdn_chunked_fits(const GdnRecArgs& a);
+void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream);
+
 // QSA attention decode for the rows of a step (spec §7): q/k norms and RoPE, cache writes at
 // pos+r, pooled block keys cached once per completed block, indexer block scores, top-k blocks (ties
 // to the lower index), softmax attention over the selected tokens, sigmoid output gate. Row r

@@ -86,6 +86,15 @@ Model::Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts)
 }
 
 namespace {
+// CK_GDN=recurrent keeps prefill chunks on the token-by-token delta rule (to compare).
+bool gdn_chunked_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("CK_GDN");
+    return !(e && std::strcmp(e, "recurrent") == 0);
+  }();
+  return on;
+}
+
 // One hyper-connection module (§4) on the device.
 Status upload_hc(DenseUploader& up, const HcWeights& h, DHc* d) {
   d->norm = up.vector(h.norm);
@@ -488,8 +497,14 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     ra.snap_stride = st.gdn_s_n; ra.out = b.go; ra.ldo = b.ldVd;
     ra.nk = c.linear_num_key_heads; ra.nv = c.linear_num_value_heads; ra.dk = c.linear_key_head_dim;
     ra.dv = c.linear_value_head_dim; ra.eps = eps; ra.sigmoid_gate = c.output_gate_type == "sigmoid" ? 1 : 0;
-    gdn_recurrent(ra, sp, rows, stream_);
-    mark("gdn recurrent");
+    // Prefill chunks (more rows than a row-path step, never snapshotted) take the chunked form.
+    if (rows > kMaxRows && gdn_chunked_enabled() && gdn_chunked_fits(ra)) {
+      gdn_chunked(ra, rows, stream_);
+      mark("gdn delta rule (chunked)");
+    } else {
+      gdn_recurrent(ra, sp, rows, stream_);
+      mark("gdn delta rule (recurrent)");
+    }
     matvec(g.out, b.go, b.ldVd, b.o, b.ldH, rows, stream_);
     mark("gdn out_proj");
   } else {

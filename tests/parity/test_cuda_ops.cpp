@@ -739,6 +739,105 @@ double rel_l2(const float* a, const float* b, size_t n) {
   return r > 0 ? std::sqrt(e / r) : std::sqrt(e);
 }
 
+// The Gated DeltaNet delta rule and its gated norm (spec §6), in double precision on the host: the
+// ground truth both device forms (token by token, and chunks of 64 in WY form) are held to.
+struct GdnCase {
+  int nk, nv, dk, dv, rows;
+};
+void gdn_reference(const GdnCase& g, const std::vector<float>& y, const std::vector<float>& z,
+                   const std::vector<float>& b, const std::vector<float>& a, const std::vector<float>& a_log,
+                   const std::vector<float>& dt_bias, const std::vector<float>& norm, std::vector<double>* S,
+                   std::vector<double>* out) {
+  const int Kd = g.nk * g.dk, ldy = 2 * Kd + g.nv * g.dv, Vd = g.nv * g.dv;
+  out->assign(static_cast<size_t>(g.rows) * Vd, 0.0);
+  for (int r = 0; r < g.rows; ++r)
+    for (int h = 0; h < g.nv; ++h) {
+      const int kh = h / (g.nv / g.nk);
+      const float* yr = y.data() + static_cast<size_t>(r) * ldy;
+      std::vector<double> q(g.dk), k(g.dk), o(g.dv);
+      double sq = 0, sk = 0;
+      for (int i = 0; i < g.dk; ++i) {
+        q[i] = yr[kh * g.dk + i];
+        k[i] = yr[Kd + kh * g.dk + i];
+        sq += q[i] * q[i];
+        sk += k[i] * k[i];
+      }
+      for (int i = 0; i < g.dk; ++i) {
+        q[i] = q[i] / std::sqrt(sq + 1e-6) / std::sqrt(static_cast<double>(g.dk));
+        k[i] = k[i] / std::sqrt(sk + 1e-6);
+      }
+      const double beta = 1.0 / (1.0 + std::exp(-double(b[r * g.nv + h])));
+      const double x = double(a[r * g.nv + h]) + dt_bias[h];
+      const double decay = std::exp(-std::exp(double(a_log[h])) * (x > 20 ? x : std::log1p(std::exp(x))));
+      double* Sh = S->data() + static_cast<size_t>(h) * g.dk * g.dv;
+      for (int j = 0; j < g.dv; ++j) {
+        double m = 0;
+        for (int i = 0; i < g.dk; ++i) m += (Sh[i * g.dv + j] *= decay) * k[i];
+        const double delta = beta * (yr[2 * Kd + h * g.dv + j] - m);
+        double oj = 0;
+        for (int i = 0; i < g.dk; ++i) oj += (Sh[i * g.dv + j] += k[i] * delta) * q[i];
+        o[j] = oj;
+      }
+      double ss = 0;
+      for (double v : o) ss += v * v;
+      const double rr = 1.0 / std::sqrt(ss / g.dv + 1e-6);
+      for (int j = 0; j < g.dv; ++j) {
+        const double zz = z[static_cast<size_t>(r) * Vd + h * g.dv + j];
+        (*out)[static_cast<size_t>(r) * Vd + h * g.dv + j] = norm[j] * (o[j] * rr) / (1.0 + std::exp(-zz));
+      }
+    }
+}
+
+// Both device forms of the delta rule against the double-precision recurrence, from a nonzero state,
+// over row counts around the chunk size and head sizes that are not multiples of 32. Tolerance: relative
+// L2 <= 2e-5 over the outputs and the final state (fp32 through 64-step chunks; the whole-model bound
+// is 1e-4).
+TEST(CudaOps, GdnChunkedAndRecurrentMatchDouble) {
+  REQUIRE_GPU();
+  init_kernels();
+  std::mt19937_64 rng(21);
+  const GdnCase cases[] = {{2, 4, 12, 12, 1},   {2, 4, 32, 32, 63},  {1, 3, 40, 24, 64},     {2, 4, 32, 32, 65},
+                           {1, 2, 128, 100, 77}, {2, 2, 128, 128, 130}, {16, 48, 128, 128, 200}};
+  for (const GdnCase& g : cases) {
+    const int Kd = g.nk * g.dk, Vd = g.nv * g.dv, ldy = 2 * Kd + Vd;
+    std::vector<float> y = randn(static_cast<size_t>(g.rows) * ldy, rng), z = randn(static_cast<size_t>(g.rows) * Vd, rng);
+    std::vector<float> b = randn(static_cast<size_t>(g.rows) * g.nv, rng, 2.0f), a = randn(static_cast<size_t>(g.rows) * g.nv, rng);
+    std::vector<float> a_log(g.nv), dt_bias = randn(g.nv, rng, 0.5f), norm = randn(g.dv, rng, 0.3f);
+    std::uniform_real_distribution<float> ul(-4.0f, 1.5f);  // slow and fast decays
+    for (float& v : a_log) v = ul(rng);
+    for (float& v : norm) v += 1.0f;
+    const std::vector<float> state0 = randn(static_cast<size_t>(g.nv) * g.dk * g.dv, rng, 0.5f);
+    std::vector<double> S(state0.begin(), state0.end()), ref_out;
+    gdn_reference(g, y, z, b, a, a_log, dt_bias, norm, &S, &ref_out);
+
+    DeviceBuffer<float> yd, zd, bd, ad, ald, dtd, nd, sd, od(static_cast<size_t>(g.rows) * Vd);
+    DeviceBuffer<StepParams> spd(1);
+    StepParams sp;
+    CUDA_CHECK(cudaMemcpy(spd.get(), &sp, sizeof(sp), cudaMemcpyHostToDevice));
+    GdnRecArgs ra;
+    ra.y = to_device(y, &yd); ra.ldy = ldy; ra.z = to_device(z, &zd); ra.ldz = Vd;
+    ra.b = to_device(b, &bd); ra.a = to_device(a, &ad); ra.ldab = g.nv;
+    ra.a_log = to_device(a_log, &ald); ra.dt_bias = to_device(dt_bias, &dtd); ra.norm = to_device(norm, &nd);
+    ra.out = od.get(); ra.ldo = Vd;
+    ra.nk = g.nk; ra.nv = g.nv; ra.dk = g.dk; ra.dv = g.dv; ra.eps = 1e-6f; ra.sigmoid_gate = 1;
+    ASSERT_TRUE(gdn_chunked_fits(ra));
+    const std::vector<float> ref_out_f(ref_out.begin(), ref_out.end()), ref_state_f(S.begin(), S.end());
+    for (bool chunked : {false, true}) {
+      ra.state = to_device(state0, &sd);
+      if (chunked) gdn_chunked(ra, g.rows, nullptr);
+      else gdn_recurrent(ra, spd.get(), g.rows, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<float> out = to_host(od.get(), ref_out_f.size()), st = to_host(sd.get(), ref_state_f.size());
+      const double e_out = rel_l2(out.data(), ref_out_f.data(), out.size());
+      const double e_st = rel_l2(st.data(), ref_state_f.data(), st.size());
+      std::printf("  gdn %-9s nk %2d nv %2d dk %3d dv %3d rows %3d: out rel_l2 %.3e, state rel_l2 %.3e\n",
+                  chunked ? "chunked" : "recurrent", g.nk, g.nv, g.dk, g.dv, g.rows, e_out, e_st);
+      EXPECT_LE(e_out, 2e-5);
+      EXPECT_LE(e_st, 2e-5);
+    }
+  }
+}
+
 TEST(CudaOps, LayerPiecesOnRandomModels) {
   REQUIRE_GPU();
   for (const Geometry& g : geometries()) {
