@@ -205,6 +205,20 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   }
 }
 
+// grid (rows), block 256: the same norm after gdn_chunked, one warp per head (the chunked form's sums
+// are in another order anyway, and 48 heads x 1,024 rows of one-warp blocks would mostly wait).
+__global__ void gdn_out_norm_rows_kernel(const GdnRecArgs a) {
+  const int r = blockIdx.x, lane = threadIdx.x & 31, dv = a.dv;
+  for (int h = threadIdx.x >> 5; h < a.nv; h += blockDim.x >> 5) {
+    float* o = a.out + static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h) * dv;
+    float ss = 0.0f;
+    for (int j = lane; j < dv; j += 32) ss += o[j] * o[j];
+    ss = warp_sum(ss);
+    const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
+    for (int j = lane; j < dv; j += 32) o[j] = gdn_gated_out(a, r, h, j, o[j], rr);
+  }
+}
+
 // grid (nv, rows), block round_up(dv, 32): the gated RMS norm (N2) of each head's output, in place,
 // after a split gdn_recurrent_kernel. Thread j holds column j, as in the fused form, so the sum of
 // squares adds the same values in the same order.
@@ -252,61 +266,74 @@ struct GdnChunkLayout {
 
 size_t gdn_prep_smem(int dk, int dv) {
   constexpr int C = kGdnChunk;
-  return sizeof(float) * (2 * C * (dk + 1) + C * (dv + 1) + 2 * C * (C + 1) + 3 * C);
+  const int ld = std::max(dk, dv) + 1;
+  return sizeof(float) * (2 * C * ld + 2 * C * (C + 1) + 3 * C);
 }
+// Leading dimension of a staged [C][dk] block in the scan: a multiple of 4 (16-byte copies) whose rows
+// fall in different banks for the four rows a warp reads at once.
+__host__ __device__ constexpr int gdn_scan_ld(int dk) { return (dk + 3) / 4 * 4 + 4; }
+constexpr int kGdnScanLdP = kGdnChunk + 4;
 size_t gdn_scan_smem(int dk) {
   constexpr int C = kGdnChunk;
-  return sizeof(float) * (C * (dk + 1) + C * (C + 1) + dk * kGdnScanCols + C * kGdnScanCols);
+  return sizeof(float) * (2 * C * gdn_scan_ld(dk) + C * kGdnScanLdP + dk * kGdnScanCols + C * kGdnScanCols);
 }
 
 // grid (nv, chunks), block 256, dynamic shared memory gdn_prep_smem(dk, dv).
-__global__ void __launch_bounds__(256) gdn_chunk_prep_kernel(const GdnRecArgs a, int rows, float* records) {
+__global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs a, int rows, float* records) {
   extern __shared__ float sh[];
-  constexpr int C = kGdnChunk, ldc = C + 1;
-  const int h = blockIdx.x, c = blockIdx.y, dk = a.dk, dv = a.dv, ld = dk + 1, ldv = dv + 1;
-  float* qs = sh;             // [C][ld]  q̂ / sqrt(dk)
-  float* ks = qs + C * ld;    // [C][ld]  k̂
-  float* vs = ks + C * ld;    // [C][ldv] β v
-  float* Lm = vs + C * ldv;   // [C][ldc] L, strictly lower
+  constexpr int C = kGdnChunk, ldc = C + 1, kWarps = 8;
+  const int h = blockIdx.x, c = blockIdx.y, dk = a.dk, dv = a.dv, ld = max(dk, dv) + 1;
+  float* qs = sh;             // [C][ld]  q̂ / sqrt(dk); later β v
+  float* ks = qs + C * ld;    // [C][ld]  k̂; later β e^G k̂
+  float* Lm = ks + C * ld;    // [C][ldc] L, strictly lower
   float* Tm = Lm + C * ldc;   // [C][ldc] T = (I + L)⁻¹, unit lower
   float* G = Tm + C * ldc;    // [C] cumulative log decay
   float* beta = G + C;        // [C]
   float* coef = beta + C;     // [C] β e^G
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r0 = c * C, n = min(C, rows - r0);
   const int kh = h / (a.nv / a.nk), Kd = a.nk * dk;  // repeat_interleave grouping (trap 12)
   const float q_scale = 1.0f / sqrtf(static_cast<float>(dk));
 
-  // One warp per row: L2 norms of q and k (N3), β v, and the row's β and log decay g.
-  for (int t = warp; t < C; t += nwarps) {
+  // Raw q and k rows (all loads issued before any is used), then one warp per row: L2 norms (N3), β, g.
+#pragma unroll
+  for (int tt = 0; tt < C / kWarps; ++tt) {
+    const int t = warp + kWarps * tt;
     const float* yr = a.y + static_cast<size_t>(r0 + t) * a.ldy;
-    float ssq = 0.0f, ssk = 0.0f;
-    for (int i = lane; i < dk; i += 32) {
-      const float qv = t < n ? yr[kh * dk + i] : 0.0f, kv = t < n ? yr[Kd + kh * dk + i] : 0.0f;
-      qs[t * ld + i] = qv;
-      ks[t * ld + i] = kv;
-      ssq += qv * qv;
-      ssk += kv * kv;
+#pragma unroll
+    for (int ii = 0; ii < kGdnChunkMaxDim / 32; ++ii) {
+      const int i = lane + 32 * ii;
+      if (i < dk) {
+        qs[t * ld + i] = t < n ? yr[kh * dk + i] : 0.0f;
+        ks[t * ld + i] = t < n ? yr[Kd + kh * dk + i] : 0.0f;
+      }
     }
-    ssq = warp_sum(ssq);
-    ssk = warp_sum(ssk);
-    const float rq = 1.0f / sqrtf(ssq + 1e-6f), rk = 1.0f / sqrtf(ssk + 1e-6f);
+  }
+  if (tid < C) {
+    const int t = tid;
     float bt = 0.0f, gt = 0.0f;
     if (t < n) {
       bt = sigmoidf_(a.b[static_cast<size_t>(r0 + t) * a.ldab + h]);
       gt = -expf(a.a_log[h]) * softplusf_(a.a[static_cast<size_t>(r0 + t) * a.ldab + h] + a.dt_bias[h]);
     }
+    beta[t] = bt;
+    G[t] = gt;
+  }
+  __syncthreads();
+  for (int t = warp; t < C; t += kWarps) {
+    float ssq = 0.0f, ssk = 0.0f;
+    for (int i = lane; i < dk; i += 32) {
+      ssq += qs[t * ld + i] * qs[t * ld + i];
+      ssk += ks[t * ld + i] * ks[t * ld + i];
+    }
+    ssq = warp_sum(ssq);
+    ssk = warp_sum(ssk);
+    const float rq = 1.0f / sqrtf(ssq + 1e-6f), rk = 1.0f / sqrtf(ssk + 1e-6f);
     for (int i = lane; i < dk; i += 32) {
       qs[t * ld + i] = (qs[t * ld + i] * rq) * q_scale;
       ks[t * ld + i] = ks[t * ld + i] * rk;
     }
-    for (int j = lane; j < dv; j += 32) vs[t * ldv + j] = t < n ? bt * yr[2 * Kd + h * dv + j] : 0.0f;
-    if (lane == 0) {
-      beta[t] = bt;
-      G[t] = gt;
-    }
   }
-  __syncthreads();
   if (tid == 0) {
     float acc = 0.0f;
     for (int t = 0; t < C; ++t) G[t] = acc += G[t];
@@ -321,6 +348,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep_kernel(const GdnRecArgs a,
   {
     const int ty = tid / 16, tx = tid % 16;
     float kk[4][4] = {}, qk[4][4] = {};
+#pragma unroll 4
     for (int i = 0; i < dk; ++i) {
       float kt[4], qt[4], kc[4];
 #pragma unroll
@@ -347,7 +375,28 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep_kernel(const GdnRecArgs a,
         rec[lay.p + t * C + s] = qk[m][q] * d;
       }
   }
-  __syncthreads();
+  // The decayed q̂ and k̂ the scan multiplies the state with; then q̂'s space takes β v and k̂'s β e^G k̂.
+  const float g_last = G[C - 1];
+  for (int t = warp; t < C; t += kWarps) {
+    const float eq = expf(G[t]), ek = expf(g_last - G[t]);
+    for (int i = lane; i < dk; i += 32) {
+      rec[lay.qd + t * dk + i] = qs[t * ld + i] * eq;
+      rec[lay.kd + t * dk + i] = ks[t * ld + i] * ek;
+    }
+  }
+  if (tid == 0) rec[lay.dl] = expf(g_last);
+  __syncthreads();  // L complete; q̂ and k̂ read for the last time
+#pragma unroll
+  for (int tt = 0; tt < C / kWarps; ++tt) {
+    const int t = warp + kWarps * tt;
+    const float* vr = a.y + static_cast<size_t>(r0 + t) * a.ldy + 2 * Kd + static_cast<size_t>(h) * dv;
+#pragma unroll
+    for (int ii = 0; ii < kGdnChunkMaxDim / 32; ++ii) {
+      const int j = lane + 32 * ii;
+      if (j < dv) qs[t * ld + j] = t < n ? beta[t] * vr[j] : 0.0f;
+      if (j < dk) ks[t * ld + j] *= coef[t];
+    }
+  }
 
   // T = (I + L)⁻¹ by forward substitution: T[t][j] = -Σ_{j<=s<t} L[t][s] T[s][j] for j < t. Row t needs
   // the rows before it; thread j owns column j.
@@ -361,88 +410,135 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep_kernel(const GdnRecArgs a,
     __syncthreads();
   }
 
-  // W = T (β e^G k̂), U = T (β v), and the decayed q̂ and k̂ the scan multiplies the state with.
-  const float g_last = G[C - 1];
-  for (int idx = tid; idx < C * dk; idx += blockDim.x) {
-    const int t = idx / dk, i = idx % dk;
-    float acc = 0.0f;
-    for (int s = 0; s <= t; ++s) acc += Tm[t * ldc + s] * (coef[s] * ks[s * ld + i]);
-    rec[lay.w + idx] = acc;
-    rec[lay.qd + idx] = qs[t * ld + i] * expf(G[t]);
-    rec[lay.kd + idx] = ks[t * ld + i] * expf(g_last - G[t]);
+  // W = T (β e^G k̂), U = T (β v): thread (warp, lane) computes rows warp + 8m at columns lane + 32ii.
+  for (int j0 = 0; j0 < max(dk, dv); j0 += 32) {
+    const int j = j0 + lane;
+    float w[C / kWarps] = {}, u[C / kWarps] = {};
+    for (int s = 0; s < C; ++s) {
+      const float kb = j < dk ? ks[s * ld + j] : 0.0f, vb = j < dv ? qs[s * ld + j] : 0.0f;
+#pragma unroll
+      for (int m = 0; m < C / kWarps; ++m) {
+        const float tv = Tm[(warp + kWarps * m) * ldc + s];  // 0 above the diagonal
+        w[m] += tv * kb;
+        u[m] += tv * vb;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < C / kWarps; ++m) {
+      const int t = warp + kWarps * m;
+      if (j < dk) rec[lay.w + t * dk + j] = w[m];
+      if (j < dv) rec[lay.u + t * dv + j] = u[m];
+    }
   }
-  for (int idx = tid; idx < C * dv; idx += blockDim.x) {
-    const int t = idx / dv, j = idx % dv;
-    float acc = 0.0f;
-    for (int s = 0; s <= t; ++s) acc += Tm[t * ldc + s] * vs[s * ldv + j];
-    rec[lay.u + idx] = acc;
+}
+
+__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async4(float* smem, const float* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most one committed group is still in flight.
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+// Starts copying a [rows][cols] block (rows of `cols` floats) into shared memory rows of `ld` floats.
+__device__ __forceinline__ void stage_async(float* dst, int ld, const float* src, int rows, int cols) {
+  if ((cols & 3) == 0) {
+    const int q = cols / 4;
+    for (int idx = threadIdx.x; idx < rows * q; idx += blockDim.x) {
+      const int t = idx / q, i = (idx - t * q) * 4;
+      cp_async16(dst + t * ld + i, src + t * cols + i);
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < rows * cols; idx += blockDim.x) {
+      const int t = idx / cols;
+      cp_async4(dst + t * ld + (idx - t * cols), src + idx);
+    }
   }
-  if (tid == 0) rec[lay.dl] = expf(g_last);
 }
 
 // grid (nv, ceil(dv / 32)), block 256, dynamic shared memory gdn_scan_smem(dk). Thread (ty, tx) computes
 // rows ty and ty + 32 of each chunk (state rows ty + 32m in the update) at columns 4tx .. 4tx+3.
-__global__ void __launch_bounds__(256) gdn_chunk_scan_kernel(const GdnRecArgs a, int rows, const float* records) {
-  extern __shared__ float sh[];
-  constexpr int C = kGdnChunk, NC = kGdnScanCols, ldc = C + 1;
-  const int h = blockIdx.x, c0 = blockIdx.y * NC, dk = a.dk, dv = a.dv, ld = dk + 1;
-  float* B = sh;               // [C][ld] W, then e^G q̂, then e^(G_last-G) k̂
-  float* Pm = B + C * ld;      // [C][ldc]
-  float* Ss = Pm + C * ldc;    // [dk][NC] this block's state columns
-  float* vn = Ss + dk * NC;    // [C][NC] v_new
+// The record's three [C][dk] blocks go through two buffers with cp.async, each loaded while the phase
+// before the one that needs it runs: W(c) in buf[c&1] and e^G q̂(c) in the other; after phase 1 the
+// first takes e^(G_last-G) k̂(c); after phase 2 the second takes W(c+1) (and P(c+1)); after phase 3 the
+// first takes e^G q̂(c+1).
+__global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs a, int rows, const float* records) {
+  extern __shared__ float4 sh4[];
+  constexpr int C = kGdnChunk, NC = kGdnScanCols, ldp = kGdnScanLdP;
+  const int h = blockIdx.x, c0 = blockIdx.y * NC, dk = a.dk, dv = a.dv, ld = gdn_scan_ld(dk);
+  float* sh = reinterpret_cast<float*>(sh4);
+  float* Pm = sh + 2 * C * ld;   // [C][ldp]; the two [C][ld] buffers come first
+  float* Ss = Pm + C * ldp;      // [dk][NC] this block's state columns
+  float* vn = Ss + dk * NC;      // [C][NC] v_new
   const int tid = threadIdx.x, ty = tid / 8, tx = tid % 8, j0 = 4 * tx;
   const GdnChunkLayout lay(dk, dv);
+  const int chunks = (rows + C - 1) / C;
+  auto record = [&](int c) { return records + (static_cast<size_t>(c) * a.nv + h) * lay.size; };
+  stage_async(sh, ld, record(0) + lay.w, C, dk);
+  stage_async(Pm, ldp, record(0) + lay.p, C, C);
+  cp_async_commit();
+  stage_async(sh + C * ld, ld, record(0) + lay.qd, C, dk);
+  cp_async_commit();
   float* S = a.state + static_cast<size_t>(h) * dk * dv;
   for (int idx = tid; idx < dk * NC; idx += blockDim.x) {
     const int i = idx / NC, j = idx % NC;
     Ss[idx] = c0 + j < dv ? S[static_cast<size_t>(i) * dv + c0 + j] : 0.0f;
   }
-  auto stage = [&](const float* src) {  // a [C][dk] block of the record into B
-    for (int idx = tid; idx < C * dk; idx += blockDim.x) B[(idx / dk) * ld + idx % dk] = src[idx];
-  };
-  const int chunks = (rows + C - 1) / C;
   for (int c = 0; c < chunks; ++c) {
-    const float* rec = records + (static_cast<size_t>(c) * a.nv + h) * lay.size;
-    stage(rec + lay.w);
-    for (int idx = tid; idx < C * C; idx += blockDim.x) Pm[(idx / C) * ldc + idx % C] = rec[lay.p + idx];
+    const float* rec = record(c);
+    float* wb = sh + (c & 1) * C * ld;
+    float* qb = sh + ((c + 1) & 1) * C * ld;
+    const bool more = c + 1 < chunks;
+    float u[2][4];  // U's columns of this thread, read early
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int col = c0 + j0 + q;
+        u[m][q] = col < dv ? rec[lay.u + (ty + 32 * m) * dv + col] : 0.0f;
+      }
+    cp_async_wait1();  // W(c), P(c)
     __syncthreads();
 
-    // v_new = U - W S
+    // Phase 1: v_new = U - W S
     float acc[2][4] = {};
+#pragma unroll 4
     for (int i = 0; i < dk; ++i) {
       const float4 s4 = *reinterpret_cast<const float4*>(&Ss[i * NC + j0]);
-      const float w0 = B[ty * ld + i], w1 = B[(ty + 32) * ld + i];
+      const float w0 = wb[ty * ld + i], w1 = wb[(ty + 32) * ld + i];
       acc[0][0] += w0 * s4.x; acc[0][1] += w0 * s4.y; acc[0][2] += w0 * s4.z; acc[0][3] += w0 * s4.w;
       acc[1][0] += w1 * s4.x; acc[1][1] += w1 * s4.y; acc[1][2] += w1 * s4.z; acc[1][3] += w1 * s4.w;
     }
 #pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const int t = ty + 32 * m;
+    for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int col = c0 + j0 + q;
-        const float u = col < dv ? rec[lay.u + t * dv + col] : 0.0f;
-        vn[t * NC + j0 + q] = u - acc[m][q];
-      }
-    }
+      for (int q = 0; q < 4; ++q) vn[(ty + 32 * m) * NC + j0 + q] = u[m][q] - acc[m][q];
+    __syncthreads();
+    stage_async(wb, ld, rec + lay.kd, C, dk);
+    cp_async_commit();
+    cp_async_wait1();  // e^G q̂(c)
     __syncthreads();
 
-    // out = (e^G q̂) S + P v_new
-    stage(rec + lay.qd);
-    __syncthreads();
+    // Phase 2: out = (e^G q̂) S + P v_new
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[m][q] = 0.0f;
+#pragma unroll 4
     for (int i = 0; i < dk; ++i) {
       const float4 s4 = *reinterpret_cast<const float4*>(&Ss[i * NC + j0]);
-      const float w0 = B[ty * ld + i], w1 = B[(ty + 32) * ld + i];
+      const float w0 = qb[ty * ld + i], w1 = qb[(ty + 32) * ld + i];
       acc[0][0] += w0 * s4.x; acc[0][1] += w0 * s4.y; acc[0][2] += w0 * s4.z; acc[0][3] += w0 * s4.w;
       acc[1][0] += w1 * s4.x; acc[1][1] += w1 * s4.y; acc[1][2] += w1 * s4.z; acc[1][3] += w1 * s4.w;
     }
+#pragma unroll 4
     for (int s = 0; s < C; ++s) {
       const float4 v4 = *reinterpret_cast<const float4*>(&vn[s * NC + j0]);
-      const float p0 = Pm[ty * ldc + s], p1 = Pm[(ty + 32) * ldc + s];
+      const float p0 = Pm[ty * ldp + s], p1 = Pm[(ty + 32) * ldp + s];
       acc[0][0] += p0 * v4.x; acc[0][1] += p0 * v4.y; acc[0][2] += p0 * v4.z; acc[0][3] += p0 * v4.w;
       acc[1][0] += p1 * v4.x; acc[1][1] += p1 * v4.y; acc[1][2] += p1 * v4.z; acc[1][3] += p1 * v4.w;
     }
@@ -456,21 +552,27 @@ __global__ void __launch_bounds__(256) gdn_chunk_scan_kernel(const GdnRecArgs a,
       }
     }
     __syncthreads();
-
-    // S = e^(G_last) S + (e^(G_last-G) k̂)ᵀ v_new
-    stage(rec + lay.kd);
+    if (more) {
+      stage_async(qb, ld, record(c + 1) + lay.w, C, dk);
+      stage_async(Pm, ldp, record(c + 1) + lay.p, C, C);
+    }
+    cp_async_commit();
+    const float dl = rec[lay.dl];
+    cp_async_wait1();  // e^(G_last-G) k̂(c)
     __syncthreads();
+
+    // Phase 3: S = e^(G_last) S + (e^(G_last-G) k̂)ᵀ v_new
     float up[4][4] = {};
+#pragma unroll 4
     for (int t = 0; t < C; ++t) {
       const float4 v4 = *reinterpret_cast<const float4*>(&vn[t * NC + j0]);
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const int i = ty + 32 * m;
-        const float kd = i < dk ? B[t * ld + i] : 0.0f;
+        const float kd = i < dk ? wb[t * ld + i] : 0.0f;
         up[m][0] += kd * v4.x; up[m][1] += kd * v4.y; up[m][2] += kd * v4.z; up[m][3] += kd * v4.w;
       }
     }
-    const float dl = rec[lay.dl];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       const int i = ty + 32 * m;
@@ -479,7 +581,10 @@ __global__ void __launch_bounds__(256) gdn_chunk_scan_kernel(const GdnRecArgs a,
         for (int q = 0; q < 4; ++q) Ss[i * NC + j0 + q] = dl * Ss[i * NC + j0 + q] + up[m][q];
     }
     __syncthreads();
+    if (more) stage_async(wb, ld, record(c + 1) + lay.qd, C, dk);
+    cp_async_commit();
   }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
   for (int idx = tid; idx < dk * NC; idx += blockDim.x) {
     const int i = idx / NC, j = idx % NC;
     if (c0 + j < dv) S[static_cast<size_t>(i) * dv + c0 + j] = Ss[idx];
@@ -839,6 +944,16 @@ __global__ void moe_combine_kernel(const float* y, int ldy, const ExpertPair* pa
 
 void init_kernels() {
   init_gemv();
+  // Kernels take their scratch with cudaMallocAsync (split-K partials, activation fragments, the chunked
+  // delta rule's records: ~110 MB per 1,024-row prefill chunk at the released geometry). By default the
+  // pool hands memory back to the driver at every synchronisation, so each prefill chunk would map it
+  // again; keep up to 512 MB pooled instead.
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  cudaMemPool_t pool;
+  CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t keep = uint64_t{512} << 20;
+  CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(gdn_prep_smem(kGdnChunkMaxDim, kGdnChunkMaxDim))));
   CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -914,7 +1029,7 @@ void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream) {
                           stream>>>(a, rows, records);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(records, stream));
-  gdn_out_norm_kernel<<<dim3(a.nv, rows), static_cast<unsigned>(round_up(a.dv, 32)), 0, stream>>>(a);
+  gdn_out_norm_rows_kernel<<<rows, 256, 0, stream>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 
