@@ -17,6 +17,18 @@ fi
 export LD_LIBRARY_PATH=$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 CUDA_BIN=${CUDA_BIN:-/usr/local/cuda/bin}
 NCU=$(command -v ncu || echo "$CUDA_BIN/ncu")
+# CK_NCU_DURATIONS=1: only each kernel's duration, as CSV ($OUT/ncu_durations.csv), for every launch
+# in the window (graph nodes one by one): where a decode step's or a prefill's GPU time goes, summed
+# per kernel name by scripts/ncu_sum.py.
+if [ "${CK_NCU_DURATIONS:-0}" = 1 ]; then
+  timeout "${CK_NCU_TIMEOUT:-400}" "$NCU" --cache-control none --clock-control none --metrics gpu__time_duration.sum \
+    --csv --print-units base -k "${CK_NCU_KERNEL:-regex:.}" --launch-skip "${CK_NCU_SKIP:-0}" \
+    --launch-count "${CK_NCU_COUNT:-1000}" "$D/bench_cuda" ${CK_NCU_ARGS:---synth-layers 16 --prefill "" --decode-rows 1 --decode-steps 0 --no-kernels} \
+    > "$OUT/ncu_durations.csv" 2> "$OUT/ncu_durations.log"
+  echo "ncu rc=$?" >> "$OUT/ncu_durations.log"
+  python3 scripts/ncu_sum.py "$OUT/ncu_durations.csv"
+  exit 0
+fi
 timeout "${CK_NCU_TIMEOUT:-240}" "$NCU" --cache-control none --clock-control none \
   -k "${CK_NCU_KERNEL:-regex:gemv_q_kernel}" --launch-skip "${CK_NCU_SKIP:-0}" --launch-count "${CK_NCU_COUNT:-1}" \
   --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \

@@ -643,11 +643,13 @@ __global__ void __launch_bounds__(256, V3 ? 3 : 1) expert_down_q_kernel(const Ex
 // code i+4 high); step s of the group's 4 k16 steps takes pairs 2(s&1) and 2(s&1)+1 of word s/2.
 // tc4_frag_kernel writes the B fragments (the x parts at the same physical columns) once per call, in
 // the order lanes read them, so every warp loads them with one coalesced 8-byte load per step.
-// Where v4 wins (kernel lab, H200, docs/performance.md): 2-8 activation rows on matrices of >= 1024
-// rows and >= 1024 columns (in_proj 8 rows: 77.6 -> 30.9 us), and one row only on the LM head (272 ->
-// 228 us); one row on the other projections stays on v3 (its extra fragment kernel costs more than
-// the MMAs save), as do short K (the hyper-connection up projection, K = 320).
-constexpr int kTcMinRows = 1024, kTcMinCols = 1024, kTcMinRowsOneRow = 65536;
+// Where v4 wins (H200, docs/performance.md): 2-8 activation rows on matrices of >= 1024 rows and
+// >= 1024 columns (kernel lab: in_proj 8 rows 77.6 -> 30.9 us), and one row on jobs of >= 4096 rows in
+// all (the LM head 272 -> 228 us; the DeltaNet in_proj and the attention q/k/v projections: decode
+// 312 -> 329 tok/s end to end). The kernel lab timed back-to-back direct launches, which the host's
+// launch cost bounds at ~20 us, so it hid the gain at one row on the projections: decode runs as a
+// graph. Short K (the hyper-connection up projection, K = 320) stays on v3.
+constexpr int kTcMinRows = 1024, kTcMinCols = 1024, kTcMinRowsOneRow = 4096;
 
 struct TcLaunch {
   GemvJob job[kMaxGemvJobs];
@@ -813,7 +815,12 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
     if (!w.quantized() || w.fmt.bits != 4 || w.fmt.group % 64 != 0 || w.cols % w.fmt.group != 0) return false;
     total_rows += w.rows;
   }
-  if (total_rows < (rows == 1 ? kTcMinRowsOneRow : kTcMinRows) || jobs[0].w.cols < kTcMinCols) return false;
+  // CK_GEMV_TC_ONE_ROW=N moves the one-row threshold (total rows of the jobs) to compare.
+  static const int one_row_min = [] {
+    const char* e = std::getenv("CK_GEMV_TC_ONE_ROW");
+    return e ? std::max(1, std::atoi(e)) : kTcMinRowsOneRow;
+  }();
+  if (total_rows < (rows == 1 ? one_row_min : kTcMinRows) || jobs[0].w.cols < kTcMinCols) return false;
   TcLaunch L{};
   L.n_jobs = n_jobs;
   L.groups = jobs[0].w.cols / 64;

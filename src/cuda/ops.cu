@@ -25,6 +25,39 @@ __global__ void rmsnorm_grouped_kernel(const float* x, int64_t group, const floa
   for (int64_t i = threadIdx.x; i < group; i += blockDim.x) orow[i] = (xr[i] * r) * scale[g0 + i];
 }
 
+// The same norm for one wide group per row (the hyper-connections' W = S*H, up to 16 float4 per
+// thread): x read once with 16-byte loads into registers, issued together. grid (n / group, rows),
+// block 1024. Preconditions: group % 4 == 0, group <= 4 * 4 * 1024, x, out, scale and ld 16-byte aligned.
+__global__ void __launch_bounds__(1024) rmsnorm_wide_kernel(const float* x, int64_t group,
+                                                            const float* __restrict__ scale, float eps, float* out,
+                                                            int64_t ld) {
+  __shared__ float scratch[32];
+  const int64_t g0 = static_cast<int64_t>(blockIdx.x) * group;
+  const float4* xr = reinterpret_cast<const float4*>(x + blockIdx.y * ld + g0);
+  const float4* sr = reinterpret_cast<const float4*>(scale + g0);
+  float4* orow = reinterpret_cast<float4*>(out + blockIdx.y * ld + g0);
+  const int n4 = static_cast<int>(group / 4);
+  float4 v[4];
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    v[k] = i < n4 ? xr[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+  ss = block_sum(ss, scratch);
+  const float r = 1.0f / sqrtf(ss / static_cast<float>(group) + eps);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < n4) {
+      const float4 s = sr[i];
+      orow[i] = make_float4((v[k].x * r) * s.x, (v[k].y * r) * s.y, (v[k].z * r) * s.z, (v[k].w * r) * s.w);
+    }
+  }
+}
+
 // grid (rows), block multiple of 32.
 __global__ void l2norm_kernel(float* x, int64_t n, float eps, int64_t ld) {
   __shared__ float scratch[32];
@@ -109,7 +142,14 @@ void rmsnorm_grouped(const float* x, int64_t n, int64_t group, const float* scal
                      int64_t ld, cudaStream_t stream) {
   CK_REQUIRE(group > 0 && n % group == 0 && rows >= 1, "invariant");
   dim3 grid(static_cast<unsigned>(n / group), static_cast<unsigned>(rows));
-  rmsnorm_grouped_kernel<<<grid, block_for(group), 0, stream>>>(x, group, scale, eps, out, ld);
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (group >= 2048 && group % 4 == 0 && group <= 16 * 1024 && ld % 4 == 0 && aligned(x) && aligned(out) &&
+      aligned(scale)) {
+    // One block of 256 threads looping over 10,240 floats took 7.9 us per call (36 calls per decode step).
+    rmsnorm_wide_kernel<<<grid, 1024, 0, stream>>>(x, group, scale, eps, out, ld);
+  } else {
+    rmsnorm_grouped_kernel<<<grid, block_for(group), 0, stream>>>(x, group, scale, eps, out, ld);
+  }
   CUDA_CHECK_LAUNCH();
 }
 

@@ -509,7 +509,8 @@ TEST(CudaOps, RouterSoftmaxTopkAndTable) {
 TEST(CudaOps, NormsAndRope) {
   REQUIRE_GPU();
   std::mt19937_64 rng(11);
-  for (auto [n, group] : {std::pair{1, 1}, std::pair{48, 16}, std::pair{10240, 2560}, std::pair{300, 300}, std::pair{96, 32}}) {
+  for (auto [n, group] : {std::pair{1, 1}, std::pair{48, 16}, std::pair{10240, 2560}, std::pair{10240, 10240},
+                              std::pair{300, 300}, std::pair{96, 32}, std::pair{4100, 4100}}) {
     const int rows = 5, ld = n + 4;
     std::vector<float> x = randn(rows * ld, rng, 3.0f), scale = randn(n, rng);
     std::vector<float> ref(rows * n), got(rows * n);

@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""Sums the kernel durations of `ncu --csv --metrics gpu__time_duration.sum` (scripts/gpu_ncu.sh with
+CK_NCU_DURATIONS=1) per kernel name, largest first.
+    python3 scripts/ncu_sum.py ncu_durations.csv [--top 30] [--skip-before REGEX]
+--skip-before drops every launch before the first whose name matches (e.g. the benchmark's setup)."""
+import argparse
+import collections
+import csv
+import io
+import re
+import sys
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("csv")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--skip-before", default="")
+    a = ap.parse_args()
+    text = open(a.csv, errors="replace").read()
+    start = text.find('"ID"')  # ncu prints its own log lines before the table
+    if start < 0:
+        sys.exit(f"{a.csv}: no ncu CSV table")
+    rows = [r for r in csv.DictReader(io.StringIO(text[start:])) if r.get("Metric Name") == "gpu__time_duration.sum"]
+    if a.skip_before:
+        first = next((i for i, r in enumerate(rows) if re.search(a.skip_before, r["Kernel Name"])), 0)
+        rows = rows[first:]
+    total = collections.Counter()
+    count = collections.Counter()
+    for r in rows:
+        name = re.sub(r"\(.*", "", r["Kernel Name"])  # drop the argument list
+        total[name] += float(r["Metric Value"].replace(",", ""))
+        count[name] += 1
+    all_ns = sum(total.values())
+    print(f"{len(rows)} launches, {all_ns / 1e6:.3f} ms of kernel time")
+    for name, ns in total.most_common(a.top):
+        print(f"{100 * ns / all_ns:5.1f}%  {ns / 1e6:8.3f} ms  {count[name]:5d} x {ns / count[name] / 1e3:8.2f} us  {name[:100]}")
+
+
+if __name__ == "__main__":
+    main()
