@@ -661,13 +661,19 @@ struct TcLaunch {
   const float* gsum;                     // [groups][8 NB]: Σ x of the group on each row's hi column
 };
 
-// grid (groups), block 128: group blockIdx.x's B fragments for R activation rows (nx real; the other
-// columns zero), and its Σ x per column (one warp per column, a fixed shuffle order).
+// grid (groups, vectors), block 128: group blockIdx.x's B fragments for R activation rows (nx real;
+// the other columns zero), and its Σ x per column (one warp per column, a fixed shuffle order). With
+// several vectors (gridDim.y > 1, R = 1: the decode experts' inputs), vector v's rows start at
+// x + v * vec_x and its fragments and sums at frag + v * vec_frag, gsum + v * vec_gsum.
 template <int R>
 __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__ x, int ldx, int nx, uint2* frag,
-                                                       float* gsum) {
+                                                       float* gsum, int64_t vec_x = 0, int64_t vec_frag = 0,
+                                                       int64_t vec_gsum = 0) {
   constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
   const int G = blockIdx.x;
+  x += blockIdx.y * vec_x;
+  frag += blockIdx.y * vec_frag;
+  gsum += blockIdx.y * vec_gsum;
   for (int e = threadIdx.x; e < 4 * NB * 32; e += blockDim.x) {
     const int lane_e = e & 31, nb = (e >> 5) % NB, s = e / (32 * NB);
     const int t = lane_e >> 3, n = nb * 8 + (lane_e & 7), r = n / 3, p = n % 3;
@@ -769,6 +775,110 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
     }
     jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue((c[0] + c[1]) + c[2], jb.epi, jb.epi_arg);
   }
+}
+
+// Decode experts on the tensor cores (v4 arithmetic, one activation vector per pair): warp (pair, tile
+// of 16 rows, part) runs the gemv_tc4_kernel loop over its part of the pair's groups with the
+// fragments of the pair's vector (GATE_UP: row pairs[p].x_row of x, both gate and up; otherwise row p
+// of h through down). Each pair's matrices are read from its device-side view (any 4-bit form in
+// groups of 64k, bf16/f16/f32 scales), so the kernel follows the expert table like the v3 kernels.
+// GATE_UP writes h[p] = silu(gate x) * (up x); otherwise y[p] = down h[p]. grid: tiles / (8 / ks).
+template <bool GATE_UP>
+__global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const ExpertPair* __restrict__ pairs, int n_pairs,
+                                                            int tiles_per_pair, int ks, const uint2* __restrict__ frag,
+                                                            const float* __restrict__ gsum, int vec_groups,
+                                                            float* __restrict__ out, int ldo) {
+  constexpr int NM = GATE_UP ? 2 : 1;
+  __shared__ float red[8][NM][16][4];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int part = warp % ks, tile_all = blockIdx.x * (8 / ks) + warp / ks;
+  const int p = tile_all / tiles_per_pair, row0 = (tile_all % tiles_per_pair) * 16;
+  DMatrix w[NM];
+  bool valid = p < n_pairs;
+  int vec = 0;
+  if (valid) {
+    const ExpertPair& pr = pairs[p];
+    w[0] = GATE_UP ? pr.gate : pr.down;
+    if constexpr (GATE_UP) w[NM - 1] = pr.up;
+    vec = GATE_UP ? pr.x_row : p;
+    valid = row0 < w[0].rows;
+  }
+  float acc[NM][4] = {};
+  if (valid) {
+    const int groups = w[0].cols / 64, per = (groups + ks - 1) / ks;
+    const int G0 = min(groups, part * per), G1 = min(groups, G0 + per);
+    const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * 4 * 32 + t * 8 + g;
+    const float* gv = gsum + static_cast<size_t>(vec) * vec_groups * 8;
+    const uint8_t* pa[NM];
+    const uint8_t* pb[NM];
+    int ra[NM], rb[NM], gpg[NM];
+    size_t n_groups[NM];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      ra[m] = min(row0 + g, w[m].rows - 1);
+      rb[m] = min(row0 + g + 8, w[m].rows - 1);
+      const size_t row_bytes = static_cast<size_t>(w[m].cols) / 2;
+      pa[m] = w[m].data + ra[m] * row_bytes + 8 * t;
+      pb[m] = w[m].data + rb[m] * row_bytes + 8 * t;
+      n_groups[m] = w[m].cols / w[m].fmt.group;
+      gpg[m] = w[m].fmt.group / 64;
+    }
+#pragma unroll 2
+    for (int G = G0; G < G1; ++G) {
+      const float x0 = __ldg(gv + G * 8 + 2 * t), x1 = __ldg(gv + G * 8 + 2 * t + 1);
+      uint2 b[4];
+#pragma unroll
+      for (int st = 0; st < 4; ++st) b[st] = __ldg(fv + (static_cast<size_t>(G) * 4 + st) * 32);
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        const uint2 wa = __ldg(reinterpret_cast<const uint2*>(pa[m] + G * 32));
+        const uint2 wb = __ldg(reinterpret_cast<const uint2*>(pb[m] + G * 32));
+        const size_t sg = G / gpg[m];
+        const uint8_t sk = w[m].fmt.scale_kind;
+        const float sa = load_scale_elem(w[m].scales, ra[m] * n_groups[m] + sg, sk);
+        const float ba = load_scale_elem(w[m].biases, ra[m] * n_groups[m] + sg, sk);
+        const float sb = load_scale_elem(w[m].scales, rb[m] * n_groups[m] + sg, sk);
+        const float bb = load_scale_elem(w[m].biases, rb[m] * n_groups[m] + sg, sk);
+        float d[4] = {};  // the group's Σ q x, fresh per group
+#pragma unroll
+        for (int st = 0; st < 4; ++st) {
+          const uint32_t xa = (st >> 1) ? wa.y : wa.x, xb = (st >> 1) ? wb.y : wb.x;
+          const int i0 = 2 * (st & 1);
+          mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b[st].x,
+                   b[st].y);
+        }
+        acc[m][0] = fmaf(sa, d[0], fmaf(ba, x0, acc[m][0]));
+        acc[m][1] = fmaf(sa, d[1], fmaf(ba, x1, acc[m][1]));
+        acc[m][2] = fmaf(sb, d[2], fmaf(bb, x0, acc[m][2]));
+        acc[m][3] = fmaf(sb, d[3], fmaf(bb, x1, acc[m][3]));
+      }
+    }
+  }
+  // Columns 0-2 (hi, mid, lo of the one vector) live in lanes t = 0 (0, 1) and t = 1 (2).
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+    if (t < 2) {
+      red[warp][m][g][2 * t] = acc[m][0];
+      red[warp][m][g + 8][2 * t] = acc[m][2];
+      if (t == 0) {
+        red[warp][m][g][1] = acc[m][1];
+        red[warp][m][g + 8][1] = acc[m][3];
+      }
+    }
+  __syncthreads();
+  if (part != 0 || !valid || lane >= 16 || row0 + lane >= w[0].rows) return;
+  float v[NM];
+#pragma unroll
+  for (int m = 0; m < NM; ++m) {
+    float c[3];
+    for (int q = 0; q < 3; ++q) {
+      float sum = 0.0f;
+      for (int k = 0; k < ks; ++k) sum += red[warp + k][m][lane][q];
+      c[q] = sum;
+    }
+    v[m] = (c[0] + c[1]) + c[2];
+  }
+  out[static_cast<size_t>(p) * ldo + row0 + lane] = GATE_UP ? siluf_(v[0]) * v[NM - 1] : v[0];
 }
 
 int g_gemv_version = 0;  // 0: not yet read from the environment
@@ -1053,6 +1163,52 @@ void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hid
   dim3 grid(static_cast<unsigned>(ceil_div(max_inter, M)), static_cast<unsigned>(n_pairs));
   expert_gate_up_kernel<M><<<grid, threads_for_units(ceil_div(hidden, 8)), 0, stream>>>(pairs, x, ldx, h, ldh);
   CUDA_CHECK_LAUNCH();
+}
+
+bool expert_tc4_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("CK_EXPERT_TC4");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on && q_arith() == 4;
+}
+
+namespace {
+// Fragments of n_vec vectors of K = 64 * groups floats (rows of x at ldx), then expert_tc4_kernel over
+// n_pairs pairs of at most max_rows rows. Split each tile's groups over more warps while there are too
+// few warps for the memory pipes (as gemv_tc4), each keeping at least 4 groups.
+template <bool GATE_UP>
+void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int groups, const float* x, int ldx,
+                       int n_vec, float* out, int ldo, cudaStream_t s) {
+  const size_t frag_elems = static_cast<size_t>(groups) * 4 * 32;
+  uint8_t* scratch = nullptr;
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch),
+                             n_vec * (frag_elems * sizeof(uint2) + sizeof(float) * groups * 8), s));
+  uint2* frag = reinterpret_cast<uint2*>(scratch);
+  float* gsum = reinterpret_cast<float*>(scratch + n_vec * frag_elems * sizeof(uint2));
+  tc4_frag_kernel<1><<<dim3(static_cast<unsigned>(groups), static_cast<unsigned>(n_vec)), 128, 0, s>>>(
+      x, ldx, 1, frag, gsum, ldx, static_cast<int64_t>(frag_elems), static_cast<int64_t>(groups) * 8);
+  CUDA_CHECK_LAUNCH();
+  const int tiles_per_pair = static_cast<int>(ceil_div(max_rows, 16)), tiles = n_pairs * tiles_per_pair;
+  int ks = 1;
+  while (ks < 8 && tiles * ks < sm_count() * 16 && groups >= 8 * ks) ks *= 2;
+  expert_tc4_kernel<GATE_UP><<<static_cast<unsigned>(ceil_div(tiles, 8 / ks)), 256, 0, s>>>(
+      pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out, ldo);
+  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(cudaFreeAsync(scratch, s));
+}
+}  // namespace
+
+void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
+                        int x_rows, float* h, int ldh, cudaStream_t stream) {
+  CK_REQUIRE(n_pairs >= 1 && x_rows >= 1 && hidden % 64 == 0 && max_inter >= 1, "invariant");
+  launch_expert_tc4<true>(pairs, n_pairs, max_inter, hidden / 64, x, ldx, x_rows, h, ldh, stream);
+}
+
+void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
+                     int ldy, cudaStream_t stream) {
+  CK_REQUIRE(n_pairs >= 1 && max_inter % 64 == 0 && hidden >= 1, "invariant");
+  launch_expert_tc4<false>(pairs, n_pairs, hidden, max_inter / 64, h, ldh, n_pairs, y, ldy, stream);
 }
 
 void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,

@@ -65,6 +65,16 @@ void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hid
 void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
                  int ldy, bool codes48, cudaStream_t stream);
 
+// The same two products on the tensor cores (the v4 GEMV arithmetic, gemv.cu), for the decode steps.
+// Preconditions: every pair's matrices are 4-bit codes in groups of 64k (expert_q4_ok), hidden and
+// max_inter multiples of 64; x has x_rows rows (the pairs' x_row values). expert_tc4_enabled():
+// the GEMV arithmetic is v4 and CK_EXPERT_TC4 is not 0.
+bool expert_tc4_enabled();
+void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
+                        int x_rows, float* h, int ldh, cudaStream_t stream);
+void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
+                     int ldy, cudaStream_t stream);
+
 // The same expert products for a prefill chunk, grouped per expert (gemm.cu): group_pairs sorts the
 // pairs by ExpertPair::group (n_groups = n_experts + 1, the shared expert last) into `order` and cuts
 // each group into tiles of at most kGroupRows pairs; the grouped kernels then read each expert's

@@ -567,8 +567,13 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
       }
       mark("moe experts");
     } else {
-      expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, mo.codes48, stream_);
-      expert_down(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, mo.codes48, stream_);
+      if (mo.q4 && expert_tc4_enabled() && H % 64 == 0) {
+        expert_gate_up_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, rows, b.mh, b.ldMI, stream_);
+        expert_down_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, stream_);
+      } else {
+        expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, mo.codes48, stream_);
+        expert_down(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, mo.codes48, stream_);
+      }
       mark("moe experts");
     }
     moe_combine(b.my, b.ldH, b.pairs, k, b.mgl, 4, b.o, b.ldH, H, rows, stream_);

@@ -259,12 +259,13 @@ TEST(CudaOps, GemvMultiJobWithEpilogues) {
   REQUIRE_GPU();
   // Mixed formats (v1 path), then all codes under v2 and v1 (split K over blocks: few rows), then
   // three tall-enough 4-bit jobs: 5 rows (the tensor-core GEMV, 3 MMAs per step), then 70 rows over
-  // enough features for prefill's factored 4-bit GEMM (gemm_q4).
-  for (int variant = 0; variant < 5; ++variant) {
+  // enough features for prefill's factored 4-bit GEMM (gemm_q4), then one row over 4,175 rows of
+  // 4-bit jobs (the tensor-core GEMV at one row, as for the DeltaNet in_proj).
+  for (int variant = 0; variant < 6; ++variant) {
   set_gemv_version(variant == 2 ? 1 : 2);
   std::mt19937_64 rng(77 + variant);
-  const int cols = variant >= 3 ? 3840 : variant ? 2560 : 64, rows = variant == 4 ? 70 : variant ? 5 : 3, ldx = cols;
-  const int na = variant == 4 ? 12000 : variant == 3 ? 1000 : 40, ld_a = na;
+  const int cols = variant >= 3 ? 3840 : variant ? 2560 : 64, rows = variant == 5 ? 1 : variant == 4 ? 70 : variant ? 5 : 3, ldx = cols;
+  const int na = variant == 5 ? 4100 : variant == 4 ? 12000 : variant == 3 ? 1000 : 40, ld_a = na;
   const WeightForm q4{DType::U32, 4, 64, DType::BF16}, q8{DType::U32, 8, 64, DType::BF16};
   HostMatrix a = make_matrix(na, cols, variant ? q4 : WeightForm{DType::U32, 4, 32, DType::BF16}, rng);
   HostMatrix b = make_matrix(5, cols, variant >= 3 ? q4 : variant ? q8 : WeightForm{DType::BF16}, rng);
@@ -318,17 +319,22 @@ void cpu_expert(const Matrix& gate, const Matrix& up, const Matrix& down, const 
 
 TEST(CudaOps, ExpertProductsThroughPairViews) {
   REQUIRE_GPU();
-  for (int variant = 0; variant < 3; ++variant) {  // mixed formats; then 4/8-bit codes only, v2 and v1
-  const bool codes48 = variant > 0;
+  // Mixed formats; then 4/8-bit codes only, v2 and v1; then 4-bit codes only (groups of 64 and 128,
+  // bf16/f16/f32 scales) through the tensor-core decode kernels (expert_*_tc4), at 3 activation rows.
+  for (int variant = 0; variant < 4; ++variant) {
+  const bool codes48 = variant > 0, tc4 = variant == 3;
   set_gemv_version(variant == 2 ? 1 : 2);
   std::mt19937_64 rng(99 + variant);
   // Every intermediate size is a multiple of every group below (the 2026-11-29 GPU run had SI = 320
   // with a group-128 form: a matrix the uploader rejects, which this test then used anyway).
-  const int H = codes48 ? 2560 : 128, I = codes48 ? 640 : 128, SI = codes48 ? 384 : 64, k = 3, rows = 2;
-  const WeightForm forms[] = {WeightForm{DType::U32, 4, 64, DType::BF16},
+  const int H = codes48 ? 2560 : 128, I = codes48 ? 640 : 128, SI = codes48 ? 384 : 64, k = 3, rows = tc4 ? 3 : 2;
+  const WeightForm mixed[] = {WeightForm{DType::U32, 4, 64, DType::BF16},
                               codes48 ? WeightForm{DType::U32, 8, 64, DType::BF16} : WeightForm{DType::U32, 3, 32, DType::BF16},
                               codes48 ? WeightForm{DType::U32, 4, 32, DType::F16} : WeightForm{DType::BF16},
                               codes48 ? WeightForm{DType::U32, 4, 128, DType::F32} : WeightForm{DType::F32}};
+  const WeightForm q4only[] = {WeightForm{DType::U32, 4, 64, DType::BF16}, WeightForm{DType::U32, 4, 128, DType::BF16},
+                               WeightForm{DType::U32, 4, 64, DType::F16}, WeightForm{DType::U32, 4, 128, DType::F32}};
+  const WeightForm* forms = tc4 ? q4only : mixed;
   DeviceArena arena;
   DenseUploader up(&arena);
   struct Ex { HostMatrix g, u, d; };
@@ -354,8 +360,15 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
   DeviceBuffer<float> xd, hd(n_pairs * ldh), yd(n_pairs * ldy);
   CUDA_CHECK(cudaMemset(yd.get(), 0xff, yd.bytes()));  // poison: every output must be written
   DeviceBuffer<ExpertPair> pd;
-  expert_gate_up(to_device(pairs, &pd), n_pairs, std::max(I, SI), H, to_device(x, &xd), H, hd.get(), ldh, codes48, nullptr);
-  expert_down(pd.get(), n_pairs, std::max(I, SI), H, hd.get(), ldh, yd.get(), ldy, codes48, nullptr);
+  if (tc4) {
+    expert_gate_up_tc4(to_device(pairs, &pd), n_pairs, std::max(I, SI), H, to_device(x, &xd), H, rows, hd.get(), ldh,
+                       nullptr);
+    expert_down_tc4(pd.get(), n_pairs, std::max(I, SI), H, hd.get(), ldh, yd.get(), ldy, nullptr);
+  } else {
+    expert_gate_up(to_device(pairs, &pd), n_pairs, std::max(I, SI), H, to_device(x, &xd), H, hd.get(), ldh, codes48,
+                   nullptr);
+    expert_down(pd.get(), n_pairs, std::max(I, SI), H, hd.get(), ldh, yd.get(), ldy, codes48, nullptr);
+  }
   std::vector<float> hh = to_host(hd.get(), n_pairs * ldh), yh = to_host(yd.get(), n_pairs * ldy);
   for (int p = 0; p < n_pairs; ++p) {
     const Ex& e = ex[p];
