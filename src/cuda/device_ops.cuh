@@ -95,39 +95,4 @@ __device__ __forceinline__ void block_topk(const float* v, int n, int k, int* ou
   }
 }
 
-// block_topk's result for one warp (call from all 32 lanes of a warp that is the whole block), without
-// barriers: each lane keeps the best unused value among its own indices (i % 32 == lane); a round is a
-// warp argmax over those, and only the winner's lane rescans its indices. flags: n bytes of shared
-// memory, touched by each index's own lane only.
-__device__ __forceinline__ void warp_topk(const float* v, int n, int k, int* out, uint8_t* flags) {
-  const int lane = threadIdx.x & 31;
-  for (int i = lane; i < n; i += 32) flags[i] = 0;
-  float mv = -INFINITY;
-  int mi = INT_MAX;
-  auto rescan = [&]() {
-    mv = -INFINITY;
-    mi = INT_MAX;
-    for (int i = lane; i < n; i += 32)
-      if (!flags[i] && arg_better(v[i], i, mv, mi)) { mv = v[i]; mi = i; }
-  };
-  rescan();
-  for (int t = 0; t < k; ++t) {
-    float bv = mv;
-    int bi = mi;
-    warp_argmax(bv, bi);
-    if (bi == INT_MAX) {  // only NaNs left: take the lowest unused index
-      int low = INT_MAX;
-      for (int i = lane; i < n; i += 32)
-        if (!flags[i]) { low = i; break; }
-      bi = __reduce_min_sync(0xffffffffu, low);
-    }
-    if (lane == 0) out[t] = bi;
-    if ((bi & 31) == lane) {
-      flags[bi] = 1;
-      rescan();
-    }
-  }
-  __syncwarp();
-}
-
 }  // namespace ck::cuda

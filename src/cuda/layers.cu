@@ -876,78 +876,36 @@ __global__ void ple_conv_kernel(const PleConvArgs a, const StepParams* sp, int r
 
 // ------------------------------------------------------------------ MoE
 
-// Top-k of a row's router probabilities held in registers: lane l owns experts l, l + 32, ...
-// (at most 32 each, E <= 1024), a bit mask marks the chosen ones; a round is a warp argmax over each
-// lane's best, and the winner's lane rescans its registers (block_topk's order and ties).
-__device__ __forceinline__ void warp_topk_regs(const float (&pv)[32], int E, int k, int* top) {
-  const int lane = threadIdx.x & 31;
-  uint32_t taken = 0;
-  float mv;
-  int mi;
-  auto rescan = [&]() {
-    mv = -INFINITY;
-    mi = INT_MAX;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int e = lane + 32 * j;
-      if (e < E && !((taken >> j) & 1u) && arg_better(pv[j], e, mv, mi)) { mv = pv[j]; mi = e; }
-    }
-  };
-  rescan();
-  for (int t = 0; t < k; ++t) {
-    float bv = mv;
-    int bi = mi;
-    warp_argmax(bv, bi);
-    if (bi == INT_MAX) {  // only NaNs left: take the lowest unused index
-      int low = INT_MAX;
-#pragma unroll
-      for (int j = 31; j >= 0; --j)
-        if (lane + 32 * j < E && !((taken >> j) & 1u)) low = lane + 32 * j;
-      bi = __reduce_min_sync(0xffffffffu, low);
-    }
-    if (lane == 0) top[t] = bi;
-    if ((bi & 31) == lane) {
-      taken |= 1u << (bi >> 5);
-      rescan();
-    }
-  }
-  __syncwarp();
-}
-
-// grid (rows), block 32: one warp per row, no block barriers (256 threads took 9.5 us per call at 512
-// experts, mostly in k rounds of a block argmax). Dynamic shared memory E floats + E bytes.
+// grid (rows), block 256, dynamic shared memory E floats + E bytes.
 __global__ void moe_route_kernel(const MoeRouteArgs a) {
   extern __shared__ float prob[];
+  __shared__ float scratch[32];
+  __shared__ float sv[32];
+  __shared__ int si[32];
   __shared__ int top[64];
   __shared__ float top_sum;
   uint8_t* flags = reinterpret_cast<uint8_t*>(prob + a.E);
-  const int r = blockIdx.x, lane = threadIdx.x;
+  const int r = blockIdx.x;
   const float* lg = a.logits + static_cast<size_t>(r) * a.ld;
   float mx = -INFINITY;
-  for (int e = lane; e < a.E; e += 32) mx = fmaxf(mx, lg[e]);
-  mx = warp_max(mx);
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) mx = fmaxf(mx, lg[e]);
+  mx = block_max(mx, scratch);
   float sum = 0.0f;
-  for (int e = lane; e < a.E; e += 32) {
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) {
     const float v = expf(lg[e] - mx);
     prob[e] = v;
     sum += v;
   }
-  sum = warp_sum(sum);
-  for (int e = lane; e < a.E; e += 32) prob[e] /= sum;
-  if (a.E <= 32 * 32) {
-    float pv[32];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) pv[j] = lane + 32 * j < a.E ? prob[lane + 32 * j] : 0.0f;
-    warp_topk_regs(pv, a.E, a.k, top);
-  } else {
-    warp_topk(prob, a.E, a.k, top, flags);  // ends with __syncwarp: prob and top visible to every lane
-  }
-  if (lane == 0) {
+  sum = block_sum(sum, scratch);
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) prob[e] /= sum;
+  __syncthreads();
+  block_topk(prob, a.E, a.k, top, flags, sv, si);
+  if (threadIdx.x == 0) {
     float ts = 0.0f;
     for (int t = 0; t < a.k; ++t) ts += prob[top[t]];
     top_sum = ts;
   }
-  __syncwarp();
+  __syncthreads();
   for (int t = threadIdx.x; t <= a.k; t += blockDim.x) {
     ExpertPair pr;
     pr.x_row = r;
@@ -1109,7 +1067,7 @@ void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t
 
 void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
   CK_REQUIRE(a.k >= 1 && a.k <= 64 && a.k <= a.E && a.E <= 8192, "invariant");
-  moe_route_kernel<<<rows, 32, sizeof(float) * a.E + a.E, stream>>>(a);
+  moe_route_kernel<<<rows, 256, sizeof(float) * a.E + a.E, stream>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 
