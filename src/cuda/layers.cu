@@ -460,6 +460,19 @@ __device__ __forceinline__ void stage_async(float* dst, int ld, const float* src
   }
 }
 
+// acc[m][q] += Σ_{i < n} a[(ty + 32m) * lda + i] * b[i * ldb + j0 + q]: the scan's products, two rows
+// of a shared-memory block times four columns, in ascending i. b rows 16-byte aligned.
+__device__ __forceinline__ void rows2_cols4_add(float (&acc)[2][4], const float* a, int lda, const float* b, int ldb,
+                                                int n, int ty, int j0) {
+#pragma unroll 4
+  for (int i = 0; i < n; ++i) {
+    const float4 b4 = *reinterpret_cast<const float4*>(&b[i * ldb + j0]);
+    const float a0 = a[ty * lda + i], a1 = a[(ty + 32) * lda + i];
+    acc[0][0] += a0 * b4.x; acc[0][1] += a0 * b4.y; acc[0][2] += a0 * b4.z; acc[0][3] += a0 * b4.w;
+    acc[1][0] += a1 * b4.x; acc[1][1] += a1 * b4.y; acc[1][2] += a1 * b4.z; acc[1][3] += a1 * b4.w;
+  }
+}
+
 // grid (nv, ceil(dv / 32)), block 256, dynamic shared memory gdn_scan_smem(dk). Thread (ty, tx) computes
 // rows ty and ty + 32 of each chunk (state rows ty + 32m in the update) at columns 4tx .. 4tx+3.
 // The record's three [C][dk] blocks go through two buffers with cp.async, each loaded while the phase
@@ -506,13 +519,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs
 
     // Phase 1: v_new = U - W S
     float acc[2][4] = {};
-#pragma unroll 4
-    for (int i = 0; i < dk; ++i) {
-      const float4 s4 = *reinterpret_cast<const float4*>(&Ss[i * NC + j0]);
-      const float w0 = wb[ty * ld + i], w1 = wb[(ty + 32) * ld + i];
-      acc[0][0] += w0 * s4.x; acc[0][1] += w0 * s4.y; acc[0][2] += w0 * s4.z; acc[0][3] += w0 * s4.w;
-      acc[1][0] += w1 * s4.x; acc[1][1] += w1 * s4.y; acc[1][2] += w1 * s4.z; acc[1][3] += w1 * s4.w;
-    }
+    rows2_cols4_add(acc, wb, ld, Ss, NC, dk, ty, j0);
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -524,31 +531,16 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs
     __syncthreads();
 
     // Phase 2: out = (e^G q̂) S + P v_new
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[m][q] = 0.0f;
-#pragma unroll 4
-    for (int i = 0; i < dk; ++i) {
-      const float4 s4 = *reinterpret_cast<const float4*>(&Ss[i * NC + j0]);
-      const float w0 = qb[ty * ld + i], w1 = qb[(ty + 32) * ld + i];
-      acc[0][0] += w0 * s4.x; acc[0][1] += w0 * s4.y; acc[0][2] += w0 * s4.z; acc[0][3] += w0 * s4.w;
-      acc[1][0] += w1 * s4.x; acc[1][1] += w1 * s4.y; acc[1][2] += w1 * s4.z; acc[1][3] += w1 * s4.w;
-    }
-#pragma unroll 4
-    for (int s = 0; s < C; ++s) {
-      const float4 v4 = *reinterpret_cast<const float4*>(&vn[s * NC + j0]);
-      const float p0 = Pm[ty * ldp + s], p1 = Pm[(ty + 32) * ldp + s];
-      acc[0][0] += p0 * v4.x; acc[0][1] += p0 * v4.y; acc[0][2] += p0 * v4.z; acc[0][3] += p0 * v4.w;
-      acc[1][0] += p1 * v4.x; acc[1][1] += p1 * v4.y; acc[1][2] += p1 * v4.z; acc[1][3] += p1 * v4.w;
-    }
+    float o[2][4] = {};
+    rows2_cols4_add(o, qb, ld, Ss, NC, dk, ty, j0);
+    rows2_cols4_add(o, Pm, ldp, vn, NC, C, ty, j0);
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const int row = c * C + ty + 32 * m;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int col = c0 + j0 + q;
-        if (row < rows && col < dv) a.out[static_cast<size_t>(row) * a.ldo + static_cast<size_t>(h) * dv + col] = acc[m][q];
+        if (row < rows && col < dv) a.out[static_cast<size_t>(row) * a.ldo + static_cast<size_t>(h) * dv + col] = o[m][q];
       }
     }
     __syncthreads();
