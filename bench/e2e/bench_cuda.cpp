@@ -148,7 +148,22 @@ struct Args {
   int decode_steps = 48;
   std::vector<int> decode_rows = {1, 4};
   bool kernels = true;
+  bool mtp = false;  // the synthetic model gets an MTP head; its draft step is timed
 };
+
+// Weight bytes one MTP draft step reads (spec §10): its two projections, its QSA layer's dense
+// matrices, its mixer, k routed experts and the shared one, and the LM head.
+double mtp_step_bytes(const ModelWeights& w, double expert_record_bytes) {
+  const MtpWeights& m = *w.mtp;
+  const LayerWeights& l = m.layer;
+  const Matrix* ms[] = {&m.fc_embedding, &m.fc_hidden, &l.hc_attn.down, &l.hc_attn.up, &l.hc_attn.inject,
+                        &l.hc_mlp.down, &l.hc_mlp.up, &l.hc_mlp.inject, &l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o,
+                        &l.attn.index_qk, &l.moe.router, &l.moe.shared_gate, &l.moe.shared_up, &l.moe.shared_down,
+                        &l.moe.shared_expert_gate, &m.mixer.down, &m.mixer.up, &w.lm_head};
+  double b = 0;
+  for (const Matrix* x : ms) b += static_cast<double>(x->stored_bytes());
+  return b + w.cfg.num_experts_per_tok * expert_record_bytes;
+}
 
 }  // namespace
 
@@ -162,6 +177,7 @@ int main(int argc, char** argv) {
     else if (s == "--out") a.out_path = next();
     else if (s == "--decode-steps") a.decode_steps = std::stoi(next());
     else if (s == "--no-kernels") a.kernels = false;
+    else if (s == "--mtp") a.mtp = true;
     else if (s == "--decode-rows") a.decode_rows = {std::stoi(next())};
     else if (s == "--prefill") {
       a.prefill.clear();
@@ -174,7 +190,7 @@ int main(int argc, char** argv) {
       }
     } else {
       std::fprintf(stderr, "usage: bench_cuda [--model DIR | --synth-layers N] [--prefill 512,2048,8192] "
-                           "[--decode-steps N] [--decode-rows R] [--no-kernels] [--out FILE]\n");
+                           "[--decode-steps N] [--decode-rows R] [--no-kernels] [--mtp] [--out FILE]\n");
       return 2;
     }
   }
@@ -215,6 +231,7 @@ int main(int argc, char** argv) {
     o.router = cuda::WeightForm{DType::U32, 8, 64, DType::BF16};
     o.experts = cuda::WeightForm{DType::U32, 4, 64, DType::BF16};
     o.ngram = cuda::WeightForm{DType::U32, 4, 32, DType::BF16};
+    o.mtp = a.mtp;
     rm = cuda::make_random_model(cuda::released_config(a.synth_layers), o);
     w = &rm->weights;
     experts = rm->experts;
@@ -276,6 +293,30 @@ int main(int argc, char** argv) {
               "(%.3f GB/step / %.0f GB/s)   %.0f%% of ceiling\n",
          rows, rows > 1 ? "s" : " ", rows / step_s, step_s * 1e3, t.size(), ceil_tps, step_bytes / 1e9, copy_gbs,
          100.0 * (rows / step_s) / ceil_tps);
+  }
+
+  // ---- MTP draft step (direct launches: no graph yet), after a 64-token prompt
+  if (m->has_mtp()) {
+    auto s = m->new_session(4096);
+    std::vector<int32_t> prompt = rand_tokens(64);
+    if (!s->step_rows(prompt, false, false, &res).ok()) return 1;
+    s->commit(64);
+    std::vector<float> h(static_cast<size_t>(c.wide())), h_out(h.size()), logits(static_cast<size_t>(c.vocab_size));
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (float& v : h) v = nd(rng);
+    std::vector<double> t;
+    for (int i = 0; i < a.decode_steps + 3; ++i) {
+      auto ts = Clock::now();
+      if (!s->mtp_step(h.data(), static_cast<int32_t>(rng() % c.vocab_size), i, logits.data(), h_out.data()).ok())
+        return 1;
+      if (i >= 3) t.push_back(seconds_since(ts));
+      h.swap(h_out);
+    }
+    const double step_s = median(t), bytes = mtp_step_bytes(*w, expert_rec);
+    emit(out, "mtp      draft step        %8.3f ms  (median of %zu; logits copied to the host)   ceiling %.3f ms "
+              "(%.3f GB / %.0f GB/s)   %.0f%% of ceiling\n",
+         step_s * 1e3, t.size(), bytes / (copy_gbs * 1e9) * 1e3, bytes / 1e9, copy_gbs,
+         100.0 * (bytes / (copy_gbs * 1e9)) / step_s);
   }
 
   // ---- prefill

@@ -203,13 +203,13 @@ std::unique_ptr<RandomModel> make_random_model(const ModelConfig& cfg, const Ran
   w.lm_head = b.matrix(V, H, o.dense, amp_for(H), "lm_head");
   w.final_mixer = hc(false, "final_mixer");
   rm->experts = std::make_shared<CheckpointExperts>();
-  rm->experts->table.resize(static_cast<size_t>(c.num_hidden_layers));
+  // Record layers: the trunk's, then the MTP head's (format/weights.h ExpertSource).
+  rm->experts->table.resize(static_cast<size_t>(c.num_hidden_layers + (o.mtp ? 1 : 0)));
   w.layers.resize(static_cast<size_t>(c.num_hidden_layers));
   const int64_t I = c.moe_intermediate_size, SI = c.shared_expert_intermediate_size;
-  for (int L = 0; L < c.num_hidden_layers; ++L) {
-    LayerWeights& lw = w.layers[L];
-    const std::string p = "layers." + std::to_string(L);
-    lw.kind = c.layer_types[L];
+  // One decoder layer's weights (trunk layer L, or the MTP head's at record layer num_hidden_layers).
+  auto make_layer = [&](LayerWeights& lw, int L, LayerKind kind, const std::string& p) {
+    lw.kind = kind;
     lw.hc_attn = hc(true, p + ".hc_attn");
     lw.hc_mlp = hc(true, p + ".hc_mlp");
     if (lw.kind == LayerKind::LinearAttention) {
@@ -236,7 +236,7 @@ std::unique_ptr<RandomModel> make_random_model(const ModelConfig& cfg, const Ran
       lw.attn.index_q_norm = b.vec(c.indexer_head_dim, 0.8f, 1.2f);
       lw.attn.index_k_norm = b.vec(c.indexer_head_dim, 0.8f, 1.2f);
     }
-    const int pi = c.ple_index_of_layer(L);
+    const int pi = L < c.num_hidden_layers ? c.ple_index_of_layer(L) : -1;
     if (pi >= 0) {
       PleWeights pw;
       const int64_t E = c.ple_embed_dim;
@@ -269,6 +269,17 @@ std::unique_ptr<RandomModel> make_random_model(const ModelConfig& cfg, const Ran
       ex[e].up = b.matrix(I, H, o.experts, amp_for(H), q + ".up");
       ex[e].down = b.matrix(H, I, o.experts, amp_for(I), q + ".down");
     }
+  };
+  for (int L = 0; L < c.num_hidden_layers; ++L) make_layer(w.layers[L], L, c.layer_types[L], "layers." + std::to_string(L));
+  if (o.mtp) {  // spec §10: norms of the embedding and the wide hidden, two H x H projections, a QSA layer, a mixer
+    MtpWeights m;
+    m.pre_fc_norm_embedding = b.vec(H, 0.8f, 1.2f);
+    m.pre_fc_norm_hidden = b.vec(W, 0.8f, 1.2f);
+    m.fc_embedding = b.matrix(H, H, o.dense, amp_for(2 * H), "mtp.fc_embedding");
+    m.fc_hidden = b.matrix(H, H, o.dense, amp_for(2 * H), "mtp.fc_hidden");
+    make_layer(m.layer, c.num_hidden_layers, LayerKind::SparseAttention, "mtp.layer");
+    m.mixer = hc(false, "mtp.mixer");
+    w.mtp = std::move(m);
   }
   b.run(o.threads);
   return rm;

@@ -26,6 +26,7 @@ struct RandomModelOptions {
   WeightForm ngram;                 // the PLE n-gram table
   uint64_t seed = 1;
   int threads = 0;                  // 0: all hardware threads
+  bool mtp = false;                 // also an MTP head (spec §10; its experts are record layer L)
 };
 
 class RandomModel {
@@ -47,7 +48,7 @@ class RandomModel {
 ModelConfig released_config(int layers, int64_t ngram_base = 20000);
 
 // Matrices whose columns are not a multiple of a quantized form's group fall back to bf16 (as MLX
-// conversion leaves them). No MTP head.
+// conversion leaves them). An MTP head when o.mtp.
 std::unique_ptr<RandomModel> make_random_model(const ModelConfig& cfg, const RandomModelOptions& o);
 
 }  // namespace ck::cuda

@@ -14,6 +14,7 @@
 //    the oracle fixtures use.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -947,6 +948,48 @@ TEST(CudaOps, PrefillChunksWithQ4ExpertsMatchCpu) {
   const double rl = rel_l2(res.logits.data(), ref_logits.data(), ref_logits.size());
   std::printf("  q4 experts, prefill chunks of 32: logits rel_l2 %.3e\n", rl);
   EXPECT_LE(rl, 1e-4);
+}
+
+// The MTP head (spec §10) of a random model with 4-bit dense and expert matrices (the fixtures' heads
+// are bf16): CUDA mtp_step against the CPU's on the same inputs, the CPU trunk's hiddens at the
+// prompt's positions, then a chain of drafts from the CPU head's own outputs.
+TEST(CudaOps, MtpHeadOnRandomModelMatchesCpu) {
+  REQUIRE_GPU();
+  Geometry g = geometries()[1];
+  g.opt.mtp = true;
+  auto rm = make_random_model(g.cfg, g.opt);
+  ASSERT_TRUE(rm->weights.mtp.has_value());
+  ck::cpu::Model cm(rm->weights, rm->experts);
+  auto dm = Model::create(rm->weights, rm->experts);
+  ASSERT_TRUE(dm.ok()) << dm.status().message();
+  ASSERT_TRUE((*dm)->has_mtp());
+  const int T = 24, V = static_cast<int>(g.cfg.vocab_size), W = static_cast<int>(g.cfg.wide());
+  const std::vector<int32_t> tokens = random_tokens(T, g.cfg.vocab_size, g.cfg.ple_eos(), 5);
+  auto cs = cm.new_session();
+  ck::cpu::StepResult tr;
+  ASSERT_TRUE(cs->step_rows(tokens, false, false, &tr).ok());
+  cs->commit(T);
+  auto gs = (*dm)->new_session(64);
+  std::vector<float> lc(V), lg(V), hc(W), hg(W);
+  double worst = 0;
+  auto both = [&](const float* h, int32_t x, int64_t pos) {
+    ASSERT_TRUE(cs->mtp_step(h, x, pos, lc.data(), hc.data()).ok());
+    Status st = gs->mtp_step(h, x, pos, lg.data(), hg.data());
+    ASSERT_TRUE(st.ok()) << st.message();
+    const double el = rel_l2(lg.data(), lc.data(), V), eh = rel_l2(hg.data(), hc.data(), W);
+    worst = std::max({worst, el, eh});
+    EXPECT_LE(el, 1e-4) << "logits at MTP position " << pos;
+    EXPECT_LE(eh, 1e-4) << "h_out at MTP position " << pos;
+  };
+  for (int t = 0; t + 1 < T; ++t) both(tr.hidden.data() + static_cast<size_t>(t) * W, tokens[t + 1], t);
+  std::vector<float> h(tr.hidden.end() - W, tr.hidden.end());
+  int32_t x = tokens[0];
+  for (int k = 0; k < 6; ++k) {
+    both(h.data(), x, T - 1 + k);
+    h = hc;
+    x = static_cast<int32_t>(std::max_element(lc.begin(), lc.end()) - lc.begin());
+  }
+  std::printf("  random q4 MTP head: worst rel L2 %.3g over %d steps\n", worst, T - 1 + 6);
 }
 
 #else
