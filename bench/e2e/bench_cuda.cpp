@@ -151,20 +151,6 @@ struct Args {
   bool mtp = false;  // the synthetic model gets an MTP head; its draft step is timed
 };
 
-// Weight bytes one MTP draft step reads (spec §10): its two projections, its QSA layer's dense
-// matrices, its mixer, k routed experts and the shared one, and the LM head.
-double mtp_step_bytes(const ModelWeights& w, double expert_record_bytes) {
-  const MtpWeights& m = *w.mtp;
-  const LayerWeights& l = m.layer;
-  const Matrix* ms[] = {&m.fc_embedding, &m.fc_hidden, &l.hc_attn.down, &l.hc_attn.up, &l.hc_attn.inject,
-                        &l.hc_mlp.down, &l.hc_mlp.up, &l.hc_mlp.inject, &l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o,
-                        &l.attn.index_qk, &l.moe.router, &l.moe.shared_gate, &l.moe.shared_up, &l.moe.shared_down,
-                        &l.moe.shared_expert_gate, &m.mixer.down, &m.mixer.up, &w.lm_head};
-  double b = 0;
-  for (const Matrix* x : ms) b += static_cast<double>(x->stored_bytes());
-  return b + w.cfg.num_experts_per_tok * expert_record_bytes;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -312,7 +298,7 @@ int main(int argc, char** argv) {
       if (i >= 3) t.push_back(seconds_since(ts));
       h.swap(h_out);
     }
-    const double step_s = median(t), bytes = mtp_step_bytes(*w, expert_rec);
+    const double step_s = median(t), bytes = m->mtp_bytes_per_step();
     emit(out, "mtp      draft step        %8.3f ms  (median of %zu; logits copied to the host)   ceiling %.3f ms "
               "(%.3f GB / %.0f GB/s)   %.0f%% of ceiling\n",
          step_s * 1e3, t.size(), bytes / (copy_gbs * 1e9) * 1e3, bytes / 1e9, copy_gbs,

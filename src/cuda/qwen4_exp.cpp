@@ -28,6 +28,20 @@ struct Tally {
     macs += static_cast<double>(m.rows) * m.cols;
   }
   void add(const DHc& h) { add(h.down); add(h.up); add(h.inject); }
+  // A decoder layer's dense matrices, the ones one token reads (its kind's mixer, PLE, router and
+  // shared expert); routed experts are counted apart.
+  void add(const DLayer& d) {
+    add(d.hc_attn);
+    add(d.hc_mlp);
+    if (d.kind == LayerKind::LinearAttention) {
+      for (const DMatrix* m : {&d.gdn.in_qkv, &d.gdn.in_z, &d.gdn.in_b, &d.gdn.in_a, &d.gdn.out}) add(*m);
+    } else {
+      for (const DMatrix* m : {&d.attn.q, &d.attn.k, &d.attn.v, &d.attn.o, &d.attn.index_qk}) add(*m);
+    }
+    if (d.ple) { add(d.ple->key); add(d.ple->value); }
+    for (const DMatrix* m : {&d.moe.router, &d.moe.sh_gate, &d.moe.sh_up, &d.moe.sh_down, &d.moe.sh_expert_gate})
+      add(*m);
+  }
 };
 }  // namespace
 
@@ -206,37 +220,29 @@ double Model::active_bytes_per_token() const {
   Tally t;
   t.add(lm_head_);
   t.add(final_mixer_);
-  for (const DLayer& d : layers_) {
-    t.add(d.hc_attn);
-    t.add(d.hc_mlp);
-    if (d.kind == LayerKind::LinearAttention) {
-      for (const DMatrix* m : {&d.gdn.in_qkv, &d.gdn.in_z, &d.gdn.in_b, &d.gdn.in_a, &d.gdn.out}) t.add(*m);
-    } else {
-      for (const DMatrix* m : {&d.attn.q, &d.attn.k, &d.attn.v, &d.attn.o, &d.attn.index_qk}) t.add(*m);
-    }
-    if (d.ple) { t.add(d.ple->key); t.add(d.ple->value); }
-    for (const DMatrix* m : {&d.moe.router, &d.moe.sh_gate, &d.moe.sh_up, &d.moe.sh_down, &d.moe.sh_expert_gate})
-      t.add(*m);
-  }
+  for (const DLayer& d : layers_) t.add(d);
   const double embed_row = static_cast<double>(embed_.stored_bytes()) / std::max(1, embed_.rows);
   return t.bytes + embed_row +
          static_cast<double>(layers_.size()) * cfg().num_experts_per_tok * static_cast<double>(pool_.record_bytes);
+}
+
+double Model::mtp_bytes_per_step() const {
+  if (!mtp_) return 0;
+  Tally t;
+  t.add(lm_head_);
+  t.add(mtp_->fc_embedding);
+  t.add(mtp_->fc_hidden);
+  t.add(mtp_->mixer);
+  t.add(mtp_->layer);
+  const double embed_row = static_cast<double>(embed_.stored_bytes()) / std::max(1, embed_.rows);
+  return t.bytes + embed_row + cfg().num_experts_per_tok * static_cast<double>(pool_.record_bytes);
 }
 
 double Model::macs_per_token() const {
   Tally t;
   t.add(lm_head_);
   t.add(final_mixer_);
-  for (const DLayer& d : layers_) {
-    t.add(d.hc_attn);
-    t.add(d.hc_mlp);
-    for (const DMatrix* m : {&d.gdn.in_qkv, &d.gdn.in_z, &d.gdn.in_b, &d.gdn.in_a, &d.gdn.out, &d.attn.q, &d.attn.k,
-                             &d.attn.v, &d.attn.o, &d.attn.index_qk})
-      t.add(*m);
-    if (d.ple) { t.add(d.ple->key); t.add(d.ple->value); }
-    for (const DMatrix* m : {&d.moe.router, &d.moe.sh_gate, &d.moe.sh_up, &d.moe.sh_down, &d.moe.sh_expert_gate})
-      t.add(*m);
-  }
+  for (const DLayer& d : layers_) t.add(d);
   const ModelConfig& c = cfg();
   return t.macs + static_cast<double>(layers_.size()) * c.num_experts_per_tok * 3.0 * c.moe_intermediate_size *
                       c.hidden_size;

@@ -103,6 +103,9 @@ class Model {
   // Weight bytes one decode token reads: dense matrices it touches (one embedding row) plus k experts
   // per layer. The trunk only: MTP draft steps are extra work a driver counts itself.
   double active_bytes_per_token() const;
+  // Weight bytes of one MTP draft step (its layer, projections and mixer, k routed experts, the LM
+  // head, one embedding row); 0 without the head.
+  double mtp_bytes_per_step() const;
   // Multiply-adds per token (x2 = FLOPs) of the matrices a token uses, attention scores excluded
   // (the trunk only, as above).
   double macs_per_token() const;
