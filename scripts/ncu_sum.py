@@ -2,7 +2,10 @@
 """Sums the kernel durations of `ncu --csv --metrics gpu__time_duration.sum` (scripts/gpu_ncu.sh with
 CK_NCU_DURATIONS=1) per kernel name, largest first.
     python3 scripts/ncu_sum.py ncu_durations.csv [--top 30] [--skip-before REGEX]
---skip-before drops every launch before the first whose name matches (e.g. the benchmark's setup)."""
+--skip-before drops every launch before the first whose name matches (e.g. the benchmark's setup).
+--step REGEX keeps one whole step: the launches from the second-to-last launch whose name matches
+(e.g. embed_wide_kernel, a decode step's first kernel) up to the last one; --by-grid splits each
+kernel name by its grid size (which matrix a GEMV kernel ran on)."""
 import argparse
 import collections
 import csv
@@ -16,6 +19,8 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--skip-before", default="")
+    ap.add_argument("--step", default="")
+    ap.add_argument("--by-grid", action="store_true")
     a = ap.parse_args()
     text = open(a.csv, errors="replace").read()
     start = text.find('"ID"')  # ncu prints its own log lines before the table
@@ -25,10 +30,17 @@ def main():
     if a.skip_before:
         first = next((i for i, r in enumerate(rows) if re.search(a.skip_before, r["Kernel Name"])), 0)
         rows = rows[first:]
+    if a.step:
+        marks = [i for i, r in enumerate(rows) if re.search(a.step, r["Kernel Name"])]
+        if len(marks) < 2:
+            sys.exit(f"{a.csv}: fewer than two launches match --step {a.step}")
+        rows = rows[marks[-2]:marks[-1]]
     total = collections.Counter()
     count = collections.Counter()
     for r in rows:
         name = re.sub(r"\(.*", "", r["Kernel Name"])  # drop the argument list
+        if a.by_grid:
+            name += f" grid {r.get('Grid Size', '?')}"
         total[name] += float(r["Metric Value"].replace(",", ""))
         count[name] += 1
     all_ns = sum(total.values())

@@ -253,7 +253,10 @@ XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, cudaStrea
 }  // namespace
 
 bool expert_q4_ok(const DMatrix& m) {
-  return m.quantized() && m.fmt.bits == 4 && m.fmt.group % 64 == 0 && m.cols % m.fmt.group == 0 && m.rows >= 1;
+  // Groups of 64 x 2^k: the decode kernels (gemv.cu, Tc4Rows) find a code's scale group by a shift.
+  const int gpg = m.fmt.group / 64;
+  return m.quantized() && m.fmt.bits == 4 && m.fmt.group % 64 == 0 && (gpg & (gpg - 1)) == 0 &&
+         m.cols % m.fmt.group == 0 && m.rows >= 1;
 }
 
 namespace {

@@ -26,8 +26,11 @@
 #include "cuda/mma_q4.cuh"
 #include "cuda/ops.h"
 
+#include <cooperative_groups.h>
+
 namespace ck::cuda {
 namespace {
+namespace cg = cooperative_groups;
 
 // Which inner loop a matrix takes. Vector float paths need cols % unit == 0 and an aligned x.
 enum Path : int32_t { kQ2, kQ3, kQ4, kQ8, kF32v, kBF16v, kF16v, kF32s, kBF16s, kF16s };
@@ -649,6 +652,63 @@ __global__ void __launch_bounds__(256, V3 ? 3 : 1) expert_down_q_kernel(const Ex
 // 312 -> 329 tok/s end to end). The kernel lab timed back-to-back direct launches, which the host's
 // launch cost bounds at ~20 us, so it hid the gain at one row on the projections: decode runs as a
 // graph. Short K (the hyper-connection up projection, K = 320) stays on v3.
+// Rows g and g+8 of a 16-row tile of a 4-bit matrix as the v4 kernels read them per 64-code group:
+// the lane's 8 code bytes of each row, and each row's scale and bias (a scale group spans 2^gshift
+// 64-code groups; the launches check the group is 64 times a power of two). BF16S: bf16 scales (the
+// checkpoints' form) are read without the per-load kind switch. Per group this is 2 code loads and
+// 4 scale loads with 32-bit indices: the loop is instruction-bound at one activation row (Nsight
+// Compute: ~190 instructions per warp and group with a division and 64-bit index math per group).
+template <bool BF16S>
+struct Tc4Rows {
+  const uint8_t* pa;
+  const uint8_t* pb;
+  const uint8_t* scales;
+  const uint8_t* biases;
+  uint32_t sa0, sb0;  // element index of group 0's scale and bias for each row
+  int gshift;
+  uint8_t sk;
+  __device__ __forceinline__ void init(const DMatrix& w, int ra, int rb, int t) {
+    const size_t row_bytes = static_cast<size_t>(w.cols) / 2;
+    const uint32_t n_groups = static_cast<uint32_t>(w.cols / w.fmt.group);
+    pa = w.data + ra * row_bytes + 8 * t;
+    pb = w.data + rb * row_bytes + 8 * t;
+    scales = w.scales;
+    biases = w.biases;
+    sa0 = static_cast<uint32_t>(ra) * n_groups;
+    sb0 = static_cast<uint32_t>(rb) * n_groups;
+    gshift = __ffs(w.fmt.group / 64) - 1;
+    sk = w.fmt.scale_kind;
+  }
+  __device__ __forceinline__ float elem(const uint8_t* base, uint32_t i) const {
+    if constexpr (BF16S) return bf16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(base) + i));
+    else return load_scale_elem(base, i, sk);
+  }
+  __device__ __forceinline__ void load(int G, uint2& wa, uint2& wb, float& sa, float& ba, float& sb, float& bb) const {
+    wa = __ldg(reinterpret_cast<const uint2*>(pa + G * 32));
+    wb = __ldg(reinterpret_cast<const uint2*>(pb + G * 32));
+    const uint32_t sg = static_cast<uint32_t>(G) >> gshift;
+    sa = elem(scales, sa0 + sg);
+    ba = elem(biases, sa0 + sg);
+    sb = elem(scales, sb0 + sg);
+    bb = elem(biases, sb0 + sg);
+  }
+};
+
+// True when every job suits the v4 kernels (4-bit codes, groups of 64 x 2^k, cols a multiple of the
+// group); *bf16s when all their scales are bf16.
+bool tc4_suits(const GemvJob* jobs, int n_jobs, bool* bf16s) {
+  *bf16s = true;
+  for (int j = 0; j < n_jobs; ++j) {
+    const DMatrix& w = jobs[j].w;
+    const int gpg = w.fmt.group / 64;
+    if (!w.quantized() || w.fmt.bits != 4 || w.fmt.group % 64 != 0 || (gpg & (gpg - 1)) != 0 ||
+        w.cols % w.fmt.group != 0)
+      return false;
+    *bf16s = *bf16s && w.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16);
+  }
+  return true;
+}
+
 constexpr int kTcMinRows = 1024, kTcMinCols = 1024, kTcMinRowsOneRow = 4096;
 
 struct TcLaunch {
@@ -701,7 +761,7 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
 // fixed order through shared memory). grid: tiles / (8/ks).
 // Register caps keep 3-4 blocks (24-32 warps) per SM: with fewer the loads in flight cannot cover DRAM
 // latency (1 block per SM, uncapped: lm_head at 1.2 TB/s).
-template <int R>
+template <int R, bool BF16S>
 __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __grid_constant__ TcLaunch L, int nx) {
   constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
   __shared__ float red[8][16][NC + 1];
@@ -715,19 +775,13 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   float acc[NB][4] = {};
   if (tile < n_tiles) {
     const int per = (L.groups + ks - 1) / ks, G0 = min(L.groups, part * per), G1 = min(L.groups, G0 + per);
-    const int ra = min(row0 + g, w.rows - 1), rb = min(row0 + g + 8, w.rows - 1);
-    const size_t row_bytes = static_cast<size_t>(w.cols) / 2, n_groups = w.cols / w.fmt.group;
-    const uint8_t* pa = w.data + ra * row_bytes + 8 * t;
-    const uint8_t* pb = w.data + rb * row_bytes + 8 * t;
-    const uint8_t sk = w.fmt.scale_kind;
-    const int gpg = w.fmt.group / 64;  // 64-code groups per scale group
+    Tc4Rows<BF16S> tr;
+    tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
 #pragma unroll 4
     for (int G = G0; G < G1; ++G) {
-      const uint2 wa = __ldg(reinterpret_cast<const uint2*>(pa + G * 32));
-      const uint2 wb = __ldg(reinterpret_cast<const uint2*>(pb + G * 32));
-      const size_t sg = G / gpg;
-      const float sa = load_scale_elem(w.scales, ra * n_groups + sg, sk), ba = load_scale_elem(w.biases, ra * n_groups + sg, sk);
-      const float sb = load_scale_elem(w.scales, rb * n_groups + sg, sk), bb = load_scale_elem(w.biases, rb * n_groups + sg, sk);
+      uint2 wa, wb;
+      float sa, ba, sb, bb;
+      tr.load(G, wa, wb, sa, ba, sb, bb);
       const uint2* fg = L.frag + static_cast<size_t>(G) * 4 * NB * 32 + t * 8 + g;
       float d[NB][4] = {};  // the group's Σ q x, fresh per group
 #pragma unroll
@@ -777,6 +831,166 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   }
 }
 
+// v4 at one activation row with the fragments built in the warp (decode's small matrices: the
+// hyper-connection down 320 x 10,240 and up 10,240 x 320, the router 512 x 2,560). The two-kernel form
+// above spends a fragment-kernel launch (~3 us in a graph) and, for short wide matrices, the v3 path
+// spent a split-K reduce kernel (~2.6 us) on top of ~8 us of work: these jobs are latency-bound.
+// Here lane (g, t) loads the 16 floats x[64G + 16t, +16) of each group (its words' columns, see
+// mma_q4.cuh) and lanes g = 0, 1, 2 turn them into the hi, mid and lo parts of MMA columns 0-2; the
+// other lanes give zero columns. That costs ~100 instructions per warp and group, so it is only for
+// jobs of few tiles x groups (kTcInWarpMax); tall matrices keep the fragment kernel.
+// K is split over the ks warps of a block and over the kb blocks of a thread-block cluster (grid x =
+// kb, cluster (kb, 1, 1)); the cluster's rank-0 block adds the parts in index order (blocks, then
+// warps) from the others' shared memory: deterministic, no global scratch, no second kernel.
+constexpr int kTcInWarpMax = 16384;  // tiles x groups of a launch
+
+// Part p (0 hi, 1 mid, 2 lo; see bf16_part) of a and b as one bf16x2, without branches: lanes of one
+// warp ask for different parts.
+__device__ __forceinline__ uint32_t bf16_part_pair(float a, float b, int p) {
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(a, b);
+  const float2 hf = __bfloat1622float2(hi);
+  const float a1 = a - hf.x, b1 = b - hf.y;
+  const __nv_bfloat162 mid = __floats2bfloat162_rn(a1, b1);
+  const float2 mf = __bfloat1622float2(mid);
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(a1 - mf.x, b1 - mf.y);
+  const __nv_bfloat162 r = p == 0 ? hi : p == 1 ? mid : lo;
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+template <bool BF16S>
+__global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_constant__ TcLaunch L,
+                                                              const float* __restrict__ x, int kb) {
+  __shared__ float red[8][16][3];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int ks = L.ks, tile = blockIdx.y * (8 / ks) + warp / ks, part = blockIdx.x * ks + warp % ks;
+  const int n_tiles = L.first_tile[L.n_jobs];
+  int j = 0;
+  while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
+  const DMatrix& w = L.job[j].w;
+  const int row0 = (tile - L.first_tile[j]) * 16;
+  const int p = g < 3 ? g : 0;           // the x part this lane's MMA column carries (hi, mid, lo)
+  const uint32_t keep = g < 3 ? ~0u : 0u;  // columns 3-7 are zero
+  float acc[4] = {};
+  if (tile < n_tiles) {
+    const int parts = ks * kb, per = (L.groups + parts - 1) / parts;
+    const int G0 = min(L.groups, part * per), G1 = min(L.groups, G0 + per);
+    Tc4Rows<BF16S> tr;
+    tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
+#pragma unroll 2
+    for (int G = G0; G < G1; ++G) {
+      uint2 wa, wb;
+      float sa, ba, sb, bb;
+      tr.load(G, wa, wb, sa, ba, sb, bb);
+      const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
+      const float4 q0 = __ldg(xp), q1 = __ldg(xp + 1), q2 = __ldg(xp + 2), q3 = __ldg(xp + 3);
+      // Σ x of the group (the bias term, on the hi column 0 only): this lane's 16, then over t.
+      float gs = ((q0.x + q0.y) + (q0.z + q0.w)) + ((q1.x + q1.y) + (q1.z + q1.w)) +
+                 (((q2.x + q2.y) + (q2.z + q2.w)) + ((q3.x + q3.y) + (q3.z + q3.w)));
+      gs += __shfl_xor_sync(0xffffffffu, gs, 1);
+      gs += __shfl_xor_sync(0xffffffffu, gs, 2);
+      const float xs = t == 0 ? gs : 0.0f;
+      // Step s's pairs (mma_q4.cuh): A = (x[c], x[c+4]), B = (x[c+1], x[c+5]) at c = 16t + {0, 2, 8, 10}.
+      const uint32_t b0[4] = {bf16_part_pair(q0.x, q1.x, p) & keep, bf16_part_pair(q0.z, q1.z, p) & keep,
+                              bf16_part_pair(q2.x, q3.x, p) & keep, bf16_part_pair(q2.z, q3.z, p) & keep};
+      const uint32_t b1[4] = {bf16_part_pair(q0.y, q1.y, p) & keep, bf16_part_pair(q0.w, q1.w, p) & keep,
+                              bf16_part_pair(q2.y, q3.y, p) & keep, bf16_part_pair(q2.w, q3.w, p) & keep};
+      float d[4] = {};  // the group's Σ q x, fresh per group
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
+        const int i0 = 2 * (s & 1);
+        mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b0[s], b1[s]);
+      }
+      acc[0] = fmaf(sa, d[0], fmaf(ba, xs, acc[0]));
+      acc[1] = fmaf(sa, d[1], acc[1]);
+      acc[2] = fmaf(sb, d[2], fmaf(bb, xs, acc[2]));
+      acc[3] = fmaf(sb, d[3], acc[3]);
+    }
+  }
+  // Columns 0-2 (hi, mid, lo) of rows g and g+8: lanes t = 0 (columns 0, 1) and t = 1 (column 2).
+  if (t == 0) {
+    red[warp][g][0] = acc[0];
+    red[warp][g][1] = acc[1];
+    red[warp][g + 8][0] = acc[2];
+    red[warp][g + 8][1] = acc[3];
+  } else if (t == 1) {
+    red[warp][g][2] = acc[0];
+    red[warp][g + 8][2] = acc[2];
+  }
+  __syncthreads();
+  // Each block adds its tiles' ks parts in index order (into the first part's slot), then the
+  // cluster's rank 0 adds the blocks' sums in rank order. The kb remote loads are issued together:
+  // one dependent DSMEM load after another cost ~0.1 us each (13.5 us per call with kb = ks = 8).
+  const bool owner = warp % ks == 0 && tile < n_tiles && lane < 16;
+  if (owner)
+    for (int q = 0; q < 3; ++q) {
+      float v = red[warp][lane][q];
+      for (int k = 1; k < ks; ++k) v += red[warp + k][lane][q];
+      red[warp][lane][q] = v;
+    }
+  cg::cluster_group cluster = cg::this_cluster();
+  if (kb > 1) cluster.sync();
+  if (blockIdx.x == 0 && owner && row0 + lane < w.rows) {
+    constexpr int kMaxKb = 8;
+    float part_sum[kMaxKb][3];
+#pragma unroll
+    for (int r = 0; r < kMaxKb; ++r)
+      if (r < kb) {
+        const float(*rr)[16][3] = r == 0 ? red : cluster.map_shared_rank(red, r);
+#pragma unroll
+        for (int q = 0; q < 3; ++q) part_sum[r][q] = rr[warp][lane][q];
+      }
+    float c[3];
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+      c[q] = part_sum[0][q];
+#pragma unroll
+      for (int r = 1; r < kMaxKb; ++r)
+        if (r < kb) c[q] += part_sum[r][q];
+    }
+    const GemvJob& jb = L.job[j];
+    jb.y[row0 + lane] = apply_epilogue((c[0] + c[1]) + c[2], jb.epi, jb.epi_arg);
+  }
+  if (kb > 1) cluster.sync();  // the other blocks' shared memory stays until rank 0 has read it
+}
+
+// The group loop of expert_tc4_kernel: NM matrices (gate and up, or down) of one pair, rows row0 + g
+// and row0 + g + 8, groups [G0, G1), against the vector's fragments fv and group sums gv.
+template <int NM, bool BF16S>
+__device__ __forceinline__ void expert_tc4_groups(const DMatrix (&w)[NM], int row0, int G0, int G1,
+                                                  const uint2* __restrict__ fv, const float* __restrict__ gv,
+                                                  float (&acc)[NM][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  Tc4Rows<BF16S> tr[NM];
+#pragma unroll
+  for (int m = 0; m < NM; ++m) tr[m].init(w[m], min(row0 + g, w[m].rows - 1), min(row0 + g + 8, w[m].rows - 1), t);
+#pragma unroll 2
+  for (int G = G0; G < G1; ++G) {
+    const float x0 = __ldg(gv + G * 8 + 2 * t), x1 = __ldg(gv + G * 8 + 2 * t + 1);
+    uint2 b[4];
+#pragma unroll
+    for (int st = 0; st < 4; ++st) b[st] = __ldg(fv + (static_cast<size_t>(G) * 4 + st) * 32);
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      uint2 wa, wb;
+      float sa, ba, sb, bb;
+      tr[m].load(G, wa, wb, sa, ba, sb, bb);
+      float d[4] = {};  // the group's Σ q x, fresh per group
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        const uint32_t xa = (st >> 1) ? wa.y : wa.x, xb = (st >> 1) ? wb.y : wb.x;
+        const int i0 = 2 * (st & 1);
+        mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b[st].x,
+                 b[st].y);
+      }
+      acc[m][0] = fmaf(sa, d[0], fmaf(ba, x0, acc[m][0]));
+      acc[m][1] = fmaf(sa, d[1], fmaf(ba, x1, acc[m][1]));
+      acc[m][2] = fmaf(sb, d[2], fmaf(bb, x0, acc[m][2]));
+      acc[m][3] = fmaf(sb, d[3], fmaf(bb, x1, acc[m][3]));
+    }
+  }
+}
+
 // Decode experts on the tensor cores (v4 arithmetic, one activation vector per pair): warp (pair, tile
 // of 16 rows, part) runs the gemv_tc4_kernel loop over its part of the pair's groups with the
 // fragments of the pair's vector (GATE_UP: row pairs[p].x_row of x, both gate and up; otherwise row p
@@ -809,50 +1023,11 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
     const int G0 = min(groups, part * per), G1 = min(groups, G0 + per);
     const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * 4 * 32 + t * 8 + g;
     const float* gv = gsum + static_cast<size_t>(vec) * vec_groups * 8;
-    const uint8_t* pa[NM];
-    const uint8_t* pb[NM];
-    int ra[NM], rb[NM], gpg[NM];
-    size_t n_groups[NM];
-#pragma unroll
-    for (int m = 0; m < NM; ++m) {
-      ra[m] = min(row0 + g, w[m].rows - 1);
-      rb[m] = min(row0 + g + 8, w[m].rows - 1);
-      const size_t row_bytes = static_cast<size_t>(w[m].cols) / 2;
-      pa[m] = w[m].data + ra[m] * row_bytes + 8 * t;
-      pb[m] = w[m].data + rb[m] * row_bytes + 8 * t;
-      n_groups[m] = w[m].cols / w[m].fmt.group;
-      gpg[m] = w[m].fmt.group / 64;
-    }
-#pragma unroll 2
-    for (int G = G0; G < G1; ++G) {
-      const float x0 = __ldg(gv + G * 8 + 2 * t), x1 = __ldg(gv + G * 8 + 2 * t + 1);
-      uint2 b[4];
-#pragma unroll
-      for (int st = 0; st < 4; ++st) b[st] = __ldg(fv + (static_cast<size_t>(G) * 4 + st) * 32);
-#pragma unroll
-      for (int m = 0; m < NM; ++m) {
-        const uint2 wa = __ldg(reinterpret_cast<const uint2*>(pa[m] + G * 32));
-        const uint2 wb = __ldg(reinterpret_cast<const uint2*>(pb[m] + G * 32));
-        const size_t sg = G / gpg[m];
-        const uint8_t sk = w[m].fmt.scale_kind;
-        const float sa = load_scale_elem(w[m].scales, ra[m] * n_groups[m] + sg, sk);
-        const float ba = load_scale_elem(w[m].biases, ra[m] * n_groups[m] + sg, sk);
-        const float sb = load_scale_elem(w[m].scales, rb[m] * n_groups[m] + sg, sk);
-        const float bb = load_scale_elem(w[m].biases, rb[m] * n_groups[m] + sg, sk);
-        float d[4] = {};  // the group's Σ q x, fresh per group
-#pragma unroll
-        for (int st = 0; st < 4; ++st) {
-          const uint32_t xa = (st >> 1) ? wa.y : wa.x, xb = (st >> 1) ? wb.y : wb.x;
-          const int i0 = 2 * (st & 1);
-          mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b[st].x,
-                   b[st].y);
-        }
-        acc[m][0] = fmaf(sa, d[0], fmaf(ba, x0, acc[m][0]));
-        acc[m][1] = fmaf(sa, d[1], fmaf(ba, x1, acc[m][1]));
-        acc[m][2] = fmaf(sb, d[2], fmaf(bb, x0, acc[m][2]));
-        acc[m][3] = fmaf(sb, d[3], fmaf(bb, x1, acc[m][3]));
-      }
-    }
+    const uint8_t bf = static_cast<uint8_t>(WKind::BF16);
+    if (w[0].fmt.scale_kind == bf && w[NM - 1].fmt.scale_kind == bf)
+      expert_tc4_groups<NM, true>(w, row0, G0, G1, fv, gv, acc);
+    else
+      expert_tc4_groups<NM, false>(w, row0, G0, G1, fv, gv, acc);
   }
   // Columns 0-2 (hi, mid, lo of the one vector) live in lanes t = 0 (0, 1) and t = 1 (2).
 #pragma unroll
@@ -897,7 +1072,7 @@ int q_arith() {
 }
 
 template <int R>
-void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, cudaStream_t s) {
+void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStream_t s) {
   constexpr int NB = (3 * R + 7) / 8;
   // The B fragments and group sums live for this call only (stream-ordered, so graph-capturable).
   const size_t frag_bytes = static_cast<size_t>(L.groups) * 4 * NB * 32 * sizeof(uint2);
@@ -910,21 +1085,62 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, cudaStream_t s) {
   L.frag = frag;
   L.gsum = gsum;
   const int tiles = L.first_tile[L.n_jobs];
-  gemv_tc4_kernel<R><<<static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 256, 0, s>>>(L, nx);
+  const unsigned grid = static_cast<unsigned>(ceil_div(tiles, 8 / L.ks));
+  if (bf16s) gemv_tc4_kernel<R, true><<<grid, 256, 0, s>>>(L, nx);
+  else gemv_tc4_kernel<R, false><<<grid, 256, 0, s>>>(L, nx);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(scratch, s));
+}
+
+// The in-warp v4 launch at one row (gemv_tc4_one_kernel), or false when the jobs are too large for it
+// (tiles x groups > kTcInWarpMax), x is not 16-byte aligned, or CK_GEMV_INWARP=0.
+bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cudaStream_t s) {
+  static const bool on = [] {
+    const char* e = std::getenv("CK_GEMV_INWARP");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  if (!on || n_jobs < 1 || n_jobs > kMaxGemvJobs || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
+  TcLaunch L{};
+  L.n_jobs = n_jobs;
+  L.groups = jobs[0].w.cols / 64;
+  int tiles = 0;
+  for (int j = 0; j < n_jobs; ++j) {
+    L.job[j] = jobs[j];
+    L.first_tile[j] = tiles;
+    tiles += static_cast<int>(ceil_div(jobs[j].w.rows, 16));
+  }
+  L.first_tile[n_jobs] = tiles;
+  if (static_cast<int64_t>(tiles) * L.groups > kTcInWarpMax) return false;
+  // Split K into more parts (warps of a block, then blocks of a cluster) while there are too few warps
+  // for the GPU (~16 per SM) and each part keeps at least two groups.
+  int parts = 1;
+  while (parts < 64 && tiles * parts < sm_count() * 16 && L.groups >= 4 * parts) parts *= 2;
+  L.ks = std::min(parts, 8);
+  const int kb = parts / L.ks;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1);
+  cfg.blockDim = dim3(256, 1, 1);
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(kb);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = kb > 1 ? 1 : 0;
+  if (bf16s) CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<true>, L, x, kb));
+  else CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<false>, L, x, kb));
+  return true;
 }
 
 // The v4 launch, or false when the jobs do not suit it: not all 4-bit codes in groups of 64 or 128,
 // a shape where v3 is faster (kTcMin*), or CK_GEMV asks for v2/v3.
 bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
-  if (q_arith() != 4 || n_jobs < 1 || n_jobs > kMaxGemvJobs) return false;
+  bool bf16s = false;
+  if (q_arith() != 4 || n_jobs < 1 || n_jobs > kMaxGemvJobs || !tc4_suits(jobs, n_jobs, &bf16s)) return false;
   int total_rows = 0;
-  for (int j = 0; j < n_jobs; ++j) {
-    const DMatrix& w = jobs[j].w;
-    if (!w.quantized() || w.fmt.bits != 4 || w.fmt.group % 64 != 0 || w.cols % w.fmt.group != 0) return false;
-    total_rows += w.rows;
-  }
+  for (int j = 0; j < n_jobs; ++j) total_rows += jobs[j].w.rows;
+  if (rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, stream)) return true;
   // CK_GEMV_TC_ONE_ROW=N moves the one-row threshold (total rows of the jobs) to compare.
   static const int one_row_min = [] {
     const char* e = std::getenv("CK_GEMV_TC_ONE_ROW");
@@ -948,10 +1164,10 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   L.ks = ks;
   const int R = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
   switch (R) {
-    case 1: launch_tc4<1>(L, x, ldx, rows, stream); break;
-    case 2: launch_tc4<2>(L, x, ldx, rows, stream); break;
-    case 4: launch_tc4<4>(L, x, ldx, rows, stream); break;
-    default: launch_tc4<8>(L, x, ldx, rows, stream); break;
+    case 1: launch_tc4<1>(L, x, ldx, rows, bf16s, stream); break;
+    case 2: launch_tc4<2>(L, x, ldx, rows, bf16s, stream); break;
+    case 4: launch_tc4<4>(L, x, ldx, rows, bf16s, stream); break;
+    default: launch_tc4<8>(L, x, ldx, rows, bf16s, stream); break;
   }
   return true;
 }

@@ -66,7 +66,7 @@ void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden
                  int ldy, bool codes48, cudaStream_t stream);
 
 // The same two products on the tensor cores (the v4 GEMV arithmetic, gemv.cu), for the decode steps.
-// Preconditions: every pair's matrices are 4-bit codes in groups of 64k (expert_q4_ok), hidden and
+// Preconditions: every pair's matrices are 4-bit codes in groups of 64 x 2^k (expert_q4_ok), hidden and
 // max_inter multiples of 64; x has x_rows rows (the pairs' x_row values). expert_tc4_enabled():
 // the GEMV arithmetic is v4 and CK_EXPERT_TC4 is not 0.
 bool expert_tc4_enabled();

@@ -21,7 +21,10 @@ using namespace ck;
 namespace {
 
 constexpr double kLogitTol = 1e-4;    // vs the oracle, as test_cpu_reference
-constexpr double kSelfTol = 1e-6;     // between two row-path runs that differ only in how rows are grouped
+// Between two row-path runs that differ only in how rows are grouped: one row and 2-8 rows take
+// different GEMV schedules (fragments built in the warp, other K splits), so the fp32 sums differ in
+// order; the 2026-11-30 run measured up to 1.1e-6 on the 4-bit fixture.
+constexpr double kSelfTol = 2e-6;
 // Prefill chunks (tensor cores, tf32x3 products: each fp32 operand as two tf32 parts, the lo*lo term
 // dropped, ~2^-21 relative per product; measured <= 1.6e-5 on the fixtures, 6.4e-5 with CK_TC=bf16x3)
 // against the oracle and the fp32 row path of the same engine.

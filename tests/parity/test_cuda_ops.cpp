@@ -218,6 +218,10 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
       {2048, 2560, q(4, 64, DType::BF16)},  {1100, 6144, q(4, 128, DType::F16)}, {1037, 1024, q(4, 64, DType::F32)},
       {65600, 1024, q(4, 64, DType::BF16)},  // one activation row too (the LM head's shape class)
       {40000, 320, q(4, 64, DType::BF16)},   // prefill's 4-bit GEMM over a short K (the hc up projection's)
+      // One row of short, wide 4-bit matrices: the in-warp tensor-core GEMV with K split over the
+      // blocks of a cluster (the hyper-connection down projection's shape; a lone row, as the
+      // shared-expert gate).
+      {320, 10240, q(4, 64, DType::BF16)},  {1, 2560, q(4, 64, DType::BF16)},  {16, 4096, q(4, 128, DType::F16)},
   };
   DeviceArena arena;
   for (const GemvCase& gc : cases) {
