@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #ifdef __CUDACC__
@@ -57,6 +58,8 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Number of CUDA devices; 0 when there is no driver or no device (never aborts).
 int device_count();
+// Whether launch() (below) uses programmatic dependent launch: on unless CK_PDL=0.
+bool pdl_enabled();
 // Streaming multiprocessors of the current device (asked once; call before any graph capture).
 int sm_count();
 // One line naming the device: name, SMs, memory, L2 (for the startup banner).
@@ -197,6 +200,19 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return t;
 }
 
+// Programmatic dependent launch (Hopper; docs/roofline-cuda.md "Fifth session"). Every kernel that
+// launch() starts calls pdl_begin() first: it waits until the kernel before it in the stream has
+// finished and its writes are visible (griddepcontrol.wait), then lets the next kernel's blocks be
+// scheduled (launch_dependents), so they are resident, waiting at their own pdl_begin, when this one
+// ends: the launch latency and the block ramp-up of ~400 kernels per decode step overlap the kernel
+// before. Both instructions are no-ops when the kernel was launched without the attribute.
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
 __device__ __forceinline__ float f16_bits_to_float(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 
@@ -204,6 +220,24 @@ __device__ __forceinline__ float f16_bits_to_float(uint16_t h) { return __half2f
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization (the kernel
+// must call pdl_begin() before it touches memory), unless CK_PDL=0 or the stream is the legacy default
+// stream (the op tests' direct launches). Launch errors abort (CUDA_CHECK).
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() && stream != nullptr ? 1 : 0;  // not on the legacy default stream (tests)
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 
 }  // namespace ck::cuda
 #endif

@@ -1,9 +1,20 @@
 // Host-side device plumbing: whether a GPU is there, the startup banner, and the weight arena.
 #include <fmt/format.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "cuda/common.h"
 
 namespace ck::cuda {
+
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("CK_PDL");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
 
 int device_count() {
   int n = 0;

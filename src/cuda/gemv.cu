@@ -232,6 +232,7 @@ struct GemvLaunch {
 template <int R, int M>
 __global__ void __launch_bounds__(256) gemv_kernel(const __grid_constant__ GemvLaunch L, const float* __restrict__ x,
                                                    int ldx, int nx) {
+  pdl_begin();
   __shared__ float red[9 * M * R];
   int j = 0;
   while (j + 1 < L.n_jobs && static_cast<int>(blockIdx.x) >= L.first_block[j + 1]) ++j;
@@ -265,6 +266,7 @@ template <int M>
 __global__ void __launch_bounds__(256) expert_gate_up_kernel(const ExpertPair* __restrict__ pairs,
                                                              const float* __restrict__ x, int ldx, float* __restrict__ h,
                                                              int ldh) {
+  pdl_begin();
   __shared__ float red[9 * 2 * M];
   const ExpertPair& p = pairs[blockIdx.y];
   const DMatrix gate = p.gate, up = p.up;
@@ -290,6 +292,7 @@ template <int M>
 __global__ void __launch_bounds__(256) expert_down_kernel(const ExpertPair* __restrict__ pairs,
                                                           const float* __restrict__ h, int ldh, float* __restrict__ y,
                                                           int ldy) {
+  pdl_begin();
   __shared__ float red[9 * M];
   const DMatrix down = pairs[blockIdx.y].down;
   const int row0 = static_cast<int>(blockIdx.x) * M;
@@ -497,6 +500,7 @@ struct QLaunch {
 template <int CPU, int R, bool V3>
 __global__ void __launch_bounds__(256, !V3 ? 1 : (R == 1 || (R == 2 && CPU == 8)) ? 3 : R <= 4 ? 2 : 1) gemv_q_kernel(const __grid_constant__ QLaunch L, const float* __restrict__ x,
                                                      int ldx, int nx) {
+  pdl_begin();
   __shared__ float red[8][kRpw * R];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ks = L.ks, gpb = 8 / ks, my_ks = warp % ks, my_g = warp / ks;
@@ -560,6 +564,7 @@ __global__ void __launch_bounds__(256, !V3 ? 1 : (R == 1 || (R == 2 && CPU == 8)
 // Split-K finish: y = epi(Σ_{z < kb} partial_z) per (job, activation row, output row), the slices
 // added in index order. grid-stride over rows * part_rows elements.
 __global__ void gemv_q_reduce_kernel(const __grid_constant__ QLaunch L, int rows, int R) {
+  pdl_begin();
   const int total = rows * L.part_rows;
   for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += gridDim.x * blockDim.x) {
     const int r = t / L.part_rows, i = t % L.part_rows;
@@ -578,6 +583,7 @@ template <bool V3>
 __global__ void __launch_bounds__(256, V3 ? 2 : 1) expert_gate_up_q_kernel(const ExpertPair* __restrict__ pairs, int n_pairs,
                                                                int n_rg, const float* __restrict__ x, int ldx,
                                                                float* __restrict__ h, int ldh) {
+  pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int total = n_pairs * n_rg;
   for (int wu = blockIdx.x * 8 + warp; wu < total; wu += gridDim.x * 8) {
@@ -608,6 +614,7 @@ template <bool V3>
 __global__ void __launch_bounds__(256, V3 ? 3 : 1) expert_down_q_kernel(const ExpertPair* __restrict__ pairs, int n_pairs, int n_rg,
                                                             const float* __restrict__ h, int ldh, float* __restrict__ y,
                                                             int ldy) {
+  pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int total = n_pairs * n_rg;
   for (int wu = blockIdx.x * 8 + warp; wu < total; wu += gridDim.x * 8) {
@@ -729,6 +736,7 @@ template <int R>
 __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__ x, int ldx, int nx, uint2* frag,
                                                        float* gsum, int64_t vec_x = 0, int64_t vec_frag = 0,
                                                        int64_t vec_gsum = 0) {
+  pdl_begin();
   constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
   const int G = blockIdx.x;
   x += blockIdx.y * vec_x;
@@ -763,6 +771,7 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
 // latency (1 block per SM, uncapped: lm_head at 1.2 TB/s).
 template <int R, bool BF16S>
 __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __grid_constant__ TcLaunch L, int nx) {
+  pdl_begin();
   constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
   __shared__ float red[8][16][NC + 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -860,6 +869,7 @@ __device__ __forceinline__ uint32_t bf16_part_pair(float a, float b, int p) {
 template <bool BF16S>
 __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_constant__ TcLaunch L,
                                                               const float* __restrict__ x, int kb) {
+  pdl_begin();
   __shared__ float red[8][16][3];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int ks = L.ks, tile = blockIdx.y * (8 / ks) + warp / ks, part = blockIdx.x * ks + warp % ks;
@@ -1002,6 +1012,7 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
                                                             int tiles_per_pair, int ks, const uint2* __restrict__ frag,
                                                             const float* __restrict__ gsum, int vec_groups,
                                                             float* __restrict__ out, int ldo) {
+  pdl_begin();
   constexpr int NM = GATE_UP ? 2 : 1;
   __shared__ float red[8][NM][16][4];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -1080,14 +1091,15 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
   CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch), frag_bytes + sizeof(float) * L.groups * 8 * NB, s));
   uint2* frag = reinterpret_cast<uint2*>(scratch);
   float* gsum = reinterpret_cast<float*>(scratch + frag_bytes);
-  tc4_frag_kernel<R><<<static_cast<unsigned>(L.groups), 128, 0, s>>>(x, ldx, nx, frag, gsum);
+  launch(tc4_frag_kernel<R>, static_cast<unsigned>(L.groups), 128, 0, s, x, ldx, nx, frag, gsum, int64_t{0}, int64_t{0},
+         int64_t{0});
   CUDA_CHECK_LAUNCH();
   L.frag = frag;
   L.gsum = gsum;
   const int tiles = L.first_tile[L.n_jobs];
   const unsigned grid = static_cast<unsigned>(ceil_div(tiles, 8 / L.ks));
-  if (bf16s) gemv_tc4_kernel<R, true><<<grid, 256, 0, s>>>(L, nx);
-  else gemv_tc4_kernel<R, false><<<grid, 256, 0, s>>>(L, nx);
+  if (bf16s) launch(gemv_tc4_kernel<R, true>, grid, 256, 0, s, L, nx);
+  else launch(gemv_tc4_kernel<R, false>, grid, 256, 0, s, L, nx);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(scratch, s));
 }
@@ -1121,13 +1133,20 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, c
   cfg.gridDim = dim3(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1);
   cfg.blockDim = dim3(256, 1, 1);
   cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(kb);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[2];
+  int n_attr = 0;
+  if (pdl_enabled() && s != nullptr) {  // as launch() (common.h): the kernel starts with pdl_begin()
+    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n_attr++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (kb > 1) {
+    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
+    attr[n_attr].val.clusterDim.x = static_cast<unsigned>(kb);
+    attr[n_attr].val.clusterDim.y = 1;
+    attr[n_attr++].val.clusterDim.z = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = kb > 1 ? 1 : 0;
+  cfg.numAttrs = n_attr;
   if (bf16s) CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<true>, L, x, kb));
   else CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<false>, L, x, kb));
   return true;
@@ -1187,11 +1206,11 @@ void launch_gemv_q_a(QLaunch L, const float* x, int ldx, int nx, cudaStream_t s)
   if (L.kb > 1) {
     CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&L.partial), sizeof(float) * L.kb * R * L.part_rows, s));
   }
-  gemv_q_kernel<CPU, R, V3><<<grid, 256, 0, s>>>(L, x, ldx, nx);
+  launch(gemv_q_kernel<CPU, R, V3>, grid, 256, 0, s, L, x, ldx, nx);
   CUDA_CHECK_LAUNCH();
   if (L.kb > 1) {
     const int total = nx * L.part_rows;
-    gemv_q_reduce_kernel<<<static_cast<unsigned>(ceil_div(total, 256)), 256, 0, s>>>(L, nx, R);
+    launch(gemv_q_reduce_kernel, static_cast<unsigned>(ceil_div(total, 256)), 256, 0, s, L, nx, R);
     CUDA_CHECK_LAUNCH();
     CUDA_CHECK(cudaFreeAsync(L.partial, s));
   }
@@ -1268,7 +1287,7 @@ int threads_for_units(int64_t units) {
 
 template <int R, int M>
 void launch_gemv(const GemvLaunch& L, int blocks, int threads, const float* x, int ldx, int nx, cudaStream_t s) {
-  gemv_kernel<R, M><<<blocks, threads, 0, s>>>(L, x, ldx, nx);
+  launch(gemv_kernel<R, M>, blocks, threads, 0, s, L, x, ldx, nx);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -1370,14 +1389,14 @@ void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hid
     const int n_rg = static_cast<int>(ceil_div(max_inter, kRpw));
     const int grid = static_cast<int>(
         std::min<int64_t>(ceil_div(static_cast<int64_t>(n_pairs) * n_rg, 8), sm_count() * (v3 ? occ3 : occ2)));
-    if (v3) expert_gate_up_q_kernel<true><<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, x, ldx, h, ldh);
-    else expert_gate_up_q_kernel<false><<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, x, ldx, h, ldh);
+    if (v3) launch(expert_gate_up_q_kernel<true>, grid, 256, 0, stream, pairs, n_pairs, n_rg, x, ldx, h, ldh);
+    else launch(expert_gate_up_q_kernel<false>, grid, 256, 0, stream, pairs, n_pairs, n_rg, x, ldx, h, ldh);
     CUDA_CHECK_LAUNCH();
     return;
   }
   constexpr int M = 2;
   dim3 grid(static_cast<unsigned>(ceil_div(max_inter, M)), static_cast<unsigned>(n_pairs));
-  expert_gate_up_kernel<M><<<grid, threads_for_units(ceil_div(hidden, 8)), 0, stream>>>(pairs, x, ldx, h, ldh);
+  launch(expert_gate_up_kernel<M>, grid, threads_for_units(ceil_div(hidden, 8)), 0, stream, pairs, x, ldx, h, ldh);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -1402,13 +1421,13 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
                              n_vec * (frag_elems * sizeof(uint2) + sizeof(float) * groups * 8), s));
   uint2* frag = reinterpret_cast<uint2*>(scratch);
   float* gsum = reinterpret_cast<float*>(scratch + n_vec * frag_elems * sizeof(uint2));
-  tc4_frag_kernel<1><<<dim3(static_cast<unsigned>(groups), static_cast<unsigned>(n_vec)), 128, 0, s>>>(
+  launch(tc4_frag_kernel<1>, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(n_vec)), 128, 0, s, 
       x, ldx, 1, frag, gsum, ldx, static_cast<int64_t>(frag_elems), static_cast<int64_t>(groups) * 8);
   CUDA_CHECK_LAUNCH();
   const int tiles_per_pair = static_cast<int>(ceil_div(max_rows, 16)), tiles = n_pairs * tiles_per_pair;
   int ks = 1;
   while (ks < 8 && tiles * ks < sm_count() * 16 && groups >= 8 * ks) ks *= 2;
-  expert_tc4_kernel<GATE_UP><<<static_cast<unsigned>(ceil_div(tiles, 8 / ks)), 256, 0, s>>>(
+  launch(expert_tc4_kernel<GATE_UP>, static_cast<unsigned>(ceil_div(tiles, 8 / ks)), 256, 0, s, 
       pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out, ldo);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(scratch, s));
@@ -1438,14 +1457,14 @@ void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden
     const int n_rg = static_cast<int>(ceil_div(hidden, kRpw));
     const int grid = static_cast<int>(
         std::min<int64_t>(ceil_div(static_cast<int64_t>(n_pairs) * n_rg, 8), sm_count() * (v3 ? occ3 : occ2)));
-    if (v3) expert_down_q_kernel<true><<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, h, ldh, y, ldy);
-    else expert_down_q_kernel<false><<<grid, 256, 0, stream>>>(pairs, n_pairs, n_rg, h, ldh, y, ldy);
+    if (v3) launch(expert_down_q_kernel<true>, grid, 256, 0, stream, pairs, n_pairs, n_rg, h, ldh, y, ldy);
+    else launch(expert_down_q_kernel<false>, grid, 256, 0, stream, pairs, n_pairs, n_rg, h, ldh, y, ldy);
     CUDA_CHECK_LAUNCH();
     return;
   }
   constexpr int M = 2;
   dim3 grid(static_cast<unsigned>(ceil_div(hidden, M)), static_cast<unsigned>(n_pairs));
-  expert_down_kernel<M><<<grid, threads_for_units(ceil_div(max_inter, 8)), 0, stream>>>(pairs, h, ldh, y, ldy);
+  launch(expert_down_kernel<M>, grid, threads_for_units(ceil_div(max_inter, 8)), 0, stream, pairs, h, ldh, y, ldy);
   CUDA_CHECK_LAUNCH();
 }
 

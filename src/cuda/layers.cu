@@ -24,6 +24,7 @@ int block_for(int64_t n, int max_threads = 256) {
 
 // grid (rows), any block.
 __global__ void embed_wide_kernel(const DMatrix embed, const StepParams* sp, int S, int H, float* R, int ldR) {
+  pdl_begin();
   const int64_t tok = sp->tokens[blockIdx.x];
   float* Rr = R + static_cast<size_t>(blockIdx.x) * ldR;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
@@ -34,6 +35,7 @@ __global__ void embed_wide_kernel(const DMatrix embed, const StepParams* sp, int
 
 // grid (ceil(H/256), rows), block 256.
 __global__ void hc_gate_mean_kernel(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu) {
+  pdl_begin();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= H) return;
   const float* gr = g + static_cast<size_t>(blockIdx.y) * ldgx;
@@ -45,6 +47,7 @@ __global__ void hc_gate_mean_kernel(const float* g, const float* X, int ldgx, in
 
 // grid (ceil(S*H/256), rows), block 256.
 __global__ void hc_combine_kernel(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H) {
+  pdl_begin();
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= S * H) return;
   const int s = idx / H, i = idx % H;
@@ -58,6 +61,7 @@ constexpr int kMaxConvHist = 7;  // GDN conv kernel <= 8
 
 // grid (ceil(C/256)), block 256: one thread per channel, rows in order.
 __global__ void gdn_conv_kernel(const GdnConvArgs a, const StepParams* sp, int rows) {
+  pdl_begin();
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= a.C) return;
   const int K = a.K, C = a.C;
@@ -105,6 +109,7 @@ __device__ __forceinline__ float gdn_gated_out(const GdnRecArgs& a, int r, int h
 }
 
 __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, const StepParams* sp, int rows) {
+  pdl_begin();
   extern __shared__ float sh[];
   __shared__ float scratch[32];
   const int h = blockIdx.x, dk = a.dk, dv = a.dv, parts = (dk + kKeyPart - 1) / kKeyPart;
@@ -208,6 +213,7 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
 // grid (rows), block 256: the same norm after gdn_chunked, one warp per head (the chunked form's sums
 // are in another order anyway, and 48 heads x 1,024 rows of one-warp blocks would mostly wait).
 __global__ void gdn_out_norm_rows_kernel(const GdnRecArgs a) {
+  pdl_begin();
   const int r = blockIdx.x, lane = threadIdx.x & 31, dv = a.dv;
   for (int h = threadIdx.x >> 5; h < a.nv; h += blockDim.x >> 5) {
     float* o = a.out + static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h) * dv;
@@ -223,6 +229,7 @@ __global__ void gdn_out_norm_rows_kernel(const GdnRecArgs a) {
 // after a split gdn_recurrent_kernel. Thread j holds column j, as in the fused form, so the sum of
 // squares adds the same values in the same order.
 __global__ void gdn_out_norm_kernel(const GdnRecArgs a) {
+  pdl_begin();
   __shared__ float scratch[32];
   const int h = blockIdx.x, r = blockIdx.y, j = threadIdx.x, dv = a.dv;
   float* o = a.out + static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h) * dv;
@@ -280,6 +287,7 @@ size_t gdn_scan_smem(int dk) {
 
 // grid (nv, chunks), block 256, dynamic shared memory gdn_prep_smem(dk, dv).
 __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs a, int rows, float* records) {
+  pdl_begin();
   extern __shared__ float sh[];
   constexpr int C = kGdnChunk, ldc = C + 1, kWarps = 8;
   const int h = blockIdx.x, c = blockIdx.y, dk = a.dk, dv = a.dv, ld = max(dk, dv) + 1;
@@ -480,6 +488,7 @@ __device__ __forceinline__ void rows2_cols4_add(float (&acc)[2][4], const float*
 // first takes e^(G_last-G) k̂(c); after phase 2 the second takes W(c+1) (and P(c+1)); after phase 3 the
 // first takes e^G q̂(c+1).
 __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs a, int rows, const float* records) {
+  pdl_begin();
   extern __shared__ float4 sh4[];
   constexpr int C = kGdnChunk, NC = kGdnScanCols, ldp = kGdnScanLdP;
   const int h = blockIdx.x, c0 = blockIdx.y * NC, dk = a.dk, dv = a.dv, ld = gdn_scan_ld(dk);
@@ -612,6 +621,7 @@ __device__ void norm_rope_to(const float* src, int n, const float* norm, float e
 // Blocks: query heads, then KV heads (K to the cache after norm+RoPE, V copied), then indexer query
 // heads, then one block that stores the raw indexer key.
 __global__ void attn_prep_kernel(const AttnArgs a, const StepParams* sp) {
+  pdl_begin();
   extern __shared__ float buf[];
   __shared__ float scratch[32];
   const int b = blockIdx.x, r = blockIdx.y;
@@ -642,6 +652,7 @@ __global__ void attn_prep_kernel(const AttnArgs a, const StepParams* sp) {
 // stores b's pooled key: mean of the raw keys, k norm, RoPE at the block's first position (trap 9).
 // A block's key never changes afterwards; rolled-back rows rewrite it when their position is redone.
 __global__ void attn_pool_kernel(const AttnArgs a, const StepParams* sp) {
+  pdl_begin();
   extern __shared__ float buf[];
   __shared__ float scratch[32];
   const int64_t pos = sp->pos + blockIdx.x;
@@ -660,6 +671,7 @@ __global__ void attn_pool_kernel(const AttnArgs a, const StepParams* sp) {
 // grid (ceil(nb_max / 8), rows), block 256: one warp per block b. Only rows with more complete blocks
 // than the budget need scores.
 __global__ void attn_scores_kernel(const AttnArgs a, const StepParams* sp) {
+  pdl_begin();
   const int r = blockIdx.y, lane = threadIdx.x & 31;
   const int64_t n = sp->pos + r + 1, nb = n / a.cr;
   const int64_t b = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
@@ -689,6 +701,7 @@ __device__ __forceinline__ uint32_t score_key(float f) {
 // exactly T are taken; those are the lowest-index ones (an ordered scan). Same set as ranking every
 // block against every other (the first version: O(nb^2) per row, 4 us of a prefill token at 8k).
 __global__ void __launch_bounds__(256) attn_select_kernel(const AttnArgs a, const StepParams* sp) {
+  pdl_begin();
   __shared__ uint32_t hist[256];
   __shared__ uint32_t prefix_s, remaining_s, ties_before;
   __shared__ uint32_t warp_ties[8];
@@ -752,6 +765,7 @@ __global__ void __launch_bounds__(256) attn_select_kernel(const AttnArgs a, cons
 // Selected token ids are compacted in ascending order, so the softmax and the weighted sum of V run
 // in the CPU's key order.
 __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
+  pdl_begin();
   extern __shared__ float smem[];
   __shared__ float scratch[32];
   __shared__ int warp_counts[32];
@@ -821,6 +835,7 @@ __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
 
 // grid (S, rows), block 256.
 __global__ void ple_gate_kernel(const float* kn, const float* qn, int ld, const float* val, int ldv, int H, float* G) {
+  pdl_begin();
   __shared__ float scratch[32];
   const int s = blockIdx.x, r = blockIdx.y;
   const float* k = kn + static_cast<size_t>(r) * ld + static_cast<size_t>(s) * H;
@@ -842,6 +857,7 @@ constexpr int kMaxPleHist = 32;
 // grid (ceil(W/256)), block 256: one thread per channel, rows in order. The history is a local array
 // indexed at run time (local memory, L1-resident: a few dozen floats per thread).
 __global__ void ple_conv_kernel(const PleConvArgs a, const StepParams* sp, int rows) {
+  pdl_begin();
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= a.W) return;
   const int K = a.K, d = a.dil, hl = (K - 1) * d, W = a.W;
@@ -870,6 +886,7 @@ __global__ void ple_conv_kernel(const PleConvArgs a, const StepParams* sp, int r
 
 // grid (rows), block 256, dynamic shared memory E floats + E bytes.
 __global__ void moe_route_kernel(const MoeRouteArgs a) {
+  pdl_begin();
   extern __shared__ float prob[];
   __shared__ float scratch[32];
   __shared__ float sv[32];
@@ -921,6 +938,7 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
 // grid (ceil(H/256), rows), block 256.
 __global__ void moe_combine_kernel(const float* y, int ldy, const ExpertPair* pairs, int k, const float* gl, int ldgl,
                                    float* out, int ldo, int H) {
+  pdl_begin();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= H) return;
   const int r = blockIdx.y;
@@ -962,26 +980,26 @@ std::vector<float> rope_inv_freq(int rot_dim, double theta) {
 
 void embed_wide(const DMatrix& embed, const StepParams* sp, int rows, int S, int H, float* R, int ldR,
                 cudaStream_t stream) {
-  embed_wide_kernel<<<rows, block_for(H), 0, stream>>>(embed, sp, S, H, R, ldR);
+  launch(embed_wide_kernel, rows, block_for(H), 0, stream, embed, sp, S, H, R, ldR);
   CUDA_CHECK_LAUNCH();
 }
 
 void hc_gate_mean(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu, int rows,
                   cudaStream_t stream) {
-  hc_gate_mean_kernel<<<dim3(static_cast<unsigned>(ceil_div(H, 256)), rows), 256, 0, stream>>>(g, X, ldgx, S, H, u, ldu);
+  launch(hc_gate_mean_kernel, dim3(static_cast<unsigned>(ceil_div(H, 256)), rows), 256, 0, stream, g, X, ldgx, S, H, u, ldu);
   CUDA_CHECK_LAUNCH();
 }
 
 void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H, int rows,
                 cudaStream_t stream) {
-  hc_combine_kernel<<<dim3(static_cast<unsigned>(ceil_div(S * H, 256)), rows), 256, 0, stream>>>(R, ldR, o, ldo, w,
+  launch(hc_combine_kernel, dim3(static_cast<unsigned>(ceil_div(S * H, 256)), rows), 256, 0, stream, R, ldR, o, ldo, w,
                                                                                                   ldw, S, H);
   CUDA_CHECK_LAUNCH();
 }
 
 void gdn_conv(const GdnConvArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
   CK_REQUIRE(a.K >= 1 && a.K - 1 <= kMaxConvHist, "GDN conv kernel %d > %d", a.K, kMaxConvHist + 1);
-  gdn_conv_kernel<<<static_cast<unsigned>(ceil_div(a.C, 256)), 256, 0, stream>>>(a, sp, rows);
+  launch(gdn_conv_kernel, static_cast<unsigned>(ceil_div(a.C, 256)), 256, 0, stream, a, sp, rows);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -995,10 +1013,10 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
   const int cols = a.dv / split;
   const int threads = static_cast<int>(round_up(cols * parts, 32));
   const size_t smem = sizeof(float) * (2 * a.dk + parts * cols);
-  gdn_recurrent_kernel<<<dim3(a.nv, split), threads, smem, stream>>>(a, sp, rows);
+  launch(gdn_recurrent_kernel, dim3(a.nv, split), threads, smem, stream, a, sp, rows);
   CUDA_CHECK_LAUNCH();
   if (split > 1) {
-    gdn_out_norm_kernel<<<dim3(a.nv, rows), static_cast<unsigned>(round_up(a.dv, 32)), 0, stream>>>(a);
+    launch(gdn_out_norm_kernel, dim3(a.nv, rows), static_cast<unsigned>(round_up(a.dv, 32)), 0, stream, a);
     CUDA_CHECK_LAUNCH();
   }
 }
@@ -1015,13 +1033,12 @@ void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream) {
   const GdnChunkLayout lay(a.dk, a.dv);
   float* records = nullptr;  // stream-ordered scratch, pooled by the driver
   CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&records), sizeof(float) * lay.size * chunks * a.nv, stream));
-  gdn_chunk_prep_kernel<<<dim3(a.nv, chunks), 256, gdn_prep_smem(a.dk, a.dv), stream>>>(a, rows, records);
+  launch(gdn_chunk_prep_kernel, dim3(a.nv, chunks), 256, gdn_prep_smem(a.dk, a.dv), stream, a, rows, records);
   CUDA_CHECK_LAUNCH();
-  gdn_chunk_scan_kernel<<<dim3(a.nv, static_cast<unsigned>(ceil_div(a.dv, kGdnScanCols))), 256, gdn_scan_smem(a.dk),
-                          stream>>>(a, rows, records);
+  launch(gdn_chunk_scan_kernel, dim3(a.nv, static_cast<unsigned>(ceil_div(a.dv, kGdnScanCols))), 256, gdn_scan_smem(a.dk), stream, a, rows, records);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(records, stream));
-  gdn_out_norm_rows_kernel<<<rows, 256, 0, stream>>>(a);
+  launch(gdn_out_norm_rows_kernel, rows, 256, 0, stream, a);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -1033,39 +1050,39 @@ void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t s
   const size_t dec_smem = static_cast<size_t>(cap) * 8;
   CK_REQUIRE(dec_smem <= 200 * 1024, "attention: %d selectable keys do not fit in shared memory", cap);
   const int nprep = a.nh + a.nkv + a.inh + 1;
-  attn_prep_kernel<<<dim3(nprep, rows), 128, sizeof(float) * std::max(a.hd, a.ihd), stream>>>(a, sp);
+  launch(attn_prep_kernel, dim3(nprep, rows), 128, sizeof(float) * std::max(a.hd, a.ihd), stream, a, sp);
   CUDA_CHECK_LAUNCH();
-  attn_pool_kernel<<<rows, 128, sizeof(float) * a.ihd, stream>>>(a, sp);
+  launch(attn_pool_kernel, rows, 128, sizeof(float) * a.ihd, stream, a, sp);
   CUDA_CHECK_LAUNCH();
-  attn_scores_kernel<<<dim3(static_cast<unsigned>(ceil_div(a.nb_max, 8)), rows), 256, 0, stream>>>(a, sp);
+  launch(attn_scores_kernel, dim3(static_cast<unsigned>(ceil_div(a.nb_max, 8)), rows), 256, 0, stream, a, sp);
   CUDA_CHECK_LAUNCH();
-  attn_select_kernel<<<rows, 256, 0, stream>>>(a, sp);
+  launch(attn_select_kernel, rows, 256, 0, stream, a, sp);
   CUDA_CHECK_LAUNCH();
-  attn_decode_kernel<<<dim3(a.nh, rows), 256, dec_smem, stream>>>(a, sp);
+  launch(attn_decode_kernel, dim3(a.nh, rows), 256, dec_smem, stream, a, sp);
   CUDA_CHECK_LAUNCH();
 }
 
 void ple_gate(const float* kn, const float* qn, int ld, const float* val, int ldv, int S, int H, float* G, int rows,
               cudaStream_t stream) {
-  ple_gate_kernel<<<dim3(S, rows), 256, 0, stream>>>(kn, qn, ld, val, ldv, H, G);
+  launch(ple_gate_kernel, dim3(S, rows), 256, 0, stream, kn, qn, ld, val, ldv, H, G);
   CUDA_CHECK_LAUNCH();
 }
 
 void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
   CK_REQUIRE(a.K >= 1 && (a.K - 1) * a.dil <= kMaxPleHist, "PLE conv history %d > %d", (a.K - 1) * a.dil, kMaxPleHist);
-  ple_conv_kernel<<<static_cast<unsigned>(ceil_div(a.W, 256)), 256, 0, stream>>>(a, sp, rows);
+  launch(ple_conv_kernel, static_cast<unsigned>(ceil_div(a.W, 256)), 256, 0, stream, a, sp, rows);
   CUDA_CHECK_LAUNCH();
 }
 
 void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
   CK_REQUIRE(a.k >= 1 && a.k <= 64 && a.k <= a.E && a.E <= 8192, "invariant");
-  moe_route_kernel<<<rows, 256, sizeof(float) * a.E + a.E, stream>>>(a);
+  launch(moe_route_kernel, rows, 256, sizeof(float) * a.E + a.E, stream, a);
   CUDA_CHECK_LAUNCH();
 }
 
 void moe_combine(const float* y, int ldy, const ExpertPair* pairs, int k, const float* gl, int ldgl, float* out,
                  int ldo, int H, int rows, cudaStream_t stream) {
-  moe_combine_kernel<<<dim3(static_cast<unsigned>(ceil_div(H, 256)), rows), 256, 0, stream>>>(y, ldy, pairs, k, gl,
+  launch(moe_combine_kernel, dim3(static_cast<unsigned>(ceil_div(H, 256)), rows), 256, 0, stream, y, ldy, pairs, k, gl,
                                                                                                 ldgl, out, ldo, H);
   CUDA_CHECK_LAUNCH();
 }
