@@ -686,6 +686,20 @@ struct Tc4Rows {
     gshift = __ffs(w.fmt.group / 64) - 1;
     sk = w.fmt.scale_kind;
   }
+  // Asks L2 for groups [G0, G1) of both rows' codes and the lines of their scales and biases (lanes
+  // t == 0). For a kernel's prologue before pdl_begin(): weights never change, so this overlaps the
+  // kernel before (docs/roofline-cuda.md, "Fifth session").
+  __device__ __forceinline__ void prefetch(int G0, int G1, int t) const {
+    if (t != 0 || G1 <= G0) return;
+    const uint32_t bytes = static_cast<uint32_t>(G1 - G0) * 32;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pa + G0 * 32), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pb + G0 * 32), "r"(bytes) : "memory");
+    const uint32_t es = sk == static_cast<uint8_t>(WKind::F32) ? 4 : 2, sg = static_cast<uint32_t>(G0) >> gshift;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + (sa0 + sg) * es) : "memory");
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(biases + (sa0 + sg) * es) : "memory");
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + (sb0 + sg) * es) : "memory");
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(biases + (sb0 + sg) * es) : "memory");
+  }
   __device__ __forceinline__ float elem(const uint8_t* base, uint32_t i) const {
     if constexpr (BF16S) return bf16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(base) + i));
     else return load_scale_elem(base, i, sk);
@@ -771,7 +785,6 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
 // latency (1 block per SM, uncapped: lm_head at 1.2 TB/s).
 template <int R, bool BF16S>
 __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __grid_constant__ TcLaunch L, int nx) {
-  pdl_begin();
   constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
   __shared__ float red[8][16][NC + 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -782,10 +795,14 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   const DMatrix& w = L.job[j].w;
   const int row0 = (tile - L.first_tile[j]) * 16;
   float acc[NB][4] = {};
+  const int per = (L.groups + ks - 1) / ks, G0 = min(L.groups, part * per), G1 = min(L.groups, G0 + per);
+  Tc4Rows<BF16S> tr;
   if (tile < n_tiles) {
-    const int per = (L.groups + ks - 1) / ks, G0 = min(L.groups, part * per), G1 = min(L.groups, G0 + per);
-    Tc4Rows<BF16S> tr;
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
+    tr.prefetch(G0, G1, t);
+  }
+  pdl_begin();  // the fragments and group sums come from the kernel before
+  if (tile < n_tiles) {
 #pragma unroll 4
     for (int G = G0; G < G1; ++G) {
       uint2 wa, wb;
@@ -869,7 +886,6 @@ __device__ __forceinline__ uint32_t bf16_part_pair(float a, float b, int p) {
 template <bool BF16S>
 __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_constant__ TcLaunch L,
                                                               const float* __restrict__ x, int kb) {
-  pdl_begin();
   __shared__ float red[8][16][3];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int ks = L.ks, tile = blockIdx.y * (8 / ks) + warp / ks, part = blockIdx.x * ks + warp % ks;
@@ -881,11 +897,15 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   const int p = g < 3 ? g : 0;           // the x part this lane's MMA column carries (hi, mid, lo)
   const uint32_t keep = g < 3 ? ~0u : 0u;  // columns 3-7 are zero
   float acc[4] = {};
+  const int parts = ks * kb, per = (L.groups + parts - 1) / parts;
+  const int G0 = min(L.groups, part * per), G1 = min(L.groups, G0 + per);
+  Tc4Rows<BF16S> tr;
   if (tile < n_tiles) {
-    const int parts = ks * kb, per = (L.groups + parts - 1) / parts;
-    const int G0 = min(L.groups, part * per), G1 = min(L.groups, G0 + per);
-    Tc4Rows<BF16S> tr;
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
+    tr.prefetch(G0, G1, t);
+  }
+  pdl_begin();  // x comes from the kernel before
+  if (tile < n_tiles) {
 #pragma unroll 2
     for (int G = G0; G < G1; ++G) {
       uint2 wa, wb;
