@@ -857,18 +857,22 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   }
 }
 
-// v4 at one activation row with the fragments built in the warp (decode's small matrices: the
-// hyper-connection down 320 x 10,240 and up 10,240 x 320, the router 512 x 2,560). The two-kernel form
-// above spends a fragment-kernel launch (~3 us in a graph) and, for short wide matrices, the v3 path
-// spent a split-K reduce kernel (~2.6 us) on top of ~8 us of work: these jobs are latency-bound.
-// Here lane (g, t) loads the 16 floats x[64G + 16t, +16) of each group (its words' columns, see
-// mma_q4.cuh) and lanes g = 0, 1, 2 turn them into the hi, mid and lo parts of MMA columns 0-2; the
-// other lanes give zero columns. That costs ~100 instructions per warp and group, so it is only for
-// jobs of few tiles x groups (kTcInWarpMax); tall matrices keep the fragment kernel.
-// K is split over the ks warps of a block and over the kb blocks of a thread-block cluster (grid x =
-// kb, cluster (kb, 1, 1)); the cluster's rank-0 block adds the parts in index order (blocks, then
-// warps) from the others' shared memory: deterministic, no global scratch, no second kernel.
-constexpr int kTcInWarpMax = 16384;  // tiles x groups of a launch
+// v4 at one activation row with the fragments built in the block (decode's small and middle-sized
+// matrices: the hyper-connection down 320 x 10,240 and up 10,240 x 320, the DeltaNet out projection
+// 2,560 x 6,144). The two-kernel form above spends a fragment-kernel launch (~3 us in a graph) and,
+// for short wide matrices, the v3 path spent a split-K reduce kernel (~2.6 us) on top of ~8 us of
+// work: these jobs are latency-bound.
+// K is split over the kb blocks of a thread-block cluster (grid x = kb, cluster (kb, 1, 1)) and, inside
+// a block's K range, over ks warps; a block holds 8 / ks tiles of 16 rows. The block first turns its K
+// range of x into B fragments in shared memory (lane (g, t) of a warp reads the 16 floats x[64G + 16t,
+// +16) of a group, its words' columns (mma_q4.cuh), and lanes g = 0, 1, 2 make the hi, mid and lo
+// parts of MMA columns 0-2; the other lanes give zero columns), once per group for all its tiles. The
+// cluster's rank-0 block adds the parts in index order (warps, then blocks) from the others' shared
+// memory: deterministic, no global scratch, no second kernel.
+// Tiles x groups of a launch. Above it (the DeltaNet in_proj: 1,030 x 40) the two-kernel form was
+// faster on 2026-11-30: 427.8 against 422.1 tok/s with in_proj here (CK_GEMV_INWARP_MAX=65536).
+constexpr int kTcInWarpMax = 16384;
+constexpr int kTcBlockGroups = 40;    // groups of x a block holds as fragments (1,028 bytes each)
 
 // Part p (0 hi, 1 mid, 2 lo; see bf16_part) of a and b as one bf16x2, without branches: lanes of one
 // warp ask for different parts.
@@ -883,34 +887,35 @@ __device__ __forceinline__ uint32_t bf16_part_pair(float a, float b, int p) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+// Dynamic shared memory: [range groups][4 steps][32 lanes] uint2 fragments, then [range groups] Σ x.
 template <bool BF16S>
 __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_constant__ TcLaunch L,
                                                               const float* __restrict__ x, int kb) {
+  extern __shared__ uint2 sfrag[];
   __shared__ float red[8][16][3];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int ks = L.ks, tile = blockIdx.y * (8 / ks) + warp / ks, part = blockIdx.x * ks + warp % ks;
+  const int ks = L.ks, tile = blockIdx.y * (8 / ks) + warp / ks, part = warp % ks;
   const int n_tiles = L.first_tile[L.n_jobs];
   int j = 0;
   while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
   const DMatrix& w = L.job[j].w;
   const int row0 = (tile - L.first_tile[j]) * 16;
-  const int p = g < 3 ? g : 0;           // the x part this lane's MMA column carries (hi, mid, lo)
-  const uint32_t keep = g < 3 ? ~0u : 0u;  // columns 3-7 are zero
+  // The block's K range (cluster rank blockIdx.x of kb), then this warp's part of it.
+  const int per_b = (L.groups + kb - 1) / kb, B0 = min(L.groups, static_cast<int>(blockIdx.x) * per_b),
+            B1 = min(L.groups, B0 + per_b);
+  const int per = (B1 - B0 + ks - 1) / ks, G0 = min(B1, B0 + part * per), G1 = min(B1, G0 + per);
+  float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(per_b) * 4 * 32);
   float acc[4] = {};
-  const int parts = ks * kb, per = (L.groups + parts - 1) / parts;
-  const int G0 = min(L.groups, part * per), G1 = min(L.groups, G0 + per);
   Tc4Rows<BF16S> tr;
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
     tr.prefetch(G0, G1, t);
   }
   pdl_begin();  // x comes from the kernel before
-  if (tile < n_tiles) {
-#pragma unroll 2
-    for (int G = G0; G < G1; ++G) {
-      uint2 wa, wb;
-      float sa, ba, sb, bb;
-      tr.load(G, wa, wb, sa, ba, sb, bb);
+  {
+    const int p = g < 3 ? g : 0;             // the x part this lane's MMA column carries (hi, mid, lo)
+    const uint32_t keep = g < 3 ? ~0u : 0u;  // columns 3-7 are zero
+    for (int G = B0 + warp; G < B1; G += 8) {
       const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
       const float4 q0 = __ldg(xp), q1 = __ldg(xp + 1), q2 = __ldg(xp + 2), q3 = __ldg(xp + 3);
       // Σ x of the group (the bias term, on the hi column 0 only): this lane's 16, then over t.
@@ -918,18 +923,31 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
                  (((q2.x + q2.y) + (q2.z + q2.w)) + ((q3.x + q3.y) + (q3.z + q3.w)));
       gs += __shfl_xor_sync(0xffffffffu, gs, 1);
       gs += __shfl_xor_sync(0xffffffffu, gs, 2);
-      const float xs = t == 0 ? gs : 0.0f;
+      if (lane == 0) sgs[G - B0] = gs;
       // Step s's pairs (mma_q4.cuh): A = (x[c], x[c+4]), B = (x[c+1], x[c+5]) at c = 16t + {0, 2, 8, 10}.
-      const uint32_t b0[4] = {bf16_part_pair(q0.x, q1.x, p) & keep, bf16_part_pair(q0.z, q1.z, p) & keep,
-                              bf16_part_pair(q2.x, q3.x, p) & keep, bf16_part_pair(q2.z, q3.z, p) & keep};
-      const uint32_t b1[4] = {bf16_part_pair(q0.y, q1.y, p) & keep, bf16_part_pair(q0.w, q1.w, p) & keep,
-                              bf16_part_pair(q2.y, q3.y, p) & keep, bf16_part_pair(q2.w, q3.w, p) & keep};
+      uint2* f = sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane;
+      f[0] = make_uint2(bf16_part_pair(q0.x, q1.x, p) & keep, bf16_part_pair(q0.y, q1.y, p) & keep);
+      f[32] = make_uint2(bf16_part_pair(q0.z, q1.z, p) & keep, bf16_part_pair(q0.w, q1.w, p) & keep);
+      f[64] = make_uint2(bf16_part_pair(q2.x, q3.x, p) & keep, bf16_part_pair(q2.y, q3.y, p) & keep);
+      f[96] = make_uint2(bf16_part_pair(q2.z, q3.z, p) & keep, bf16_part_pair(q2.w, q3.w, p) & keep);
+    }
+  }
+  __syncthreads();
+  if (tile < n_tiles) {
+#pragma unroll 2
+    for (int G = G0; G < G1; ++G) {
+      uint2 wa, wb;
+      float sa, ba, sb, bb;
+      tr.load(G, wa, wb, sa, ba, sb, bb);
+      const uint2* f = sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane;
+      const float xs = t == 0 ? sgs[G - B0] : 0.0f;
       float d[4] = {};  // the group's Σ q x, fresh per group
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
         const int i0 = 2 * (s & 1);
-        mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b0[s], b1[s]);
+        const uint2 bf = f[32 * s];
+        mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), bf.x, bf.y);
       }
       acc[0] = fmaf(sa, d[0], fmaf(ba, xs, acc[0]));
       acc[1] = fmaf(sa, d[1], acc[1]);
@@ -951,7 +969,7 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   // Each block adds its tiles' ks parts in index order (into the first part's slot), then the
   // cluster's rank 0 adds the blocks' sums in rank order. The kb remote loads are issued together:
   // one dependent DSMEM load after another cost ~0.1 us each (13.5 us per call with kb = ks = 8).
-  const bool owner = warp % ks == 0 && tile < n_tiles && lane < 16;
+  const bool owner = part == 0 && tile < n_tiles && lane < 16;
   if (owner)
     for (int q = 0; q < 3; ++q) {
       float v = red[warp][lane][q];
@@ -1124,12 +1142,17 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
   CUDA_CHECK(cudaFreeAsync(scratch, s));
 }
 
-// The in-warp v4 launch at one row (gemv_tc4_one_kernel), or false when the jobs are too large for it
-// (tiles x groups > kTcInWarpMax), x is not 16-byte aligned, or CK_GEMV_INWARP=0.
+// The one-row v4 launch with block-built fragments (gemv_tc4_one_kernel), or false when the jobs are
+// too large for it (tiles x groups > kTcInWarpMax, CK_GEMV_INWARP_MAX to move it), x is not 16-byte
+// aligned, or CK_GEMV_INWARP=0.
 bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cudaStream_t s) {
   static const bool on = [] {
     const char* e = std::getenv("CK_GEMV_INWARP");
     return !(e && std::strcmp(e, "0") == 0);
+  }();
+  static const int64_t max_work = [] {
+    const char* e = std::getenv("CK_GEMV_INWARP_MAX");
+    return e ? std::max<int64_t>(1, std::atoll(e)) : int64_t{kTcInWarpMax};
   }();
   if (!on || n_jobs < 1 || n_jobs > kMaxGemvJobs || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
   TcLaunch L{};
@@ -1142,16 +1165,22 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, c
     tiles += static_cast<int>(ceil_div(jobs[j].w.rows, 16));
   }
   L.first_tile[n_jobs] = tiles;
-  if (static_cast<int64_t>(tiles) * L.groups > kTcInWarpMax) return false;
-  // Split K into more parts (warps of a block, then blocks of a cluster) while there are too few warps
-  // for the GPU (~16 per SM) and each part keeps at least two groups.
+  if (static_cast<int64_t>(tiles) * L.groups > max_work) return false;
+  // Split K into more parts while there are too few warps for the GPU (~16 per SM) and each part keeps
+  // at least two groups: over the blocks of a cluster first (each block's fragments then serve all
+  // its tiles), then over the warps of a block. A block holds at most kTcBlockGroups groups of x.
   int parts = 1;
   while (parts < 64 && tiles * parts < sm_count() * 16 && L.groups >= 4 * parts) parts *= 2;
-  L.ks = std::min(parts, 8);
-  const int kb = parts / L.ks;
+  int kb = std::min(parts, 8);
+  while (kb < 8 && ceil_div(L.groups, kb) > kTcBlockGroups) kb *= 2;
+  const int per_b = static_cast<int>(ceil_div(L.groups, kb));
+  if (per_b > kTcBlockGroups) return false;
+  L.ks = std::max(1, parts / kb);
+  const size_t smem = static_cast<size_t>(per_b) * (4 * 32 * sizeof(uint2) + sizeof(float));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1);
   cfg.blockDim = dim3(256, 1, 1);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cudaLaunchAttribute attr[2];
   int n_attr = 0;

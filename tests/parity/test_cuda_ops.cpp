@@ -222,6 +222,7 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
       // blocks of a cluster (the hyper-connection down projection's shape; a lone row, as the
       // shared-expert gate).
       {320, 10240, q(4, 64, DType::BF16)},  {1, 2560, q(4, 64, DType::BF16)},  {16, 4096, q(4, 128, DType::F16)},
+      {2560, 6144, q(4, 64, DType::BF16)},  {700, 192, q(4, 64, DType::F32)},
   };
   DeviceArena arena;
   for (const GemvCase& gc : cases) {
