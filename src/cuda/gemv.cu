@@ -1004,7 +1004,7 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
 
 // The group loop of expert_tc4_kernel: NM matrices (gate and up, or down) of one pair, rows row0 + g
 // and row0 + g + 8, groups [G0, G1), against the vector's fragments fv and group sums gv.
-template <int NM, bool BF16S>
+template <int NM, bool BF16S, int UNROLL>
 __device__ __forceinline__ void expert_tc4_groups(const DMatrix (&w)[NM], int row0, int G0, int G1,
                                                   const uint2* __restrict__ fv, const float* __restrict__ gv,
                                                   float (&acc)[NM][4]) {
@@ -1012,7 +1012,7 @@ __device__ __forceinline__ void expert_tc4_groups(const DMatrix (&w)[NM], int ro
   Tc4Rows<BF16S> tr[NM];
 #pragma unroll
   for (int m = 0; m < NM; ++m) tr[m].init(w[m], min(row0 + g, w[m].rows - 1), min(row0 + g + 8, w[m].rows - 1), t);
-#pragma unroll 2
+#pragma unroll UNROLL
   for (int G = G0; G < G1; ++G) {
     const float x0 = __ldg(gv + G * 8 + 2 * t), x1 = __ldg(gv + G * 8 + 2 * t + 1);
     uint2 b[4];
@@ -1045,7 +1045,7 @@ __device__ __forceinline__ void expert_tc4_groups(const DMatrix (&w)[NM], int ro
 // of h through down). Each pair's matrices are read from its device-side view (any 4-bit form in
 // groups of 64k, bf16/f16/f32 scales), so the kernel follows the expert table like the v3 kernels.
 // GATE_UP writes h[p] = silu(gate x) * (up x); otherwise y[p] = down h[p]. grid: tiles / (8 / ks).
-template <bool GATE_UP>
+template <bool GATE_UP, int UNROLL>
 __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const ExpertPair* __restrict__ pairs, int n_pairs,
                                                             int tiles_per_pair, int ks, const uint2* __restrict__ frag,
                                                             const float* __restrict__ gsum, int vec_groups,
@@ -1074,9 +1074,9 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
     const float* gv = gsum + static_cast<size_t>(vec) * vec_groups * 8;
     const uint8_t bf = static_cast<uint8_t>(WKind::BF16);
     if (w[0].fmt.scale_kind == bf && w[NM - 1].fmt.scale_kind == bf)
-      expert_tc4_groups<NM, true>(w, row0, G0, G1, fv, gv, acc);
+      expert_tc4_groups<NM, true, UNROLL>(w, row0, G0, G1, fv, gv, acc);
     else
-      expert_tc4_groups<NM, false>(w, row0, G0, G1, fv, gv, acc);
+      expert_tc4_groups<NM, false, UNROLL>(w, row0, G0, G1, fv, gv, acc);
   }
   // Columns 0-2 (hi, mid, lo of the one vector) live in lanes t = 0 (0, 1) and t = 1 (2).
 #pragma unroll
@@ -1476,7 +1476,9 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
   const int tiles_per_pair = static_cast<int>(ceil_div(max_rows, 16)), tiles = n_pairs * tiles_per_pair;
   int ks = 1;
   while (ks < 8 && tiles * ks < sm_count() * 16 && groups >= 8 * ks) ks *= 2;
-  launch(expert_tc4_kernel<GATE_UP>, static_cast<unsigned>(ceil_div(tiles, 8 / ks)), 256, 0, s, 
+  // Group loop unrolled twice: four times measured 422 against 429 tok/s (2026-11-30).
+  const unsigned grid = static_cast<unsigned>(ceil_div(tiles, 8 / ks));
+  launch(expert_tc4_kernel<GATE_UP, 2>, grid, 256, 0, s, 
       pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out, ldo);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(scratch, s));

@@ -57,6 +57,36 @@ __global__ void hc_combine_kernel(float* R, int ldR, const float* o, int ldo, co
 
 // ------------------------------------------------------------------ Gated DeltaNet
 
+// grid (S, rows), block 1024: hc_combine_kernel for stream s of row r, then rmsnorm_wide_kernel of the
+// updated stream (the hyper-connection mix's input norm, spec §4), in one kernel: the same operations
+// on the same values (so the same bits as the two launches), one launch less per mix.
+__global__ void __launch_bounds__(1024) hc_combine_rmsnorm_kernel(float* R, int64_t ldR, const float* o, int64_t ldo,
+                                                                  const float* w, int ldw, int64_t H,
+                                                                  const float* __restrict__ scale, float eps,
+                                                                  float* out) {
+  pdl_begin();
+  __shared__ float scratch[32];
+  const int s = blockIdx.x, r = blockIdx.y;
+  float4* Rr = reinterpret_cast<float4*>(R + r * ldR + s * H);
+  const float4* orow = reinterpret_cast<const float4*>(o + r * ldo);
+  const float ws = w[static_cast<size_t>(r) * ldw + s];
+  const int n4 = static_cast<int>(H / 4);
+  float4 v[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (i < n4) {
+      const float4 a = Rr[i], b = orow[i];
+      v[k] = make_float4(mul_add_rn(a.x, b.x, ws), mul_add_rn(a.y, b.y, ws), mul_add_rn(a.z, b.z, ws),
+                         mul_add_rn(a.w, b.w, ws));
+      Rr[i] = v[k];
+    }
+  }
+  rmsnorm_wide_tail(v, n4, H, reinterpret_cast<const float4*>(scale + s * H), eps,
+                    reinterpret_cast<float4*>(out + r * ldR + s * H), scratch);
+}
+
 constexpr int kMaxConvHist = 7;  // GDN conv kernel <= 8
 
 // grid (ceil(C/256)), block 256: one thread per channel, rows in order.
@@ -995,6 +1025,19 @@ void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int 
   launch(hc_combine_kernel, dim3(static_cast<unsigned>(ceil_div(S * H, 256)), rows), 256, 0, stream, R, ldR, o, ldo, w,
                                                                                                   ldw, S, H);
   CUDA_CHECK_LAUNCH();
+}
+
+bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H,
+                        const float* scale, float eps, float* out, int rows, cudaStream_t stream) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  // The shape rmsnorm_grouped sends to its wide kernel, and float4 rows of o.
+  if (H < 2048 || H % 4 != 0 || H > 16 * 1024 || ldR % 4 != 0 || ldo % 4 != 0 || !aligned(R) || !aligned(o) ||
+      !aligned(out) || !aligned(scale))
+    return false;
+  launch(hc_combine_rmsnorm_kernel, dim3(static_cast<unsigned>(S), static_cast<unsigned>(rows)), 1024, 0, stream, R,
+         int64_t{ldR}, o, int64_t{ldo}, w, ldw, int64_t{H}, scale, eps, out);
+  CUDA_CHECK_LAUNCH();
+  return true;
 }
 
 void gdn_conv(const GdnConvArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {

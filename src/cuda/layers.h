@@ -39,6 +39,11 @@ void hc_gate_mean(const float* g, const float* X, int ldgx, int S, int H, float*
 // Hyper-connection combine: R_s += o · w_s for s < S.
 void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H, int rows,
                 cudaStream_t stream);
+// hc_combine, then the mix's input norm of the updated R: out (rows, S*H at ldR) = rmsnorm of each
+// stream of H with `scale`, in one kernel with the same bits as the two launches. False (nothing
+// launched) when the shape does not suit it (H < 2048, unaligned rows); then launch them apart.
+bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H,
+                        const float* scale, float eps, float* out, int rows, cudaStream_t stream);
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;
 // the history (K-1, C) shifts per row; with sp->snap the history after row r < rows-1 goes to

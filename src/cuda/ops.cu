@@ -40,24 +40,12 @@ __global__ void __launch_bounds__(1024) rmsnorm_wide_kernel(const float* x, int6
   float4* orow = reinterpret_cast<float4*>(out + blockIdx.y * ld + g0);
   const int n4 = static_cast<int>(group / 4);
   float4 v[4];
-  float ss = 0.0f;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
     v[k] = i < n4 ? xr[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
-#pragma unroll
-  for (int k = 0; k < 4; ++k) ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
-  ss = block_sum(ss, scratch);
-  const float r = 1.0f / sqrtf(ss / static_cast<float>(group) + eps);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    if (i < n4) {
-      const float4 s = sr[i];
-      orow[i] = make_float4((v[k].x * r) * s.x, (v[k].y * r) * s.y, (v[k].z * r) * s.z, (v[k].w * r) * s.w);
-    }
-  }
+  rmsnorm_wide_tail(v, n4, group, sr, eps, orow, scratch);
 }
 
 // grid (rows), block multiple of 32.

@@ -422,12 +422,36 @@ void Session::tap(const std::string& name, const float* d, int rows, int64_t n, 
                           cudaMemcpyDeviceToHost));
 }
 
-// §4 mix: u (rows, H) and, when hc has an injection head, w (rows, S).
+void Session::defer_combine(const float* o, const float* w, int rows) {
+  flush_combine();
+  pending_combine_ = PendingCombine{o, w, rows};
+  if (taps_) flush_combine();  // a tap reads R right after
+}
+
+void Session::flush_combine() {
+  if (!pending_combine_) return;
+  const ModelConfig& c = m_.cfg();
+  Buffers& b = *b_;
+  const PendingCombine pc = *pending_combine_;
+  pending_combine_.reset();
+  hc_combine(b.R, b.ldW, pc.o, b.ldH, pc.w, b.ldS, c.hc_count, c.hidden_size, pc.rows, stream_);
+}
+
+// §4 mix: u (rows, H) and, when hc has an injection head, w (rows, S). A deferred combine of the same
+// rows goes into the input norm's kernel.
 void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   const ModelConfig& c = m_.cfg();
   Buffers& b = *b_;
   const int H = c.hidden_size, S = c.hc_count, W = c.wide();
-  rmsnorm_grouped(b.R, W, H, hc.norm, static_cast<float>(c.rms_norm_eps), b.X, rows, b.ldW, stream_);
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  if (pending_combine_ && pending_combine_->rows == rows &&
+      hc_combine_rmsnorm(b.R, b.ldW, pending_combine_->o, b.ldH, pending_combine_->w, b.ldS, S, H, hc.norm, eps, b.X,
+                         rows, stream_)) {
+    pending_combine_.reset();
+  } else {
+    flush_combine();
+    rmsnorm_grouped(b.R, W, H, hc.norm, eps, b.X, rows, b.ldW, stream_);
+  }
   GemvJob jobs[2];
   jobs[0].w = hc.down;  // divide by S before the activation (trap 4)
   jobs[0].y = b.hc_d;
@@ -458,6 +482,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
   const float eps = static_cast<float>(c.rms_norm_eps);
 
   if (d.ple) {  // a: PLE adds to the residual before the attention mix (trap 17)
+    flush_combine();  // the PLE reads R
     const DPle& p = *d.ple;
     const int E = c.ple_embed_dim;
     CUDA_CHECK(cudaMemcpyAsync(b.emb, ple_emb_h_.get() + static_cast<size_t>(p.index) * kChunkRows * b.ldE,
@@ -538,7 +563,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     mark("attn o_proj");
   }
   tap(pre + "attn_out", b.o, rows, H, b.ldH);
-  hc_combine(b.R, b.ldW, b.o, b.ldH, b.w, b.ldS, S, H, rows, stream_);
+  defer_combine(b.o, b.w, rows);  // into the MoE mix's norm
   tap(pre + "post_attn", b.R, rows, W, b.ldW);
 
   hc_mix(d.hc_mlp, rows, b.u, b.w);  // c
@@ -585,7 +610,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     moe_combine(b.my, b.ldH, b.pairs, k, b.mgl, 4, b.o, b.ldH, H, rows, stream_);
   }
   tap(pre + "moe_out", b.o, rows, H, b.ldH);
-  hc_combine(b.R, b.ldW, b.o, b.ldH, b.w, b.ldS, S, H, rows, stream_);
+  defer_combine(b.o, b.w, rows);  // into the next mix's norm (profiling counts it there)
   mark("combine");
   tap(pre + "post_moe", b.R, rows, W, b.ldW);
 }
@@ -605,10 +630,11 @@ void Session::enqueue_trunk(int rows, int from) {
   for (size_t L = 0; L < m_.layers_.size(); ++L)
     enqueue_block(m_.layers_[L], ls_[L], m_.pool_.table.get() + L * static_cast<size_t>(c.num_experts), b.params,
                   "L" + std::to_string(L) + ".", rows);
+  hc_mix(m_.final_mixer_, rows, b.fy, nullptr);  // §9: no final norm (it takes the last combine; R is final)
+  CHECK_MSG(!pending_combine_, "a deferred combine outlived the trunk");
   if (from < rows)
     CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get() + static_cast<size_t>(from) * b.ldW, b.R + static_cast<size_t>(from) * b.ldW,
                                sizeof(float) * (rows - from) * b.ldW, cudaMemcpyDeviceToHost, stream_));
-  hc_mix(m_.final_mixer_, rows, b.fy, nullptr);  // §9: no final norm
   mark("final mixer");
   tap("final_y", b.fy, rows, H, b.ldH);
 }
@@ -845,13 +871,14 @@ Status Session::mtp_step(const float* h_in, int32_t next_token, int64_t mtp_pos,
     matvec(mt.fc_hidden, b.mtp_hn + static_cast<size_t>(s0) * H, H, b.R + static_cast<size_t>(s0) * H, H,
            std::min(kMaxRows, S - s0), stream_);
   // R0_s = fh_s + fe: hc_combine with unit weights is exactly that sum (fe · 1 is exact, one rounding).
-  hc_combine(b.R, b.ldW, b.mtp_fe, b.ldH, b.mtp_ones, b.ldS, S, H, 1, stream_);
+  defer_combine(b.mtp_fe, b.mtp_ones, 1);  // into the layer's first mix norm
   tap("MTP.R0", b.R, 1, W, b.ldW);
   const ExpertSlot* table = m_.pool_.table.get() + static_cast<size_t>(c.num_hidden_layers) * c.num_experts;
   enqueue_block(mt.layer, *mtp_ls_, table, b.mtp_params, "MTP.", 1);
+  hc_mix(mt.mixer, 1, b.fy, nullptr);  // the head's own final mixer, no norm after it (R is final after it)
+  CHECK_MSG(!pending_combine_, "a deferred combine outlived the MTP step");
   if (h_out)
     CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * W, cudaMemcpyDeviceToHost, stream_));
-  hc_mix(mt.mixer, 1, b.fy, nullptr);  // the head's own final mixer, no norm after it
   tap("MTP.final_y", b.fy, 1, H, b.ldH);
   matvec(m_.lm_head_, b.fy, b.ldH, b.logits, b.ldV, 1, stream_);
   CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * c.vocab_size, cudaMemcpyDeviceToHost, stream_));

@@ -189,6 +189,18 @@ class Session {
   void enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* table, const StepParams* sp,
                      const std::string& tap_prefix, int rows);
   void hc_mix(const DHc& hc, int rows, float* u, float* w);
+  // The hyper-connection combine R_s += o · w_s that ends a block's attention or MoE part (and the MTP's
+  // R0) is deferred, so that the next mix's input norm takes it in the same kernel
+  // (hc_combine_rmsnorm); flush_combine() launches it alone where something else reads R first (the
+  // PLE, taps). o at ldH and w at ldS of the Buffers.
+  struct PendingCombine {
+    const float* o;
+    const float* w;
+    int rows;
+  };
+  std::optional<PendingCombine> pending_combine_;
+  void defer_combine(const float* o, const float* w, int rows);
+  void flush_combine();
   void tap(const std::string& name, const float* d, int rows, int64_t n, int64_t ld);
   void restore_snapshot(int row);
 
