@@ -7,7 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
-#include "util/json.h"
+#include "util/json_nlohmann.h"
 #include <string>
 #include <vector>
 
@@ -37,7 +37,7 @@ std::vector<int32_t> stop_ids(const std::string& dir, const ck::ModelConfig& cfg
   };
   auto gen = ck::read_file(ck::join_path(dir, "generation_config.json"));
   if (gen.ok()) {
-    auto j = ck::parse_json(*gen);
+    auto j = ck::parse_nljson(*gen);
     if (j.ok() && j->is_object() && j->contains("eos_token_id")) add((*j)["eos_token_id"]);
   }
   if (ids.empty())

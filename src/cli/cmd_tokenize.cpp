@@ -9,7 +9,7 @@
 #include <iterator>
 #include <string>
 
-#include "util/json.h"
+#include "util/json_nlohmann.h"
 
 #include "cli/command.h"
 #include "text/tokenizer.h"
@@ -98,7 +98,7 @@ int run_tokenize(int argc, char** argv) {
   size_t line_no = 0;
   while (std::getline(std::cin, line)) {
     ++line_no;
-    auto parsed = ck::parse_json(line);
+    auto parsed = ck::parse_nljson(line);
     if (!parsed.ok()) {
       std::fprintf(stderr, "error: stdin line %zu: malformed JSON: %s\n", line_no, parsed.status().message().c_str());
       return 1;

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <set>
 
-#include "util/json.h"
+#include "util/json_nlohmann.h"
 
 #include "util/file.h"
 
@@ -326,7 +326,7 @@ Status parse_text(const json& t, const std::string& origin, ModelConfig* c) {
 }  // namespace
 
 Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin) {
-  Result<json> parsed = parse_json(json_text);
+  Result<json> parsed = parse_nljson(json_text);
   if (!parsed.ok()) return error("{}: invalid JSON: {}", origin, parsed.status().message());
   const json& j = *parsed;
   if (!j.is_object()) return error("{}: top level must be a JSON object", origin);

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "util/json.h"
+#include "util/json_nlohmann.h"
 
 namespace ck {
 
@@ -57,7 +57,7 @@ Status parse_safetensors_header(const uint8_t* file_data, size_t file_size, cons
   if (header_len > (100u << 20)) return error("{}: header length {} exceeds 100 MB", origin, header_len);
   const uint8_t* data = file_data + 8 + header_len;
   size_t data_size = file_size - 8 - header_len;
-  Result<json> parsed = parse_json({reinterpret_cast<const char*>(file_data) + 8, static_cast<size_t>(header_len)});
+  Result<json> parsed = parse_nljson({reinterpret_cast<const char*>(file_data) + 8, static_cast<size_t>(header_len)});
   if (!parsed.ok()) return error("{}: corrupt safetensors header (invalid JSON: {})", origin, parsed.status().message());
   const json& h = *parsed;
   if (!h.is_object()) return error("{}: safetensors header is not a JSON object", origin);
@@ -128,7 +128,7 @@ Result<TensorSet> TensorSet::open_dir(const std::string& dir) {
   std::vector<std::string> files;
   if (file_exists(index)) {
     ASSIGN_OR_RETURN(std::string text, read_file(index));
-    Result<json> parsed = parse_json(text);
+    Result<json> parsed = parse_nljson(text);
     if (!parsed.ok()) return error("{}: invalid JSON: {}", index, parsed.status().message());
     const json& j = *parsed;
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())

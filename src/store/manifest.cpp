@@ -12,7 +12,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "util/json.h"
+#include "util/json_nlohmann.h"
 
 #include "util/file.h"
 
@@ -155,7 +155,7 @@ std::string manifest_to_json(const Manifest& m) {
 }
 
 Result<Manifest> parse_manifest(const std::string& text, const std::string& origin) {
-  Result<json> parsed = parse_json(text);
+  Result<json> parsed = parse_nljson(text);
   if (!parsed.ok()) return error("{}: invalid JSON: {}", origin, parsed.status().message());
   const json& j = *parsed;
   J r{j, origin};

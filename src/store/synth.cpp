@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "util/json.h"
+#include "util/json_nlohmann.h"
 
 #include "format/safetensors.h"
 #include "store/outfile.h"

@@ -9,7 +9,7 @@
 #include <string>
 #include <string_view>
 
-#include "util/json.h"
+#include "util/json_nlohmann.h"
 
 #include "util/status.h"
 

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "util/json.h"
+#include "util/json_nlohmann.h"
 
 namespace ck::text::jinja {
 

@@ -16,7 +16,7 @@
 #include <queue>
 #include <unordered_map>
 
-#include "util/json.h"
+#include "util/json_nlohmann.h"
 
 #include "text/utf8.h"
 #include "util/file.h"
