@@ -267,13 +267,13 @@ JsonDoc::~JsonDoc() = default;
 bool JsonDoc::ordered() const { return impl_ && impl_->ordered; }
 
 void JsonDoc::set(std::string_view key, JsonRef v) {
-  CHECK(impl_ && is_object());
+  CHECK(impl_ && (is_object() || is_null()));
   if (impl_->ordered) impl_->o[std::string(key)] = copy_as<ojson>(v);
   else impl_->j[std::string(key)] = copy_as<json>(v);
 }
 
 void JsonDoc::push_back(JsonRef v) {
-  CHECK(impl_ && is_array());
+  CHECK(impl_ && (is_array() || is_null()));
   if (impl_->ordered) impl_->o.push_back(copy_as<ojson>(v));
   else impl_->j.push_back(copy_as<json>(v));
 }

@@ -151,8 +151,9 @@ class JsonDoc : public JsonRef {
 
   bool ordered() const;
   // Edits of the root, deep-copying `v` (from any document, ordered or not). set() needs an
-  // object root (replacing the key's value if it has one), push_back an array root; a mismatch
-  // CHECK-fails. Both may invalidate refs into this document.
+  // object root (replacing the key's value if it has one), push_back an array root; a null root
+  // becomes one, as in nlohmann; another type CHECK-fails. Both may invalidate refs into this
+  // document.
   void set(std::string_view key, JsonRef v);
   void push_back(JsonRef v);
 
