@@ -282,26 +282,39 @@ void JsonDoc::push_back(JsonRef v) {
 
 namespace {
 
-template <typename J>
+// Builds the document from the parser's events, so that one instantiation of nlohmann's parser
+// (its SAX form, in parse_json_sax) serves both document types and the SAX users: each costs
+// seconds of compile time. The events and errors are those of nlohmann's own DOM parser.
+class BuildSax final : public JsonSax {
+ public:
+  explicit BuildSax(JsonBuilder& b) : b_(b) {}
+  bool null() override { b_.null(); return true; }
+  bool boolean(bool v) override { b_.value(v); return true; }
+  bool integer(int64_t v) override { b_.value(static_cast<long long>(v)); return true; }
+  bool unsigned_integer(uint64_t v) override { b_.value(static_cast<unsigned long long>(v)); return true; }
+  bool number(double v) override { b_.value(v); return true; }
+  bool string(std::string& v) override { b_.value(std::move(v)); return true; }
+  bool key(std::string& k) override { b_.key(k); return true; }
+  bool start_object() override { b_.begin_object(); return true; }
+  bool end_object() override { b_.end_object(); return true; }
+  bool start_array() override { b_.begin_array(); return true; }
+  bool end_array() override { b_.end_array(); return true; }
+
+ private:
+  JsonBuilder& b_;
+};
+
 Result<JsonDoc> parse_into(std::string_view text, bool ordered) {
-  JsonDoc doc(ordered);
-  try {
-    J parsed = J::parse(text.begin(), text.end());
-    // The root of `doc` is a J: replace it in place (refs to it stay valid).
-    J* root = const_cast<J*>(static_cast<const J*>(Access::visit(doc, [](const auto& n) {
-      return static_cast<const void*>(&n);
-    })));
-    *root = std::move(parsed);
-  } catch (const typename J::exception& e) {
-    return Status::error(e.what());
-  }
-  return doc;
+  JsonBuilder b(ordered);
+  BuildSax sax(b);
+  TRY(parse_json_sax(text, sax));
+  return b.finish();
 }
 
 }  // namespace
 
-Result<JsonDoc> parse_json(std::string_view text) { return parse_into<json>(text, false); }
-Result<JsonDoc> parse_json_ordered(std::string_view text) { return parse_into<ojson>(text, true); }
+Result<JsonDoc> parse_json(std::string_view text) { return parse_into(text, false); }
+Result<JsonDoc> parse_json_ordered(std::string_view text) { return parse_into(text, true); }
 
 std::string json_quote(std::string_view s) { return dump_as(json(std::string(s)), -1); }
 

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <nlohmann/json.hpp>
 
 #include "util/json.h"
 
@@ -233,4 +234,33 @@ TEST(Json, SaxEvents) {
   EXPECT_NE(s.message().find("parse error at line 1, column 5"), std::string::npos) << s.message();
   Recorder stop;
   EXPECT_EQ(parse_json_sax(R"({"stop": 1})", stop).message(), "stopped");
+}
+
+// The facade parses through nlohmann's SAX parser into a JsonBuilder: the documents, dumps and
+// error messages are those of nlohmann's own parse() (what the code before the facade used).
+TEST(Json, SameAsNlohmannParse) {
+  const char* good[] = {
+      R"({"b": [1, -2, 3.25, 1e300, 18446744073709551616, "x\u00e9\n"], "a": {"z": null, "y": false}, "b2": {}})",
+      R"({"k": 1, "k": 2, "j": [[], [{}]]})",  // a repeated key: the last value wins
+      "  [0.1, 1E+2, -0.0, 123456789012345678901234567890]  ",
+      "\"just a string\"", "42", "true", "null"};
+  for (const char* t : good) {
+    JsonDoc sorted = parse_ok(t), ordered = parse_ok(t, true);
+    EXPECT_EQ(sorted.dump(), nlohmann::json::parse(t).dump()) << t;
+    EXPECT_EQ(ordered.dump(2), nlohmann::ordered_json::parse(t).dump(2)) << t;
+  }
+  const char* bad[] = {"", "{", "[1,]", "{\"a\" 1}", "[1] 2", "\"\\x\"", "tru", "01", "[1e400]", "[\"\x01\"]", "{\"a\":}"};
+  for (const char* t : bad) {
+    std::string want;
+    try {
+      (void)nlohmann::json::parse(t);
+    } catch (const nlohmann::json::exception& e) {
+      want = e.what();
+    }
+    ASSERT_FALSE(want.empty()) << t;
+    EXPECT_EQ(parse_err(t), want) << t;
+    auto o = parse_json_ordered(t);
+    ASSERT_FALSE(o.ok());
+    EXPECT_EQ(o.status().message(), want) << t;
+  }
 }
