@@ -7,7 +7,6 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
-#include "util/json.h"
 #include <string>
 #include <vector>
 
@@ -17,6 +16,7 @@
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "util/file.h"
+#include "util/json.h"
 
 #ifndef CHERENKOV_DEFAULT_MODEL
 #define CHERENKOV_DEFAULT_MODEL "models/cherenkov-tiny"
@@ -24,21 +24,19 @@
 
 namespace {
 
-using nlohmann::ordered_json;
-
 // EOS ids: generation_config.json's eos_token_id (int or list), else config.json's.
 std::vector<int32_t> stop_ids(const std::string& dir, const ck::ModelConfig& cfg) {
   std::vector<int32_t> ids;
-  auto add = [&](const nlohmann::json& v) {
-    if (v.is_number_integer()) ids.push_back(v.get<int32_t>());
-    else if (v.is_array())
-      for (auto& x : v)
-        if (x.is_number_integer()) ids.push_back(x.get<int32_t>());
+  auto add = [&](ck::JsonRef v) {
+    if (v.is_integer()) ids.push_back(static_cast<int32_t>(v.as_int()));
+    else
+      for (ck::JsonRef x : v.elements())
+        if (x.is_integer()) ids.push_back(static_cast<int32_t>(x.as_int()));
   };
   auto gen = ck::read_file(ck::join_path(dir, "generation_config.json"));
   if (gen.ok()) {
     auto j = ck::parse_json(*gen);
-    if (j.ok() && j->is_object() && j->contains("eos_token_id")) add((*j)["eos_token_id"]);
+    if (j.ok()) add((*j)["eos_token_id"]);
   }
   if (ids.empty())
     for (int64_t e : cfg.eos_token_ids) ids.push_back(static_cast<int32_t>(e));
@@ -51,15 +49,22 @@ std::string default_model() {
   return CHERENKOV_DEFAULT_MODEL;
 }
 
+// {"role": role, "content": content}, keys in that order.
+ck::JsonDoc message(const char* role, const std::string& content) {
+  ck::JsonBuilder b(true);
+  b.begin_object().field("role", role).field("content", content).end_object();
+  return b.finish();
+}
+
 struct Chat {
   ck::engine::Model& model;
   const ck::text::Tokenizer& tok;
   const ck::text::ChatTemplate* tmpl;
-  ordered_json extra;
+  ck::JsonDoc extra;
   ck::engine::GenerateOptions opt;
   bool raw = false;
   std::optional<bool> thinking;
-  ordered_json messages = ordered_json::array();
+  ck::JsonDoc messages = ck::JsonDoc::array(true);
   std::unique_ptr<ck::engine::Session> session;
   std::unique_ptr<ck::engine::Generator> gen;
   std::vector<int32_t> fed;  // every token the session holds
@@ -70,7 +75,7 @@ struct Chat {
     if (raw) {
       ids = tok.encode(user, true);
     } else {
-      messages.push_back({{"role", "user"}, {"content", user}});
+      messages.push_back(message("user", user));
       ck::text::ChatTemplateInput in;
       in.messages = messages;
       in.add_generation_prompt = true;
@@ -115,7 +120,7 @@ struct Chat {
                  model.backend(), static_cast<long long>(st.prompt_tokens), st.prefill_s, st.prefill_tok_s(),
                  static_cast<long long>(st.generated_tokens), st.decode_s, st.decode_tok_s(),
                  st.stopped_at_eos ? "" : " (max tokens)");
-    if (!raw) messages.push_back({{"role", "assistant"}, {"content", reply}});
+    if (!raw) messages.push_back(message("assistant", reply));
     // The stop token is not fed to the session; the next render re-adds the template's end marker,
     // so the next turn re-encodes from the assistant reply on (extends-check above handles it).
     return reply;
@@ -162,7 +167,7 @@ int run_run(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", tok.status().message().c_str());
     return 1;
   }
-  ordered_json extra = ordered_json::object();
+  ck::JsonDoc extra = ck::JsonDoc::object(true);
   std::optional<ck::text::ChatTemplate> tmpl;
   if (!raw) {
     auto t = ck::text::load_chat_template(model_dir, &extra);
@@ -176,7 +181,7 @@ int run_run(int argc, char** argv) {
   opt.stop_ids = stop_ids(model_dir, cfg);
   Chat chat{*(*loaded)->engine, *tok, tmpl ? &*tmpl : nullptr, extra, opt, raw};
   if (!thinking.empty()) chat.thinking = thinking == "true";
-  if (!system.empty()) chat.messages.push_back({{"role", "system"}, {"content", system}});
+  if (!system.empty()) chat.messages.push_back(message("system", system));
 
   const bool interactive = prompt.empty() && isatty(STDIN_FILENO);
   if (!interactive) {

@@ -8,19 +8,19 @@
 #include "cli/command.h"
 #include "text/chat_template.h"
 #include "util/file.h"
+#include "util/json.h"
 
 namespace {
 
-using ojson = nlohmann::ordered_json;
-
-// Reads a JSON file; on failure prints one error line naming the file and returns false.
-bool read_json(const std::string& path, ojson& out) {
+// Reads a JSON file (keys in file order); on failure prints one error line naming the file and
+// returns false.
+bool read_json(const std::string& path, ck::JsonDoc& out) {
   auto text = ck::read_file(path);
   if (!text.ok()) {
     std::fprintf(stderr, "error: %s\n", text.status().message().c_str());
     return false;
   }
-  auto parsed = ck::parse_ojson(*text);
+  auto parsed = ck::parse_json_ordered(*text);
   if (!parsed.ok()) {
     std::fprintf(stderr, "error: %s: malformed JSON: %s\n", path.c_str(), parsed.status().message().c_str());
     return false;
@@ -61,13 +61,13 @@ int run_template(int argc, char** argv) {
     }
   }
   if (!vars_path.empty()) {
-    ojson vars;
+    ck::JsonDoc vars;
     if (!read_json(vars_path, vars)) return 1;
     if (!vars.is_object()) {
       std::fprintf(stderr, "error: %s: expected a JSON object of variables\n", vars_path.c_str());
       return 1;
     }
-    for (auto it = vars.begin(); it != vars.end(); ++it) in.extra[it.key()] = it.value();
+    for (const auto& [key, value] : vars.members()) in.extra.set(key, value);
   }
   in.add_generation_prompt = add_generation_prompt;
   if (!thinking.empty()) in.enable_thinking = thinking == "true";

@@ -9,14 +9,12 @@
 #include <iterator>
 #include <string>
 
-#include "util/json.h"
-
 #include "cli/command.h"
 #include "text/tokenizer.h"
+#include "util/json.h"
 
 namespace {
 
-using json = nlohmann::json;
 
 std::string join_ids(const std::vector<int32_t>& ids) {
   std::string s;
@@ -103,7 +101,7 @@ int run_tokenize(int argc, char** argv) {
       std::fprintf(stderr, "error: stdin line %zu: malformed JSON: %s\n", line_no, parsed.status().message().c_str());
       return 1;
     }
-    const json& v = *parsed;
+    const ck::JsonDoc& v = *parsed;
     std::string out;
     if (decode) {
       if (!v.is_array()) {
@@ -111,20 +109,23 @@ int run_tokenize(int argc, char** argv) {
         return 1;
       }
       std::vector<int32_t> ids;
-      for (const auto& x : v) {
-        if (!x.is_number_integer()) {
+      for (ck::JsonRef x : v.elements()) {
+        if (!x.is_integer()) {
           std::fprintf(stderr, "error: stdin line %zu: ids must be integers\n", line_no);
           return 1;
         }
-        ids.push_back(x.get<int32_t>());
+        ids.push_back(static_cast<int32_t>(x.as_int()));
       }
-      out = ck::dump_json(json(tok->decode(ids, skip_special))) + "\n";
+      out = ck::json_quote(tok->decode(ids, skip_special)) + "\n";
     } else {
       if (!v.is_string()) {
         std::fprintf(stderr, "error: stdin line %zu: expected a JSON string\n", line_no);
         return 1;
       }
-      out = ck::dump_json(json(tok->encode(v.get_ref<const std::string&>(), !no_special))) + "\n";
+      ck::JsonBuilder ids;
+      ids.begin_array();
+      for (int32_t id : tok->encode(v.as_string(), !no_special)) ids.value(id);
+      out = ids.end_array().finish().dump() + "\n";
     }
     std::fwrite(out.data(), 1, out.size(), stdout);
   }

@@ -29,58 +29,58 @@ namespace {
 
 // Typed field readers. HF's @strict dataclass rejects a value of the wrong type; so do we.
 struct Reader {
-  const json& obj;
+  JsonRef obj;
   std::string origin;  // "config.json" or "config.json: text_config"
 
   Status bad(const std::string& key, const std::string& want) const {
-    return error("{}: field '{}' must be {}, got {}", origin, key, want, dump_json(obj.at(key)));
+    return error("{}: field '{}' must be {}, got {}", origin, key, want, obj[key].dump());
   }
-  bool has(const std::string& key) const { return obj.contains(key) && !obj.at(key).is_null(); }
+  bool has(const std::string& key) const { return obj.contains(key) && !obj[key].is_null(); }
 
   template <typename T>
   Status get_int(const std::string& key, T* out, bool nullable = false) const {
     if (!obj.contains(key)) return {};
-    const json& v = obj.at(key);
+    JsonRef v = obj[key];
     if (v.is_null()) return nullable ? Status{} : bad(key, "an integer");
-    if (!v.is_number_integer() || v.is_boolean()) return bad(key, "an integer");
-    *out = v.get<T>();
+    if (!v.is_integer()) return bad(key, "an integer");
+    *out = static_cast<T>(v.as_int());
     return {};
   }
   Status get_float(const std::string& key, double* out) const {
     if (!obj.contains(key)) return {};
-    const json& v = obj.at(key);
-    if (!v.is_number() || v.is_boolean()) return bad(key, "a number");
-    *out = v.get<double>();
+    JsonRef v = obj[key];
+    if (!v.is_number()) return bad(key, "a number");
+    *out = v.as_double();
     return {};
   }
   Status get_bool(const std::string& key, bool* out) const {
     if (!obj.contains(key)) return {};
-    const json& v = obj.at(key);
-    if (!v.is_boolean()) return bad(key, "true or false");
-    *out = v.get<bool>();
+    JsonRef v = obj[key];
+    if (!v.is_bool()) return bad(key, "true or false");
+    *out = v.as_bool();
     return {};
   }
   Status get_string(const std::string& key, std::string* out, bool nullable = false) const {
     if (!obj.contains(key)) return {};
-    const json& v = obj.at(key);
+    JsonRef v = obj[key];
     if (v.is_null() && nullable) return {};
     if (!v.is_string()) return bad(key, "a string");
-    *out = v.get<std::string>();
+    *out = v.as_string();
     return {};
   }
 };
 
-Status parse_quantization(const json& q, const std::string& origin, QuantConfig* out) {
+Status parse_quantization(JsonRef q, const std::string& origin, QuantConfig* out) {
   if (!q.is_object()) return error("{}: 'quantization' must be an object", origin);
   out->present = true;
-  auto spec_of = [&](const json& v, const std::string& where, QuantSpec* s) -> Status {
+  auto spec_of = [&](JsonRef v, const std::string& where, QuantSpec* s) -> Status {
     if (v.contains("bits")) {
-      if (!v["bits"].is_number_integer()) return error("{}: {}.bits must be an integer", origin, where);
-      s->bits = v["bits"].get<int>();
+      if (!v["bits"].is_integer()) return error("{}: {}.bits must be an integer", origin, where);
+      s->bits = static_cast<int>(v["bits"].as_int());
     }
     if (v.contains("group_size")) {
-      if (!v["group_size"].is_number_integer()) return error("{}: {}.group_size must be an integer", origin, where);
-      s->group_size = v["group_size"].get<int>();
+      if (!v["group_size"].is_integer()) return error("{}: {}.group_size must be an integer", origin, where);
+      s->group_size = static_cast<int>(v["group_size"].as_int());
     }
     if (s->bits != 2 && s->bits != 3 && s->bits != 4 && s->bits != 5 && s->bits != 6 && s->bits != 8)
       return error("{}: {}.bits = {} is not an MLX affine width (2, 3, 4, 5, 6, 8)", origin, where, s->bits);
@@ -89,23 +89,23 @@ Status parse_quantization(const json& q, const std::string& origin, QuantConfig*
     return {};
   };
   TRY(spec_of(q, "quantization", &out->global));
-  for (auto it = q.begin(); it != q.end(); ++it) {
-    if (it.key() == "bits" || it.key() == "group_size" || it.key() == "mode" || it.key() == "quant_method") continue;
-    if (it.value().is_boolean()) {
-      if (!it.value().get<bool>()) out->overrides[it.key()] = std::nullopt;
-      else out->overrides[it.key()] = out->global;
-    } else if (it.value().is_object()) {
+  for (const auto& [key, value] : q.members()) {
+    if (key == "bits" || key == "group_size" || key == "mode" || key == "quant_method") continue;
+    if (value.is_bool()) {
+      if (!value.as_bool()) out->overrides[key] = std::nullopt;
+      else out->overrides[key] = out->global;
+    } else if (value.is_object()) {
       QuantSpec s = out->global;
-      TRY(spec_of(it.value(), "quantization['" + it.key() + "']", &s));
-      out->overrides[it.key()] = s;
+      TRY(spec_of(value, "quantization['" + key + "']", &s));
+      out->overrides[key] = s;
     }
   }
-  if (q.contains("mode") && q["mode"].is_string() && q["mode"].get<std::string>() != "affine")
-    return error("{}: quantization mode '{}' is not supported (only MLX affine)", origin, q["mode"].get<std::string>());
+  if (q["mode"].is_string() && q["mode"].as_string() != "affine")
+    return error("{}: quantization mode '{}' is not supported (only MLX affine)", origin, q["mode"].as_string());
   return {};
 }
 
-Status parse_text(const json& t, const std::string& origin, ModelConfig* c) {
+Status parse_text(JsonRef t, const std::string& origin, ModelConfig* c) {
   Reader r{t, origin};
   TRY(r.get_int("vocab_size", &c->vocab_size));
   TRY(r.get_int("hidden_size", &c->hidden_size));
@@ -144,12 +144,12 @@ Status parse_text(const json& t, const std::string& origin, ModelConfig* c) {
 
   // PLE ids: HF sorts and de-duplicates; ple_embed_dim defaults to hidden_size.
   if (r.has("ple_layer_ids")) {
-    const json& ids = t.at("ple_layer_ids");
+    JsonRef ids = t["ple_layer_ids"];
     if (!ids.is_array()) return r.bad("ple_layer_ids", "a list of integers");
     std::set<int> uniq;
-    for (const json& v : ids) {
-      if (!v.is_number_integer()) return r.bad("ple_layer_ids", "a list of integers");
-      uniq.insert(v.get<int>());
+    for (JsonRef v : ids.elements()) {
+      if (!v.is_integer()) return r.bad("ple_layer_ids", "a list of integers");
+      uniq.insert(static_cast<int>(v.as_int()));
     }
     c->ple_layer_ids.assign(uniq.begin(), uniq.end());
   }
@@ -179,7 +179,7 @@ Status parse_text(const json& t, const std::string& origin, ModelConfig* c) {
   if (r.has("rope_theta")) TRY(r.get_float("rope_theta", &c->rope_theta));
   if (r.has("partial_rotary_factor")) TRY(r.get_float("partial_rotary_factor", &c->partial_rotary_factor));
   if (r.has("rope_parameters")) {
-    const json& rp = t.at("rope_parameters");
+    JsonRef rp = t["rope_parameters"];
     if (!rp.is_object()) return r.bad("rope_parameters", "an object");
     Reader rr{rp, origin + ": rope_parameters"};
     TRY(rr.get_float("rope_theta", &c->rope_theta));
@@ -197,12 +197,12 @@ Status parse_text(const json& t, const std::string& origin, ModelConfig* c) {
 
   // layer_types: given (with "full_attention" renamed), or derived from full_attention_interval.
   if (r.has("layer_types")) {
-    const json& lt = t.at("layer_types");
+    JsonRef lt = t["layer_types"];
     if (!lt.is_array()) return r.bad("layer_types", "a list of strings");
     std::vector<std::string> unsupported;
-    for (const json& v : lt) {
+    for (JsonRef v : lt.elements()) {
       if (!v.is_string()) return r.bad("layer_types", "a list of strings");
-      std::string s = v.get<std::string>();
+      const std::string& s = v.as_string();
       if (s == "linear_attention") c->layer_types.push_back(LayerKind::LinearAttention);
       else if (s == "qwen_sparse_attention" || s == "full_attention") c->layer_types.push_back(LayerKind::SparseAttention);
       else unsupported.push_back(s);
@@ -225,12 +225,12 @@ Status parse_text(const json& t, const std::string& origin, ModelConfig* c) {
 
   // eos_token_id: int or list.
   if (r.has("eos_token_id")) {
-    const json& e = t.at("eos_token_id");
-    if (e.is_number_integer()) c->eos_token_ids.push_back(e.get<int64_t>());
+    JsonRef e = t["eos_token_id"];
+    if (e.is_integer()) c->eos_token_ids.push_back(e.as_int());
     else if (e.is_array()) {
-      for (const json& v : e) {
-        if (!v.is_number_integer()) return r.bad("eos_token_id", "an integer or a list of integers");
-        c->eos_token_ids.push_back(v.get<int64_t>());
+      for (JsonRef v : e.elements()) {
+        if (!v.is_integer()) return r.bad("eos_token_id", "an integer or a list of integers");
+        c->eos_token_ids.push_back(v.as_int());
       }
     } else {
       return r.bad("eos_token_id", "an integer or a list of integers");
@@ -326,48 +326,47 @@ Status parse_text(const json& t, const std::string& origin, ModelConfig* c) {
 }  // namespace
 
 Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin) {
-  Result<json> parsed = parse_json(json_text);
+  Result<JsonDoc> parsed = parse_json(json_text);
   if (!parsed.ok()) return error("{}: invalid JSON: {}", origin, parsed.status().message());
-  const json& j = *parsed;
+  const JsonDoc& j = *parsed;
   if (!j.is_object()) return error("{}: top level must be a JSON object", origin);
   ModelConfig c;
   c.path = origin;
-  if (!j.contains("model_type") || !j["model_type"].is_string())
+  if (!j["model_type"].is_string())
     return error("{}: missing 'model_type' (expected 'qwen4_exp' or 'qwen4_exp_text')", origin);
-  c.model_type = j["model_type"].get<std::string>();
-  const json* text = &j;
+  c.model_type = j["model_type"].as_string();
+  JsonRef text = j;
   std::string text_origin = origin;
   if (c.model_type == "qwen4_exp") {
     c.nested = true;
-    static const json empty = json::object();
-    if (j.contains("text_config") && !j["text_config"].is_null()) {
+    static const JsonDoc empty = JsonDoc::object();
+    if (!j["text_config"].is_null()) {
       if (!j["text_config"].is_object()) return error("{}: 'text_config' must be an object", origin);
-      text = &j["text_config"];
+      text = j["text_config"];
     } else {
-      text = &empty;
+      text = empty;
     }
     text_origin = origin + ": text_config";
-    if (text->contains("model_type") && (*text)["model_type"] != "qwen4_exp_text")
-      return error("{}: model_type is {} (expected 'qwen4_exp_text')", text_origin, dump_json((*text)["model_type"]));
+    if (text.contains("model_type") && !(text["model_type"] == "qwen4_exp_text"))
+      return error("{}: model_type is {} (expected 'qwen4_exp_text')", text_origin, text["model_type"].dump());
   } else if (c.model_type != "qwen4_exp_text") {
     return error("{}: unknown architecture '{}' (expected model_type 'qwen4_exp' or 'qwen4_exp_text')", origin,
                  c.model_type);
   }
   // A top-level tie_word_embeddings applies to the nested form unless the text config says otherwise.
-  if (c.nested && j.contains("tie_word_embeddings") && j["tie_word_embeddings"].is_boolean())
-    c.tie_word_embeddings = j["tie_word_embeddings"].get<bool>();
-  TRY(parse_text(*text, text_origin, &c));
+  if (c.nested && j["tie_word_embeddings"].is_bool()) c.tie_word_embeddings = j["tie_word_embeddings"].as_bool();
+  TRY(parse_text(text, text_origin, &c));
   // MTP depth may sit at the top level in vendor configs.
-  if (c.mtp_num_hidden_layers == 0 && j.contains("mtp_num_hidden_layers") && j["mtp_num_hidden_layers"].is_number_integer())
-    c.mtp_num_hidden_layers = j["mtp_num_hidden_layers"].get<int>();
+  if (c.mtp_num_hidden_layers == 0 && j["mtp_num_hidden_layers"].is_integer())
+    c.mtp_num_hidden_layers = static_cast<int>(j["mtp_num_hidden_layers"].as_int());
   if (c.mtp_num_hidden_layers < 0 || c.mtp_num_hidden_layers > 1)
     return error("{}: mtp_num_hidden_layers = {} (only 0 or 1 is supported)", origin, c.mtp_num_hidden_layers);
   for (const char* key : {"quantization", "quantization_config"}) {
-    if (j.contains(key) && j[key].is_object() && !c.quantization.present) {
-      const json& q = j[key];
-      if (q.contains("quant_method") && q["quant_method"].is_string() && q["quant_method"] != "mlx") {
+    if (j[key].is_object() && !c.quantization.present) {
+      JsonRef q = j[key];
+      if (q["quant_method"].is_string() && !(q["quant_method"] == "mlx")) {
         return error("{}: {}.quant_method '{}' is not supported (MLX affine only)", origin, key,
-                     q["quant_method"].get<std::string>());
+                     q["quant_method"].as_string());
       }
       TRY(parse_quantization(q, origin, &c.quantization));
     }

@@ -57,34 +57,32 @@ Status parse_safetensors_header(const uint8_t* file_data, size_t file_size, cons
   if (header_len > (100u << 20)) return error("{}: header length {} exceeds 100 MB", origin, header_len);
   const uint8_t* data = file_data + 8 + header_len;
   size_t data_size = file_size - 8 - header_len;
-  Result<json> parsed = parse_json({reinterpret_cast<const char*>(file_data) + 8, static_cast<size_t>(header_len)});
+  Result<JsonDoc> parsed = parse_json({reinterpret_cast<const char*>(file_data) + 8, static_cast<size_t>(header_len)});
   if (!parsed.ok()) return error("{}: corrupt safetensors header (invalid JSON: {})", origin, parsed.status().message());
-  const json& h = *parsed;
+  const JsonDoc& h = *parsed;
   if (!h.is_object()) return error("{}: safetensors header is not a JSON object", origin);
   std::vector<std::pair<size_t, size_t>> ranges;
-  for (auto it = h.begin(); it != h.end(); ++it) {
-    if (it.key() == "__metadata__") continue;
-    const std::string& name = it.key();
-    const json& v = it.value();
+  for (const auto& [name, v] : h.members()) {
+    if (name == "__metadata__") continue;
     if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
       return error("{}: tensor '{}': header entry needs dtype, shape and data_offsets", origin, name);
     TensorInfo t;
     t.name = name;
     t.file = origin;
-    if (!v["dtype"].is_string() || !parse_dtype(v["dtype"].get<std::string>(), &t.dtype))
-      return error("{}: tensor '{}': unknown dtype {}", origin, name, dump_json(v["dtype"]));
+    if (!v["dtype"].is_string() || !parse_dtype(v["dtype"].as_string(), &t.dtype))
+      return error("{}: tensor '{}': unknown dtype {}", origin, name, v["dtype"].dump());
     if (!v["shape"].is_array()) return error("{}: tensor '{}': shape is not a list", origin, name);
     unsigned __int128 numel = 1;
-    for (const json& d : v["shape"]) {
-      if (!d.is_number_unsigned()) return error("{}: tensor '{}': shape has a non-integer or negative entry", origin, name);
-      t.shape.push_back(d.get<int64_t>());
+    for (JsonRef d : v["shape"].elements()) {
+      if (!d.is_unsigned()) return error("{}: tensor '{}': shape has a non-integer or negative entry", origin, name);
+      t.shape.push_back(d.as_int());
       numel *= static_cast<uint64_t>(t.shape.back());
       if (numel > (static_cast<unsigned __int128>(1) << 62)) return error("{}: tensor '{}': shape too large", origin, name);
     }
-    const json& off = v["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+    JsonRef off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_unsigned() || !off[1].is_unsigned())
       return error("{}: tensor '{}': data_offsets must be two non-negative integers", origin, name);
-    uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+    uint64_t begin = off[0].as_uint(), end = off[1].as_uint();
     if (begin > end) return error("{}: tensor '{}': data_offsets [{}, {}] are reversed", origin, name, begin, end);
     if (end > data_size)
       return error("{}: tensor '{}': data_offsets [{}, {}] point past the end of the data ({} bytes; file truncated?)",
@@ -128,17 +126,17 @@ Result<TensorSet> TensorSet::open_dir(const std::string& dir) {
   std::vector<std::string> files;
   if (file_exists(index)) {
     ASSIGN_OR_RETURN(std::string text, read_file(index));
-    Result<json> parsed = parse_json(text);
+    Result<JsonDoc> parsed = parse_json(text);
     if (!parsed.ok()) return error("{}: invalid JSON: {}", index, parsed.status().message());
-    const json& j = *parsed;
-    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-      return error("{}: missing 'weight_map' object", index);
+    const JsonDoc& j = *parsed;
+    if (!j["weight_map"].is_object()) return error("{}: missing 'weight_map' object", index);
+    const std::vector<JsonMember> weight_map = j["weight_map"].members();
     std::vector<std::string> names;
-    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      if (!it.value().is_string()) return error("{}: weight_map['{}'] is not a file name", index, it.key());
-      std::string f = it.value().get<std::string>();
+    for (const auto& [tensor, file] : weight_map) {
+      if (!file.is_string()) return error("{}: weight_map['{}'] is not a file name", index, tensor);
+      const std::string& f = file.as_string();
       if (f.find('/') != std::string::npos || f.find("..") != std::string::npos)
-        return error("{}: weight_map['{}'] names a file outside the directory: {}", index, it.key(), f);
+        return error("{}: weight_map['{}'] names a file outside the directory: {}", index, tensor, f);
       if (std::find(names.begin(), names.end(), f) == names.end()) names.push_back(f);
     }
     std::sort(names.begin(), names.end());
@@ -148,10 +146,9 @@ Result<TensorSet> TensorSet::open_dir(const std::string& dir) {
       files.push_back(p);
     }
     ASSIGN_OR_RETURN(TensorSet set, open_files(files));
-    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      const TensorInfo* t = set.find(it.key());
-      if (!t) return error("{}: tensor '{}' is listed in the index but missing from {}", index, it.key(),
-                           it.value().get<std::string>());
+    for (const auto& [tensor, file] : weight_map) {
+      const TensorInfo* t = set.find(tensor);
+      if (!t) return error("{}: tensor '{}' is listed in the index but missing from {}", index, tensor, file.as_string());
     }
     set.origin_ = dir;
     return set;

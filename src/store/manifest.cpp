@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <type_traits>
 
 #include "util/json.h"
 
@@ -56,28 +57,60 @@ ExpertMatrices record_views(const ExpertFile& f, const uint8_t* record) {
 
 namespace {
 
-json part_json(const PartLayout& p) {
-  return {{"codes", p.codes}, {"scales", p.scales}, {"biases", p.biases}, {"code_bytes", p.code_bytes},
-          {"scale_bytes", p.scale_bytes}};
+void part_json(JsonBuilder& b, const char* name, const PartLayout& p) {
+  b.key(name).begin_object();
+  b.field("codes", p.codes).field("scales", p.scales).field("biases", p.biases).field("code_bytes", p.code_bytes);
+  b.field("scale_bytes", p.scale_bytes).end_object();
 }
 
 // Field access that turns a missing or mistyped key into an error naming the manifest and the key.
 struct J {
-  const json& j;
+  JsonRef j;
   std::string where;
   Status need(const char* k) const {
-    if (!j.is_object() || !j.contains(k)) return error("{}: missing '{}'", where, k);
+    if (!j.contains(k)) return error("{}: missing '{}'", where, k);
+    return {};
+  }
+  Status wrong(const char* k) const { return error("{}: '{}' has the wrong type ({})", where, k, j[k].dump()); }
+  Status get(const char* k, std::string* out) const {
+    TRY(need(k));
+    if (!j[k].is_string()) return wrong(k);
+    *out = j[k].as_string();
     return {};
   }
   template <typename T>
+    requires std::is_integral_v<T>
   Status get(const char* k, T* out) const {
     TRY(need(k));
-    try {
-      *out = j.at(k).get<T>();
-    } catch (const json::exception& e) {
-      return error("{}: '{}' has the wrong type ({})", where, k, dump_json(j.at(k)));
+    if (!j[k].is_integer()) return wrong(k);
+    *out = std::is_signed_v<T> ? static_cast<T>(j[k].as_int()) : static_cast<T>(j[k].as_uint());
+    return {};
+  }
+  Status get(const char* k, std::vector<int64_t>* out) const {
+    TRY(need(k));
+    if (!j[k].is_array()) return wrong(k);
+    out->clear();
+    for (JsonRef v : j[k].elements()) {
+      if (!v.is_integer()) return wrong(k);
+      out->push_back(v.as_int());
     }
     return {};
+  }
+  Status get(const char* k, std::vector<std::string>* out) const {
+    TRY(need(k));
+    if (!j[k].is_array()) return wrong(k);
+    out->clear();
+    for (JsonRef v : j[k].elements()) {
+      if (!v.is_string()) return wrong(k);
+      out->push_back(v.as_string());
+    }
+    return {};
+  }
+  // The elements of list k.
+  Result<JsonRef::Elements> list(const char* k) const {
+    TRY(need(k));
+    if (!j[k].is_array()) return error("{}: '{}' must be a list, got {}", where, k, json_type_name(j[k].type()));
+    return j[k].elements();
   }
   Status dtype(const char* k, DType* out) const {
     std::string s;
@@ -96,7 +129,7 @@ struct J {
     *out = std::stoull(s, nullptr, 16);
     return {};
   }
-  J at(const char* k) const { return J{j.at(k), where + "." + k}; }
+  J at(const char* k) const { return J{j[k], where + "." + k}; }
 };
 
 Status parse_part(const J& j, PartLayout* p) {
@@ -110,54 +143,64 @@ Status parse_part(const J& j, PartLayout* p) {
 
 }  // namespace
 
+// Keys are sorted (the builder's document keeps them so), as nlohmann::json wrote them before.
 std::string manifest_to_json(const Manifest& m) {
-  json files = json::array();
-  for (auto& f : m.source.files) files.push_back({{"name", f.name}, {"size", f.size}, {"mtime_ns", f.mtime_ns}});
-  json experts = json::array();
+  JsonBuilder b;
+  b.begin_object();
+  b.field("format", "cherenkov-store").field("version", m.version);
+  b.key("geometry").begin_object();
+  b.field("layout", m.layout).field("prefix", m.prefix).field("head", m.head).field("mtp_prefix", m.mtp_prefix);
+  b.field("n_layers", m.n_layers).field("n_record_layers", m.n_record_layers).field("n_experts", m.n_experts);
+  b.field("hidden", m.hidden).field("moe_intermediate", m.moe_intermediate).field("vocab", m.vocab);
+  b.end_object();
+  b.field("config_xxh3", hex64(m.config_xxh3));
+  b.key("source").begin_object().field("dir", m.source.dir).key("files").begin_array();
+  for (auto& f : m.source.files)
+    b.begin_object().field("name", f.name).field("size", f.size).field("mtime_ns", f.mtime_ns).end_object();
+  b.end_array().field("headers_xxh3", hex64(m.source.headers_xxh3)).end_object();
+  b.field("copied_files", m.copied_files);
+  b.key("experts").begin_array();
   for (const ExpertFile& e : m.experts) {
-    json sums = json::array();
-    for (uint64_t c : e.checksums) sums.push_back(hex64(c));
-    experts.push_back({{"file", e.file}, {"bits", e.bits}, {"group", e.group}, {"dtype", dtype_name(e.dtype)},
-                       {"scale_dtype", dtype_name(e.scale_dtype)}, {"method", e.method},
-                       {"gate_shape", {e.gate_rows, e.gate_cols}}, {"down_shape", {e.down_rows, e.down_cols}},
-                       {"gate", part_json(e.gate)}, {"up", part_json(e.up)}, {"down", part_json(e.down)},
-                       {"record_bytes", e.record_bytes}, {"stride", e.stride}, {"size", e.size},
-                       {"checksums", sums}});
+    b.begin_object();
+    b.field("file", e.file).field("bits", e.bits).field("group", e.group).field("dtype", dtype_name(e.dtype));
+    b.field("scale_dtype", dtype_name(e.scale_dtype)).field("method", e.method);
+    b.key("gate_shape").begin_array().value(e.gate_rows).value(e.gate_cols).end_array();
+    b.key("down_shape").begin_array().value(e.down_rows).value(e.down_cols).end_array();
+    part_json(b, "gate", e.gate);
+    part_json(b, "up", e.up);
+    part_json(b, "down", e.down);
+    b.field("record_bytes", e.record_bytes).field("stride", e.stride).field("size", e.size);
+    b.key("checksums").begin_array();
+    for (uint64_t c : e.checksums) b.value(hex64(c));
+    b.end_array().end_object();
   }
-  json dense = json::array();
-  for (const DenseTensor& t : m.dense)
-    dense.push_back({{"name", t.name}, {"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"offset", t.offset},
-                     {"nbytes", t.nbytes}, {"xxh3", hex64(t.xxh3)}});
-  json ngram = json::array();
-  for (const NgramTable& t : m.ngram)
-    ngram.push_back({{"layer", t.layer}, {"module", t.module}, {"rows", t.rows}, {"cols", t.cols}, {"bits", t.bits},
-                     {"group", t.group}, {"dtype", dtype_name(t.dtype)}, {"scale_dtype", dtype_name(t.scale_dtype)},
-                     {"method", t.method}, {"codes_offset", t.codes_offset}, {"codes_bytes", t.codes_bytes},
-                     {"scales_offset", t.scales_offset}, {"biases_offset", t.biases_offset},
-                     {"scale_bytes", t.scale_bytes}});
-  json nsums = json::array();
-  for (uint64_t c : m.ngram_checksums) nsums.push_back(hex64(c));
-  json j = {
-      {"format", "cherenkov-store"},
-      {"version", m.version},
-      {"geometry", {{"layout", m.layout}, {"prefix", m.prefix}, {"head", m.head}, {"mtp_prefix", m.mtp_prefix},
-                    {"n_layers", m.n_layers}, {"n_record_layers", m.n_record_layers}, {"n_experts", m.n_experts},
-                    {"hidden", m.hidden}, {"moe_intermediate", m.moe_intermediate}, {"vocab", m.vocab}}},
-      {"config_xxh3", hex64(m.config_xxh3)},
-      {"source", {{"dir", m.source.dir}, {"files", files}, {"headers_xxh3", hex64(m.source.headers_xxh3)}}},
-      {"copied_files", m.copied_files},
-      {"experts", experts},
-      {"dense", {{"file", m.dense_file}, {"size", m.dense_size}, {"tensors", dense}}},
-      {"ngram", {{"file", m.ngram_file}, {"size", m.ngram_size}, {"block", kNgramBlock}, {"tables", ngram},
-                 {"checksums", nsums}}},
-  };
-  return dump_json(j, 1) + "\n";
+  b.end_array();
+  b.key("dense").begin_object().field("file", m.dense_file).field("size", m.dense_size).key("tensors").begin_array();
+  for (const DenseTensor& t : m.dense) {
+    b.begin_object().field("name", t.name).field("dtype", dtype_name(t.dtype)).field("shape", t.shape);
+    b.field("offset", t.offset).field("nbytes", t.nbytes).field("xxh3", hex64(t.xxh3)).end_object();
+  }
+  b.end_array().end_object();
+  b.key("ngram").begin_object().field("file", m.ngram_file).field("size", m.ngram_size).field("block", kNgramBlock);
+  b.key("tables").begin_array();
+  for (const NgramTable& t : m.ngram) {
+    b.begin_object().field("layer", t.layer).field("module", t.module).field("rows", t.rows).field("cols", t.cols);
+    b.field("bits", t.bits).field("group", t.group).field("dtype", dtype_name(t.dtype));
+    b.field("scale_dtype", dtype_name(t.scale_dtype)).field("method", t.method).field("codes_offset", t.codes_offset);
+    b.field("codes_bytes", t.codes_bytes).field("scales_offset", t.scales_offset);
+    b.field("biases_offset", t.biases_offset).field("scale_bytes", t.scale_bytes).end_object();
+  }
+  b.end_array().key("checksums").begin_array();
+  for (uint64_t c : m.ngram_checksums) b.value(hex64(c));
+  b.end_array().end_object();
+  b.end_object();
+  return b.finish().dump(1) + "\n";
 }
 
 Result<Manifest> parse_manifest(const std::string& text, const std::string& origin) {
-  Result<json> parsed = parse_json(text);
+  Result<JsonDoc> parsed = parse_json(text);
   if (!parsed.ok()) return error("{}: invalid JSON: {}", origin, parsed.status().message());
-  const json& j = *parsed;
+  const JsonDoc& j = *parsed;
   J r{j, origin};
   Manifest m;
   std::string fmt_name;
@@ -184,8 +227,8 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
   J s = r.at("source");
   TRY(s.get("dir", &m.source.dir));
   TRY(s.hex("headers_xxh3", &m.source.headers_xxh3));
-  TRY(s.need("files"));
-  for (const json& f : j["source"]["files"]) {
+  ASSIGN_OR_RETURN(JsonRef::Elements files, s.list("files"));
+  for (JsonRef f : files) {
     J jf{f, origin + ".source.files[]"};
     SourceFile sf;
     TRY(jf.get("name", &sf.name));
@@ -233,8 +276,8 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
   J d = r.at("dense");
   TRY(d.get("file", &m.dense_file));
   TRY(d.get("size", &m.dense_size));
-  TRY(d.need("tensors"));
-  for (const json& t : j["dense"]["tensors"]) {
+  ASSIGN_OR_RETURN(JsonRef::Elements tensors, d.list("tensors"));
+  for (JsonRef t : tensors) {
     J jt{t, origin + ".dense.tensors[]"};
     DenseTensor dt;
     TRY(jt.get("name", &dt.name));
@@ -252,8 +295,8 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
   uint64_t block = 0;
   TRY(n.get("block", &block));
   if (block != kNgramBlock) return error("{}: ngram.block {} (this build uses {})", origin, block, kNgramBlock);
-  TRY(n.need("tables"));
-  for (const json& t : j["ngram"]["tables"]) {
+  ASSIGN_OR_RETURN(JsonRef::Elements tables, n.list("tables"));
+  for (JsonRef t : tables) {
     J jt{t, origin + ".ngram.tables[]"};
     NgramTable nt;
     TRY(jt.get("layer", &nt.layer));

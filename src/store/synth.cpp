@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -72,7 +73,7 @@ class Planner {
  public:
   Planner(uint64_t seed) : seed_(seed) {}
   std::vector<Plan> plans;
-  json overrides = json::object();
+  std::map<std::string, std::pair<int, int>> overrides;  // module -> (group_size, bits) other than 64, 4
 
   // A quantized linear module: weight (codes), scales, biases; `stack` > 0 adds a leading expert axis.
   void quant(const std::string& m, int64_t rows, int64_t cols, int bits, int group, float sigma, int64_t stack = 0) {
@@ -91,7 +92,7 @@ class Planner {
     plans.push_back(w);
     plans.push_back(s);
     plans.push_back(b);
-    if (bits != 4 || group != 64) overrides[m] = {{"group_size", group}, {"bits", bits}};
+    if (bits != 4 || group != 64) overrides[m] = {group, bits};
   }
   void linear(const std::string& m, int64_t rows, int64_t cols) { quant(m, rows, cols, 4, 64, 1.0f / std::sqrt(float(cols))); }
   // Routers 4x wider than 1/sqrt(fan_in): router logits of std ~2, so top-k picks are clear and
@@ -196,72 +197,80 @@ void plan_layer(Planner& p, const std::string& m, int layer, bool attention, con
   plan_moe(p, m + ".mlp", g);
 }
 
-json make_config(const Geometry& g, const SynthOptions& o, const json& quantization) {
-  json lt = json::array();
-  for (int i = 0; i < g.layers; ++i) lt.push_back((i % 4 == 3) ? "full_attention" : "linear_attention");
-  json t = {
-      {"model_type", "qwen4_exp_text"},
-      {"vocab_size", g.vocab},
-      {"hidden_size", g.hidden},
-      {"num_hidden_layers", g.layers},
-      {"num_attention_heads", g.heads},
-      {"num_key_value_heads", g.kv_heads},
-      {"head_dim", g.head_dim},
-      {"hidden_act", "silu"},
-      {"rms_norm_eps", 1e-6},
-      {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", g.rope_theta}, {"partial_rotary_factor", g.partial_rotary},
-                           {"mrope_section", {11, 11, 10}}, {"mrope_interleaved", true}}},
-      {"max_position_embeddings", 262144},
-      {"attention_bias", false},
-      {"linear_conv_kernel_dim", g.conv_kernel},
-      {"linear_key_head_dim", g.gdn_head_dim},
-      {"linear_value_head_dim", g.gdn_head_dim},
-      {"linear_num_key_heads", g.gdn_k_heads},
-      {"linear_num_value_heads", g.gdn_v_heads},
-      {"output_gate_type", "sigmoid"},
-      {"num_experts", g.experts},
-      {"num_experts_per_tok", g.top_k},
-      {"moe_intermediate_size", g.moe_inter},
-      {"shared_expert_intermediate_size", g.shared_inter},
-      {"norm_topk_prob", true},
-      {"hc_count", g.hc},
-      {"hc_lowrank", g.hc_lowrank},
-      {"ple_layer_ids", {g.ple_layer_id}},
-      {"ple_embed_dim", g.hidden},
-      {"ple_conv_kernel_size", g.ple_kernel},
-      {"ngram_size", g.ngram},
-      {"heads_per_ngram", g.heads_per_ngram},
-      {"ngram_vocab_size_base", o.ngram_base},
-      {"make_ngram_vocab_size_divisible_by", 128},
-      {"split_ngram_parts", 128},
-      {"indexer_n_heads", g.idx_heads},
-      {"indexer_kv_heads", 1},
-      {"indexer_head_dim", g.idx_head_dim},
-      {"indexer_budget", g.idx_budget},
-      {"indexer_compress_ratio", g.idx_ratio},
-      {"layer_types", lt},
-      {"eos_token_id", g.eos},
-      {"bos_token_id", g.eos},
-      {"tie_word_embeddings", false},
-      {"mamba_ssm_dtype", "float32"},
-      {"dtype", "bfloat16"},
-  };
+// config.json. Its keys come out sorted (the builder's document keeps them so), as nlohmann::json
+// wrote them before: the bytes, and so the headers hash of packed stores, stay the same.
+JsonDoc make_config(const Geometry& g, const SynthOptions& o, JsonRef quantization) {
+  JsonBuilder b;
+  b.begin_object();
+  b.field("model_type", "qwen4_exp");
+  b.key("architectures").begin_array().value("Qwen4ExpForConditionalGeneration").end_array();
+  b.field("tie_word_embeddings", false);
+  b.key("text_config").begin_object();
+  b.field("model_type", "qwen4_exp_text");
+  b.field("vocab_size", g.vocab);
+  b.field("hidden_size", g.hidden);
+  b.field("num_hidden_layers", g.layers);
+  b.field("num_attention_heads", g.heads);
+  b.field("num_key_value_heads", g.kv_heads);
+  b.field("head_dim", g.head_dim);
+  b.field("hidden_act", "silu");
+  b.field("rms_norm_eps", 1e-6);
+  b.key("rope_parameters").begin_object();
+  b.field("rope_type", "default").field("rope_theta", g.rope_theta).field("partial_rotary_factor", g.partial_rotary);
+  b.key("mrope_section").begin_array().value(11).value(11).value(10).end_array();
+  b.field("mrope_interleaved", true).end_object();
+  b.field("max_position_embeddings", 262144);
+  b.field("attention_bias", false);
+  b.field("linear_conv_kernel_dim", g.conv_kernel);
+  b.field("linear_key_head_dim", g.gdn_head_dim);
+  b.field("linear_value_head_dim", g.gdn_head_dim);
+  b.field("linear_num_key_heads", g.gdn_k_heads);
+  b.field("linear_num_value_heads", g.gdn_v_heads);
+  b.field("output_gate_type", "sigmoid");
+  b.field("num_experts", g.experts);
+  b.field("num_experts_per_tok", g.top_k);
+  b.field("moe_intermediate_size", g.moe_inter);
+  b.field("shared_expert_intermediate_size", g.shared_inter);
+  b.field("norm_topk_prob", true);
+  b.field("hc_count", g.hc);
+  b.field("hc_lowrank", g.hc_lowrank);
+  b.key("ple_layer_ids").begin_array().value(g.ple_layer_id).end_array();
+  b.field("ple_embed_dim", g.hidden);
+  b.field("ple_conv_kernel_size", g.ple_kernel);
+  b.field("ngram_size", g.ngram);
+  b.field("heads_per_ngram", g.heads_per_ngram);
+  b.field("ngram_vocab_size_base", o.ngram_base);
+  b.field("make_ngram_vocab_size_divisible_by", 128);
+  b.field("split_ngram_parts", 128);
+  b.field("indexer_n_heads", g.idx_heads);
+  b.field("indexer_kv_heads", 1);
+  b.field("indexer_head_dim", g.idx_head_dim);
+  b.field("indexer_budget", g.idx_budget);
+  b.field("indexer_compress_ratio", g.idx_ratio);
+  b.key("layer_types").begin_array();
+  for (int i = 0; i < g.layers; ++i) b.value((i % 4 == 3) ? "full_attention" : "linear_attention");
+  b.end_array();
+  b.field("eos_token_id", g.eos);
+  b.field("bos_token_id", g.eos);
+  b.field("tie_word_embeddings", false);
+  b.field("mamba_ssm_dtype", "float32");
+  b.field("dtype", "bfloat16");
   if (o.mtp) {
-    t["mtp_num_hidden_layers"] = 1;
-    t["mtp_use_dedicated_embeddings"] = false;
-    t["mtp"] = {{"hybrid", true}, {"layer_types", {"full_attention"}}, {"mtp_use_hidden_state_from_layer", nullptr},
-                {"num_hidden_layers", 1}, {"rope_theta", g.rope_theta}};
+    b.field("mtp_num_hidden_layers", 1);
+    b.field("mtp_use_dedicated_embeddings", false);
+    b.key("mtp").begin_object().field("hybrid", true);
+    b.key("layer_types").begin_array().value("full_attention").end_array();
+    b.key("mtp_use_hidden_state_from_layer").null();
+    b.field("num_hidden_layers", 1).field("rope_theta", g.rope_theta).end_object();
   }
-  return json{
-      {"model_type", "qwen4_exp"},
-      {"architectures", {"Qwen4ExpForConditionalGeneration"}},
-      {"tie_word_embeddings", false},
-      {"text_config", t},
-      {"quantization", quantization},
-      {"quantization_config", quantization},
-      {"cherenkov_synth", {{"geometry", o.geometry}, {"seed", o.seed}, {"generator", "cherenkov synth 1"},
-                           {"note", "random weights: not a trained model"}}},
-  };
+  b.end_object();  // text_config
+  b.field("quantization", quantization);
+  b.field("quantization_config", quantization);
+  b.key("cherenkov_synth").begin_object();
+  b.field("geometry", o.geometry).field("seed", o.seed).field("generator", "cherenkov synth 1");
+  b.field("note", "random weights: not a trained model").end_object();
+  b.end_object();
+  return b.finish();
 }
 
 // Fills out[0, n) with bytes [off, off+n) of tensor p. For codes, off and n are multiples of kBlock
@@ -374,8 +383,11 @@ Result<SynthReport> synth_checkpoint(const SynthOptions& o) {
     plan_layer(p, "mtp.layers.0", -1, true, g, o.ngram_base);
     plan_hc(p, "mtp.hyper_connection_mixer", g, false);
   }
-  json quantization = {{"group_size", 64}, {"bits", 4}};
-  for (auto it = p.overrides.begin(); it != p.overrides.end(); ++it) quantization[it.key()] = it.value();
+  JsonBuilder qb;
+  qb.begin_object().field("group_size", 64).field("bits", 4);
+  for (const auto& [module, gb] : p.overrides)
+    qb.key(module).begin_object().field("group_size", gb.first).field("bits", gb.second).end_object();
+  const JsonDoc quantization = qb.end_object().finish();
 
   // Shards in plan order, a new one once the current holds shard_bytes.
   std::vector<Shard> shards(1);
@@ -388,21 +400,21 @@ Result<SynthReport> synth_checkpoint(const SynthOptions& o) {
     total += t.nbytes;
   }
   const int n_shards = static_cast<int>(shards.size());
-  json weight_map = json::object();
-  std::vector<json> headers(n_shards, json{{"__metadata__", {{"format", "mlx"}}}});
+  std::vector<JsonBuilder> headers(n_shards);
+  for (JsonBuilder& h : headers) h.begin_object().key("__metadata__").begin_object().field("format", "mlx").end_object();
   for (const Plan& t : p.plans) {
-    headers[t.shard][t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape},
-                                {"data_offsets", {t.offset, t.offset + t.nbytes}}};
+    JsonBuilder& h = headers[t.shard];
+    h.key(t.name).begin_object().field("dtype", dtype_name(t.dtype)).field("shape", t.shape);
+    h.key("data_offsets").begin_array().value(t.offset).value(t.offset + t.nbytes).end_array().end_object();
   }
   for (int s = 0; s < n_shards; ++s) {
     shards[s].name = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n_shards);
-    std::string h = dump_json(headers[s]);
+    std::string h = headers[s].end_object().finish().dump();
     h.append((8 - h.size() % 8) % 8, ' ');
     uint64_t len = h.size();
     shards[s].header.assign(reinterpret_cast<const char*>(&len), 8);
     shards[s].header += h;
   }
-  for (const Plan& t : p.plans) weight_map[t.name] = shards[t.shard].name;
 
   TRY(make_dirs(o.out));
   uint64_t file_bytes = 0;
@@ -444,11 +456,16 @@ Result<SynthReport> synth_checkpoint(const SynthOptions& o) {
   for (auto& th : pool) th.join();
   for (auto& e : errors) TRY(e);
   for (auto& f : files) TRY(f.commit(o.sync));
-  json index = {{"metadata", {{"total_size", total}, {"format", "mlx"}}}, {"weight_map", weight_map}};
-  TRY(write_file_atomic(join_path(o.out, "model.safetensors.index.json"), dump_json(index, 2) + "\n"));
-  json gen_cfg = {{"bos_token_id", g.eos}, {"eos_token_id", g.eos}, {"do_sample", false}};
-  TRY(write_file_atomic(join_path(o.out, "generation_config.json"), dump_json(gen_cfg, 2) + "\n"));
-  TRY(write_file_atomic(config_path, dump_json(make_config(g, o, quantization), 2) + "\n"));
+  JsonBuilder index;
+  index.begin_object().key("metadata").begin_object().field("total_size", total).field("format", "mlx").end_object();
+  index.key("weight_map").begin_object();
+  for (const Plan& t : p.plans) index.field(t.name, shards[t.shard].name);
+  index.end_object().end_object();
+  TRY(write_file_atomic(join_path(o.out, "model.safetensors.index.json"), index.finish().dump(2) + "\n"));
+  JsonBuilder gen_cfg;
+  gen_cfg.begin_object().field("bos_token_id", g.eos).field("eos_token_id", g.eos).field("do_sample", false).end_object();
+  TRY(write_file_atomic(join_path(o.out, "generation_config.json"), gen_cfg.finish().dump(2) + "\n"));
+  TRY(write_file_atomic(config_path, make_config(g, o, quantization).dump(2) + "\n"));
   SynthReport r;
   r.bytes = total;
   r.seconds = prog.finish();

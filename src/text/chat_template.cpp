@@ -1785,7 +1785,7 @@ Result<std::string> ChatTemplate::render(const ChatTemplateInput& in) const {
   std::string out;
   try {
     if (in.extra.is_object()) {
-      for (auto it = in.extra.begin(); it != in.extra.end(); ++it) root.vars[it.key()] = from_json(it.value());
+      for (const auto& [key, value] : in.extra.members()) root.vars[key] = from_json(value);
     }
     root.vars["messages"] = from_json(in.messages);
     root.vars["tools"] = from_json(in.tools);
@@ -1803,22 +1803,21 @@ Result<std::string> ChatTemplate::render(const ChatTemplateInput& in) const {
   return out;
 }
 
-Result<ChatTemplate> load_chat_template(const std::string& model_dir, ojson* extra) {
+Result<ChatTemplate> load_chat_template(const std::string& model_dir, JsonDoc* extra) {
   std::string config_path = join_path(model_dir, "tokenizer_config.json");
-  ojson config;
+  JsonDoc config(true);
   if (file_exists(config_path)) {
     ASSIGN_OR_RETURN(std::string text, read_file(config_path));
-    Result<ojson> parsed = parse_ojson(text);
+    Result<JsonDoc> parsed = parse_json_ordered(text);
     if (!parsed.ok()) return error("{}: malformed JSON: {}", config_path, parsed.status().message());
     config = std::move(*parsed);
     if (!config.is_object()) return error("{}: top level is not a JSON object", config_path);
   }
   if (extra) {
     for (const char* k : {"bos_token", "eos_token", "pad_token", "unk_token"}) {
-      if (!config.contains(k)) continue;
-      const ojson& t = config[k];
-      if (t.is_string()) (*extra)[k] = t;
-      else if (t.is_object() && t.contains("content") && t["content"].is_string()) (*extra)[k] = t["content"];
+      JsonRef t = config[k];
+      if (t.is_string()) extra->set(k, t);
+      else if (t["content"].is_string()) extra->set(k, t["content"]);
     }
   }
   std::string jinja_path = join_path(model_dir, "chat_template.jinja");
@@ -1829,14 +1828,13 @@ Result<ChatTemplate> load_chat_template(const std::string& model_dir, ojson* ext
   if (!file_exists(config_path))
     return error("{}: no chat_template.jinja and no tokenizer_config.json", model_dir);
   if (!config.contains("chat_template")) return error("{}: no \"chat_template\" field", config_path);
-  const ojson& ct = config["chat_template"];
+  JsonRef ct = config["chat_template"];
   std::string origin = config_path + ": chat_template";
-  if (ct.is_string()) return ChatTemplate::parse(ct.get<std::string>(), origin);
+  if (ct.is_string()) return ChatTemplate::parse(ct.as_string(), origin);
   if (ct.is_array()) {
-    for (const auto& entry : ct) {
-      if (entry.is_object() && entry.value("name", "") == "default" && entry.contains("template") &&
-          entry["template"].is_string())
-        return ChatTemplate::parse(entry["template"].get<std::string>(), origin + "[default]");
+    for (JsonRef entry : ct.elements()) {
+      if (entry["name"] == "default" && entry["template"].is_string())
+        return ChatTemplate::parse(entry["template"].as_string(), origin + "[default]");
     }
     return error("{}: a list without a {{\"name\": \"default\"}} entry", origin);
   }

@@ -18,15 +18,15 @@ namespace ck::text {
 struct TemplateProgram;
 
 struct ChatTemplateInput {
-  // ordered_json: tool schemas and arguments are rendered with tojson, and transformers keeps
-  // their key order (Python dicts); nlohmann::json would sort the keys.
-  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
-  nlohmann::ordered_json tools;  // null: no tools (the template sees `tools` as none)
+  // Ordered documents (parse_json_ordered, JsonBuilder(true)): tool schemas and arguments are
+  // rendered with tojson, and transformers keeps their key order (Python dicts).
+  JsonDoc messages = JsonDoc::array(true);
+  JsonDoc tools = JsonDoc(true);  // null: no tools (the template sees `tools` as none)
   bool add_generation_prompt = false;
   // Unset: the template sees `enable_thinking` as undefined (each template picks its default).
   std::optional<bool> enable_thinking;
   // More template variables (bos_token, eos_token, anything the template reads).
-  nlohmann::ordered_json extra = nlohmann::ordered_json::object();
+  JsonDoc extra = JsonDoc::object(true);
 };
 
 class ChatTemplate {
@@ -47,6 +47,7 @@ class ChatTemplate {
 // Finds the chat template of a model directory: DIR/chat_template.jinja, else `chat_template`
 // in DIR/tokenizer_config.json (a string, or a list of {name, template} where "default" wins).
 // Also fills `extra` with bos_token/eos_token (strings or {"content": ...}) from the config.
-Result<ChatTemplate> load_chat_template(const std::string& model_dir, nlohmann::ordered_json* extra);
+// `extra` is an object (or null) document; ordered, so its keys keep their order.
+Result<ChatTemplate> load_chat_template(const std::string& model_dir, JsonDoc* extra);
 
 }  // namespace ck::text

@@ -221,27 +221,27 @@ int compare(const Value& a, const Value& b, int line) {
   fail(line, fmt::format("cannot compare {} with {}", type_name(a), type_name(b)));
 }
 
-Value from_json(const ojson& j, int depth) {
+Value from_json(JsonRef j, int depth) {
   if (depth > kMaxValueDepth) fail(0, "input JSON nested too deeply");
   switch (j.type()) {
-    case ojson::value_t::null: return Value::none();
-    case ojson::value_t::boolean: return Value::boolean(j.get<bool>());
-    case ojson::value_t::number_integer: return Value::integer(j.get<int64_t>());
-    case ojson::value_t::number_unsigned: return Value::integer(static_cast<int64_t>(j.get<uint64_t>()));
-    case ojson::value_t::number_float: return Value::number(j.get<double>());
-    case ojson::value_t::string: return Value::str(j.get<std::string>());
-    case ojson::value_t::array: {
+    case JsonType::Null: return Value::none();
+    case JsonType::Bool: return Value::boolean(j.as_bool());
+    case JsonType::Int: return Value::integer(j.as_int());
+    case JsonType::Uint: return Value::integer(static_cast<int64_t>(j.as_uint()));
+    case JsonType::Double: return Value::number(j.as_double());
+    case JsonType::String: return Value::str(j.as_string());
+    case JsonType::Array: {
       List l;
-      for (auto& x : j) l.push_back(from_json(x, depth + 1));
+      for (JsonRef x : j.elements()) l.push_back(from_json(x, depth + 1));
       return Value::list(std::move(l));
     }
-    case ojson::value_t::object: {
+    case JsonType::Object: {
       Dict d;
-      for (auto it = j.begin(); it != j.end(); ++it) d.items.emplace_back(it.key(), from_json(it.value(), depth + 1));
+      for (const auto& [key, value] : j.members()) d.items.emplace_back(key, from_json(value, depth + 1));
       return Value::dict(std::move(d));
     }
-    default: return Value::none();
   }
+  return Value::none();
 }
 
 

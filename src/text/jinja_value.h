@@ -75,7 +75,7 @@ std::string to_str(const Value& v);  // Python str(); Undefined prints as ""
 std::string repr(const Value& v, int depth = 0);
 bool equal(const Value& a, const Value& b, int depth = 0);
 int compare(const Value& a, const Value& b, int line);  // <0, 0, >0; fails where Python cannot order
-Value from_json(const ojson& j, int depth = 0);
+Value from_json(JsonRef j, int depth = 0);
 
 // json.dumps(x, ensure_ascii, indent, separators, sort_keys) as Python writes it.
 struct JsonStyle {

@@ -240,31 +240,42 @@ namespace {
 // into vectors, everything else becomes a DOM. Building the DOM for them (map nodes, string
 // copies) and walking it again took most of a one-second load.
 struct RawTokenizer {
-  json rest;  // the document without model.vocab / model.merges when those were streamed
+  JsonDoc rest;  // the document without model.vocab / model.merges when those were streamed
   bool vocab_streamed = false, merges_streamed = false;
   std::vector<std::pair<std::string, int64_t>> vocab;
   std::vector<std::pair<std::string, std::string>> merges;
   std::string stream_error;  // the first malformed entry inside a streamed section
-  std::string parse_error;
 };
 
-class TokenizerSax final : public nlohmann::json_sax<json> {
+class TokenizerSax final : public JsonSax {
  public:
   explicit TokenizerSax(RawTokenizer& out) : out_(out) {}
 
-  bool null() override { return value(json()); }
-  bool boolean(bool v) override { return value(json(v)); }
-  bool number_integer(number_integer_t v) override { return integer(v, json(v)); }
-  bool number_unsigned(number_unsigned_t v) override {
-    return integer(v > static_cast<uint64_t>(INT64_MAX) ? -1 : static_cast<int64_t>(v), json(v));
+  bool null() override {
+    if (!stream_other()) dom().null();
+    return true;
   }
-  bool number_float(number_float_t v, const string_t&) override { return value(json(v)); }
-  bool binary(binary_t&) override { return false; }
-  bool string(string_t& v) override {
+  bool boolean(bool v) override {
+    if (!stream_other()) dom().value(v);
+    return true;
+  }
+  bool integer(int64_t v) override {
+    if (!vocab_id(v) && !stream_other()) dom().value(v);
+    return true;
+  }
+  bool unsigned_integer(uint64_t v) override {
+    if (!vocab_id(v > static_cast<uint64_t>(INT64_MAX) ? -1 : static_cast<int64_t>(v)) && !stream_other()) dom().value(v);
+    return true;
+  }
+  bool number(double v) override {
+    if (!stream_other()) dom().value(v);
+    return true;
+  }
+  bool string(std::string& v) override {
     if (mode_ == Mode::Merges && nest_ == 0) {
       size_t sp = v.find(' ');
       if (sp == std::string::npos || v.find(' ', sp + 1) != std::string::npos)
-        stream_fail(fmt::format("model.merges[{}]: {} is not two tokens separated by one space", n_merges_, dump_json(json(v))));
+        stream_fail(fmt::format("model.merges[{}]: {} is not two tokens separated by one space", n_merges_, json_quote(v)));
       else
         out_.merges.emplace_back(v.substr(0, sp), v.substr(sp + 1));
       ++n_merges_;
@@ -274,34 +285,44 @@ class TokenizerSax final : public nlohmann::json_sax<json> {
       pair_.push_back(std::move(v));
       return true;
     }
-    return value(json(std::move(v)));
-  }
-  bool key(string_t& k) override {
-    if (mode_ == Mode::Vocab) vocab_key_ = std::move(k);
-    else if (mode_ == Mode::Dom) keys_.back() = std::move(k);
+    if (!stream_other()) dom().value(std::move(v));
     return true;
   }
-  bool start_object(std::size_t) override {
+  bool key(std::string& k) override {
+    if (mode_ == Mode::Vocab) {
+      vocab_key_ = std::move(k);
+    } else if (mode_ == Mode::Dom) {
+      keys_.back() = std::move(k);
+      key_pending_ = true;
+    }
+    return true;
+  }
+  bool start_object() override {
     if (mode_ != Mode::Dom) {
       ++nest_;
-      if (mode_ == Mode::Vocab) stream_fail(fmt::format("model.vocab[{}]: id is not an integer", dump_json(json(vocab_key_))));
+      if (mode_ == Mode::Vocab) stream_fail(fmt::format("model.vocab[{}]: id is not an integer", json_quote(vocab_key_)));
       else merge_fail();
       return true;
     }
     if (at_model_key("vocab")) {
+      key_pending_ = false;  // the member stays out of the DOM
       mode_ = Mode::Vocab;
       out_.vocab_streamed = true;
       out_.vocab.reserve(1 << 18);
       return true;
     }
-    return open(json::object());
+    dom().begin_object();
+    open(true);
+    return true;
   }
   bool end_object() override {
     if (mode_ == Mode::Vocab && nest_ == 0) { mode_ = Mode::Dom; return true; }
     if (mode_ != Mode::Dom) { --nest_; return true; }
-    return close();
+    dom_.end_object();
+    close();
+    return true;
   }
-  bool start_array(std::size_t) override {
+  bool start_array() override {
     if (mode_ == Mode::Merges) {
       if (++nest_ == 1) {
         pair_.clear();
@@ -312,16 +333,19 @@ class TokenizerSax final : public nlohmann::json_sax<json> {
     }
     if (mode_ == Mode::Vocab) {
       ++nest_;
-      stream_fail(fmt::format("model.vocab[{}]: id is not an integer", dump_json(json(vocab_key_))));
+      stream_fail(fmt::format("model.vocab[{}]: id is not an integer", json_quote(vocab_key_)));
       return true;
     }
     if (at_model_key("merges")) {
+      key_pending_ = false;
       mode_ = Mode::Merges;
       out_.merges_streamed = true;
       out_.merges.reserve(1 << 18);
       return true;
     }
-    return open(json::array());
+    dom().begin_array();
+    open(false);
+    return true;
   }
   bool end_array() override {
     if (mode_ == Mode::Merges && nest_ == 0) { mode_ = Mode::Dom; return true; }
@@ -333,26 +357,35 @@ class TokenizerSax final : public nlohmann::json_sax<json> {
       return true;
     }
     if (mode_ != Mode::Dom) { --nest_; return true; }
-    return close();
+    dom_.end_array();
+    close();
+    return true;
   }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
-    out_.parse_error = ex.what();
-    return false;
-  }
+
+  // The DOM of everything not streamed; only after a successful parse.
+  JsonDoc finish() { return dom_.finish(); }
 
  private:
   enum class Mode { Dom, Vocab, Merges };
 
-  bool integer(int64_t v, json j) {
-    if (mode_ == Mode::Vocab && nest_ == 0) {
-      out_.vocab.emplace_back(std::move(vocab_key_), v);
-      return true;
+  // The DOM builder, after the key of the member that now gets its value.
+  JsonBuilder& dom() {
+    if (key_pending_) {
+      dom_.key(keys_.back());
+      key_pending_ = false;
     }
-    return value(std::move(j));
+    return dom_;
   }
-  bool value(json v) {
+  bool vocab_id(int64_t v) {
+    if (mode_ != Mode::Vocab || nest_ != 0) return false;
+    out_.vocab.emplace_back(std::move(vocab_key_), v);
+    return true;
+  }
+  // A value inside a streamed section that is not a vocab id or a merge string: an error there
+  // (at the section's own level). False outside the streamed sections: the value goes to the DOM.
+  bool stream_other() {
     if (mode_ == Mode::Vocab) {
-      if (nest_ == 0) stream_fail(fmt::format("model.vocab[{}]: id is not an integer", dump_json(json(vocab_key_))));
+      if (nest_ == 0) stream_fail(fmt::format("model.vocab[{}]: id is not an integer", json_quote(vocab_key_)));
       return true;
     }
     if (mode_ == Mode::Merges) {
@@ -360,38 +393,19 @@ class TokenizerSax final : public nlohmann::json_sax<json> {
       else if (nest_ == 1) pair_bad_ = true;  // a non-string inside a pair
       return true;
     }
-    if (stack_.empty()) {
-      out_.rest = std::move(v);
-      return true;
-    }
-    json* top = stack_.back();
-    if (top->is_object()) (*top)[keys_.back()] = std::move(v);
-    else top->push_back(std::move(v));
-    return true;
+    return false;
   }
-  bool open(json container) {
-    json* child;
-    if (stack_.empty()) {
-      out_.rest = std::move(container);
-      child = &out_.rest;
-    } else if (stack_.back()->is_object()) {
-      child = &((*stack_.back())[keys_.back()] = std::move(container));
-    } else {
-      stack_.back()->push_back(std::move(container));
-      child = &stack_.back()->back();
-    }
-    stack_.push_back(child);
+  void open(bool object) {
     keys_.emplace_back();
-    return true;
+    is_object_.push_back(object);
   }
-  bool close() {
-    stack_.pop_back();
+  void close() {
     keys_.pop_back();
-    return true;
+    is_object_.pop_back();
   }
   // True when the container being opened is root["model"][key].
   bool at_model_key(const char* key) const {
-    return stack_.size() == 2 && keys_[0] == "model" && keys_[1] == key && stack_[1]->is_object();
+    return keys_.size() == 2 && is_object_[0] && keys_[0] == "model" && is_object_[1] && keys_[1] == key;
   }
   void stream_fail(std::string msg) {
     if (out_.stream_error.empty()) out_.stream_error = std::move(msg);
@@ -401,19 +415,30 @@ class TokenizerSax final : public nlohmann::json_sax<json> {
   }
 
   RawTokenizer& out_;
+  JsonBuilder dom_;
   Mode mode_ = Mode::Dom;
   int nest_ = 0;  // containers opened inside a streamed section
-  std::vector<json*> stack_;
-  std::vector<std::string> keys_;  // per open container: the current key (objects)
+  std::vector<std::string> keys_;  // per open DOM container: the current key (objects)
+  std::vector<bool> is_object_;
+  bool key_pending_ = false;  // keys_.back() is not yet given to dom_
   std::string vocab_key_;
   std::vector<std::string> pair_;
   bool pair_bad_ = false;
   size_t n_merges_ = 0;
 };
 
-Status check_bool_false(const json& obj, const char* key, const std::string& where) {
-  if (obj.contains(key) && !obj[key].is_null() && obj[key] != false)
-    return error("{}.{} = {} is not supported", where, key, dump_json(obj[key]));
+// An optional true/false field: `dflt` when absent. A null or any other type is an error.
+Result<bool> flag(JsonRef obj, const char* key, bool dflt, const std::string& where) {
+  if (!obj.contains(key)) return dflt;
+  JsonRef v = obj[key];
+  if (!v.is_bool()) return error("{}.{} must be true or false, got {}", where, key, v.dump());
+  return v.as_bool();
+}
+
+Status check_bool_false(JsonRef obj, const char* key, const std::string& where) {
+  JsonRef v = obj[key];
+  if (!v.is_null() && !(v.is_bool() && !v.as_bool()))
+    return error("{}.{} = {} is not supported", where, key, v.dump());
   return {};
 }
 
@@ -472,11 +497,10 @@ Result<pcre2_code*> compile_split_regex(const std::string& pattern, const std::s
 constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
-Status add_pre_tokenizer(TokenizerImpl& t, const json& pt, const std::string& where) {
+Status add_pre_tokenizer(TokenizerImpl& t, JsonRef pt, const std::string& where) {
   if (pt.is_null()) return {};
-  if (!pt.is_object() || !pt.contains("type") || !pt["type"].is_string())
-    return error("{}: expected an object with a \"type\"", where);
-  std::string type = pt["type"];
+  if (!pt.is_object() || !pt["type"].is_string()) return error("{}: expected an object with a \"type\"", where);
+  const std::string& type = pt["type"].as_string();
   if (type == "Sequence") {
     if (!pt.contains("pretokenizers") || !pt["pretokenizers"].is_array())
       return error("{}: Sequence without a \"pretokenizers\" array", where);
@@ -485,24 +509,26 @@ Status add_pre_tokenizer(TokenizerImpl& t, const json& pt, const std::string& wh
     return {};
   }
   if (type == "Split") {
-    const json& pat = pt.value("pattern", json());
+    JsonRef pat = pt["pattern"];
     std::string regex;
-    if (pat.is_object() && pat.contains("Regex") && pat["Regex"].is_string()) {
-      regex = pat["Regex"];
+    if (pat["Regex"].is_string()) {
+      regex = pat["Regex"].as_string();
     } else {
       return error("{}: Split needs {{\"pattern\": {{\"Regex\": ...}}}} (String patterns are not supported)", where);
     }
-    if (pt.value("behavior", std::string()) != "Isolated")
-      return error("{}: Split behavior {} is not supported (only \"Isolated\")", where, dump_json(pt.value("behavior", json())));
-    if (pt.value("invert", false)) return error("{}: Split with invert=true is not supported", where);
+    if (!(pt["behavior"] == "Isolated"))
+      return error("{}: Split behavior {} is not supported (only \"Isolated\")", where, pt["behavior"].dump());
+    ASSIGN_OR_RETURN(bool invert, flag(pt, "invert", false, where));
+    if (invert) return error("{}: Split with invert=true is not supported", where);
     ASSIGN_OR_RETURN(pcre2_code * code, compile_split_regex(regex, where));
     t.splitters.push_back({regex, code});
     return {};
   }
   if (type == "ByteLevel") {
-    if (pt.value("add_prefix_space", false))
-      return error("{}: ByteLevel add_prefix_space=true is not supported", where);
-    if (pt.value("use_regex", true)) {
+    ASSIGN_OR_RETURN(bool add_prefix_space, flag(pt, "add_prefix_space", false, where));
+    if (add_prefix_space) return error("{}: ByteLevel add_prefix_space=true is not supported", where);
+    ASSIGN_OR_RETURN(bool use_regex, flag(pt, "use_regex", true, where));
+    if (use_regex) {
       ASSIGN_OR_RETURN(pcre2_code * code, compile_split_regex(kGpt2Pattern, where));
       t.splitters.push_back({kGpt2Pattern, code});
     }
@@ -511,11 +537,10 @@ Status add_pre_tokenizer(TokenizerImpl& t, const json& pt, const std::string& wh
   return error("{}: pre-tokenizer type \"{}\" is not supported", where, type);
 }
 
-Status add_normalizer(TokenizerImpl& t, const json& n, const std::string& where) {
+Status add_normalizer(TokenizerImpl& t, JsonRef n, const std::string& where) {
   if (n.is_null()) return {};
-  if (!n.is_object() || !n.contains("type") || !n["type"].is_string())
-    return error("{}: expected an object with a \"type\"", where);
-  std::string type = n["type"];
+  if (!n.is_object() || !n["type"].is_string()) return error("{}: expected an object with a \"type\"", where);
+  const std::string& type = n["type"].as_string();
   if (type == "NFC") { t.nfc = true; return {}; }
   if (type == "Sequence") {
     if (!n.contains("normalizers") || !n["normalizers"].is_array())
@@ -540,27 +565,26 @@ Status set_id(TokenizerImpl& t, int64_t id, const std::string& token, const std:
 }
 
 Status load_impl(TokenizerImpl& t, const RawTokenizer& raw, const std::string& origin) {
-  const json& root = raw.rest;
+  JsonRef root = raw.rest;
   if (!root.is_object()) return error("{}: top level is not a JSON object", origin);
-  if (!root.contains("model") || !root["model"].is_object())
-    return error("{}: missing \"model\" object", origin);
-  const json& model = root["model"];
+  if (!root["model"].is_object()) return error("{}: missing \"model\" object", origin);
+  JsonRef model = root["model"];
   std::string where = origin + ": model";
-  if (model.value("type", std::string("BPE")) != "BPE")
-    return error("{}.type = {} is not supported (only BPE)", where, dump_json(model["type"]));
+  if (model.contains("type") && !(model["type"] == "BPE"))
+    return error("{}.type = {} is not supported (only BPE)", where, model["type"].dump());
   TRY(check_bool_false(model, "byte_fallback", where));
   if (model.contains("dropout") && !model["dropout"].is_null())
     return error("{}.dropout is set; BPE dropout is not supported", where);
   for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"}) {
-    if (model.contains(k) && !model[k].is_null() && model[k] != "")
-      return error("{}.{} = {} is not supported", where, k, dump_json(model[k]));
+    if (!model[k].is_null() && !(model[k] == ""))
+      return error("{}.{} = {} is not supported", where, k, model[k].dump());
   }
-  t.ignore_merges = model.value("ignore_merges", false);
+  ASSIGN_OR_RETURN(t.ignore_merges, flag(model, "ignore_merges", false, where));
   if (!raw.vocab_streamed) return error("{}.vocab: expected an object of token -> id", where);
   if (!raw.merges_streamed) return error("{}.merges: expected an array", where);
   if (!raw.stream_error.empty()) return error("{}: {}", origin, raw.stream_error);
   // The normalizer first: added tokens check against it.
-  TRY(add_normalizer(t, root.value("normalizer", json()), origin + ": normalizer"));
+  TRY(add_normalizer(t, root["normalizer"], origin + ": normalizer"));
 
   t.token_ids.reserve(raw.vocab.size() + 1024);
   const std::string vocab_where = where + ".vocab";
@@ -585,30 +609,31 @@ Status load_impl(TokenizerImpl& t, const RawTokenizer& raw, const std::string& o
     ab.assign(a).append(b);
     auto ia = t.token_ids.find(a), ib = t.token_ids.find(b), iab = t.token_ids.find(ab);
     if (ia == t.token_ids.end() || ib == t.token_ids.end() || iab == t.token_ids.end())
-      return error("{}.merges[{}]: [{}, {}] uses a token missing from the vocabulary", where, r, dump_json(json(a)),
-                   dump_json(json(b)));
+      return error("{}.merges[{}]: [{}, {}] uses a token missing from the vocabulary", where, r, json_quote(a),
+                   json_quote(b));
     t.merges.insert(ia->second, ib->second, {static_cast<int32_t>(r), iab->second});
   }
 
-  if (root.contains("added_tokens") && !root["added_tokens"].is_null()) {
-    const json& added = root["added_tokens"];
+  if (!root["added_tokens"].is_null()) {
+    JsonRef added = root["added_tokens"];
     if (!added.is_array()) return error("{}: added_tokens: expected an array", origin);
     for (size_t i = 0; i < added.size(); ++i) {
-      const json& a = added[i];
+      JsonRef a = added[i];
       std::string w = fmt::format("{}: added_tokens[{}]", origin, i);
-      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") ||
-          !a["content"].is_string() || a["content"].get_ref<const std::string&>().empty())
+      if (!a.is_object() || !a["id"].is_integer() || !a["content"].is_string() || a["content"].as_string().empty())
         return error("{}: needs an integer \"id\" and a non-empty string \"content\"", w);
-      std::string content = a["content"];
+      const std::string& content = a["content"].as_string();
       if (!utf8_is_valid(content)) return error("{}: content is not valid UTF-8", w);
       for (const char* k : {"single_word", "lstrip", "rstrip"}) {
-        if (a.value(k, false)) return error("{}: {} = true is not supported ({})", w, k, content);
+        ASSIGN_OR_RETURN(bool set, flag(a, k, false, w));
+        if (set) return error("{}: {} = true is not supported ({})", w, k, content);
       }
-      if (a.value("normalized", false) && t.nfc)
-        return error("{}: normalized = true is not supported ({})", w, content);
-      int32_t id = a["id"];
+      ASSIGN_OR_RETURN(bool normalized, flag(a, "normalized", false, w));
+      if (normalized && t.nfc) return error("{}: normalized = true is not supported ({})", w, content);
+      int32_t id = static_cast<int32_t>(a["id"].as_int());
       TRY(set_id(t, id, content, w));
-      t.special[id] = a.value("special", false);
+      ASSIGN_OR_RETURN(bool special, flag(a, "special", false, w));
+      t.special[id] = special;
       t.added.push_back({content, id, static_cast<bool>(t.special[id])});
     }
   }
@@ -619,10 +644,10 @@ Status load_impl(TokenizerImpl& t, const RawTokenizer& raw, const std::string& o
   for (size_t i = 0; i < t.added.size(); ++i)
     t.added_by_byte[static_cast<uint8_t>(t.added[i].content[0])].push_back(static_cast<uint16_t>(i));
 
-  TRY(add_pre_tokenizer(t, root.value("pre_tokenizer", json()), origin + ": pre_tokenizer"));
-  const json& dec = root.value("decoder", json());
-  if (!dec.is_object() || dec.value("type", std::string()) != "ByteLevel")
-    return error("{}: decoder: {} is not supported (only ByteLevel)", origin, dump_json(dec));
+  TRY(add_pre_tokenizer(t, root["pre_tokenizer"], origin + ": pre_tokenizer"));
+  JsonRef dec = root["decoder"];
+  if (!dec.is_object() || !(dec["type"] == "ByteLevel"))
+    return error("{}: decoder: {} is not supported (only ByteLevel)", origin, dec.dump());
 
   // What each id decodes to, per HF's ByteLevel decoder: a token whose characters are all byte
   // characters maps to those bytes; any other token (an added token with a space, say) is taken
@@ -868,20 +893,16 @@ Tokenizer::~Tokenizer() = default;
 
 Result<Tokenizer> Tokenizer::from_json(std::string_view json_text, const std::string& origin) {
   RawTokenizer raw;
-  try {
+  {
     TokenizerSax sax(raw);
-    if (!json::sax_parse(json_text, &sax)) return error("{}: malformed JSON: {}", origin, raw.parse_error);
-  } catch (const json::exception& e) {
-    return error("{}: malformed JSON: {}", origin, e.what());
+    Status parsed = parse_json_sax(json_text, sax);
+    if (!parsed.ok()) return error("{}: malformed JSON: {}", origin, parsed.message());
+    raw.rest = sax.finish();
   }
   Tokenizer tok;
   tok.impl_ = std::make_unique<TokenizerImpl>();
   tok.impl_->serial = g_next_tokenizer_serial.fetch_add(1);
-  try {
-    TRY(load_impl(*tok.impl_, raw, origin));
-  } catch (const json::exception& e) {  // a field of the wrong JSON type
-    return error("{}: unexpected tokenizer.json structure: {}", origin, e.what());
-  }
+  TRY(load_impl(*tok.impl_, raw, origin));
   return tok;
 }
 

@@ -7,16 +7,21 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "text/chat_template.h"
 #include "util/file.h"
+#include "util/json.h"
 
 using ck::text::ChatTemplate;
 using ck::text::ChatTemplateInput;
 using ojson = nlohmann::ordered_json;
 
 namespace {
+
+// The fixture's value as the template input's document type.
+ck::JsonDoc doc(const ojson& j) { return ck::parse_json_ordered(j.dump()).value(); }
 
 const std::string kSrc = CK_SOURCE_DIR;
 
@@ -30,7 +35,7 @@ std::string show_diff(const std::string& want, const std::string& got) {
 
 std::string render_error(const ChatTemplate& t, const std::string& source = "") {
   ChatTemplateInput in;
-  in.messages = ojson::parse(R"([{"role": "user", "content": "hi"}])");
+  in.messages = doc(ojson::parse(R"([{"role": "user", "content": "hi"}])"));
   auto r = t.render(in);
   return r.ok() ? "(rendered: " + *r + ")" : r.status().message();
 }
@@ -46,10 +51,10 @@ std::string parse_error(const std::string& source) {
 TEST(ChatTemplate, MatchesTransformersOnEveryFixtureCase) {
   std::map<std::string, ChatTemplate> templates;
   {
-    ojson extra;
+    ck::JsonDoc extra;
     auto qwen3 = ck::text::load_chat_template(kSrc + "/tests/fixtures/tokenizer/qwen3", &extra);
     ASSERT_TRUE(qwen3.ok()) << qwen3.status().message();
-    EXPECT_EQ(extra.value("eos_token", ""), "<|im_end|>");
+    EXPECT_EQ(extra["eos_token"].dump(), "\"<|im_end|>\"");
     templates.emplace("qwen3", std::move(qwen3).value());
     for (const char* name : {"qwen3_5", "qwen2_5"}) {
       std::string path = kSrc + "/tests/fixtures/templates/" + name + ".jinja";
@@ -85,11 +90,11 @@ TEST(ChatTemplate, MatchesTransformersOnEveryFixtureCase) {
       t = &templates.at(c["template"].get<std::string>());
     }
     ChatTemplateInput input;
-    input.messages = c["messages"];
-    input.tools = c["tools"];
+    input.messages = doc(c["messages"]);
+    input.tools = doc(c["tools"]);
     input.add_generation_prompt = c["add_generation_prompt"].get<bool>();
     if (!c["enable_thinking"].is_null()) input.enable_thinking = c["enable_thinking"].get<bool>();
-    input.extra = c["extra"];
+    input.extra = doc(c["extra"]);
     auto r = t->render(input);
     if (c.contains("error")) {
       if (r.ok()) failures.push_back(fmt::format("{}: transformers raised ({}) but we rendered", tag, c["error"].get<std::string>()));
@@ -157,10 +162,10 @@ TEST(ChatTemplate, InputValidationAndLoading) {
   auto t = ChatTemplate::parse("{{ messages | length }}");
   ASSERT_TRUE(t.ok());
   ChatTemplateInput in;
-  in.messages = ojson::object();
+  in.messages = ck::JsonDoc::object(true);
   EXPECT_FALSE(t->render(in).ok());
-  in.messages = ojson::array();
-  in.tools = "not a list";
+  in.messages = ck::JsonDoc::array(true);
+  in.tools = doc("not a list");
   EXPECT_FALSE(t->render(in).ok());
 
   auto missing = ck::text::load_chat_template("/nonexistent/model", nullptr);
@@ -176,11 +181,11 @@ TEST(ChatTemplate, InputValidationAndLoading) {
                                         {"name": "tool_use", "template": "tools"},
                                         {"name": "default", "template": "{{ eos_token }}|{{ messages[0].content }}"}]})")
                   .ok());
-  ojson extra;
+  ck::JsonDoc extra;
   auto listed = ck::text::load_chat_template(dir, &extra);
   ASSERT_TRUE(listed.ok()) << listed.status().message();
   ChatTemplateInput in2;
-  in2.messages = ojson::parse(R"([{"role": "user", "content": "hey"}])");
+  in2.messages = doc(ojson::parse(R"([{"role": "user", "content": "hey"}])"));
   in2.extra = extra;
   auto r = listed->render(in2);
   ASSERT_TRUE(r.ok()) << r.status().message();
@@ -200,14 +205,13 @@ TEST(ChatTemplate, InputValidationAndLoading) {
 // Randomly damaged copies of the Qwen3 template, and pathological ones: each must parse and
 // render to a result or an error, never crash or hang. (A crash here fails the whole binary.)
 TEST(ChatTemplate, DamagedTemplatesNeverCrash) {
-  ojson extra;
   std::string config = *ck::read_file(kSrc + "/tests/fixtures/tokenizer/qwen3/tokenizer_config.json");
   std::string source = ojson::parse(config)["chat_template"].get<std::string>();
   ChatTemplateInput in;
-  in.messages = ojson::parse(R"([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+  in.messages = doc(ojson::parse(R"([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
       {"role": "assistant", "content": "<think>\nr\n</think>\n\nok", "tool_calls": [{"function": {"name": "f", "arguments": {"a": [1, 2]}}}]},
-      {"role": "tool", "content": "res"}])");
-  in.tools = ojson::parse(R"([{"type": "function", "function": {"name": "f"}}])");
+      {"role": "tool", "content": "res"}])"));
+  in.tools = doc(ojson::parse(R"([{"type": "function", "function": {"name": "f"}}])"));
   in.add_generation_prompt = true;
   std::mt19937 rng(1234);
   const std::string alphabet = "{}%#-+()[]'\".|~ \n\tabcdefgiflnorstu0123456789=!<>,:*/";
@@ -243,7 +247,7 @@ TEST(ChatTemplate, DamagedTemplatesNeverCrash) {
             std::string::npos);
   ChatTemplateInput deep;
   std::string nested = std::string(2000, '[') + std::string(2000, ']');
-  deep.messages = ojson::parse("[" + nested + "]");
+  deep.messages = doc(ojson::parse("[" + nested + "]"));
   auto t = ChatTemplate::parse("{{ messages | length }}");
   ASSERT_TRUE(t.ok());
   EXPECT_FALSE(t->render(deep).ok());
