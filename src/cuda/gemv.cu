@@ -1121,8 +1121,16 @@ int q_arith() {
 }
 
 template <int R>
-void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStream_t s) {
+void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStream_t s, const Tc4Frags* pre) {
   constexpr int NB = (3 * R + 7) / 8;
+  const unsigned grid = static_cast<unsigned>(ceil_div(L.first_tile[L.n_jobs], 8 / L.ks));
+  if (R == 1 && pre && pre->covers(x, ldx, 1, L.groups)) {  // fragments made by the producer of x
+    L.frag = pre->frag;
+    L.gsum = pre->gsum;
+    if (bf16s) launch(gemv_tc4_kernel<R, true>, grid, 256, 0, s, L, nx);
+    else launch(gemv_tc4_kernel<R, false>, grid, 256, 0, s, L, nx);
+    return;
+  }
   // The B fragments and group sums live for this call only (stream-ordered, so graph-capturable).
   const size_t frag_bytes = static_cast<size_t>(L.groups) * 4 * NB * 32 * sizeof(uint2);
   uint8_t* scratch = nullptr;
@@ -1134,8 +1142,6 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
   CUDA_CHECK_LAUNCH();
   L.frag = frag;
   L.gsum = gsum;
-  const int tiles = L.first_tile[L.n_jobs];
-  const unsigned grid = static_cast<unsigned>(ceil_div(tiles, 8 / L.ks));
   if (bf16s) launch(gemv_tc4_kernel<R, true>, grid, 256, 0, s, L, nx);
   else launch(gemv_tc4_kernel<R, false>, grid, 256, 0, s, L, nx);
   CUDA_CHECK_LAUNCH();
@@ -1203,7 +1209,8 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, c
 
 // The v4 launch, or false when the jobs do not suit it: not all 4-bit codes in groups of 64 or 128,
 // a shape where v3 is faster (kTcMin*), or CK_GEMV asks for v2/v3.
-bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
+bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,
+              const Tc4Frags* pre) {
   bool bf16s = false;
   if (q_arith() != 4 || n_jobs < 1 || n_jobs > kMaxGemvJobs || !tc4_suits(jobs, n_jobs, &bf16s)) return false;
   int total_rows = 0;
@@ -1232,10 +1239,10 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   L.ks = ks;
   const int R = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
   switch (R) {
-    case 1: launch_tc4<1>(L, x, ldx, rows, bf16s, stream); break;
-    case 2: launch_tc4<2>(L, x, ldx, rows, bf16s, stream); break;
-    case 4: launch_tc4<4>(L, x, ldx, rows, bf16s, stream); break;
-    default: launch_tc4<8>(L, x, ldx, rows, bf16s, stream); break;
+    case 1: launch_tc4<1>(L, x, ldx, rows, bf16s, stream, pre); break;
+    case 2: launch_tc4<2>(L, x, ldx, rows, bf16s, stream, pre); break;
+    case 4: launch_tc4<4>(L, x, ldx, rows, bf16s, stream, pre); break;
+    default: launch_tc4<8>(L, x, ldx, rows, bf16s, stream, pre); break;
   }
   return true;
 }
@@ -1377,7 +1384,8 @@ int gemv_version() {
   return g_gemv_version;
 }
 
-void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
+void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,
+          const Tc4Frags* pre) {
   CK_REQUIRE(n_jobs >= 1 && n_jobs <= kMaxGemvJobs, "invariant");
   CK_REQUIRE(rows >= 1, "invariant");
   if (rows > kMaxRows) return gemm_tc(jobs, n_jobs, x, ldx, rows, stream);
@@ -1386,7 +1394,7 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
     CK_REQUIRE(jobs[j].w.cols == jobs[0].w.cols && jobs[j].w.rows >= 1 && jobs[j].w.data && jobs[j].y,
                "gemv: job %d: %d x %d matrix, output %p (job 0 has %d cols)", j, jobs[j].w.rows, jobs[j].w.cols,
                static_cast<void*>(jobs[j].y), jobs[0].w.cols);
-  if (gemv_version() == 2 && gemv_tc4(jobs, n_jobs, x, ldx, rows, stream)) return;
+  if (gemv_version() == 2 && gemv_tc4(jobs, n_jobs, x, ldx, rows, stream, pre)) return;
   if (gemv_version() == 2 && x_aligned && gemv_v2(jobs, n_jobs, x, ldx, rows, stream)) return;
   GemvLaunch L{};
   L.n_jobs = n_jobs;
@@ -1463,16 +1471,25 @@ namespace {
 // few warps for the memory pipes (as gemv_tc4), each keeping at least 4 groups.
 template <bool GATE_UP>
 void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int groups, const float* x, int ldx,
-                       int n_vec, float* out, int ldo, cudaStream_t s) {
+                       int n_vec, float* out, int ldo, cudaStream_t s, const Tc4Frags* pre) {
   const size_t frag_elems = static_cast<size_t>(groups) * 4 * 32;
   uint8_t* scratch = nullptr;
-  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch),
-                             n_vec * (frag_elems * sizeof(uint2) + sizeof(float) * groups * 8), s));
-  uint2* frag = reinterpret_cast<uint2*>(scratch);
-  float* gsum = reinterpret_cast<float*>(scratch + n_vec * frag_elems * sizeof(uint2));
-  launch(tc4_frag_kernel<1>, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(n_vec)), 128, 0, s, 
-      x, ldx, 1, frag, gsum, ldx, static_cast<int64_t>(frag_elems), static_cast<int64_t>(groups) * 8);
-  CUDA_CHECK_LAUNCH();
+  const uint2* frag = nullptr;
+  const float* gsum = nullptr;
+  if (pre && pre->covers(x, ldx, n_vec, groups)) {  // fragments made by the producer of x
+    frag = pre->frag;
+    gsum = pre->gsum;
+  } else {
+    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch),
+                               n_vec * (frag_elems * sizeof(uint2) + sizeof(float) * groups * 8), s));
+    uint2* f = reinterpret_cast<uint2*>(scratch);
+    float* gs = reinterpret_cast<float*>(scratch + n_vec * frag_elems * sizeof(uint2));
+    launch(tc4_frag_kernel<1>, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(n_vec)), 128, 0, s, x, ldx,
+           1, f, gs, static_cast<int64_t>(ldx), static_cast<int64_t>(frag_elems), static_cast<int64_t>(groups) * 8);
+    CUDA_CHECK_LAUNCH();
+    frag = f;
+    gsum = gs;
+  }
   const int tiles_per_pair = static_cast<int>(ceil_div(max_rows, 16)), tiles = n_pairs * tiles_per_pair;
   int ks = 1;
   while (ks < 8 && tiles * ks < sm_count() * 16 && groups >= 8 * ks) ks *= 2;
@@ -1481,20 +1498,20 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
   launch(expert_tc4_kernel<GATE_UP, 2>, grid, 256, 0, s, 
       pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out, ldo);
   CUDA_CHECK_LAUNCH();
-  CUDA_CHECK(cudaFreeAsync(scratch, s));
+  if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
 }
 }  // namespace
 
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
-                        int x_rows, float* h, int ldh, cudaStream_t stream) {
+                        int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre) {
   CK_REQUIRE(n_pairs >= 1 && x_rows >= 1 && hidden % 64 == 0 && max_inter >= 1, "invariant");
-  launch_expert_tc4<true>(pairs, n_pairs, max_inter, hidden / 64, x, ldx, x_rows, h, ldh, stream);
+  launch_expert_tc4<true>(pairs, n_pairs, max_inter, hidden / 64, x, ldx, x_rows, h, ldh, stream, pre);
 }
 
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
                      int ldy, cudaStream_t stream) {
   CK_REQUIRE(n_pairs >= 1 && max_inter % 64 == 0 && hidden >= 1, "invariant");
-  launch_expert_tc4<false>(pairs, n_pairs, hidden, max_inter / 64, h, ldh, n_pairs, y, ldy, stream);
+  launch_expert_tc4<false>(pairs, n_pairs, hidden, max_inter / 64, h, ldh, n_pairs, y, ldy, stream, nullptr);
 }
 
 void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,

@@ -9,6 +9,7 @@
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/layers.h"
+#include "cuda/mma_q4.cuh"
 #include "cuda/ops.h"
 
 namespace ck::cuda {
@@ -33,16 +34,37 @@ __global__ void embed_wide_kernel(const DMatrix embed, const StepParams* sp, int
   }
 }
 
-// grid (ceil(H/256), rows), block 256.
-__global__ void hc_gate_mean_kernel(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu) {
+// grid (ceil(H/256), rows), block 256. FRAG: also the v4 B fragments and group sums of u (Tc4Frags,
+// one vector per row; H % 64 == 0), so the one-row GEMVs and the decode experts that read u launch no
+// fragment kernel: a block's 256 floats are 4 whole groups.
+template <bool FRAG>
+__global__ void hc_gate_mean_kernel(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu,
+                                    uint2* frag, float* gsum) {
   pdl_begin();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= H) return;
-  const float* gr = g + static_cast<size_t>(blockIdx.y) * ldgx;
-  const float* xr = X + static_cast<size_t>(blockIdx.y) * ldgx;
-  float acc = 0.0f;
-  for (int s = 0; s < S; ++s) acc = mul_add_rn(acc, sigmoidf_(gr[s * H + i]), xr[s * H + i]);
-  u[static_cast<size_t>(blockIdx.y) * ldu + i] = acc / static_cast<float>(S);
+  float v = 0.0f;
+  if (i < H) {
+    const float* gr = g + static_cast<size_t>(blockIdx.y) * ldgx;
+    const float* xr = X + static_cast<size_t>(blockIdx.y) * ldgx;
+    float acc = 0.0f;
+    for (int s = 0; s < S; ++s) acc = mul_add_rn(acc, sigmoidf_(gr[s * H + i]), xr[s * H + i]);
+    v = acc / static_cast<float>(S);
+    u[static_cast<size_t>(blockIdx.y) * ldu + i] = v;
+  }
+  if constexpr (FRAG) {
+    __shared__ float su[256];
+    su[threadIdx.x] = v;
+    __syncthreads();
+    const int groups = H / 64, g0 = blockIdx.x * 4, ng = min(4, groups - g0);
+    uint2* fr = frag + (static_cast<size_t>(blockIdx.y) * groups + g0) * 128;
+    for (int e = threadIdx.x; e < ng * 128; e += blockDim.x) fr[e] = tc4_frag_one(su + (e >> 7) * 64, e & 127);
+    // Σ x per group on column 0 (the others zero), in tc4_frag_kernel's order.
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp < ng) {
+      const float t = warp_sum(su[warp * 64 + lane] + su[warp * 64 + lane + 32]);
+      if (lane < 8) gsum[(static_cast<size_t>(blockIdx.y) * groups + g0 + warp) * 8 + lane] = lane == 0 ? t : 0.0f;
+    }
+  }
 }
 
 // grid (ceil(S*H/256), rows), block 256.
@@ -1015,8 +1037,14 @@ void embed_wide(const DMatrix& embed, const StepParams* sp, int rows, int S, int
 }
 
 void hc_gate_mean(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu, int rows,
-                  cudaStream_t stream) {
-  launch(hc_gate_mean_kernel, dim3(static_cast<unsigned>(ceil_div(H, 256)), rows), 256, 0, stream, g, X, ldgx, S, H, u, ldu);
+                  cudaStream_t stream, uint2* frag, float* gsum) {
+  const dim3 grid(static_cast<unsigned>(ceil_div(H, 256)), static_cast<unsigned>(rows));
+  if (frag) {
+    CK_REQUIRE(gsum && H % 64 == 0, "hc_gate_mean: fragments need H %% 64 == 0 (H %d)", H);
+    launch(hc_gate_mean_kernel<true>, grid, 256, 0, stream, g, X, ldgx, S, H, u, ldu, frag, gsum);
+  } else {
+    launch(hc_gate_mean_kernel<false>, grid, 256, 0, stream, g, X, ldgx, S, H, u, ldu, frag, gsum);
+  }
   CUDA_CHECK_LAUNCH();
 }
 

@@ -34,8 +34,10 @@ void embed_wide(const DMatrix& embed, const StepParams* sp, int rows, int S, int
 
 // Hyper-connection mix tail (spec §4): u (rows, H) = Σ_s sigmoid(g_s) ⊙ X_s / S, with g and X
 // (rows, S*H) at leading dimension ldgx.
+// With frag and gsum (H % 64 == 0), also u's v4 fragments and group sums, one vector per row, in
+// the layout of cuda/ops.h Tc4Frags.
 void hc_gate_mean(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu, int rows,
-                  cudaStream_t stream);
+                  cudaStream_t stream, uint2* frag = nullptr, float* gsum = nullptr);
 // Hyper-connection combine: R_s += o · w_s for s < S.
 void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H, int rows,
                 cudaStream_t stream);

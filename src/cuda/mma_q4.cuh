@@ -48,4 +48,15 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Element e (= step * 32 + lane) of a group's B fragments for one activation vector (MMA columns 0-2
+// carry its hi, mid and lo parts, columns 3-7 zeros), from the group's 64 floats xg: what
+// tc4_frag_kernel<1> stores, for kernels that make the fragments of their own output.
+__device__ __forceinline__ uint2 tc4_frag_one(const float* xg, int e) {
+  const int lane = e & 31, s = e >> 5, t = lane >> 3, n = lane & 7;
+  if (n >= 3) return make_uint2(0u, 0u);
+  const float* xr = xg + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
+  return make_uint2(bf16_pair(bf16_part(xr[0], n), bf16_part(xr[4], n)),
+                    bf16_pair(bf16_part(xr[1], n), bf16_part(xr[5], n)));
+}
+
 }  // namespace ck::cuda

@@ -34,7 +34,21 @@ constexpr int kMaxGemvJobs = 4;
 // y (rows, w.rows) = x (rows, w.cols) · wᵀ for up to kMaxGemvJobs matrices that read the same x, in
 // one launch. Preconditions: every job's w.cols equals the x width; x is 16-byte aligned and ldx % 4
 // == 0 whenever a job is quantized (quantized cols are multiples of 32). rows > kMaxRows go to gemm_tc.
-void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
+// v4 B fragments and group sums of `rows` vectors (row r at x + r * ldx, K = 64 * groups), laid out
+// and rounded as the fragment kernel makes them one vector at a time (gemv.cu tc4_frag_kernel<1>):
+// hc_gate_mean writes them for the mix output u, and the one-row tensor-core GEMVs and the decode
+// experts that read u take them instead of launching their own fragment kernel.
+struct Tc4Frags {
+  const float* x = nullptr;
+  int ldx = 0, rows = 0, groups = 0;
+  const uint2* frag = nullptr;  // [rows][groups][4 steps][32 lanes]
+  const float* gsum = nullptr;  // [rows][groups][8 columns]
+  bool covers(const float* x_, int ldx_, int rows_, int groups_) const {
+    return x && x == x_ && (rows_ == 1 || ldx == ldx_) && rows >= rows_ && groups == groups_;
+  }
+};
+void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,
+          const Tc4Frags* pre = nullptr);
 
 // The twin of cpu::matvec for `rows` rows: y (rows, w.rows) = x (rows, w.cols) · wᵀ.
 void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int rows, cudaStream_t stream);
@@ -71,7 +85,7 @@ void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden
 // the GEMV arithmetic is v4 and CK_EXPERT_TC4 is not 0.
 bool expert_tc4_enabled();
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
-                        int x_rows, float* h, int ldh, cudaStream_t stream);
+                        int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre = nullptr);
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
                      int ldy, cudaStream_t stream);
 

@@ -302,6 +302,11 @@ struct Session::Buffers {
   int32_t* n_tiles = nullptr;
   int max_tiles = 0;
   float *fy = nullptr, *logits = nullptr, *argmax_scratch = nullptr;
+  // u's v4 fragments (row-path steps, H % 64 == 0), written by the mix that writes u; ufr describes
+  // what u holds now (nothing after a prefill chunk's mix).
+  uint2* ufrag = nullptr;
+  float* ugsum = nullptr;
+  Tc4Frags ufr;
   int32_t* argmax = nullptr;
   // MTP head (one row): its StepParams, the embedding row e, N1(e), fe, the input hidden and its norm,
   // and S ones (the unit injection of fe into every stream).
@@ -337,6 +342,11 @@ Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
   b.params = static_cast<StepParams*>(arena_.alloc(sizeof(StepParams)));
   b.R = fbuf(R * b.ldW); b.X = fbuf(R * b.ldW); b.hc_d = fbuf(R * b.ldLR); b.hc_g = fbuf(R * b.ldW);
   b.u = fbuf(R * b.ldH); b.w = fbuf(R * b.ldS); b.o = fbuf(R * b.ldH);
+  if (H % 64 == 0) {
+    const int64_t groups = H / 64;
+    b.ufrag = reinterpret_cast<uint2*>(fbuf(kMaxRows * groups * 128 * 2));
+    b.ugsum = fbuf(kMaxRows * groups * 8);
+  }
   b.gx = fbuf(R * b.ldC); b.gz = fbuf(R * b.ldVd); b.gb = fbuf(R * b.ldNV); b.ga = fbuf(R * b.ldNV);
   b.gy = fbuf(R * b.ldC); b.go = fbuf(R * b.ldVd);
   b.qg = fbuf(R * b.ldQG); b.ak = fbuf(R * b.ldKV); b.av = fbuf(R * b.ldKV); b.iqk = fbuf(R * b.ldIQK);
@@ -469,7 +479,13 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   }
   gemv(jobs, n, b.X, b.ldW, rows, stream_);
   matvec(hc.up, b.hc_d, b.ldLR, b.hc_g, b.ldW, rows, stream_);
-  hc_gate_mean(b.hc_g, b.X, b.ldW, S, H, u, b.ldH, rows, stream_);
+  if (u == b.u && b.ufrag && rows <= kMaxRows) {
+    hc_gate_mean(b.hc_g, b.X, b.ldW, S, H, u, b.ldH, rows, stream_, b.ufrag, b.ugsum);
+    b.ufr = Tc4Frags{b.u, static_cast<int>(b.ldH), rows, H / 64, b.ufrag, b.ugsum};
+  } else {
+    hc_gate_mean(b.hc_g, b.X, b.ldW, S, H, u, b.ldH, rows, stream_);
+    if (u == b.u) b.ufr = Tc4Frags{};
+  }
 }
 
 // One decoder layer (§2 a-c) on b.R: a trunk layer, or the MTP's. Positions and tokens come from the
@@ -515,7 +531,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     jobs[1].w = g.in_z; jobs[1].y = b.gz; jobs[1].ldy = b.ldVd;
     jobs[2].w = g.in_b; jobs[2].y = b.gb; jobs[2].ldy = b.ldNV;
     jobs[3].w = g.in_a; jobs[3].y = b.ga; jobs[3].ldy = b.ldNV;
-    gemv(jobs, 4, b.u, b.ldH, rows, stream_);
+    gemv(jobs, 4, b.u, b.ldH, rows, stream_, &b.ufr);
     mark("gdn in_proj");
     GdnConvArgs ca;
     ca.x = b.gx; ca.ldx = b.ldC; ca.taps = g.conv; ca.state = st.gdn_conv; ca.snaps = st.gdn_conv_snaps;
@@ -545,7 +561,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     jobs[1].w = at.k; jobs[1].y = b.ak; jobs[1].ldy = b.ldKV;
     jobs[2].w = at.v; jobs[2].y = b.av; jobs[2].ldy = b.ldKV;
     jobs[3].w = at.index_qk; jobs[3].y = b.iqk; jobs[3].ldy = b.ldIQK;
-    gemv(jobs, 4, b.u, b.ldH, rows, stream_);
+    gemv(jobs, 4, b.u, b.ldH, rows, stream_, &b.ufr);
     mark("attn q/k/v/index proj");
     AttnArgs a;
     a.qg = b.qg; a.ldqg = b.ldQG; a.k = b.ak; a.ldk = b.ldKV; a.v = b.av; a.ldv = b.ldKV; a.iqk = b.iqk;
@@ -599,7 +615,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
       mark("moe experts");
     } else {
       if (mo.q4 && expert_tc4_enabled() && H % 64 == 0) {
-        expert_gate_up_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, rows, b.mh, b.ldMI, stream_);
+        expert_gate_up_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, rows, b.mh, b.ldMI, stream_, &b.ufr);
         expert_down_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, stream_);
       } else {
         expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, mo.codes48, stream_);
