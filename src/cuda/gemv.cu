@@ -665,8 +665,9 @@ __global__ void __launch_bounds__(256, V3 ? 3 : 1) expert_down_q_kernel(const Ex
 // checkpoints' form) are read without the per-load kind switch. Per group this is 2 code loads and
 // 4 scale loads with 32-bit indices: the loop is instruction-bound at one activation row (Nsight
 // Compute: ~190 instructions per warp and group with a division and 64-bit index math per group).
-template <bool BF16S>
+template <bool BF16S, int BITS = 4>
 struct Tc4Rows {
+  static constexpr int kGroupBytes = 8 * BITS;  // one row's 64 codes
   const uint8_t* pa;
   const uint8_t* pb;
   const uint8_t* scales;
@@ -675,10 +676,10 @@ struct Tc4Rows {
   int gshift;
   uint8_t sk;
   __device__ __forceinline__ void init(const DMatrix& w, int ra, int rb, int t) {
-    const size_t row_bytes = static_cast<size_t>(w.cols) / 2;
+    const size_t row_bytes = static_cast<size_t>(w.cols) * BITS / 8;
     const uint32_t n_groups = static_cast<uint32_t>(w.cols / w.fmt.group);
-    pa = w.data + ra * row_bytes + 8 * t;
-    pb = w.data + rb * row_bytes + 8 * t;
+    pa = w.data + ra * row_bytes + 2 * BITS * t;  // lane t's 16 codes: 8 bytes at 4 bits, 16 at 8
+    pb = w.data + rb * row_bytes + 2 * BITS * t;
     scales = w.scales;
     biases = w.biases;
     sa0 = static_cast<uint32_t>(ra) * n_groups;
@@ -691,9 +692,9 @@ struct Tc4Rows {
   // kernel before (docs/roofline-cuda.md, "Fifth session").
   __device__ __forceinline__ void prefetch(int G0, int G1, int t) const {
     if (t != 0 || G1 <= G0) return;
-    const uint32_t bytes = static_cast<uint32_t>(G1 - G0) * 32;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pa + G0 * 32), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pb + G0 * 32), "r"(bytes) : "memory");
+    const uint32_t bytes = static_cast<uint32_t>(G1 - G0) * kGroupBytes;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pa + G0 * kGroupBytes), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pb + G0 * kGroupBytes), "r"(bytes) : "memory");
     const uint32_t es = sk == static_cast<uint8_t>(WKind::F32) ? 4 : 2, sg = static_cast<uint32_t>(G0) >> gshift;
     asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + (sa0 + sg) * es) : "memory");
     asm volatile("prefetch.global.L2 [%0];" ::"l"(biases + (sa0 + sg) * es) : "memory");
@@ -704,26 +705,38 @@ struct Tc4Rows {
     if constexpr (BF16S) return bf16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(base) + i));
     else return load_scale_elem(base, i, sk);
   }
-  __device__ __forceinline__ void load(int G, uint2& wa, uint2& wb, float& sa, float& ba, float& sb, float& bb) const {
-    wa = __ldg(reinterpret_cast<const uint2*>(pa + G * 32));
-    wb = __ldg(reinterpret_cast<const uint2*>(pb + G * 32));
+  __device__ __forceinline__ void scales_of(int G, float& sa, float& ba, float& sb, float& bb) const {
     const uint32_t sg = static_cast<uint32_t>(G) >> gshift;
     sa = elem(scales, sa0 + sg);
     ba = elem(biases, sa0 + sg);
     sb = elem(scales, sb0 + sg);
     bb = elem(biases, sb0 + sg);
   }
+  __device__ __forceinline__ void load(int G, uint2& wa, uint2& wb, float& sa, float& ba, float& sb, float& bb) const {
+    static_assert(BITS == 4, "4-bit codes");
+    wa = __ldg(reinterpret_cast<const uint2*>(pa + G * kGroupBytes));
+    wb = __ldg(reinterpret_cast<const uint2*>(pb + G * kGroupBytes));
+    scales_of(G, sa, ba, sb, bb);
+  }
+  __device__ __forceinline__ void load(int G, uint4& wa, uint4& wb, float& sa, float& ba, float& sb, float& bb) const {
+    static_assert(BITS == 8, "8-bit codes");
+    wa = __ldg(reinterpret_cast<const uint4*>(pa + G * kGroupBytes));
+    wb = __ldg(reinterpret_cast<const uint4*>(pb + G * kGroupBytes));
+    scales_of(G, sa, ba, sb, bb);
+  }
 };
 
-// True when every job suits the v4 kernels (4-bit codes, groups of 64 x 2^k, cols a multiple of the
-// group); *bf16s when all their scales are bf16.
-bool tc4_suits(const GemvJob* jobs, int n_jobs, bool* bf16s) {
+// True when every job suits the v4 kernels (codes of `bits` bits, 4 or 8, the same for all jobs,
+// groups of 64 x 2^k, cols a multiple of the group); *bf16s when all their scales are bf16. Only the
+// one-row kernel takes 8-bit codes (the routers).
+bool tc4_suits(const GemvJob* jobs, int n_jobs, bool* bf16s, int* bits) {
   *bf16s = true;
+  *bits = jobs[0].w.fmt.bits;
   for (int j = 0; j < n_jobs; ++j) {
     const DMatrix& w = jobs[j].w;
     const int gpg = w.fmt.group / 64;
-    if (!w.quantized() || w.fmt.bits != 4 || w.fmt.group % 64 != 0 || (gpg & (gpg - 1)) != 0 ||
-        w.cols % w.fmt.group != 0)
+    if (!w.quantized() || (w.fmt.bits != 4 && w.fmt.bits != 8) || w.fmt.bits != *bits || w.fmt.group % 64 != 0 ||
+        (gpg & (gpg - 1)) != 0 || w.cols % w.fmt.group != 0)
       return false;
     *bf16s = *bf16s && w.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16);
   }
@@ -888,7 +901,7 @@ __device__ __forceinline__ uint32_t bf16_part_pair(float a, float b, int p) {
 }
 
 // Dynamic shared memory: [range groups][4 steps][32 lanes] uint2 fragments, then [range groups] Σ x.
-template <bool BF16S>
+template <bool BF16S, int BITS>
 __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_constant__ TcLaunch L,
                                                               const float* __restrict__ x, int kb) {
   extern __shared__ uint2 sfrag[];
@@ -906,7 +919,7 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   const int per = (B1 - B0 + ks - 1) / ks, G0 = min(B1, B0 + part * per), G1 = min(B1, G0 + per);
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(per_b) * 4 * 32);
   float acc[4] = {};
-  Tc4Rows<BF16S> tr;
+  Tc4Rows<BF16S, BITS> tr;
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
     tr.prefetch(G0, G1, t);
@@ -936,18 +949,43 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   if (tile < n_tiles) {
 #pragma unroll 2
     for (int G = G0; G < G1; ++G) {
-      uint2 wa, wb;
       float sa, ba, sb, bb;
-      tr.load(G, wa, wb, sa, ba, sb, bb);
       const uint2* f = sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane;
       const float xs = t == 0 ? sgs[G - B0] : 0.0f;
       float d[4] = {};  // the group's Σ q x, fresh per group
+      if constexpr (BITS == 4) {
+        uint2 wa, wb;
+        tr.load(G, wa, wb, sa, ba, sb, bb);
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
-        const int i0 = 2 * (s & 1);
-        const uint2 bf = f[32 * s];
-        mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), bf.x, bf.y);
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
+          const int i0 = 2 * (s & 1);
+          const uint2 bf = f[32 * s];
+          mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), bf.x, bf.y);
+        }
+      } else {
+        // 8-bit codes: lane t's 16 bytes of a row are columns 16t + 4k + i (word k, byte i). Step s's
+        // pair A (columns c, c + 4; c = 16t + 8(s>>1) + 2(s&1)) is byte 2(s&1) of words 2(s>>1) and
+        // 2(s>>1) + 1, pair B the next byte. A code q = 16 qh + ql: its nibbles are exact bf16
+        // operands, so two MMAs (ql and qh) and Σ q x = Σ ql x + 16 Σ qh x.
+        uint4 wa, wb;
+        tr.load(G, wa, wb, sa, ba, sb, bb);
+        float dh[4] = {};
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t la = (s >> 1) ? wa.z : wa.x, ha = (s >> 1) ? wa.w : wa.y;
+          const uint32_t lb = (s >> 1) ? wb.z : wb.x, hb = (s >> 1) ? wb.w : wb.y;
+          const uint32_t b0 = 2 * (s & 1), b1 = b0 + 1;
+          const uint32_t sel0 = b0 | (b0 << 4) | ((4 + b0) << 8) | ((4 + b0) << 12);
+          const uint32_t sel1 = b1 | (b1 << 4) | ((4 + b1) << 8) | ((4 + b1) << 12);
+          const uint32_t pa0 = __byte_perm(la, ha, sel0), pa1 = __byte_perm(la, ha, sel1);
+          const uint32_t pb0 = __byte_perm(lb, hb, sel0), pb1 = __byte_perm(lb, hb, sel1);
+          const uint2 bf = f[32 * s];
+          mma_bf16(d, code_pair(pa0, 0), code_pair(pb0, 0), code_pair(pa1, 0), code_pair(pb1, 0), bf.x, bf.y);
+          mma_bf16(dh, code_pair(pa0, 1), code_pair(pb0, 1), code_pair(pa1, 1), code_pair(pb1, 1), bf.x, bf.y);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) d[k] = fmaf(16.0f, dh[k], d[k]);
       }
       acc[0] = fmaf(sa, d[0], fmaf(ba, xs, acc[0]));
       acc[1] = fmaf(sa, d[1], acc[1]);
@@ -1148,10 +1186,25 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
   CUDA_CHECK(cudaFreeAsync(scratch, s));
 }
 
+// A v4 launch's jobs cut into 16-row tiles (ks still to choose). n_jobs in [1, kMaxGemvJobs].
+TcLaunch tc_launch_of(const GemvJob* jobs, int n_jobs) {
+  TcLaunch L{};
+  L.n_jobs = n_jobs;
+  L.groups = jobs[0].w.cols / 64;
+  int tiles = 0;
+  for (int j = 0; j < n_jobs && j < kMaxGemvJobs; ++j) {
+    L.job[j] = jobs[j];
+    L.first_tile[j] = tiles;
+    tiles += static_cast<int>(ceil_div(jobs[j].w.rows, 16));
+  }
+  L.first_tile[n_jobs] = tiles;
+  return L;
+}
+
 // The one-row v4 launch with block-built fragments (gemv_tc4_one_kernel), or false when the jobs are
 // too large for it (tiles x groups > kTcInWarpMax, CK_GEMV_INWARP_MAX to move it), x is not 16-byte
 // aligned, or CK_GEMV_INWARP=0.
-bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cudaStream_t s) {
+bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, int bits, cudaStream_t s) {
   static const bool on = [] {
     const char* e = std::getenv("CK_GEMV_INWARP");
     return !(e && std::strcmp(e, "0") == 0);
@@ -1161,16 +1214,8 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, c
     return e ? std::max<int64_t>(1, std::atoll(e)) : int64_t{kTcInWarpMax};
   }();
   if (!on || n_jobs < 1 || n_jobs > kMaxGemvJobs || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
-  TcLaunch L{};
-  L.n_jobs = n_jobs;
-  L.groups = jobs[0].w.cols / 64;
-  int tiles = 0;
-  for (int j = 0; j < n_jobs; ++j) {
-    L.job[j] = jobs[j];
-    L.first_tile[j] = tiles;
-    tiles += static_cast<int>(ceil_div(jobs[j].w.rows, 16));
-  }
-  L.first_tile[n_jobs] = tiles;
+  TcLaunch L = tc_launch_of(jobs, n_jobs);
+  const int tiles = L.first_tile[n_jobs];
   if (static_cast<int64_t>(tiles) * L.groups > max_work) return false;
   // Split K into more parts while there are too few warps for the GPU (~16 per SM) and each part keeps
   // at least two groups: over the blocks of a cluster first (each block's fragments then serve all
@@ -1202,8 +1247,13 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, c
   }
   cfg.attrs = attr;
   cfg.numAttrs = n_attr;
-  if (bf16s) CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<true>, L, x, kb));
-  else CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<false>, L, x, kb));
+  if (bits == 8) {
+    if (bf16s) CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<true, 8>, L, x, kb));
+    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<false, 8>, L, x, kb));
+  } else {
+    if (bf16s) CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<true, 4>, L, x, kb));
+    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<false, 4>, L, x, kb));
+  }
   return true;
 }
 
@@ -1212,26 +1262,20 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, c
 bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,
               const Tc4Frags* pre) {
   bool bf16s = false;
-  if (q_arith() != 4 || n_jobs < 1 || n_jobs > kMaxGemvJobs || !tc4_suits(jobs, n_jobs, &bf16s)) return false;
+  int bits = 0;
+  if (q_arith() != 4 || n_jobs < 1 || n_jobs > kMaxGemvJobs || !tc4_suits(jobs, n_jobs, &bf16s, &bits)) return false;
   int total_rows = 0;
   for (int j = 0; j < n_jobs; ++j) total_rows += jobs[j].w.rows;
-  if (rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, stream)) return true;
+  if (rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, bits, stream)) return true;
+  if (bits != 4) return false;
   // CK_GEMV_TC_ONE_ROW=N moves the one-row threshold (total rows of the jobs) to compare.
   static const int one_row_min = [] {
     const char* e = std::getenv("CK_GEMV_TC_ONE_ROW");
     return e ? std::max(1, std::atoi(e)) : kTcMinRowsOneRow;
   }();
   if (total_rows < (rows == 1 ? one_row_min : kTcMinRows) || jobs[0].w.cols < kTcMinCols) return false;
-  TcLaunch L{};
-  L.n_jobs = n_jobs;
-  L.groups = jobs[0].w.cols / 64;
-  int tiles = 0;
-  for (int j = 0; j < n_jobs; ++j) {
-    L.job[j] = jobs[j];
-    L.first_tile[j] = tiles;
-    tiles += static_cast<int>(ceil_div(jobs[j].w.rows, 16));
-  }
-  L.first_tile[n_jobs] = tiles;
+  TcLaunch L = tc_launch_of(jobs, n_jobs);
+  const int tiles = L.first_tile[n_jobs];
   // Split each tile's groups over more warps while there are too few warps to keep every SM's memory
   // pipe busy (~16 per SM) and each keeps at least 4 groups.
   int ks = 1;
