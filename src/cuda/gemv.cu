@@ -4,8 +4,11 @@
 // and fp32 accumulation throughout (the CPU reference's arithmetic, up to summation order).
 //
 // Schedules (docs/roofline-cuda.md):
-//  v4 (4-bit codes of tall matrices, 2-8 activation rows, and the LM head at one row): the tensor
-//     cores (gemv_tc4_kernel, below). CK_GEMV=v3 turns it off.
+//  v4 (4-bit codes, MLX groups of 64 x 2^k): the tensor cores. One activation row: 4- and 8-bit codes
+//     of matrices up to kTcInWarpMax tiles x groups go to gemv_tc4_one_kernel (fragments built in the
+//     block, K split over a thread-block cluster: one launch), larger ones (the LM head, in_proj) to a
+//     fragment kernel plus gemv_tc4_kernel; 2-8 rows of tall 4-bit matrices to gemv_tc4_kernel.
+//     CK_GEMV=v3 turns v4 off, CK_GEMV_INWARP=0 the one-row kernel.
 //  v2 (4- and 8-bit codes, the real checkpoint's forms): each warp owns a group of RPW output rows and
 //     sweeps their codes in units of CPU codes per lane (16-byte loads for one activation row); a unit
 //     of x is loaded once and applied to the RPW rows; warps reduce with shuffles only; a grid-stride
