@@ -3,8 +3,9 @@
 CK_NCU_DURATIONS=1) per kernel name, largest first.
     python3 scripts/ncu_sum.py ncu_durations.csv [--top 30] [--skip-before REGEX]
 --skip-before drops every launch before the first whose name matches (e.g. the benchmark's setup).
---step REGEX keeps one whole step: the launches from the second-to-last launch whose name matches
-(e.g. embed_wide_kernel, a decode step's first kernel) up to the last one; --by-grid splits each
+--step REGEX keeps one whole step: the launches between two consecutive launches whose name matches
+(e.g. embed_wide_kernel, a step's first kernel), the last such segment of the shortest length (a
+decode step: a prefill chunk launches more kernels); --by-grid splits each
 kernel name by its grid size (which matrix a GEMV kernel ran on)."""
 import argparse
 import collections
@@ -34,7 +35,12 @@ def main():
         marks = [i for i, r in enumerate(rows) if re.search(a.step, r["Kernel Name"])]
         if len(marks) < 2:
             sys.exit(f"{a.csv}: fewer than two launches match --step {a.step}")
-        rows = rows[marks[-2]:marks[-1]]
+        # Segments between matches: a prefill chunk launches more kernels than a decode step (grouping,
+        # GEMM fragments); keep the last segment of the shortest length, a decode step.
+        segs = list(zip(marks, marks[1:]))
+        shortest = min(b - e for e, b in segs)
+        first, last = [(e, b) for e, b in segs if b - e == shortest][-1]
+        rows = rows[first:last]
     total = collections.Counter()
     count = collections.Counter()
     for r in rows:
