@@ -27,6 +27,8 @@ if [ "${CK_NCU_DURATIONS:-0}" = 1 ]; then
     > "$OUT/ncu_durations.csv" 2> "$OUT/ncu_durations.log"
   echo "ncu rc=$?" >> "$OUT/ncu_durations.log"
   python3 scripts/ncu_sum.py "$OUT/ncu_durations.csv"
+  echo "---- one decode step (between embed_wide_kernel launches), per kernel and grid"
+  python3 scripts/ncu_sum.py "$OUT/ncu_durations.csv" --step embed_wide --by-grid --top 40 || true
   exit 0
 fi
 timeout "${CK_NCU_TIMEOUT:-240}" "$NCU" --cache-control none --clock-control none \
