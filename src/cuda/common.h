@@ -60,6 +60,9 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int device_count();
 // Whether launch() (below) uses programmatic dependent launch: on unless CK_PDL=0.
 bool pdl_enabled();
+// True when environment variable `name` is set to exactly `value` (the engine's CK_* switches that
+// select another schedule to compare, read once by their callers).
+bool env_is(const char* name, const char* value);
 // Streaming multiprocessors of the current device (asked once; call before any graph capture).
 int sm_count();
 // One line naming the device: name, SMs, memory, L2 (for the startup banner).

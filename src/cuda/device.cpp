@@ -8,11 +8,13 @@
 
 namespace ck::cuda {
 
+bool env_is(const char* name, const char* value) {
+  const char* e = std::getenv(name);
+  return e && std::strcmp(e, value) == 0;
+}
+
 bool pdl_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("CK_PDL");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
+  static const bool on = !env_is("CK_PDL", "0");
   return on;
 }
 

@@ -375,10 +375,7 @@ __global__ void dense_reduce_kernel(const __grid_constant__ TcArgs a, int splits
 
 // tf32x3 unless CK_TC=bf16x3 (read once).
 bool use_tf32() {
-  static const bool tf32 = [] {
-    const char* e = std::getenv("CK_TC");
-    return !(e && std::strcmp(e, "bf16x3") == 0);
-  }();
+  static const bool tf32 = !env_is("CK_TC", "bf16x3");
   return tf32;
 }
 

@@ -307,10 +307,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   // K = 10240) stay on gemm.cu, which splits K; so does K < 256.
   const int row_tiles = static_cast<int>(ceil_div(rows, 32));
   if (static_cast<int64_t>(tiles) * row_tiles < sm_count() || K < 256) return false;
-  static const bool on = [] {
-    const char* e = std::getenv("CK_Q4_DENSE");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
+  static const bool on = !env_is("CK_Q4_DENSE", "0");
   if (!on) return false;
   const int groups = K / 64;
   XFrag f = make_xfrag(x, ldx, rows, K, groups, stream);

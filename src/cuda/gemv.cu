@@ -772,25 +772,13 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
   x += blockIdx.y * vec_x;
   frag += blockIdx.y * vec_frag;
   gsum += blockIdx.y * vec_gsum;
-  for (int e = threadIdx.x; e < 4 * NB * 32; e += blockDim.x) {
-    const int lane_e = e & 31, nb = (e >> 5) % NB, s = e / (32 * NB);
-    const int t = lane_e >> 3, n = nb * 8 + (lane_e & 7), r = n / 3, p = n % 3;
-    uint2 v = make_uint2(0u, 0u);
-    if (r < nx) {
-      const float* xr = x + static_cast<size_t>(r) * ldx + G * 64 + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
-      v.x = bf16_pair(bf16_part(xr[0], p), bf16_part(xr[4], p));
-      v.y = bf16_pair(bf16_part(xr[1], p), bf16_part(xr[5], p));
-    }
-    frag[static_cast<size_t>(G) * 4 * NB * 32 + e] = v;
-  }
+  for (int e = threadIdx.x; e < 4 * NB * 32; e += blockDim.x)
+    frag[static_cast<size_t>(G) * 4 * NB * 32 + e] = tc4_frag_elem<NB>(x + G * 64, ldx, nx, e);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int n = warp; n < NC; n += blockDim.x >> 5) {
     const int r = n / 3;
     float v = 0.0f;
-    if (n % 3 == 0 && r < nx) {  // the bias term rides on each row's hi column
-      const float* xr = x + static_cast<size_t>(r) * ldx + G * 64;
-      v = warp_sum(xr[lane] + xr[lane + 32]);
-    }
+    if (n % 3 == 0 && r < nx) v = tc4_group_sum(x + static_cast<size_t>(r) * ldx + G * 64);  // on the hi column
     if (lane == 0) gsum[G * NC + n] = v;
   }
 }
@@ -1152,12 +1140,7 @@ int g_gemv_version = 0;  // 0: not yet read from the environment
 // v4, the rest as 3), 3 (group sums on the CUDA cores for all; CK_GEMV=v3) or 2 (dequantize each code
 // first; CK_GEMV=v2), the older ones kept to compare in one run.
 int q_arith() {
-  static const int a = [] {
-    const char* e = std::getenv("CK_GEMV");
-    if (e && std::strcmp(e, "v2") == 0) return 2;
-    if (e && std::strcmp(e, "v3") == 0) return 3;
-    return 4;
-  }();
+  static const int a = env_is("CK_GEMV", "v2") ? 2 : env_is("CK_GEMV", "v3") ? 3 : 4;
   return a;
 }
 
@@ -1165,28 +1148,25 @@ template <int R>
 void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStream_t s, const Tc4Frags* pre) {
   constexpr int NB = (3 * R + 7) / 8;
   const unsigned grid = static_cast<unsigned>(ceil_div(L.first_tile[L.n_jobs], 8 / L.ks));
+  uint8_t* scratch = nullptr;
   if (R == 1 && pre && pre->covers(x, ldx, 1, L.groups)) {  // fragments made by the producer of x
     L.frag = pre->frag;
     L.gsum = pre->gsum;
-    if (bf16s) launch(gemv_tc4_kernel<R, true>, grid, 256, 0, s, L, nx);
-    else launch(gemv_tc4_kernel<R, false>, grid, 256, 0, s, L, nx);
-    return;
+  } else {  // this call's own, stream-ordered (so graph-capturable)
+    const size_t frag_bytes = static_cast<size_t>(L.groups) * 4 * NB * 32 * sizeof(uint2);
+    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch), frag_bytes + sizeof(float) * L.groups * 8 * NB, s));
+    uint2* frag = reinterpret_cast<uint2*>(scratch);
+    float* gsum = reinterpret_cast<float*>(scratch + frag_bytes);
+    launch(tc4_frag_kernel<R>, static_cast<unsigned>(L.groups), 128, 0, s, x, ldx, nx, frag, gsum, int64_t{0},
+           int64_t{0}, int64_t{0});
+    CUDA_CHECK_LAUNCH();
+    L.frag = frag;
+    L.gsum = gsum;
   }
-  // The B fragments and group sums live for this call only (stream-ordered, so graph-capturable).
-  const size_t frag_bytes = static_cast<size_t>(L.groups) * 4 * NB * 32 * sizeof(uint2);
-  uint8_t* scratch = nullptr;
-  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch), frag_bytes + sizeof(float) * L.groups * 8 * NB, s));
-  uint2* frag = reinterpret_cast<uint2*>(scratch);
-  float* gsum = reinterpret_cast<float*>(scratch + frag_bytes);
-  launch(tc4_frag_kernel<R>, static_cast<unsigned>(L.groups), 128, 0, s, x, ldx, nx, frag, gsum, int64_t{0}, int64_t{0},
-         int64_t{0});
-  CUDA_CHECK_LAUNCH();
-  L.frag = frag;
-  L.gsum = gsum;
   if (bf16s) launch(gemv_tc4_kernel<R, true>, grid, 256, 0, s, L, nx);
   else launch(gemv_tc4_kernel<R, false>, grid, 256, 0, s, L, nx);
   CUDA_CHECK_LAUNCH();
-  CUDA_CHECK(cudaFreeAsync(scratch, s));
+  if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
 }
 
 // A v4 launch's jobs cut into 16-row tiles (ks still to choose). n_jobs in [1, kMaxGemvJobs].
@@ -1208,10 +1188,7 @@ TcLaunch tc_launch_of(const GemvJob* jobs, int n_jobs) {
 // too large for it (tiles x groups > kTcInWarpMax, CK_GEMV_INWARP_MAX to move it), x is not 16-byte
 // aligned, or CK_GEMV_INWARP=0.
 bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, int bits, cudaStream_t s) {
-  static const bool on = [] {
-    const char* e = std::getenv("CK_GEMV_INWARP");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
+  static const bool on = !env_is("CK_GEMV_INWARP", "0");
   static const int64_t max_work = [] {
     const char* e = std::getenv("CK_GEMV_INWARP_MAX");
     return e ? std::max<int64_t>(1, std::atoll(e)) : int64_t{kTcInWarpMax};
@@ -1425,8 +1402,7 @@ void init_gemv() {
 
 int gemv_version() {
   if (g_gemv_version == 0) {
-    const char* e = std::getenv("CK_GEMV");
-    g_gemv_version = (e && std::strcmp(e, "v1") == 0) ? 1 : 2;
+    g_gemv_version = env_is("CK_GEMV", "v1") ? 1 : 2;
   }
   return g_gemv_version;
 }
@@ -1505,10 +1481,7 @@ void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hid
 }
 
 bool expert_tc4_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("CK_EXPERT_TC4");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
+  static const bool on = !env_is("CK_EXPERT_TC4", "0");
   return on && q_arith() == 4;
 }
 

@@ -57,11 +57,11 @@ __global__ void hc_gate_mean_kernel(const float* g, const float* X, int ldgx, in
     __syncthreads();
     const int groups = H / 64, g0 = blockIdx.x * 4, ng = min(4, groups - g0);
     uint2* fr = frag + (static_cast<size_t>(blockIdx.y) * groups + g0) * 128;
-    for (int e = threadIdx.x; e < ng * 128; e += blockDim.x) fr[e] = tc4_frag_one(su + (e >> 7) * 64, e & 127);
-    // Σ x per group on column 0 (the others zero), in tc4_frag_kernel's order.
+    for (int e = threadIdx.x; e < ng * 128; e += blockDim.x) fr[e] = tc4_frag_elem<1>(su + (e >> 7) * 64, 64, 1, e & 127);
+    // Σ x per group on column 0 (the others zero), as tc4_frag_kernel.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp < ng) {
-      const float t = warp_sum(su[warp * 64 + lane] + su[warp * 64 + lane + 32]);
+      const float t = tc4_group_sum(su + warp * 64);
       if (lane < 8) gsum[(static_cast<size_t>(blockIdx.y) * groups + g0 + warp) * 8 + lane] = lane == 0 ? t : 0.0f;
     }
   }

@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "cuda/common.h"
+
 namespace ck::cuda {
 
 __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
@@ -48,15 +50,25 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Element e (= step * 32 + lane) of a group's B fragments for one activation vector (MMA columns 0-2
-// carry its hi, mid and lo parts, columns 3-7 zeros), from the group's 64 floats xg: what
-// tc4_frag_kernel<1> stores, for kernels that make the fragments of their own output.
-__device__ __forceinline__ uint2 tc4_frag_one(const float* xg, int e) {
-  const int lane = e & 31, s = e >> 5, t = lane >> 3, n = lane & 7;
-  if (n >= 3) return make_uint2(0u, 0u);
-  const float* xr = xg + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
-  return make_uint2(bf16_pair(bf16_part(xr[0], n), bf16_part(xr[4], n)),
-                    bf16_pair(bf16_part(xr[1], n), bf16_part(xr[5], n)));
+// Element e (= (step * NB + column block) * 32 + lane) of a group's B fragments for nx activation rows:
+// MMA column n = 3r + p carries part p (hi, mid, lo) of row r, the other columns zeros. xg is the
+// group's 64 floats of row 0, rows ldx apart. tc4_frag_kernel stores these; kernels that make the
+// fragments of their own output (hc_gate_mean) call it too, so both round alike.
+template <int NB>
+__device__ __forceinline__ uint2 tc4_frag_elem(const float* xg, int ldx, int nx, int e) {
+  const int lane = e & 31, nb = (e >> 5) % NB, s = e / (32 * NB);
+  const int t = lane >> 3, n = nb * 8 + (lane & 7), r = n / 3, p = n % 3;
+  if (r >= nx) return make_uint2(0u, 0u);
+  const float* xr = xg + static_cast<size_t>(r) * ldx + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
+  return make_uint2(bf16_pair(bf16_part(xr[0], p), bf16_part(xr[4], p)),
+                    bf16_pair(bf16_part(xr[1], p), bf16_part(xr[5], p)));
+}
+
+// Σ x of a group's 64 floats (the bias term's factor), in the one order every v4 path uses: lane l
+// adds x[l] + x[l + 32], then the warp's butterfly. Every lane of the warp calls it.
+__device__ __forceinline__ float tc4_group_sum(const float* xg) {
+  const int lane = threadIdx.x & 31;
+  return warp_sum(xg[lane] + xg[lane + 32]);
 }
 
 }  // namespace ck::cuda

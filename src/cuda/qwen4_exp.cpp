@@ -102,10 +102,7 @@ Model::Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts)
 namespace {
 // CK_GDN=recurrent keeps prefill chunks on the token-by-token delta rule (to compare).
 bool gdn_chunked_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("CK_GDN");
-    return !(e && std::strcmp(e, "recurrent") == 0);
-  }();
+  static const bool on = !env_is("CK_GDN", "recurrent");
   return on;
 }
 
@@ -198,8 +195,7 @@ Status Model::init() {
   DMatrix g, u, dn;
   expert_views(nullptr, pool_.fmt, c.moe_intermediate_size, c.hidden_size, &g, &u, &dn);
   // CK_Q4_EXPERTS=0 keeps prefill's experts on gemm.cu's dequantizing kernels (gemm_q4.cu; to compare).
-  const char* q4_env = std::getenv("CK_Q4_EXPERTS");
-  const bool q4_on = !(q4_env && std::strcmp(q4_env, "0") == 0);
+  const bool q4_on = !env_is("CK_Q4_EXPERTS", "0");
   auto set_codes48 = [&](DMoe& mo) {
     mo.codes48 = codes48(g) && codes48(dn) && codes48(mo.sh_gate) && codes48(mo.sh_up) && codes48(mo.sh_down);
     mo.q4 = q4_on && expert_q4_ok(g) && expert_q4_ok(dn) && expert_q4_ok(mo.sh_gate) && expert_q4_ok(mo.sh_up) &&
