@@ -39,6 +39,20 @@ __device__ __forceinline__ float dmatrix_elem(const DMatrix& m, int64_t r, int64
 }
 
 // What a GEMV or GEMM applies to each output before it is stored (ops.h Epilogue; `d` is the divisor).
+// Asynchronous copies global -> shared (sm_80+): 16 bytes (bypassing L1) or 4 bytes, grouped by
+// cp_async_commit; cp_async_wait<N> waits until at most N committed groups are still in flight.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 __device__ __forceinline__ float apply_epilogue(float y, Epilogue e, float d) {
   switch (e) {
     case Epilogue::SiluDiv: return siluf_(y / d);

@@ -14,9 +14,13 @@
 // gemm.cu's tf32x3.
 //
 // Block: 8 warps, a tile of 32 rows (two m16 fragments) x 8 * 8 * NT output features (NT n8 fragments
-// per warp: 2 for gate/up, 4 otherwise). Per group, each warp loads 8 bytes of codes per feature row
-// and matrix, its rows' A fragments (3 parts) from the split activations, and runs 3 x 2 x NT MMAs per
-// k16 step and matrix.
+// per warp: 2 for gate/up, 4 otherwise). The block copies each 64-code group's A fragments of its 32
+// rows (3 parts, 12 KB) into shared memory with cp.async, two groups ahead, in a layout where every
+// fragment load of a warp is a contiguous 512- or 256-byte read (no bank conflicts); each warp loads
+// 8 bytes of codes per feature row and matrix (one group ahead, in registers) and runs 3 x 2 x NT MMAs
+// per k16 step and matrix. (The first version read the A fragments from global memory in every warp:
+// 12 scattered 8-byte loads per step, and L1 was the limit at ~70% busy with 1.2 instructions issued
+// per cycle.)
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -30,24 +34,34 @@ namespace ck::cuda {
 namespace {
 
 constexpr int kQ4Threads = 128;      // q4_xfrag_kernel
-constexpr int kQ4TileWarps = 8;      // q4_tile_kernel: 8 warps share (through L1) their rows' A fragments
+constexpr int kQ4TileWarps = 8;      // q4_tile_kernel: 8 warps share their rows' A fragments (shared memory)
+static_assert(kQ4TileWarps * 32 == 256, "q4_tile_kernel's staging gives each of 256 threads its copies");
 
-// Split activations of one row: [groups][4 steps][4 lanes t][3 parts] of uint2 (pair A, pair B), and
-// Σ x per group. grid (rows), block 128.
+// Split activations of one row, per group: 16 uint4 then 16 uint2, entry e = s * 4 + t (k16 step s,
+// lane t): the uint4 holds parts 0 and 1 (hi, mid) and the uint2 part 2 (lo), each as (pair A, pair B)
+// of mma_q4.cuh's K order; then Σ x per group. grid (rows), block 128.
+constexpr int kQ4GroupU2 = 48;
+constexpr int kQ4Stages = 3;  // q4_tile_kernel's shared-memory buffers of A fragments  // uint2 per row and group: 16 x (2 + 1)
+
 __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __restrict__ x, int ldx, int K, int groups,
                                                               uint2* xf, float* gsum) {
   const int row = blockIdx.x;
   const float* xr = x + static_cast<size_t>(row) * ldx;
-  uint2* out = xf + static_cast<size_t>(row) * groups * 48;
-  for (int e = threadIdx.x; e < groups * 48; e += blockDim.x) {
-    const int p = e % 3, t = (e / 3) % 4, s = (e / 12) % 4, G = e / 48;
+  uint2* out = xf + static_cast<size_t>(row) * groups * kQ4GroupU2;
+  for (int e = threadIdx.x; e < groups * 16; e += blockDim.x) {
+    const int t = e % 4, s = (e / 4) % 4, G = e / 16;
     const int c = G * 64 + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
-    uint2 v = make_uint2(0u, 0u);
+    uint2 v[3] = {};
     if (c < K) {  // K % 64 == 0 for the groups that exist; rows of a shorter matrix read zeros
-      v.x = bf16_pair(bf16_part(xr[c], p), bf16_part(xr[c + 4], p));
-      v.y = bf16_pair(bf16_part(xr[c + 1], p), bf16_part(xr[c + 5], p));
+#pragma unroll
+      for (int p = 0; p < 3; ++p) {
+        v[p].x = bf16_pair(bf16_part(xr[c], p), bf16_part(xr[c + 4], p));
+        v[p].y = bf16_pair(bf16_part(xr[c + 1], p), bf16_part(xr[c + 5], p));
+      }
     }
-    out[e] = v;
+    uint2* o = out + static_cast<size_t>(G) * kQ4GroupU2;
+    reinterpret_cast<uint4*>(o)[e % 16] = make_uint4(v[0].x, v[0].y, v[1].x, v[1].y);
+    o[32 + e % 16] = v[2];
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int G = warp; G < groups; G += blockDim.x >> 5) {
@@ -55,6 +69,14 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
     if (lane == 0) gsum[static_cast<size_t>(row) * groups + G] = v;
   }
 }
+
+// One group's A fragments of a block's 32 rows in shared memory: [step][row][lane t], so a warp's
+// load of (step, 8 rows) x 4 lanes t is contiguous. 12.1 KB; kQ4Stages of them.
+struct Q4Stage {
+  uint4 a01[4][32][4];  // parts 0 and 1
+  uint2 a2[4][32][4];   // part 2
+  float gsum[32];
+};
 
 enum Q4Mode : int { kQ4Dense = 0, kQ4GateUp = 1, kQ4Down = 2 };
 
@@ -87,7 +109,9 @@ __host__ __device__ constexpr int q4_block_features() { return kQ4TileWarps * 8 
 // kQ4GateUp: h[pair] = silu(gate · x) * (up · x); kQ4Down: y[pair] = down · h; grid (features /
 // q4_block_features, max tiles). kQ4Dense: y_job[row] = epi(w_job · x[row]); grid (feature tiles of all
 // jobs, rows / 32).
-template <int MODE>
+// STAGED: the A fragments through shared memory (above); otherwise each warp loads its own from global
+// memory (two loads per row pair and step, through L1). CK_Q4_STAGE picks per use (q4_staged).
+template <int MODE, bool STAGED>
 __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __grid_constant__ Q4Args a) {
   constexpr int NW = MODE == kQ4GateUp ? 2 : 1, NT = q4_nt<MODE>(), BF = q4_block_features<MODE>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -96,9 +120,11 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   int ldy = a.ldy, f_warp = 0;
   Epilogue epi = Epilogue::None;
   float epi_arg = 1.0f;
-  // The x row of each of the tile's 32 slots this lane reads (rows g, g+8 of both m16 fragments), and
-  // the output row; slots past the tile's rows read row 0 and are not stored.
-  int src[2][2], dst[2][2];
+  // The output row of each of the tile's 32 slots this lane stores (rows g, g+8 of both m16
+  // fragments), -1 past the tile's rows; src_of_slot gives the x row slot i reads (row 0 past the end).
+  int dst[2][2];
+  int m0 = 0;
+  int2 tile = make_int2(0, 0);
   if constexpr (MODE == kQ4Dense) {
     int j = 0;
     while (j + 1 < a.n_jobs && static_cast<int>(blockIdx.x) >= a.first_tile[j + 1]) ++j;
@@ -108,33 +134,31 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     epi = a.job[j].epi;
     epi_arg = a.job[j].epi_arg;
     f_warp = (static_cast<int>(blockIdx.x) - a.first_tile[j]) * BF + warp * 8 * NT;
-    const int m0 = static_cast<int>(blockIdx.y) * 32;
-#pragma unroll
-    for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = m0 + mf * 16 + h * 8 + g;
-        dst[mf][h] = r < a.rows ? r : -1;
-        src[mf][h] = r < a.rows ? r : 0;
-      }
+    m0 = static_cast<int>(blockIdx.y) * 32;
   } else {
     if (static_cast<int>(blockIdx.y) >= *a.n_tiles) return;  // uniform over the block
-    const int2 tile = a.tiles[blockIdx.y];
+    tile = a.tiles[blockIdx.y];
     const ExpertPair& p0 = a.pairs[a.order[tile.x]];
     w0 = MODE == kQ4GateUp ? p0.gate : p0.down;
     w1 = p0.up;
     f_warp = static_cast<int>(blockIdx.x) * BF + warp * 8 * NT;
-#pragma unroll
-    for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = mf * 16 + h * 8 + g;
-        const int p = i < tile.y ? a.order[tile.x + i] : -1;
-        dst[mf][h] = p;
-        src[mf][h] = p < 0 ? 0 : MODE == kQ4GateUp ? a.pairs[p].x_row : p;
-      }
   }
-  if (f_warp >= w0.rows) return;  // warp-uniform; no block barrier follows
+  // Dense: the chunk's rows; experts: the tile's pairs (gate/up reads each pair's token row, down the
+  // pair's own row of h).
+  auto dst_of_slot = [&](int i) -> int {
+    if constexpr (MODE == kQ4Dense) return m0 + i < a.rows ? m0 + i : -1;
+    else return i < tile.y ? a.order[tile.x + i] : -1;
+  };
+  auto src_of_slot = [&](int i) -> int {
+    const int p = dst_of_slot(i);
+    if constexpr (MODE == kQ4GateUp) return p < 0 ? 0 : a.pairs[p].x_row;
+    else return p < 0 ? 0 : p;
+  };
+#pragma unroll
+  for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) dst[mf][h] = dst_of_slot(mf * 16 + h * 8 + g);
+  const bool active = f_warp < w0.rows;  // warp-uniform; idle warps still stage and meet the barriers
   const int K = w0.cols, groups = K / 64, gpg = w0.fmt.group / 64;
   const size_t row_bytes = static_cast<size_t>(K) / 2, n_sg = K / w0.fmt.group;
   const uint8_t sk = w0.fmt.scale_kind;
@@ -147,10 +171,28 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     fo[nt][0] = min(f_warp + nt * 8 + 2 * t, w0.rows - 1);
     fo[nt][1] = min(f_warp + nt * 8 + 2 * t + 1, w0.rows - 1);
   }
-  float acc[NW][2][NT][4] = {};
-
-  for (int G = 0; G < groups; ++G) {
-    uint2 wq[NW][NT];
+  __shared__ Q4Stage stage[kQ4Stages];
+  __shared__ int srow[32];
+  if (threadIdx.x < 32) srow[threadIdx.x] = src_of_slot(threadIdx.x);
+  __syncthreads();
+  // Group G of the 32 rows into `st`: 512 16-byte copies of parts 0-1, 256 of part 2 (two lanes' worth
+  // each), 32 sums; every thread issues 3 or 4 (blockDim is 256).
+  const uint4* xf4 = reinterpret_cast<const uint4*>(a.xf);
+  auto stage_group = [&](int G, Q4Stage& st) {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = tid; i < 512; i += kQ4TileWarps * 32) {
+      const int r = i >> 4, e = i & 15;
+      cp_async16(&st.a01[e >> 2][r][e & 3], xf4 + (static_cast<size_t>(srow[r]) * a.groups + G) * (kQ4GroupU2 / 2) + e);
+    }
+    {
+      const int r = tid >> 3, e2 = tid & 7;
+      cp_async16(&st.a2[e2 >> 1][r][(e2 & 1) * 2],
+                 a.xf + (static_cast<size_t>(srow[r]) * a.groups + G) * kQ4GroupU2 + 32 + e2 * 2);
+    }
+    if (tid < 32) cp_async4(&st.gsum[tid], a.gsum + static_cast<size_t>(srow[tid]) * a.groups + G);
+  };
+  auto load_codes = [&](int G, uint2 (&wq)[NW][NT]) {
 #pragma unroll
     for (int q = 0; q < NW; ++q) {
       const DMatrix& w = q == 0 ? w0 : w1;
@@ -158,59 +200,103 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
       for (int nt = 0; nt < NT; ++nt)
         wq[q][nt] = __ldg(reinterpret_cast<const uint2*>(w.data + fr[nt] * row_bytes + G * 32 + 8 * t));
     }
-    float d[NW][2][NT][4] = {};  // the group's Σ q x, fresh per group
+  };
+  float acc[NW][2][NT][4] = {};
+  uint2 wq[NW][NT] = {};
+
+  // Three buffers, two groups ahead: group G + 2 goes into the buffer group G - 1 used, after the
+  // barrier that says every warp is done with it (one barrier per group).
+  if constexpr (STAGED) {
+    stage_group(0, stage[0]);
+    cp_async_commit();
+    if (groups > 1) stage_group(1, stage[1]);
+    cp_async_commit();
+  }
+  if (active) load_codes(0, wq);
+
+  for (int G = 0; G < groups; ++G) {
+    if constexpr (STAGED) {
+      cp_async_wait<1>();  // every committed group but the newest is done: group G is
+      __syncthreads();
+      if (G + 2 < groups) stage_group(G + 2, stage[(G + 2) % kQ4Stages]);
+      cp_async_commit();  // possibly empty, so the count above stays one group per iteration
+    }
+    const Q4Stage& st = stage[G % kQ4Stages];
+    uint2 wn[NW][NT] = {};
+    if (active) {
+      if (G + 1 < groups) load_codes(G + 1, wn);
+      float d[NW][2][NT][4] = {};  // the group's Σ q x, fresh per group
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      // A: this step's pairs of rows g and g+8 of each m16 fragment, three parts each.
-      uint2 xa[2][2][3];
+      for (int s = 0; s < 4; ++s) {
+        // A: this step's pairs of rows g and g+8 of each m16 fragment, three parts each.
+        uint2 xa[2][2][3];
+#pragma unroll
+        for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = mf * 16 + h * 8 + g;
+            uint4 v;
+            if constexpr (STAGED) {
+              v = st.a01[s][r][t];
+              xa[mf][h][2] = st.a2[s][r][t];
+            } else {
+              const size_t base = static_cast<size_t>(srow[r]) * a.groups + G;
+              v = __ldg(xf4 + base * (kQ4GroupU2 / 2) + s * 4 + t);
+              xa[mf][h][2] = __ldg(a.xf + base * kQ4GroupU2 + 32 + s * 4 + t);
+            }
+            xa[mf][h][0] = make_uint2(v.x, v.y);
+            xa[mf][h][1] = make_uint2(v.z, v.w);
+          }
+        const int i0 = 2 * (s & 1);
+#pragma unroll
+        for (int q = 0; q < NW; ++q)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint32_t wd = (s >> 1) ? wq[q][nt].y : wq[q][nt].x;
+            const uint32_t b0 = code_pair(wd, i0), b1 = code_pair(wd, i0 + 1);
+#pragma unroll
+            for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+              for (int pt = 2; pt >= 0; --pt)  // small parts first
+                mma_bf16(d[q][mf][nt], xa[mf][0][pt].x, xa[mf][1][pt].x, xa[mf][0][pt].y, xa[mf][1][pt].y, b0, b1);
+          }
+      }
+      // y += s * Σ q x + b * Σ x for this group: features (2t, 2t+1) of each n8 fragment, rows (g, g+8).
+      float sx[2][2];
 #pragma unroll
       for (int mf = 0; mf < 2; ++mf)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint2* xp = a.xf + ((static_cast<size_t>(src[mf][h]) * a.groups + G) * 4 + s) * 12 + t * 3;
-#pragma unroll
-          for (int pt = 0; pt < 3; ++pt) xa[mf][h][pt] = __ldg(xp + pt);
+          const int r = mf * 16 + h * 8 + g;
+          if constexpr (STAGED) sx[mf][h] = st.gsum[r];
+          else sx[mf][h] = __ldg(a.gsum + static_cast<size_t>(srow[r]) * a.groups + G);
         }
-      const int i0 = 2 * (s & 1);
+      const size_t sg = G / gpg;
 #pragma unroll
-      for (int q = 0; q < NW; ++q)
+      for (int q = 0; q < NW; ++q) {
+        const DMatrix& w = q == 0 ? w0 : w1;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const uint32_t wd = (s >> 1) ? wq[q][nt].y : wq[q][nt].x;
-          const uint32_t b0 = code_pair(wd, i0), b1 = code_pair(wd, i0 + 1);
+          const float s0 = load_kind(w.scales, fo[nt][0] * n_sg + sg, sk), b0 = load_kind(w.biases, fo[nt][0] * n_sg + sg, sk);
+          const float s1 = load_kind(w.scales, fo[nt][1] * n_sg + sg, sk), b1 = load_kind(w.biases, fo[nt][1] * n_sg + sg, sk);
 #pragma unroll
-          for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-            for (int pt = 2; pt >= 0; --pt)  // small parts first
-              mma_bf16(d[q][mf][nt], xa[mf][0][pt].x, xa[mf][1][pt].x, xa[mf][0][pt].y, xa[mf][1][pt].y, b0, b1);
-        }
-    }
-    // y += s * Σ q x + b * Σ x for this group: features (2t, 2t+1) of each n8 fragment, rows (g, g+8).
-    float sx[2][2];
-#pragma unroll
-    for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) sx[mf][h] = __ldg(a.gsum + static_cast<size_t>(src[mf][h]) * a.groups + G);
-    const size_t sg = G / gpg;
-#pragma unroll
-    for (int q = 0; q < NW; ++q) {
-      const DMatrix& w = q == 0 ? w0 : w1;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float s0 = load_kind(w.scales, fo[nt][0] * n_sg + sg, sk), b0 = load_kind(w.biases, fo[nt][0] * n_sg + sg, sk);
-        const float s1 = load_kind(w.scales, fo[nt][1] * n_sg + sg, sk), b1 = load_kind(w.biases, fo[nt][1] * n_sg + sg, sk);
-#pragma unroll
-        for (int mf = 0; mf < 2; ++mf) {
-          float* c = acc[q][mf][nt];
-          const float* e = d[q][mf][nt];
-          c[0] = fmaf(s0, e[0], fmaf(b0, sx[mf][0], c[0]));
-          c[1] = fmaf(s1, e[1], fmaf(b1, sx[mf][0], c[1]));
-          c[2] = fmaf(s0, e[2], fmaf(b0, sx[mf][1], c[2]));
-          c[3] = fmaf(s1, e[3], fmaf(b1, sx[mf][1], c[3]));
+          for (int mf = 0; mf < 2; ++mf) {
+            float* c = acc[q][mf][nt];
+            const float* e = d[q][mf][nt];
+            c[0] = fmaf(s0, e[0], fmaf(b0, sx[mf][0], c[0]));
+            c[1] = fmaf(s1, e[1], fmaf(b1, sx[mf][0], c[1]));
+            c[2] = fmaf(s0, e[2], fmaf(b0, sx[mf][1], c[2]));
+            c[3] = fmaf(s1, e[3], fmaf(b1, sx[mf][1], c[3]));
+          }
         }
       }
     }
+#pragma unroll
+    for (int q = 0; q < NW; ++q)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) wq[q][nt] = wn[q][nt];
   }
+  if (!active) return;
   // Store: slot (mf, h) row, features f_warp + nt*8 + 2t + {0, 1}.
 #pragma unroll
   for (int mf = 0; mf < 2; ++mf)
@@ -241,7 +327,7 @@ struct XFrag {
 
 XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, cudaStream_t stream) {
   XFrag f;
-  const size_t xf_bytes = static_cast<size_t>(rows) * groups * 48 * sizeof(uint2);
+  const size_t xf_bytes = static_cast<size_t>(rows) * groups * kQ4GroupU2 * sizeof(uint2);
   CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + sizeof(float) * rows * groups, stream));
   f.xf = reinterpret_cast<uint2*>(f.mem);
   f.gsum = reinterpret_cast<float*>(f.mem + xf_bytes);
@@ -261,6 +347,14 @@ bool expert_q4_ok(const DMatrix& m) {
 
 namespace {
 
+// Which products stage their A fragments in shared memory. Measured (H200, 16-layer synthetic model,
+// prefill, 2,048 tokens): staged, the dense projections took 14-25% less time and the experts 14% less
+// than unstaged (the same kernel reading its fragments through L1). CK_Q4_STAGE=dense|none to compare.
+bool q4_staged(int mode) {
+  static const int pick = env_is("CK_Q4_STAGE", "none") ? 0 : env_is("CK_Q4_STAGE", "dense") ? 1 : 2;
+  return pick == 2 || (pick == 1 && mode == kQ4Dense);
+}
+
 // One grouped expert product: x (x_rows rows of width K, a multiple of 64) split into fragments, then
 // q4_tile_kernel over (features / block, tiles).
 template <int MODE>
@@ -274,7 +368,8 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
   const dim3 grid(static_cast<unsigned>(ceil_div(features, q4_block_features<MODE>())), static_cast<unsigned>(max_tiles));
-  q4_tile_kernel<MODE><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
+  if (q4_staged(MODE)) q4_tile_kernel<MODE, true><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
+  else q4_tile_kernel<MODE, false><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
 }
@@ -322,8 +417,9 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   }
   a.first_tile[n_jobs] = t;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups;
-  q4_tile_kernel<kQ4Dense><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles)), kQ4TileWarps * 32, 0,
-                             stream>>>(a);
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles));
+  if (q4_staged(kQ4Dense)) q4_tile_kernel<kQ4Dense, true><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
+  else q4_tile_kernel<kQ4Dense, false><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
   return true;

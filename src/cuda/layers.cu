@@ -492,18 +492,6 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
   }
 }
 
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async4(float* smem, const float* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most one committed group is still in flight.
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-
 // Starts copying a [rows][cols] block (rows of `cols` floats) into shared memory rows of `ld` floats.
 __device__ __forceinline__ void stage_async(float* dst, int ld, const float* src, int rows, int cols) {
   if ((cols & 3) == 0) {
@@ -575,7 +563,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs
         const int col = c0 + j0 + q;
         u[m][q] = col < dv ? rec[lay.u + (ty + 32 * m) * dv + col] : 0.0f;
       }
-    cp_async_wait1();  // W(c), P(c)
+    cp_async_wait<1>();  // W(c), P(c)
     __syncthreads();
 
     // Phase 1: v_new = U - W S
@@ -588,7 +576,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs
     __syncthreads();
     stage_async(wb, ld, rec + lay.kd, C, dk);
     cp_async_commit();
-    cp_async_wait1();  // e^G q̂(c)
+    cp_async_wait<1>();  // e^G q̂(c)
     __syncthreads();
 
     // Phase 2: out = (e^G q̂) S + P v_new
@@ -611,7 +599,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs
     }
     cp_async_commit();
     const float dl = rec[lay.dl];
-    cp_async_wait1();  // e^(G_last-G) k̂(c)
+    cp_async_wait<1>();  // e^(G_last-G) k̂(c)
     __syncthreads();
 
     // Phase 3: S = e^(G_last) S + (e^(G_last-G) k̂)ᵀ v_new
@@ -813,21 +801,13 @@ __global__ void __launch_bounds__(256) attn_select_kernel(const AttnArgs a, cons
   }
 }
 
-// grid (nh, rows), block 256, dynamic shared memory cap * 8 bytes (cap = attention_max_selected).
-// Selected token ids are compacted in ascending order, so the softmax and the weighted sum of V run
-// in the CPU's key order.
-__global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
-  pdl_begin();
-  extern __shared__ float smem[];
-  __shared__ float scratch[32];
+// The token ids row r attends to, compacted in ascending order into idx (block-wide; returns how
+// many): every token of a selected block, and the tokens of the incomplete last block.
+__device__ int attn_gather_selected(const AttnArgs& a, int r, int64_t n, int* idx) {
   __shared__ int warp_counts[32];
   __shared__ int total;
-  const int h = blockIdx.x, r = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-  const int64_t n = sp->pos + r + 1, nb = n / a.cr;
-  const int cap = (a.block_topk + 1) * a.cr - 1;  // attention_max_selected
-  int* idx = reinterpret_cast<int*>(smem);
-  float* p = smem + cap;
+  const int64_t nb = n / a.cr;
   const uint8_t* sel = a.sel + r * a.nb_max;
   if (threadIdx.x == 0) total = 0;
   __syncthreads();
@@ -845,7 +825,23 @@ __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
       for (int w = 0; w < n_warps; ++w) total += warp_counts[w];
     __syncthreads();
   }
-  const int m = total;
+  return total;
+}
+
+// grid (nh, rows), block 256, dynamic shared memory cap * 8 bytes (cap = attention_max_selected).
+// Selected token ids are compacted in ascending order, so the softmax and the weighted sum of V run
+// in the CPU's key order.
+__global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
+  pdl_begin();
+  extern __shared__ float smem[];
+  __shared__ float scratch[32];
+  const int h = blockIdx.x, r = blockIdx.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  const int64_t n = sp->pos + r + 1;
+  const int cap = (a.block_topk + 1) * a.cr - 1;  // attention_max_selected
+  int* idx = reinterpret_cast<int*>(smem);
+  float* p = smem + cap;
+  const int m = attn_gather_selected(a, r, n, idx);
   const int g = h / (a.nh / a.nkv);
   const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
   const float* q = a.q + static_cast<size_t>(r) * a.ldq + static_cast<size_t>(h) * a.hd;
@@ -882,6 +878,115 @@ __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
   }
 }
 
+
+// Prefill chunks: the query heads that share a KV head, up to kAttnHeadsPerBlock per block, so each
+// selected key and value row is read once for all of them (attn_decode_kernel reads it once per head:
+// 12 times at the released geometry, and its loads were most of its instructions). The weighted sum
+// of V is the same as attn_decode_kernel's (key order, product rounded, then added); the dot products
+// add each lane's 8 consecutive dimensions, then across the warp (another order than
+// attn_decode_kernel's, within fp32 rounding of it).
+constexpr int kAttnHeadsPerBlock = 8;  // one warp per head in the softmax
+
+// Heads per block for a group of hpg query heads: the group in ceil(hpg / 8) even chunks.
+__host__ __device__ inline int attn_heads_chunks(int hpg) { return (hpg + kAttnHeadsPerBlock - 1) / kAttnHeadsPerBlock; }
+__host__ __device__ inline int attn_heads_per_block(int hpg) {
+  const int c = attn_heads_chunks(hpg);
+  return (hpg + c - 1) / c;
+}
+// Selectable keys rounded up to 4 (float4 reads of the weights).
+__host__ __device__ inline int attn_cap4(const AttnArgs& a) { return ((a.block_topk + 1) * a.cr - 1 + 3) & ~3; }
+
+// grid (nkv * chunks, rows), block 256, dynamic shared memory (1 + heads per block) * cap4 * 4 bytes.
+// Needs hd % 8 == 0 and hd <= 256 (a lane's 8 dimensions of a key row as two float4).
+__global__ void __launch_bounds__(256) attn_heads_kernel(const AttnArgs a, const StepParams* sp) {
+  pdl_begin();
+  extern __shared__ float smem[];
+  constexpr int MAXH = kAttnHeadsPerBlock;
+  const int r = blockIdx.y, hpg = a.nh / a.nkv, chunks = attn_heads_chunks(hpg), hb = attn_heads_per_block(hpg);
+  const int g = blockIdx.x / chunks, c = blockIdx.x % chunks;
+  const int h0 = g * hpg + c * hb, nhb = min(hb, hpg - c * hb);  // this block's heads h0 .. h0+nhb-1
+  if (nhb <= 0) return;  // uniform over the block
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  const int64_t n = sp->pos + r + 1;
+  const int cap4 = attn_cap4(a);
+  int* idx = reinterpret_cast<int*>(smem);
+  float* p = smem + cap4;  // [head][cap4]
+  const int m = attn_gather_selected(a, r, n, idx);
+  const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
+  const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
+
+  // Scores: warp per key; lane holds dimensions 8*lane .. 8*lane+7 of each head's query.
+  const bool has = lane * 8 < a.hd;
+  float q[MAXH][8];
+#pragma unroll
+  for (int h = 0; h < MAXH; ++h) {
+    const float* qh = a.q + static_cast<size_t>(r) * a.ldq + static_cast<size_t>(h0 + min(h, nhb - 1)) * a.hd + lane * 8;
+    float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+    if (has && h < nhb) { lo = *reinterpret_cast<const float4*>(qh); hi = *reinterpret_cast<const float4*>(qh + 4); }
+    q[h][0] = lo.x; q[h][1] = lo.y; q[h][2] = lo.z; q[h][3] = lo.w;
+    q[h][4] = hi.x; q[h][5] = hi.y; q[h][6] = hi.z; q[h][7] = hi.w;
+  }
+  const float* kg = a.k_cache + static_cast<size_t>(g) * a.hd + lane * 8;
+  for (int jj = warp; jj < m; jj += n_warps) {
+    float k[8] = {};
+    if (has) {
+      const float* kr = kg + static_cast<size_t>(idx[jj]) * kvw;
+      const float4 lo = *reinterpret_cast<const float4*>(kr), hi = *reinterpret_cast<const float4*>(kr + 4);
+      k[0] = lo.x; k[1] = lo.y; k[2] = lo.z; k[3] = lo.w; k[4] = hi.x; k[5] = hi.y; k[6] = hi.z; k[7] = hi.w;
+    }
+#pragma unroll
+    for (int h = 0; h < MAXH; ++h) {
+      if (h >= nhb) break;  // uniform
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot = fmaf(q[h][i], k[i], dot);
+      dot = warp_sum(dot);
+      if (lane == 0) p[h * cap4 + jj] = dot * scale;
+    }
+  }
+  __syncthreads();
+  // Softmax: warp w for head w, weights p / sum once per key (as attn_decode_kernel).
+  if (warp < nhb) {
+    float* ph = p + warp * cap4;
+    float mx = -INFINITY;
+    for (int jj = lane; jj < m; jj += 32) mx = fmaxf(mx, ph[jj]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int jj = lane; jj < m; jj += 32) {
+      const float e = expf(ph[jj] - mx);
+      ph[jj] = e;
+      sum += e;
+    }
+    sum = warp_sum(sum);
+    for (int jj = lane; jj < m; jj += 32) ph[jj] = ph[jj] / sum;
+    for (int jj = m + lane; jj < ((m + 3) & ~3); jj += 32) ph[jj] = 0.0f;  // the float4 reads' tail
+  }
+  if (threadIdx.x < ((m + 3) & ~3) - m) idx[m + threadIdx.x] = idx[0];  // a valid row for the tail
+  __syncthreads();
+  // Σ_j p_j v_j in key order, thread per dimension, four keys per step (the tail's weights are 0 and
+  // come last, so they add +0 to a finished sum: no change).
+  const float* vg = a.v_cache + static_cast<size_t>(g) * a.hd;
+  for (int i = threadIdx.x; i < a.hd; i += blockDim.x) {
+    float acc[MAXH] = {};
+    for (int j0 = 0; j0 < m; j0 += 4) {
+      const int4 id = *reinterpret_cast<const int4*>(idx + j0);
+      const float v0 = vg[static_cast<size_t>(id.x) * kvw + i], v1 = vg[static_cast<size_t>(id.y) * kvw + i];
+      const float v2 = vg[static_cast<size_t>(id.z) * kvw + i], v3 = vg[static_cast<size_t>(id.w) * kvw + i];
+#pragma unroll
+      for (int h = 0; h < MAXH; ++h) {
+        if (h >= nhb) break;  // uniform
+        const float4 w = *reinterpret_cast<const float4*>(p + h * cap4 + j0);
+        acc[h] = mul_add_rn(mul_add_rn(mul_add_rn(mul_add_rn(acc[h], w.x, v0), w.y, v1), w.z, v2), w.w, v3);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < MAXH; ++h) {
+      if (h >= nhb) break;
+      const float* gate = a.qg + static_cast<size_t>(r) * a.ldqg + static_cast<size_t>(h0 + h) * 2 * a.hd + a.hd;
+      a.out[static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h0 + h) * a.hd + i] = acc[h] * sigmoidf_(gate[i]);
+    }
+  }
+}
 
 // ------------------------------------------------------------------ PLE
 
@@ -1021,6 +1126,7 @@ void init_kernels() {
   CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(gdn_scan_smem(kGdnChunkMaxDim))));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
 }
 
 std::vector<float> rope_inv_freq(int rot_dim, double theta) {
@@ -1129,7 +1235,15 @@ void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t s
   CUDA_CHECK_LAUNCH();
   launch(attn_select_kernel, rows, 256, 0, stream, a, sp);
   CUDA_CHECK_LAUNCH();
-  launch(attn_decode_kernel, dim3(a.nh, rows), 256, dec_smem, stream, a, sp);
+  // Prefill chunks: the heads of one KV head together (CK_ATTN_HEADS=0 keeps one block per head).
+  static const bool heads_on = !env_is("CK_ATTN_HEADS", "0");
+  const int hpg = a.nh / a.nkv;
+  const size_t heads_smem = static_cast<size_t>(1 + attn_heads_per_block(hpg)) * attn_cap4(a) * sizeof(float);
+  if (heads_on && rows > kMaxRows && a.hd % 8 == 0 && a.hd <= 256 && heads_smem <= 200 * 1024) {
+    launch(attn_heads_kernel, dim3(a.nkv * attn_heads_chunks(hpg), rows), 256, heads_smem, stream, a, sp);
+  } else {
+    launch(attn_decode_kernel, dim3(a.nh, rows), 256, dec_smem, stream, a, sp);
+  }
   CUDA_CHECK_LAUNCH();
 }
 

@@ -1,4 +1,4 @@
-// Tensor-core pieces shared by the 4-bit GEMV (gemv.cu, v4) and the prefill experts (experts_q4.cu):
+// Tensor-core pieces shared by the 4-bit GEMV (gemv.cu, v4) and the prefill experts (gemm_q4.cu):
 // MLX 4-bit codes are small integers, exact in bf16, so they can be an MMA operand as they are, with
 // the group's scale and bias applied after the product (s * Σ q x + b * Σ x). The fp32 activations
 // are split into three bf16 parts (hi + mid + lo carry fp32's 24 bits), each multiplied exactly.

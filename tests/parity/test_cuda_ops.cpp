@@ -955,6 +955,42 @@ TEST(CudaOps, PrefillChunksWithQ4ExpertsMatchCpu) {
   EXPECT_LE(rl, 1e-4);
 }
 
+// Prefill chunks (more rows than a row-path step) take their own kernels: the chunked delta rule, the
+// grouped GEMMs, and attention with the query heads of one KV head in a block (attn_heads_kernel).
+// Every geometry, plus 24 query heads over 2 KV heads (12 per group, so two blocks of 6, as the
+// released model), through chunks of 32 rows against the CPU.
+TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
+  REQUIRE_GPU();
+  std::vector<Geometry> gs = geometries();
+  {
+    Geometry g = gs[0];
+    g.name += ", 24 heads over 2 KV heads";
+    g.cfg.num_attention_heads = 24;
+    g.cfg.num_key_value_heads = 2;
+    gs.push_back(g);
+  }
+  for (const Geometry& g : gs) {
+    SCOPED_TRACE(g.name);
+    auto rm = make_random_model(g.cfg, g.opt);
+    ck::cpu::Model cm(rm->weights, rm->experts);
+    auto dm = Model::create(rm->weights, rm->experts);
+    ASSERT_TRUE(dm.ok()) << dm.status().message();
+    const int T = 100;
+    const std::vector<int32_t> tokens = random_tokens(T, g.cfg.vocab_size, g.cfg.ple_eos(), 13);
+    std::map<std::string, std::vector<float>> ref;
+    std::vector<float> ref_logits;
+    cpu_taps(cm, tokens, &ref, &ref_logits);
+    auto s = (*dm)->new_session(128);
+    s->set_prefill_chunk(32);
+    StepResult res;
+    ASSERT_TRUE(s->step_rows(tokens, false, true, &res).ok());
+    ASSERT_EQ(res.logits.size(), ref_logits.size());
+    const double rl = rel_l2(res.logits.data(), ref_logits.data(), ref_logits.size());
+    std::printf("  %s, prefill chunks of 32: logits rel_l2 %.3e\n", g.name.c_str(), rl);
+    EXPECT_LE(rl, 1e-4);
+  }
+}
+
 // The MTP head (spec §10) of a random model with 4-bit dense and expert matrices (the fixtures' heads
 // are bf16): CUDA mtp_step against the CPU's on the same inputs, the CPU trunk's hiddens at the
 // prompt's positions, then a chain of drafts from the CPU head's own outputs.
