@@ -15,7 +15,7 @@
 //
 // Block: 8 warps, a tile of 32 rows (two m16 fragments) x 8 * 8 * NT output features (NT n8 fragments
 // per warp: 2 for gate/up, 4 otherwise). The block copies each 64-code group's A fragments of its 32
-// rows (3 parts, 12 KB) into shared memory with cp.async, two groups ahead, in a layout where every
+// rows (3 parts, 12 KB) and the group's scales and biases into shared memory with cp.async, two groups ahead, in a layout where every
 // fragment load of a warp is a contiguous 512- or 256-byte read (no bank conflicts); each warp loads
 // 8 bytes of codes per feature row and matrix (one group ahead, in registers) and runs 3 x 2 x NT MMAs
 // per k16 step and matrix. (The first version read the A fragments from global memory in every warp:
@@ -72,10 +72,14 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
 
 // One group's A fragments of a block's 32 rows in shared memory: [step][row][lane t], so a warp's
 // load of (step, 8 rows) x 4 lanes t is contiguous. 12.1 KB; kQ4Stages of them.
+// Also the group's scale and bias of each of the block's output features (the 4-byte word that holds
+// each, so cp.async can copy it whatever the element's alignment): an expert's weights come from DRAM
+// once per chunk, and loaded in the epilogue their latency stalled every group.
 struct Q4Stage {
   uint4 a01[4][32][4];  // parts 0 and 1
   uint2 a2[4][32][4];   // part 2
   float gsum[32];
+  uint32_t sb[512];     // [matrix][feature][scale, bias]: NW * block features * 2 = 512 in every mode
 };
 
 enum Q4Mode : int { kQ4Dense = 0, kQ4GateUp = 1, kQ4Down = 2 };
@@ -158,10 +162,12 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   for (int mf = 0; mf < 2; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) dst[mf][h] = dst_of_slot(mf * 16 + h * 8 + g);
+  const int block_f0 = f_warp - warp * 8 * NT;
   const bool active = f_warp < w0.rows;  // warp-uniform; idle warps still stage and meet the barriers
   const int K = w0.cols, groups = K / 64, gpg = w0.fmt.group / 64;
   const size_t row_bytes = static_cast<size_t>(K) / 2, n_sg = K / w0.fmt.group;
   const uint8_t sk = w0.fmt.scale_kind;
+  const int es = sk == static_cast<uint8_t>(WKind::F32) ? 4 : 2;  // bytes per scale or bias
   // Feature rows this lane loads codes of (col g of each n8 fragment), and the two output features
   // (cols 2t, 2t+1) whose scales it applies; rows past the matrix are clamped (never stored).
   int fr[NT], fo[NT][2];
@@ -191,6 +197,24 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
                  a.xf + (static_cast<size_t>(srow[r]) * a.groups + G) * kQ4GroupU2 + 32 + e2 * 2);
     }
     if (tid < 32) cp_async4(&st.gsum[tid], a.gsum + static_cast<size_t>(srow[tid]) * a.groups + G);
+    const size_t sg = G / gpg;
+#pragma unroll
+    for (int i = tid; i < 2 * NW * BF; i += kQ4TileWarps * 32) {
+      const int q = i / (2 * BF), fl = (i % (2 * BF)) >> 1;
+      const DMatrix& w = q == 0 ? w0 : w1;
+      const uintptr_t at = reinterpret_cast<uintptr_t>((i & 1) ? w.biases : w.scales) +
+                           (static_cast<size_t>(min(block_f0 + fl, w0.rows - 1)) * n_sg + sg) * es;
+      cp_async4(&st.sb[i], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
+    }
+  };
+  // Scale (which 0) or bias (1) of output feature fo (block-local fl) of matrix q, from the staged word.
+  auto staged_sb = [&](const Q4Stage& st, int q, int fl, int which, int fo, size_t sg) -> float {
+    const uint32_t word = st.sb[(q * BF + fl) * 2 + which];
+    if (sk == static_cast<uint8_t>(WKind::F32)) return __uint_as_float(word);
+    const DMatrix& w = q == 0 ? w0 : w1;
+    const uintptr_t at = reinterpret_cast<uintptr_t>(which ? w.biases : w.scales) + (static_cast<size_t>(fo) * n_sg + sg) * 2;
+    const uint16_t h = static_cast<uint16_t>((at & 2) ? word >> 16 : word & 0xffffu);
+    return sk == static_cast<uint8_t>(WKind::BF16) ? bf16_bits_to_float(h) : f16_bits_to_float(h);
   };
   auto load_codes = [&](int G, uint2 (&wq)[NW][NT]) {
 #pragma unroll
@@ -277,8 +301,17 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
         const DMatrix& w = q == 0 ? w0 : w1;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const float s0 = load_kind(w.scales, fo[nt][0] * n_sg + sg, sk), b0 = load_kind(w.biases, fo[nt][0] * n_sg + sg, sk);
-          const float s1 = load_kind(w.scales, fo[nt][1] * n_sg + sg, sk), b1 = load_kind(w.biases, fo[nt][1] * n_sg + sg, sk);
+          float s0, b0, s1, b1;
+          if constexpr (STAGED) {
+            const int fl = warp * 8 * NT + nt * 8 + 2 * t;
+            s0 = staged_sb(st, q, fl, 0, fo[nt][0], sg);
+            b0 = staged_sb(st, q, fl, 1, fo[nt][0], sg);
+            s1 = staged_sb(st, q, fl + 1, 0, fo[nt][1], sg);
+            b1 = staged_sb(st, q, fl + 1, 1, fo[nt][1], sg);
+          } else {
+            s0 = load_kind(w.scales, fo[nt][0] * n_sg + sg, sk), b0 = load_kind(w.biases, fo[nt][0] * n_sg + sg, sk);
+            s1 = load_kind(w.scales, fo[nt][1] * n_sg + sg, sk), b1 = load_kind(w.biases, fo[nt][1] * n_sg + sg, sk);
+          }
 #pragma unroll
           for (int mf = 0; mf < 2; ++mf) {
             float* c = acc[q][mf][nt];
