@@ -15,12 +15,12 @@
 //
 // Block: 8 warps, a tile of 32 rows (two m16 fragments) x 8 * 8 * NT output features (NT n8 fragments
 // per warp: 2 for gate/up, 4 otherwise). The block copies each 64-code group's A fragments of its 32
-// rows (3 parts, 12 KB) and the group's scales and biases into shared memory with cp.async, two groups ahead, in a layout where every
-// fragment load of a warp is a contiguous 512- or 256-byte read (no bank conflicts); each warp loads
-// 8 bytes of codes per feature row and matrix (one group ahead, in registers) and runs 3 x 2 x NT MMAs
-// per k16 step and matrix. (The first version read the A fragments from global memory in every warp:
-// 12 scattered 8-byte loads per step, and L1 was the limit at ~70% busy with 1.2 instructions issued
-// per cycle.)
+// rows (3 parts, 12 KB) and the group's scales and biases into shared memory with cp.async, two groups
+// ahead, in a layout where every fragment load of a warp is a contiguous 512- or 256-byte read (no bank
+// conflicts); each warp loads 8 bytes of codes per feature row and matrix (one group ahead, in
+// registers) and runs 3 x 2 x NT MMAs per k16 step and matrix. (The first version read the A fragments
+// from global memory in every warp, 12 scattered 8-byte loads per step: L1 was the limit, ~70% busy at
+// 1.2 instructions issued per cycle. Staging the codes too, 8 KB more per buffer, measured no faster.)
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -101,6 +101,13 @@ struct Q4Args {
   int groups;         // groups per x row in xf (the longest K / 64)
   float* y;           // experts: the output row per pair
   int ldy;
+  // Dense split-K (few feature tiles over a long K: the hyper-connection down projection): block z
+  // takes groups [z * k_groups, (z + 1) * k_groups) and writes its raw sums to
+  // partial[z * partial_stride + partial_off[job] + row * N + n]; q4_reduce_kernel finishes.
+  int k_groups;       // dense: groups per block (all of them without a split)
+  float* partial;
+  int64_t partial_stride;
+  int64_t partial_off[kMaxGemvJobs + 1];
 };
 
 // Output features per warp: NT n8 fragments. Gate/up keeps 2 (two matrices' accumulators); dense and
@@ -120,6 +127,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   constexpr int NW = MODE == kQ4GateUp ? 2 : 1, NT = q4_nt<MODE>(), BF = q4_block_features<MODE>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   DMatrix w0, w1;
+  int job = 0;
   float* y = a.y;
   int ldy = a.ldy, f_warp = 0;
   Epilogue epi = Epilogue::None;
@@ -130,7 +138,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   int m0 = 0;
   int2 tile = make_int2(0, 0);
   if constexpr (MODE == kQ4Dense) {
-    int j = 0;
+    int& j = job;
     while (j + 1 < a.n_jobs && static_cast<int>(blockIdx.x) >= a.first_tile[j + 1]) ++j;
     w0 = a.job[j].w;
     y = a.job[j].y;
@@ -164,7 +172,10 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     for (int h = 0; h < 2; ++h) dst[mf][h] = dst_of_slot(mf * 16 + h * 8 + g);
   const int block_f0 = f_warp - warp * 8 * NT;
   const bool active = f_warp < w0.rows;  // warp-uniform; idle warps still stage and meet the barriers
-  const int K = w0.cols, groups = K / 64, gpg = w0.fmt.group / 64;
+  const int K = w0.cols, gpg = w0.fmt.group / 64;
+  // This block's groups: all of K, or one split of it (dense split-K).
+  const int g_begin = MODE == kQ4Dense ? static_cast<int>(blockIdx.z) * a.k_groups : 0;
+  const int g_end = MODE == kQ4Dense ? min(K / 64, g_begin + a.k_groups) : K / 64;
   const size_t row_bytes = static_cast<size_t>(K) / 2, n_sg = K / w0.fmt.group;
   const uint8_t sk = w0.fmt.scale_kind;
   const int es = sk == static_cast<uint8_t>(WKind::F32) ? 4 : 2;  // bytes per scale or bias
@@ -231,24 +242,24 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   // Three buffers, two groups ahead: group G + 2 goes into the buffer group G - 1 used, after the
   // barrier that says every warp is done with it (one barrier per group).
   if constexpr (STAGED) {
-    stage_group(0, stage[0]);
+    stage_group(g_begin, stage[0]);
     cp_async_commit();
-    if (groups > 1) stage_group(1, stage[1]);
+    if (g_begin + 1 < g_end) stage_group(g_begin + 1, stage[1]);
     cp_async_commit();
   }
-  if (active) load_codes(0, wq);
+  if (active) load_codes(g_begin, wq);
 
-  for (int G = 0; G < groups; ++G) {
+  for (int G = g_begin; G < g_end; ++G) {
     if constexpr (STAGED) {
       cp_async_wait<1>();  // every committed group but the newest is done: group G is
       __syncthreads();
-      if (G + 2 < groups) stage_group(G + 2, stage[(G + 2) % kQ4Stages]);
+      if (G + 2 < g_end) stage_group(G + 2, stage[(G - g_begin + 2) % kQ4Stages]);
       cp_async_commit();  // possibly empty, so the count above stays one group per iteration
     }
-    const Q4Stage& st = stage[G % kQ4Stages];
+    const Q4Stage& st = stage[(G - g_begin) % kQ4Stages];
     uint2 wn[NW][NT] = {};
     if (active) {
-      if (G + 1 < groups) load_codes(G + 1, wn);
+      if (G + 1 < g_end) load_codes(G + 1, wn);
       float d[NW][2][NT][4] = {};  // the group's Σ q x, fresh per group
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
@@ -337,6 +348,8 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     for (int h = 0; h < 2; ++h) {
       if (dst[mf][h] < 0) continue;
       float* yr = y + static_cast<size_t>(dst[mf][h]) * ldy;
+      if (MODE == kQ4Dense && a.partial)
+        yr = a.partial + blockIdx.z * a.partial_stride + a.partial_off[job] + static_cast<int64_t>(dst[mf][h]) * w0.rows;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -345,10 +358,24 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
           if (f >= w0.rows) continue;
           const float v0 = acc[0][mf][nt][2 * h + c];
           if constexpr (MODE == kQ4GateUp) yr[f] = siluf_(v0) * acc[NW - 1][mf][nt][2 * h + c];
-          else if constexpr (MODE == kQ4Dense) yr[f] = apply_epilogue(v0, epi, epi_arg);
+          else if constexpr (MODE == kQ4Dense) yr[f] = a.partial ? v0 : apply_epilogue(v0, epi, epi_arg);
           else yr[f] = v0;
         }
     }
+}
+
+// y = epi(Σ_z partial_z) for every (job, row, n) of a dense split-K product, the splits added in
+// index order (deterministic). grid (ceil(total / 256)), block 256.
+__global__ void q4_reduce_kernel(const __grid_constant__ Q4Args a, int splits) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= a.partial_stride) return;
+  int j = 0;
+  while (j + 1 < a.n_jobs && t >= a.partial_off[j + 1]) ++j;
+  const GemvJob& jb = a.job[j];
+  const int64_t e = t - a.partial_off[j], row = e / jb.w.rows, n = e % jb.w.rows;
+  float v = 0.0f;
+  for (int z = 0; z < splits; ++z) v += a.partial[static_cast<size_t>(z) * a.partial_stride + t];
+  jb.y[row * jb.ldy + n] = apply_epilogue(v, jb.epi, jb.epi_arg);
 }
 
 // Scratch for one call's split activations (stream-ordered: freed after the call's kernels).
@@ -431,17 +458,26 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     if (!expert_q4_ok(jobs[j].w) || jobs[j].w.cols != K) return false;
     tiles += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
   }
-  // Fewer blocks than SMs over a long K (the hyper-connection down projection: 3 feature tiles over
-  // K = 10240) stay on gemm.cu, which splits K; so does K < 256.
-  const int row_tiles = static_cast<int>(ceil_div(rows, 32));
-  if (static_cast<int64_t>(tiles) * row_tiles < sm_count() || K < 256) return false;
+  // Fewer blocks than SMs (the hyper-connection down projection: 3 feature tiles over K = 10240):
+  // split K so there are about two blocks per SM, each split at least 8 groups long. K < 256 stays on
+  // gemm.cu.
+  const int row_tiles = static_cast<int>(ceil_div(rows, 32)), groups = K / 64;
+  if (K < 256) return false;
+  const int64_t blocks = static_cast<int64_t>(tiles) * row_tiles;
+  int splits = 1;
+  if (blocks < sm_count()) {
+    splits = static_cast<int>(std::min<int64_t>({16, ceil_div(2 * sm_count(), blocks), groups / 8}));
+    if (splits < 2) return false;
+  }
+  const int k_groups = static_cast<int>(ceil_div(groups, splits));
+  splits = static_cast<int>(ceil_div(groups, k_groups));
   static const bool on = !env_is("CK_Q4_DENSE", "0");
   if (!on) return false;
-  const int groups = K / 64;
   XFrag f = make_xfrag(x, ldx, rows, K, groups, stream);
   Q4Args a{};
   a.n_jobs = n_jobs;
   a.rows = rows;
+  a.k_groups = k_groups;
   int t = 0;
   for (int j = 0; j < n_jobs; ++j) {
     a.job[j] = jobs[j];
@@ -450,10 +486,25 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   }
   a.first_tile[n_jobs] = t;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups;
-  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles));
+  if (splits > 1) {
+    int64_t total = 0;
+    for (int j = 0; j < n_jobs; ++j) {
+      a.partial_off[j] = total;
+      total += static_cast<int64_t>(rows) * jobs[j].w.rows;
+    }
+    a.partial_off[n_jobs] = total;
+    a.partial_stride = total;
+    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&a.partial), sizeof(float) * total * splits, stream));
+  }
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
   if (q4_staged(kQ4Dense)) q4_tile_kernel<kQ4Dense, true><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
   else q4_tile_kernel<kQ4Dense, false><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
   CUDA_CHECK_LAUNCH();
+  if (splits > 1) {
+    q4_reduce_kernel<<<static_cast<unsigned>(ceil_div(a.partial_stride, 256)), 256, 0, stream>>>(a, splits);
+    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(cudaFreeAsync(a.partial, stream));
+  }
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
   return true;
 }

@@ -266,12 +266,14 @@ TEST(CudaOps, GemvMultiJobWithEpilogues) {
   // Mixed formats (v1 path), then all codes under v2 and v1 (split K over blocks: few rows), then
   // three tall-enough 4-bit jobs: 5 rows (the tensor-core GEMV, 3 MMAs per step), then 70 rows over
   // enough features for prefill's factored 4-bit GEMM (gemm_q4), then one row over 4,175 rows of
-  // 4-bit jobs (the tensor-core GEMV at one row, as for the DeltaNet in_proj).
-  for (int variant = 0; variant < 6; ++variant) {
+  // 4-bit jobs (the tensor-core GEMV at one row, as for the DeltaNet in_proj), then 70 rows over few
+  // features and a long K (gemm_q4 split over K, as the hyper-connection down projection).
+  for (int variant = 0; variant < 7; ++variant) {
   set_gemv_version(variant == 2 ? 1 : 2);
   std::mt19937_64 rng(77 + variant);
-  const int cols = variant >= 3 ? 3840 : variant ? 2560 : 64, rows = variant == 5 ? 1 : variant == 4 ? 70 : variant ? 5 : 3, ldx = cols;
-  const int na = variant == 5 ? 4100 : variant == 4 ? 12000 : variant == 3 ? 1000 : 40, ld_a = na;
+  const int cols = variant == 6 ? 10240 : variant >= 3 ? 3840 : variant ? 2560 : 64;
+  const int rows = variant == 5 ? 1 : variant == 4 || variant == 6 ? 70 : variant ? 5 : 3, ldx = cols;
+  const int na = variant == 6 ? 300 : variant == 5 ? 4100 : variant == 4 ? 12000 : variant == 3 ? 1000 : 40, ld_a = na;
   const WeightForm q4{DType::U32, 4, 64, DType::BF16}, q8{DType::U32, 8, 64, DType::BF16};
   HostMatrix a = make_matrix(na, cols, variant ? q4 : WeightForm{DType::U32, 4, 32, DType::BF16}, rng);
   HostMatrix b = make_matrix(5, cols, variant >= 3 ? q4 : variant ? q8 : WeightForm{DType::BF16}, rng);
