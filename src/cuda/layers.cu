@@ -926,22 +926,32 @@ __global__ void __launch_bounds__(256) attn_heads_kernel(const AttnArgs a, const
     q[h][0] = lo.x; q[h][1] = lo.y; q[h][2] = lo.z; q[h][3] = lo.w;
     q[h][4] = hi.x; q[h][5] = hi.y; q[h][6] = hi.z; q[h][7] = hi.w;
   }
+  // Four keys per warp and pass, their loads issued together (one key at a time, each pass waited for
+  // its load: the kernel was latency-bound).
+  constexpr int KU = 4;
   const float* kg = a.k_cache + static_cast<size_t>(g) * a.hd + lane * 8;
-  for (int jj = warp; jj < m; jj += n_warps) {
-    float k[8] = {};
-    if (has) {
-      const float* kr = kg + static_cast<size_t>(idx[jj]) * kvw;
-      const float4 lo = *reinterpret_cast<const float4*>(kr), hi = *reinterpret_cast<const float4*>(kr + 4);
-      k[0] = lo.x; k[1] = lo.y; k[2] = lo.z; k[3] = lo.w; k[4] = hi.x; k[5] = hi.y; k[6] = hi.z; k[7] = hi.w;
-    }
+  for (int jb = warp * KU; jb < m; jb += n_warps * KU) {
+    float k[KU][8] = {};
 #pragma unroll
-    for (int h = 0; h < MAXH; ++h) {
-      if (h >= nhb) break;  // uniform
-      float dot = 0.0f;
+    for (int u = 0; u < KU; ++u)
+      if (has && jb + u < m) {
+        const float* kr = kg + static_cast<size_t>(idx[jb + u]) * kvw;
+        const float4 lo = *reinterpret_cast<const float4*>(kr), hi = *reinterpret_cast<const float4*>(kr + 4);
+        k[u][0] = lo.x; k[u][1] = lo.y; k[u][2] = lo.z; k[u][3] = lo.w;
+        k[u][4] = hi.x; k[u][5] = hi.y; k[u][6] = hi.z; k[u][7] = hi.w;
+      }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) dot = fmaf(q[h][i], k[i], dot);
-      dot = warp_sum(dot);
-      if (lane == 0) p[h * cap4 + jj] = dot * scale;
+    for (int u = 0; u < KU; ++u) {
+      if (jb + u >= m) break;  // uniform
+#pragma unroll
+      for (int h = 0; h < MAXH; ++h) {
+        if (h >= nhb) break;  // uniform
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dot = fmaf(q[h][i], k[u][i], dot);
+        dot = warp_sum(dot);
+        if (lane == 0) p[h * cap4 + jb + u] = dot * scale;
+      }
     }
   }
   __syncthreads();
@@ -963,20 +973,36 @@ __global__ void __launch_bounds__(256) attn_heads_kernel(const AttnArgs a, const
   }
   if (threadIdx.x < ((m + 3) & ~3) - m) idx[m + threadIdx.x] = idx[0];  // a valid row for the tail
   __syncthreads();
-  // Σ_j p_j v_j in key order, thread per dimension, four keys per step (the tail's weights are 0 and
-  // come last, so they add +0 to a finished sum: no change).
+  // Σ_j p_j v_j in key order, thread per dimension, sixteen keys per pass with their value loads
+  // issued together (the tail's weights are 0 and come last, so they add +0 to a finished sum).
   const float* vg = a.v_cache + static_cast<size_t>(g) * a.hd;
   for (int i = threadIdx.x; i < a.hd; i += blockDim.x) {
     float acc[MAXH] = {};
-    for (int j0 = 0; j0 < m; j0 += 4) {
-      const int4 id = *reinterpret_cast<const int4*>(idx + j0);
-      const float v0 = vg[static_cast<size_t>(id.x) * kvw + i], v1 = vg[static_cast<size_t>(id.y) * kvw + i];
-      const float v2 = vg[static_cast<size_t>(id.z) * kvw + i], v3 = vg[static_cast<size_t>(id.w) * kvw + i];
+    const int m4 = (m + 3) & ~3;
+    for (int j0 = 0; j0 < m4; j0 += 16) {
+      const int nq = min(4, (m4 - j0) / 4);  // groups of four keys in this pass
+      float v[16];
 #pragma unroll
-      for (int h = 0; h < MAXH; ++h) {
-        if (h >= nhb) break;  // uniform
-        const float4 w = *reinterpret_cast<const float4*>(p + h * cap4 + j0);
-        acc[h] = mul_add_rn(mul_add_rn(mul_add_rn(mul_add_rn(acc[h], w.x, v0), w.y, v1), w.z, v2), w.w, v3);
+      for (int qd = 0; qd < 4; ++qd) {
+        if (qd < nq) {
+          const int4 id = *reinterpret_cast<const int4*>(idx + j0 + 4 * qd);
+          v[4 * qd + 0] = vg[static_cast<size_t>(id.x) * kvw + i];
+          v[4 * qd + 1] = vg[static_cast<size_t>(id.y) * kvw + i];
+          v[4 * qd + 2] = vg[static_cast<size_t>(id.z) * kvw + i];
+          v[4 * qd + 3] = vg[static_cast<size_t>(id.w) * kvw + i];
+        }
+      }
+#pragma unroll
+      for (int qd = 0; qd < 4; ++qd) {
+        if (qd >= nq) break;  // uniform
+#pragma unroll
+        for (int h = 0; h < MAXH; ++h) {
+          if (h >= nhb) break;  // uniform
+          const float4 w = *reinterpret_cast<const float4*>(p + h * cap4 + j0 + 4 * qd);
+          acc[h] = mul_add_rn(mul_add_rn(mul_add_rn(mul_add_rn(acc[h], w.x, v[4 * qd]), w.y, v[4 * qd + 1]), w.z,
+                                         v[4 * qd + 2]),
+                              w.w, v[4 * qd + 3]);
+        }
       }
     }
 #pragma unroll
