@@ -22,6 +22,7 @@
 // from global memory in every warp, 12 scattered 8-byte loads per step: L1 was the limit, ~70% busy at
 // 1.2 instructions issued per cycle. Staging the codes too, 8 KB more per buffer, measured no faster.)
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -458,17 +459,23 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     if (!expert_q4_ok(jobs[j].w) || jobs[j].w.cols != K) return false;
     tiles += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
   }
-  // Fewer blocks than SMs (the hyper-connection down projection: 3 feature tiles over K = 10240):
-  // split K so there are about two blocks per SM, each split at least 8 groups long. K < 256 stays on
-  // gemm.cu.
+  // Split K when the grid fills its last wave poorly (two blocks per SM): the hyper-connection down
+  // projection (3 feature tiles over K = 10,240: 96 blocks for 1,024 rows) and the DeltaNet out
+  // projection (320 blocks: 1.2 waves). The fewest splits whose waves are >= 85% full, each split at
+  // least 8 groups long; the partial sums cost a write and a read of the output per split. K < 256
+  // stays on gemm.cu.
   const int row_tiles = static_cast<int>(ceil_div(rows, 32)), groups = K / 64;
   if (K < 256) return false;
-  const int64_t blocks = static_cast<int64_t>(tiles) * row_tiles;
+  const int64_t blocks = static_cast<int64_t>(tiles) * row_tiles, slots = 2 * static_cast<int64_t>(sm_count());
+  auto fill = [&](int s) {
+    const double waves = static_cast<double>(blocks * s) / static_cast<double>(slots);
+    return waves / std::ceil(waves);
+  };
   int splits = 1;
-  if (blocks < sm_count()) {
-    splits = static_cast<int>(std::min<int64_t>({16, ceil_div(2 * sm_count(), blocks), groups / 8}));
-    if (splits < 2) return false;
-  }
+  const int max_splits = std::min(16, groups / 8);
+  for (int s = 2; fill(splits) < 0.85 && s <= max_splits; ++s)
+    if (fill(s) > fill(splits)) splits = s;
+  if (blocks < sm_count() && splits < 2) return false;
   const int k_groups = static_cast<int>(ceil_div(groups, splits));
   splits = static_cast<int>(ceil_div(groups, k_groups));
   static const bool on = !env_is("CK_Q4_DENSE", "0");

@@ -960,7 +960,8 @@ TEST(CudaOps, PrefillChunksWithQ4ExpertsMatchCpu) {
 // Prefill chunks (more rows than a row-path step) take their own kernels: the chunked delta rule, the
 // grouped GEMMs, and attention with the query heads of one KV head in a block (attn_heads_kernel).
 // Every geometry, plus 24 query heads over 2 KV heads (12 per group, so two blocks of 6, as the
-// released model), through chunks of 32 rows against the CPU.
+// released model), through chunks of 40 rows (the GDN conv's row blocks are 32: one reads the state,
+// the next its history from the chunk) against the CPU.
 TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
   REQUIRE_GPU();
   std::vector<Geometry> gs = geometries();
@@ -983,12 +984,12 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
     std::vector<float> ref_logits;
     cpu_taps(cm, tokens, &ref, &ref_logits);
     auto s = (*dm)->new_session(128);
-    s->set_prefill_chunk(32);
+    s->set_prefill_chunk(40);
     StepResult res;
     ASSERT_TRUE(s->step_rows(tokens, false, true, &res).ok());
     ASSERT_EQ(res.logits.size(), ref_logits.size());
     const double rl = rel_l2(res.logits.data(), ref_logits.data(), ref_logits.size());
-    std::printf("  %s, prefill chunks of 32: logits rel_l2 %.3e\n", g.name.c_str(), rl);
+    std::printf("  %s, prefill chunks of 40: logits rel_l2 %.3e\n", g.name.c_str(), rl);
     EXPECT_LE(rl, 1e-4);
   }
 }
