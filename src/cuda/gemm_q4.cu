@@ -80,7 +80,7 @@ struct Q4Stage {
   uint4 a01[4][32][4];  // parts 0 and 1
   uint2 a2[4][32][4];   // part 2
   float gsum[32];
-  uint32_t sb[512];     // [matrix][feature][scale, bias]: NW * block features * 2 = 512 in every mode
+  alignas(16) uint32_t sb[512];  // [matrix][feature][scale, bias]: NW * block features * 2 = 512 in every mode
 };
 
 enum Q4Mode : int { kQ4Dense = 0, kQ4GateUp = 1, kQ4Down = 2 };
@@ -219,15 +219,20 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
       cp_async4(&st.sb[i], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
     }
   };
-  // Scale (which 0) or bias (1) of output feature fo (block-local fl) of matrix q, from the staged word.
-  auto staged_sb = [&](const Q4Stage& st, int q, int fl, int which, int fo, size_t sg) -> float {
-    const uint32_t word = st.sb[(q * BF + fl) * 2 + which];
+  // A scale or bias from its staged 4-byte word: which half holds a 2-byte one is the parity of its
+  // element index (scales and biases start 4-byte aligned: gemm_q4 checks the dense jobs; expert
+  // records are 256-byte aligned, cuda/dmatrix.h expert_layout). par0: the parity of fo * n_sg, for
+  // each of the lane's output features; the group's scale index sg adds its own.
+  auto from_word = [&](uint32_t word, int par) -> float {
     if (sk == static_cast<uint8_t>(WKind::F32)) return __uint_as_float(word);
-    const DMatrix& w = q == 0 ? w0 : w1;
-    const uintptr_t at = reinterpret_cast<uintptr_t>(which ? w.biases : w.scales) + (static_cast<size_t>(fo) * n_sg + sg) * 2;
-    const uint16_t h = static_cast<uint16_t>((at & 2) ? word >> 16 : word & 0xffffu);
-    return sk == static_cast<uint8_t>(WKind::BF16) ? bf16_bits_to_float(h) : f16_bits_to_float(h);
+    if (sk == static_cast<uint8_t>(WKind::BF16)) return __uint_as_float(par ? word & 0xffff0000u : word << 16);
+    return f16_bits_to_float(static_cast<uint16_t>(par ? word >> 16 : word & 0xffffu));
   };
+  int par0[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) par0[nt][c] = static_cast<int>((static_cast<int64_t>(fo[nt][c]) * n_sg) & 1);
   auto load_codes = [&](int G, uint2 (&wq)[NW][NT]) {
 #pragma unroll
     for (int q = 0; q < NW; ++q) {
@@ -315,11 +320,13 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
         for (int nt = 0; nt < NT; ++nt) {
           float s0, b0, s1, b1;
           if constexpr (STAGED) {
-            const int fl = warp * 8 * NT + nt * 8 + 2 * t;
-            s0 = staged_sb(st, q, fl, 0, fo[nt][0], sg);
-            b0 = staged_sb(st, q, fl, 1, fo[nt][0], sg);
-            s1 = staged_sb(st, q, fl + 1, 0, fo[nt][1], sg);
-            b1 = staged_sb(st, q, fl + 1, 1, fo[nt][1], sg);
+            // (scale, bias) of features fl and fl + 1: 16 contiguous bytes.
+            const int fl = warp * 8 * NT + nt * 8 + 2 * t, sp = static_cast<int>(sg & 1);
+            const uint4 w4 = *reinterpret_cast<const uint4*>(&st.sb[(q * BF + fl) * 2]);
+            s0 = from_word(w4.x, par0[nt][0] ^ sp);
+            b0 = from_word(w4.y, par0[nt][0] ^ sp);
+            s1 = from_word(w4.z, par0[nt][1] ^ sp);
+            b1 = from_word(w4.w, par0[nt][1] ^ sp);
           } else {
             s0 = load_kind(w.scales, fo[nt][0] * n_sg + sg, sk), b0 = load_kind(w.biases, fo[nt][0] * n_sg + sg, sk);
             s1 = load_kind(w.scales, fo[nt][1] * n_sg + sg, sk), b1 = load_kind(w.biases, fo[nt][1] * n_sg + sg, sk);
@@ -457,6 +464,8 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   int tiles = 0;
   for (int j = 0; j < n_jobs; ++j) {
     if (!expert_q4_ok(jobs[j].w) || jobs[j].w.cols != K) return false;
+    // q4_tile_kernel reads 2-byte scales and biases out of aligned 4-byte words.
+    if (reinterpret_cast<uintptr_t>(jobs[j].w.scales) % 4 || reinterpret_cast<uintptr_t>(jobs[j].w.biases) % 4) return false;
     tiles += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
   }
   // Split K when the grid fills its last wave poorly (two blocks per SM): the hyper-connection down
