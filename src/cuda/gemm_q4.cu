@@ -3,8 +3,7 @@
 // are applied to the group's sums, y += s * Σ q x + b * Σ x. Two users:
 //  - the routed and shared experts, grouped per expert as in gemm.cu (group_pairs' tiles of up to
 //    kGroupRows pairs of one expert);
-//  - dense projections of a prefill chunk (gemm_tc hands them here when every job is 4-bit codes and
-//    the grid is large enough).
+//  - dense projections of a prefill chunk (gemm_tc hands them here when every job is 4-bit codes).
 // gemm.cu's kernels instead dequantize and split every weight into shared memory once per tile, which
 // bounds them (with the ~20 rows an expert gets per 1,024-row chunk, and for the dense projections).
 //
@@ -13,14 +12,18 @@
 // 8-bit mantissas) and accumulate in fp32: results within fp32 rounding of the CPU's, closer than
 // gemm.cu's tf32x3.
 //
-// Block: 8 warps, a tile of 32 rows (two m16 fragments) x 8 * 8 * NT output features (NT n8 fragments
-// per warp: 2 for gate/up, 4 otherwise). The block copies each 64-code group's A fragments of its 32
-// rows (3 parts, 12 KB) and the group's scales and biases into shared memory with cp.async, two groups
-// ahead, in a layout where every fragment load of a warp is a contiguous 512- or 256-byte read (no bank
-// conflicts); each warp loads 8 bytes of codes per feature row and matrix (one group ahead, in
-// registers) and runs 3 x 2 x NT MMAs per k16 step and matrix. (The first version read the A fragments
-// from global memory in every warp, 12 scattered 8-byte loads per step: L1 was the limit, ~70% busy at
-// 1.2 instructions issued per cycle. Staging the codes too, 8 KB more per buffer, measured no faster.)
+// The MMA computes yᵀ = W xᵀ: the codes are the A operand (16 output features by k16), unpacked into
+// registers, and the activations the B operand (k16 by 8 tokens), so a lane's B fragment of one part
+// is one 8-byte load of one token's row. (With the activations as A, a fragment mixes two tokens' rows:
+// the first version assembled them with ~130 register moves per group and warp, a quarter of its
+// instructions.)
+//
+// Block: 8 warps, a tile of 32 tokens (four n8 fragments) x 8 * 16 * MF output features (MF m16
+// fragments per warp and matrix: 1 for gate/up, which has two matrices, 2 otherwise). Per 64-code
+// group the block copies its 32 rows' fragments (3 parts, 12 KB) and the group's scales and biases into
+// shared memory with cp.async, two groups ahead, where every fragment load of a warp is a contiguous
+// 256-byte read (no bank conflicts); each warp loads 8 bytes of codes per feature row and matrix (one
+// group ahead, in registers) and runs 4 x 3 x MF x NW MMAs per k16 step.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -34,16 +37,15 @@
 namespace ck::cuda {
 namespace {
 
-constexpr int kQ4Threads = 128;      // q4_xfrag_kernel
-constexpr int kQ4TileWarps = 8;      // q4_tile_kernel: 8 warps share their rows' A fragments (shared memory)
+constexpr int kQ4Threads = 128;  // q4_xfrag_kernel
+constexpr int kQ4TileWarps = 8;  // q4_tile_kernel: 8 warps share their tokens' fragments (shared memory)
 static_assert(kQ4TileWarps * 32 == 256, "q4_tile_kernel's staging gives each of 256 threads its copies");
+constexpr int kQ4GroupU2 = 48;   // uint2 per row and group: 4 steps x 3 parts x 4 lanes t
+constexpr int kQ4Stages = 3;     // q4_tile_kernel's shared-memory buffers
 
-// Split activations of one row, per group: 16 uint4 then 16 uint2, entry e = s * 4 + t (k16 step s,
-// lane t): the uint4 holds parts 0 and 1 (hi, mid) and the uint2 part 2 (lo), each as (pair A, pair B)
-// of mma_q4.cuh's K order; then Σ x per group. grid (rows), block 128.
-constexpr int kQ4GroupU2 = 48;
-constexpr int kQ4Stages = 3;  // q4_tile_kernel's shared-memory buffers of A fragments  // uint2 per row and group: 16 x (2 + 1)
-
+// Split activations of one row, per group: [step s][part p][lane t] of uint2 (pair A, pair B) in
+// mma_q4.cuh's K order, the B fragment (b0, b1) of the MMA column that carries this row; then Σ x per
+// group. grid (rows), block 128.
 __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __restrict__ x, int ldx, int K, int groups,
                                                               uint2* xf, float* gsum) {
   const int row = blockIdx.x;
@@ -52,17 +54,16 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
   for (int e = threadIdx.x; e < groups * 16; e += blockDim.x) {
     const int t = e % 4, s = (e / 4) % 4, G = e / 16;
     const int c = G * 64 + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
-    uint2 v[3] = {};
-    if (c < K) {  // K % 64 == 0 for the groups that exist; rows of a shorter matrix read zeros
+    uint2* o = out + static_cast<size_t>(G) * kQ4GroupU2 + s * 12 + t;
 #pragma unroll
-      for (int p = 0; p < 3; ++p) {
-        v[p].x = bf16_pair(bf16_part(xr[c], p), bf16_part(xr[c + 4], p));
-        v[p].y = bf16_pair(bf16_part(xr[c + 1], p), bf16_part(xr[c + 5], p));
+    for (int p = 0; p < 3; ++p) {
+      uint2 v = make_uint2(0u, 0u);
+      if (c < K) {  // K % 64 == 0 for the groups that exist; rows of a shorter matrix read zeros
+        v.x = bf16_pair(bf16_part(xr[c], p), bf16_part(xr[c + 4], p));
+        v.y = bf16_pair(bf16_part(xr[c + 1], p), bf16_part(xr[c + 5], p));
       }
+      o[p * 4] = v;
     }
-    uint2* o = out + static_cast<size_t>(G) * kQ4GroupU2;
-    reinterpret_cast<uint4*>(o)[e % 16] = make_uint4(v[0].x, v[0].y, v[1].x, v[1].y);
-    o[32 + e % 16] = v[2];
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int G = warp; G < groups; G += blockDim.x >> 5) {
@@ -71,14 +72,13 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
   }
 }
 
-// One group's A fragments of a block's 32 rows in shared memory: [step][row][lane t], so a warp's
-// load of (step, 8 rows) x 4 lanes t is contiguous. 12.1 KB; kQ4Stages of them.
-// Also the group's scale and bias of each of the block's output features (the 4-byte word that holds
-// each, so cp.async can copy it whatever the element's alignment): an expert's weights come from DRAM
-// once per chunk, and loaded in the epilogue their latency stalled every group.
+// One group of a block in shared memory: its 32 tokens' B fragments, [step][part][token][lane t], so
+// a warp's load of (step, part, 8 tokens) x 4 lanes t is 256 contiguous bytes; their Σ x; and the
+// group's scale and bias of each of the block's output features (the 4-byte word that holds each, so
+// cp.async can copy it whatever the element's alignment: an expert's weights come from DRAM once per
+// chunk, and loaded in the epilogue their latency stalled every group). 14.2 KB; kQ4Stages of them.
 struct Q4Stage {
-  uint4 a01[4][32][4];  // parts 0 and 1
-  uint2 a2[4][32][4];   // part 2
+  uint2 xb[4][3][32][4];
   float gsum[32];
   alignas(16) uint32_t sb[512];  // [matrix][feature][scale, bias]: NW * block features * 2 = 512 in every mode
 };
@@ -92,7 +92,7 @@ struct Q4Args {
   const int2* tiles;
   const int32_t* n_tiles;
   // Dense: up to kMaxGemvJobs matrices over the same x rows [0, rows); blockIdx.x enumerates their
-  // 64-feature tiles, blockIdx.y the 32-row tiles of x.
+  // feature tiles, blockIdx.y the 32-row tiles of x.
   GemvJob job[kMaxGemvJobs];
   int32_t first_tile[kMaxGemvJobs + 1];
   int32_t n_jobs;
@@ -102,8 +102,8 @@ struct Q4Args {
   int groups;         // groups per x row in xf (the longest K / 64)
   float* y;           // experts: the output row per pair
   int ldy;
-  // Dense split-K (few feature tiles over a long K: the hyper-connection down projection): block z
-  // takes groups [z * k_groups, (z + 1) * k_groups) and writes its raw sums to
+  // Dense split-K (few feature tiles over a long K, or a last wave mostly empty): block z takes groups
+  // [z * k_groups, (z + 1) * k_groups) and writes its raw sums to
   // partial[z * partial_stride + partial_off[job] + row * N + n]; q4_reduce_kernel finishes.
   int k_groups;       // dense: groups per block (all of them without a split)
   float* partial;
@@ -111,42 +111,37 @@ struct Q4Args {
   int64_t partial_off[kMaxGemvJobs + 1];
 };
 
-// Output features per warp: NT n8 fragments. Gate/up keeps 2 (two matrices' accumulators); dense and
-// down take 4, so each A fragment (the three x parts) feeds twice the MMAs.
+// m16 fragments (16 output features each) per warp and matrix: gate/up keeps 1 (two matrices'
+// accumulators); dense and down take 2, so each B fragment (a token's part) feeds twice the MMAs.
 template <int MODE>
-__host__ __device__ constexpr int q4_nt() { return MODE == kQ4GateUp ? 2 : 4; }
+__host__ __device__ constexpr int q4_mf() { return MODE == kQ4GateUp ? 1 : 2; }
 template <int MODE>
-__host__ __device__ constexpr int q4_block_features() { return kQ4TileWarps * 8 * q4_nt<MODE>(); }
+__host__ __device__ constexpr int q4_block_features() { return kQ4TileWarps * 16 * q4_mf<MODE>(); }
 
 // kQ4GateUp: h[pair] = silu(gate · x) * (up · x); kQ4Down: y[pair] = down · h; grid (features /
 // q4_block_features, max tiles). kQ4Dense: y_job[row] = epi(w_job · x[row]); grid (feature tiles of all
-// jobs, rows / 32).
-// STAGED: the A fragments through shared memory (above); otherwise each warp loads its own from global
-// memory (two loads per row pair and step, through L1). CK_Q4_STAGE picks per use (q4_staged).
-template <int MODE, bool STAGED>
+// jobs, rows / 32, K splits).
+template <int MODE>
 __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __grid_constant__ Q4Args a) {
-  constexpr int NW = MODE == kQ4GateUp ? 2 : 1, NT = q4_nt<MODE>(), BF = q4_block_features<MODE>();
+  constexpr int NW = MODE == kQ4GateUp ? 2 : 1, MF = q4_mf<MODE>(), BF = q4_block_features<MODE>();
+  static_assert(NW * BF * 2 == 512, "Q4Stage::sb holds 512 words");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   DMatrix w0, w1;
   int job = 0;
   float* y = a.y;
-  int ldy = a.ldy, f_warp = 0;
+  int ldy = a.ldy, block_f0 = 0;
   Epilogue epi = Epilogue::None;
   float epi_arg = 1.0f;
-  // The output row of each of the tile's 32 slots this lane stores (rows g, g+8 of both m16
-  // fragments), -1 past the tile's rows; src_of_slot gives the x row slot i reads (row 0 past the end).
-  int dst[2][2];
   int m0 = 0;
   int2 tile = make_int2(0, 0);
   if constexpr (MODE == kQ4Dense) {
-    int& j = job;
-    while (j + 1 < a.n_jobs && static_cast<int>(blockIdx.x) >= a.first_tile[j + 1]) ++j;
-    w0 = a.job[j].w;
-    y = a.job[j].y;
-    ldy = a.job[j].ldy;
-    epi = a.job[j].epi;
-    epi_arg = a.job[j].epi_arg;
-    f_warp = (static_cast<int>(blockIdx.x) - a.first_tile[j]) * BF + warp * 8 * NT;
+    while (job + 1 < a.n_jobs && static_cast<int>(blockIdx.x) >= a.first_tile[job + 1]) ++job;
+    w0 = a.job[job].w;
+    y = a.job[job].y;
+    ldy = a.job[job].ldy;
+    epi = a.job[job].epi;
+    epi_arg = a.job[job].epi_arg;
+    block_f0 = (static_cast<int>(blockIdx.x) - a.first_tile[job]) * BF;
     m0 = static_cast<int>(blockIdx.y) * 32;
   } else {
     if (static_cast<int>(blockIdx.y) >= *a.n_tiles) return;  // uniform over the block
@@ -154,62 +149,55 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     const ExpertPair& p0 = a.pairs[a.order[tile.x]];
     w0 = MODE == kQ4GateUp ? p0.gate : p0.down;
     w1 = p0.up;
-    f_warp = static_cast<int>(blockIdx.x) * BF + warp * 8 * NT;
+    block_f0 = static_cast<int>(blockIdx.x) * BF;
   }
-  // Dense: the chunk's rows; experts: the tile's pairs (gate/up reads each pair's token row, down the
-  // pair's own row of h).
-  auto dst_of_slot = [&](int i) -> int {
-    if constexpr (MODE == kQ4Dense) return m0 + i < a.rows ? m0 + i : -1;
-    else return i < tile.y ? a.order[tile.x + i] : -1;
-  };
-  auto src_of_slot = [&](int i) -> int {
-    const int p = dst_of_slot(i);
-    if constexpr (MODE == kQ4GateUp) return p < 0 ? 0 : a.pairs[p].x_row;
-    else return p < 0 ? 0 : p;
-  };
-#pragma unroll
-  for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) dst[mf][h] = dst_of_slot(mf * 16 + h * 8 + g);
-  const int block_f0 = f_warp - warp * 8 * NT;
+  const int f_warp = block_f0 + warp * 16 * MF;
   const bool active = f_warp < w0.rows;  // warp-uniform; idle warps still stage and meet the barriers
-  const int K = w0.cols, gpg = w0.fmt.group / 64;
+  // The tile's 32 token slots: the output row each stores to (-1 past the tile's rows) and the x row it
+  // reads (row 0 past the end). Dense: the chunk's rows; experts: the tile's pairs (gate/up reads each
+  // pair's token row, down the pair's own row of h).
+  __shared__ int srow[32], drow[32];
+  if (threadIdx.x < 32) {
+    const int i = threadIdx.x;
+    int d;
+    if constexpr (MODE == kQ4Dense) d = m0 + i < a.rows ? m0 + i : -1;
+    else d = i < tile.y ? a.order[tile.x + i] : -1;
+    drow[i] = d;
+    if constexpr (MODE == kQ4GateUp) srow[i] = d < 0 ? 0 : a.pairs[d].x_row;
+    else srow[i] = d < 0 ? 0 : d;
+  }
+  __syncthreads();
+  const int K = w0.cols, gpg_shift = __ffs(w0.fmt.group / 64) - 1;  // groups per scale group: 2^k
   // This block's groups: all of K, or one split of it (dense split-K).
   const int g_begin = MODE == kQ4Dense ? static_cast<int>(blockIdx.z) * a.k_groups : 0;
   const int g_end = MODE == kQ4Dense ? min(K / 64, g_begin + a.k_groups) : K / 64;
   const size_t row_bytes = static_cast<size_t>(K) / 2, n_sg = K / w0.fmt.group;
   const uint8_t sk = w0.fmt.scale_kind;
   const int es = sk == static_cast<uint8_t>(WKind::F32) ? 4 : 2;  // bytes per scale or bias
-  // Feature rows this lane loads codes of (col g of each n8 fragment), and the two output features
-  // (cols 2t, 2t+1) whose scales it applies; rows past the matrix are clamped (never stored).
-  int fr[NT], fo[NT][2];
+  // The feature rows of this lane's A fragments (rows g and g+8 of each m16 fragment), clamped to the
+  // matrix (rows past it are computed, never stored); their scales' word parity (below).
+  int fr[MF][2], par0[MF][2];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    fr[nt] = min(f_warp + nt * 8 + g, w0.rows - 1);
-    fo[nt][0] = min(f_warp + nt * 8 + 2 * t, w0.rows - 1);
-    fo[nt][1] = min(f_warp + nt * 8 + 2 * t + 1, w0.rows - 1);
-  }
-  __shared__ Q4Stage stage[kQ4Stages];
-  __shared__ int srow[32];
-  if (threadIdx.x < 32) srow[threadIdx.x] = src_of_slot(threadIdx.x);
-  __syncthreads();
-  // Group G of the 32 rows into `st`: 512 16-byte copies of parts 0-1, 256 of part 2 (two lanes' worth
-  // each), 32 sums; every thread issues 3 or 4 (blockDim is 256).
-  const uint4* xf4 = reinterpret_cast<const uint4*>(a.xf);
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      fr[mf][h] = min(f_warp + mf * 16 + h * 8 + g, w0.rows - 1);
+      par0[mf][h] = static_cast<int>((static_cast<int64_t>(fr[mf][h]) * n_sg) & 1);
+    }
+  extern __shared__ __align__(16) uint8_t q4_smem[];
+  Q4Stage* stage = reinterpret_cast<Q4Stage*>(q4_smem);
+  // Group G of the 32 tokens into `st`: 768 16-byte copies of fragments, 32 sums, 512 scale/bias words;
+  // every thread issues 5 or 6 (blockDim is 256).
   auto stage_group = [&](int G, Q4Stage& st) {
     const int tid = threadIdx.x;
 #pragma unroll
-    for (int i = tid; i < 512; i += kQ4TileWarps * 32) {
-      const int r = i >> 4, e = i & 15;
-      cp_async16(&st.a01[e >> 2][r][e & 3], xf4 + (static_cast<size_t>(srow[r]) * a.groups + G) * (kQ4GroupU2 / 2) + e);
-    }
-    {
-      const int r = tid >> 3, e2 = tid & 7;
-      cp_async16(&st.a2[e2 >> 1][r][(e2 & 1) * 2],
-                 a.xf + (static_cast<size_t>(srow[r]) * a.groups + G) * kQ4GroupU2 + 32 + e2 * 2);
+    for (int i = tid; i < 768; i += kQ4TileWarps * 32) {
+      const int r = i / 24, sp = (i % 24) >> 1, half = i & 1;  // sp = step * 3 + part
+      cp_async16(&st.xb[sp / 3][sp % 3][r][half * 2],
+                 a.xf + (static_cast<size_t>(srow[r]) * a.groups + G) * kQ4GroupU2 + sp * 4 + half * 2);
     }
     if (tid < 32) cp_async4(&st.gsum[tid], a.gsum + static_cast<size_t>(srow[tid]) * a.groups + G);
-    const size_t sg = G / gpg;
+    const size_t sg = G >> gpg_shift;
 #pragma unroll
     for (int i = tid; i < 2 * NW * BF; i += kQ4TileWarps * 32) {
       const int q = i / (2 * BF), fl = (i % (2 * BF)) >> 1;
@@ -221,151 +209,127 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   };
   // A scale or bias from its staged 4-byte word: which half holds a 2-byte one is the parity of its
   // element index (scales and biases start 4-byte aligned: gemm_q4 checks the dense jobs; expert
-  // records are 256-byte aligned, cuda/dmatrix.h expert_layout). par0: the parity of fo * n_sg, for
-  // each of the lane's output features; the group's scale index sg adds its own.
+  // records are 256-byte aligned, cuda/dmatrix.h expert_layout).
   auto from_word = [&](uint32_t word, int par) -> float {
     if (sk == static_cast<uint8_t>(WKind::F32)) return __uint_as_float(word);
     if (sk == static_cast<uint8_t>(WKind::BF16)) return __uint_as_float(par ? word & 0xffff0000u : word << 16);
     return f16_bits_to_float(static_cast<uint16_t>(par ? word >> 16 : word & 0xffffu));
   };
-  int par0[NT][2];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) par0[nt][c] = static_cast<int>((static_cast<int64_t>(fo[nt][c]) * n_sg) & 1);
-  auto load_codes = [&](int G, uint2 (&wq)[NW][NT]) {
+  auto load_codes = [&](int G, uint2 (&wq)[NW][MF][2]) {
 #pragma unroll
     for (int q = 0; q < NW; ++q) {
       const DMatrix& w = q == 0 ? w0 : w1;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        wq[q][nt] = __ldg(reinterpret_cast<const uint2*>(w.data + fr[nt] * row_bytes + G * 32 + 8 * t));
+      for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          wq[q][mf][h] = __ldg(reinterpret_cast<const uint2*>(w.data + fr[mf][h] * row_bytes + G * 32 + 8 * t));
     }
   };
-  float acc[NW][2][NT][4] = {};
-  uint2 wq[NW][NT] = {};
-
+  float acc[NW][MF][4][4] = {};  // [matrix][m16 fragment][n8 fragment (8 tokens)][d0..d3]
+  uint2 wq[NW][MF][2] = {};
   // Three buffers, two groups ahead: group G + 2 goes into the buffer group G - 1 used, after the
   // barrier that says every warp is done with it (one barrier per group).
-  if constexpr (STAGED) {
-    stage_group(g_begin, stage[0]);
-    cp_async_commit();
-    if (g_begin + 1 < g_end) stage_group(g_begin + 1, stage[1]);
-    cp_async_commit();
-  }
+  stage_group(g_begin, stage[0]);
+  cp_async_commit();
+  if (g_begin + 1 < g_end) stage_group(g_begin + 1, stage[1]);
+  cp_async_commit();
   if (active) load_codes(g_begin, wq);
 
   for (int G = g_begin; G < g_end; ++G) {
-    if constexpr (STAGED) {
-      cp_async_wait<1>();  // every committed group but the newest is done: group G is
-      __syncthreads();
-      if (G + 2 < g_end) stage_group(G + 2, stage[(G - g_begin + 2) % kQ4Stages]);
-      cp_async_commit();  // possibly empty, so the count above stays one group per iteration
-    }
+    cp_async_wait<1>();  // every committed group but the newest is done: group G is
+    __syncthreads();
+    if (G + 2 < g_end) stage_group(G + 2, stage[(G - g_begin + 2) % kQ4Stages]);
+    cp_async_commit();  // possibly empty, so the count above stays one group per iteration
     const Q4Stage& st = stage[(G - g_begin) % kQ4Stages];
-    uint2 wn[NW][NT] = {};
+    uint2 wn[NW][MF][2] = {};
     if (active) {
       if (G + 1 < g_end) load_codes(G + 1, wn);
-      float d[NW][2][NT][4] = {};  // the group's Σ q x, fresh per group
+      float d[NW][MF][4][4] = {};  // the group's Σ q x, fresh per group
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
-        // A: this step's pairs of rows g and g+8 of each m16 fragment, three parts each.
-        uint2 xa[2][2][3];
-#pragma unroll
-        for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = mf * 16 + h * 8 + g;
-            uint4 v;
-            if constexpr (STAGED) {
-              v = st.a01[s][r][t];
-              xa[mf][h][2] = st.a2[s][r][t];
-            } else {
-              const size_t base = static_cast<size_t>(srow[r]) * a.groups + G;
-              v = __ldg(xf4 + base * (kQ4GroupU2 / 2) + s * 4 + t);
-              xa[mf][h][2] = __ldg(a.xf + base * kQ4GroupU2 + 32 + s * 4 + t);
-            }
-            xa[mf][h][0] = make_uint2(v.x, v.y);
-            xa[mf][h][1] = make_uint2(v.z, v.w);
-          }
+        // A: the codes of feature rows g and g+8, k pairs A (2t, 2t+1) and B (2t+8, 2t+9) of step s.
         const int i0 = 2 * (s & 1);
+        uint32_t af[NW][MF][4];
 #pragma unroll
         for (int q = 0; q < NW; ++q)
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint32_t wd = (s >> 1) ? wq[q][nt].y : wq[q][nt].x;
-            const uint32_t b0 = code_pair(wd, i0), b1 = code_pair(wd, i0 + 1);
+          for (int mf = 0; mf < MF; ++mf) {
+            const uint32_t w_g = (s >> 1) ? wq[q][mf][0].y : wq[q][mf][0].x;
+            const uint32_t w_g8 = (s >> 1) ? wq[q][mf][1].y : wq[q][mf][1].x;
+            af[q][mf][0] = code_pair(w_g, i0);
+            af[q][mf][1] = code_pair(w_g8, i0);
+            af[q][mf][2] = code_pair(w_g, i0 + 1);
+            af[q][mf][3] = code_pair(w_g8, i0 + 1);
+          }
 #pragma unroll
-            for (int mf = 0; mf < 2; ++mf)
+        for (int nb = 0; nb < 4; ++nb) {
+          // B: token nb*8 + g's pairs for lane t, three parts.
+          uint2 xb[3];
+#pragma unroll
+          for (int pt = 0; pt < 3; ++pt) xb[pt] = st.xb[s][pt][nb * 8 + g][t];
+#pragma unroll
+          for (int q = 0; q < NW; ++q)
+#pragma unroll
+            for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
               for (int pt = 2; pt >= 0; --pt)  // small parts first
-                mma_bf16(d[q][mf][nt], xa[mf][0][pt].x, xa[mf][1][pt].x, xa[mf][0][pt].y, xa[mf][1][pt].y, b0, b1);
-          }
-      }
-      // y += s * Σ q x + b * Σ x for this group: features (2t, 2t+1) of each n8 fragment, rows (g, g+8).
-      float sx[2][2];
-#pragma unroll
-      for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = mf * 16 + h * 8 + g;
-          if constexpr (STAGED) sx[mf][h] = st.gsum[r];
-          else sx[mf][h] = __ldg(a.gsum + static_cast<size_t>(srow[r]) * a.groups + G);
-        }
-      const size_t sg = G / gpg;
-#pragma unroll
-      for (int q = 0; q < NW; ++q) {
-        const DMatrix& w = q == 0 ? w0 : w1;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          float s0, b0, s1, b1;
-          if constexpr (STAGED) {
-            // (scale, bias) of features fl and fl + 1: 16 contiguous bytes.
-            const int fl = warp * 8 * NT + nt * 8 + 2 * t, sp = static_cast<int>(sg & 1);
-            const uint4 w4 = *reinterpret_cast<const uint4*>(&st.sb[(q * BF + fl) * 2]);
-            s0 = from_word(w4.x, par0[nt][0] ^ sp);
-            b0 = from_word(w4.y, par0[nt][0] ^ sp);
-            s1 = from_word(w4.z, par0[nt][1] ^ sp);
-            b1 = from_word(w4.w, par0[nt][1] ^ sp);
-          } else {
-            s0 = load_kind(w.scales, fo[nt][0] * n_sg + sg, sk), b0 = load_kind(w.biases, fo[nt][0] * n_sg + sg, sk);
-            s1 = load_kind(w.scales, fo[nt][1] * n_sg + sg, sk), b1 = load_kind(w.biases, fo[nt][1] * n_sg + sg, sk);
-          }
-#pragma unroll
-          for (int mf = 0; mf < 2; ++mf) {
-            float* c = acc[q][mf][nt];
-            const float* e = d[q][mf][nt];
-            c[0] = fmaf(s0, e[0], fmaf(b0, sx[mf][0], c[0]));
-            c[1] = fmaf(s1, e[1], fmaf(b1, sx[mf][0], c[1]));
-            c[2] = fmaf(s0, e[2], fmaf(b0, sx[mf][1], c[2]));
-            c[3] = fmaf(s1, e[3], fmaf(b1, sx[mf][1], c[3]));
-          }
+                mma_bf16(d[q][mf][nb], af[q][mf][0], af[q][mf][1], af[q][mf][2], af[q][mf][3], xb[pt].x, xb[pt].y);
         }
       }
+      // y += s * Σ q x + b * Σ x for this group: features (g, g+8) of each m16 fragment, tokens
+      // (2t, 2t+1) of each n8 fragment.
+      float2 sx[4];
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb) sx[nb] = *reinterpret_cast<const float2*>(&st.gsum[nb * 8 + 2 * t]);
+      const int sp = (G >> gpg_shift) & 1;
+#pragma unroll
+      for (int q = 0; q < NW; ++q)
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf) {
+          const int fl = warp * 16 * MF + mf * 16 + g;
+          const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl) * 2]);
+          const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl + 8) * 2]);
+          const float s0 = from_word(sb_g.x, par0[mf][0] ^ sp), b0 = from_word(sb_g.y, par0[mf][0] ^ sp);
+          const float s1 = from_word(sb_g8.x, par0[mf][1] ^ sp), b1 = from_word(sb_g8.y, par0[mf][1] ^ sp);
+#pragma unroll
+          for (int nb = 0; nb < 4; ++nb) {
+            float* c = acc[q][mf][nb];
+            const float* e = d[q][mf][nb];
+            c[0] = fmaf(s0, e[0], fmaf(b0, sx[nb].x, c[0]));
+            c[1] = fmaf(s0, e[1], fmaf(b0, sx[nb].y, c[1]));
+            c[2] = fmaf(s1, e[2], fmaf(b1, sx[nb].x, c[2]));
+            c[3] = fmaf(s1, e[3], fmaf(b1, sx[nb].y, c[3]));
+          }
+        }
+#pragma unroll
+      for (int q = 0; q < NW; ++q)
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf) {
+          wq[q][mf][0] = wn[q][mf][0];
+          wq[q][mf][1] = wn[q][mf][1];
+        }
     }
-#pragma unroll
-    for (int q = 0; q < NW; ++q)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) wq[q][nt] = wn[q][nt];
   }
   if (!active) return;
-  // Store: slot (mf, h) row, features f_warp + nt*8 + 2t + {0, 1}.
+  // Store: d0/d1 are feature g at tokens 2t, 2t+1 of each n8 fragment, d2/d3 feature g+8.
 #pragma unroll
-  for (int mf = 0; mf < 2; ++mf)
+  for (int nb = 0; nb < 4; ++nb)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (dst[mf][h] < 0) continue;
-      float* yr = y + static_cast<size_t>(dst[mf][h]) * ldy;
+    for (int c = 0; c < 2; ++c) {
+      const int row = drow[nb * 8 + 2 * t + c];
+      if (row < 0) continue;
+      float* yr = y + static_cast<size_t>(row) * ldy;
       if (MODE == kQ4Dense && a.partial)
-        yr = a.partial + blockIdx.z * a.partial_stride + a.partial_off[job] + static_cast<int64_t>(dst[mf][h]) * w0.rows;
+        yr = a.partial + blockIdx.z * a.partial_stride + a.partial_off[job] + static_cast<int64_t>(row) * w0.rows;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int f = f_warp + nt * 8 + 2 * t + c;
+        for (int h = 0; h < 2; ++h) {
+          const int f = f_warp + mf * 16 + h * 8 + g;
           if (f >= w0.rows) continue;
-          const float v0 = acc[0][mf][nt][2 * h + c];
-          if constexpr (MODE == kQ4GateUp) yr[f] = siluf_(v0) * acc[NW - 1][mf][nt][2 * h + c];
+          const float v0 = acc[0][mf][nb][2 * h + c];
+          if constexpr (MODE == kQ4GateUp) yr[f] = siluf_(v0) * acc[NW - 1][mf][nb][2 * h + c];
           else if constexpr (MODE == kQ4Dense) yr[f] = a.partial ? v0 : apply_epilogue(v0, epi, epi_arg);
           else yr[f] = v0;
         }
@@ -415,13 +379,7 @@ bool expert_q4_ok(const DMatrix& m) {
 
 namespace {
 
-// Which products stage their A fragments in shared memory. Measured (H200, 16-layer synthetic model,
-// prefill, 2,048 tokens): staged, the dense projections took 14-25% less time and the experts 14% less
-// than unstaged (the same kernel reading its fragments through L1). CK_Q4_STAGE=dense|none to compare.
-bool q4_staged(int mode) {
-  static const int pick = env_is("CK_Q4_STAGE", "none") ? 0 : env_is("CK_Q4_STAGE", "dense") ? 1 : 2;
-  return pick == 2 || (pick == 1 && mode == kQ4Dense);
-}
+constexpr int kQ4Smem = kQ4Stages * static_cast<int>(sizeof(Q4Stage));  // 43 KB
 
 // One grouped expert product: x (x_rows rows of width K, a multiple of 64) split into fragments, then
 // q4_tile_kernel over (features / block, tiles).
@@ -436,8 +394,7 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
   const dim3 grid(static_cast<unsigned>(ceil_div(features, q4_block_features<MODE>())), static_cast<unsigned>(max_tiles));
-  if (q4_staged(MODE)) q4_tile_kernel<MODE, true><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
-  else q4_tile_kernel<MODE, false><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
+  q4_tile_kernel<MODE><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
 }
@@ -513,8 +470,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&a.partial), sizeof(float) * total * splits, stream));
   }
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
-  if (q4_staged(kQ4Dense)) q4_tile_kernel<kQ4Dense, true><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
-  else q4_tile_kernel<kQ4Dense, false><<<grid, kQ4TileWarps * 32, 0, stream>>>(a);
+  q4_tile_kernel<kQ4Dense><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   if (splits > 1) {
     q4_reduce_kernel<<<static_cast<unsigned>(ceil_div(a.partial_stride, 256)), 256, 0, stream>>>(a, splits);
