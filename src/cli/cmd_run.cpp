@@ -179,7 +179,7 @@ int run_run(int argc, char** argv) {
   }
   const ck::ModelConfig& cfg = (*loaded)->engine->cfg();
   opt.stop_ids = stop_ids(model_dir, cfg);
-  Chat chat{*(*loaded)->engine, *tok, tmpl ? &*tmpl : nullptr, extra, opt, raw};
+  Chat chat{*(*loaded)->engine, *tok, tmpl ? &*tmpl : nullptr, extra, opt, raw, {}, ck::JsonDoc::array(true), {}, {}, {}};
   if (!thinking.empty()) chat.thinking = thinking == "true";
   if (!system.empty()) chat.messages.push_back(message("system", system));
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <set>
 
 #include "util/json.h"
@@ -27,6 +28,9 @@ int ModelConfig::ple_index_of_layer(int layer) const {
 
 namespace {
 
+// More layers than any model has or will: a bound before num_hidden_layers sizes anything.
+constexpr int kMaxLayers = 65536;
+
 // Typed field readers. HF's @strict dataclass rejects a value of the wrong type; so do we.
 struct Reader {
   JsonRef obj;
@@ -43,6 +47,10 @@ struct Reader {
     JsonRef v = obj[key];
     if (v.is_null()) return nullable ? Status{} : bad(key, "an integer");
     if (!v.is_integer()) return bad(key, "an integer");
+    // In T's range (a cast would wrap: 2^61 layers read as a plausible count).
+    if (v.is_unsigned() ? v.as_uint() > static_cast<uint64_t>(std::numeric_limits<T>::max())
+                        : v.as_int() < static_cast<int64_t>(std::numeric_limits<T>::min()))
+      return error("{}: field '{}' is out of range for {}-bit integers, got {}", origin, key, 8 * sizeof(T), v.dump());
     *out = static_cast<T>(v.as_int());
     return {};
   }
@@ -110,6 +118,9 @@ Status parse_text(JsonRef t, const std::string& origin, ModelConfig* c) {
   TRY(r.get_int("vocab_size", &c->vocab_size));
   TRY(r.get_int("hidden_size", &c->hidden_size));
   TRY(r.get_int("num_hidden_layers", &c->num_hidden_layers));
+  // Bounded before anything is sized by it (layer_types below, the weights' names later).
+  if (c->num_hidden_layers > kMaxLayers)
+    return error("{}: num_hidden_layers must be at most {}, got {}", origin, kMaxLayers, c->num_hidden_layers);
   TRY(r.get_int("num_attention_heads", &c->num_attention_heads));
   TRY(r.get_int("num_key_value_heads", &c->num_key_value_heads));
   TRY(r.get_int("head_dim", &c->head_dim));

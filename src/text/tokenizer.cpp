@@ -25,7 +25,9 @@
 namespace ck::text {
 
 
-namespace {
+// A named namespace, not an anonymous one: TokenizerImpl (declared in tokenizer.h, so of external
+// linkage) holds these types, and GCC warns (-Wsubobject-linkage) about anonymous ones there.
+namespace tokenizer_detail {
 
 // GPT-2's bytes_to_unicode: printable Latin-1 bytes map to themselves, the other 68 bytes to
 // U+0100 onwards in byte order, so every byte has a visible, non-space character.
@@ -203,7 +205,8 @@ ThreadScratch& scratch() {
 // Pieces up to this many bytes merge with a flat array scan instead of a heap.
 constexpr int32_t kSmallPiece = 48;
 
-}  // namespace
+}  // namespace tokenizer_detail
+using namespace tokenizer_detail;
 
 struct TokenizerImpl {
   uint64_t serial = 0;

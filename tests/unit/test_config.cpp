@@ -132,6 +132,13 @@ TEST(Config, RejectsWrongTypes) {
   j = base_text(); j["ple_layer_ids"] = "2"; expect_error(j, "ple_layer_ids");
   j = base_text(); j["text_config"] = 5; j["model_type"] = "qwen4_exp"; expect_error(j, "text_config");
   j = base_text(); j["rope_parameters"]["rope_type"] = "yarn"; expect_error(j, "yarn");
+  // Out of range: a cast would wrap (the fuzzer's 2,222,222,222,222,222,223 layers sized a vector).
+  j = base_text(); j["num_hidden_layers"] = 2222222222222222223ull; expect_error(j, "'num_hidden_layers' is out of range");
+  j = base_text(); j["hidden_size"] = -5000000000ll; expect_error(j, "'hidden_size' is out of range");
+  j = base_text(); j["num_hidden_layers"] = 100000; expect_error(j, "num_hidden_layers must be at most 65536");
+  auto fz = parse_config(R"({"model_type":"qwen4_exp_text","num_hidden_layers":2222222222222222223})", "test/config.json");
+  ASSERT_FALSE(fz.ok());
+  EXPECT_NE(fz.status().message().find("out of range"), std::string::npos) << fz.status().message();
   auto r = parse_config("{not json", "test/config.json");
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("invalid JSON"), std::string::npos);
