@@ -111,6 +111,21 @@ __global__ void __launch_bounds__(1024) hc_combine_rmsnorm_kernel(float* R, int6
 
 constexpr int kMaxConvHist = 7;  // GDN conv kernel <= 8
 
+// One row of the depthwise conv for one channel: silu of tap K-1 times the current input, then plus
+// each tap times the history (oldest first), as the CPU adds them; then the history shifts by xv.
+__device__ __forceinline__ float conv_row(const float* taps, int K, float (&hist)[kMaxConvHist], float xv) {
+  float acc = __fmul_rn(taps[K - 1], xv);  // tap K-1 is the current token
+#pragma unroll
+  for (int j = 0; j < kMaxConvHist; ++j)
+    if (j < K - 1) acc = mul_add_rn(acc, taps[j], hist[j]);
+#pragma unroll
+  for (int j = 0; j < kMaxConvHist; ++j) {
+    if (j < K - 2) hist[j] = hist[j + 1 < kMaxConvHist ? j + 1 : j];
+    else if (j == K - 2) hist[j] = xv;
+  }
+  return siluf_(acc);
+}
+
 // grid (ceil(C/256)), block 256: one thread per channel, rows in order.
 __global__ void gdn_conv_kernel(const GdnConvArgs a, const StepParams* sp, int rows) {
   pdl_begin();
@@ -124,16 +139,7 @@ __global__ void gdn_conv_kernel(const GdnConvArgs a, const StepParams* sp, int r
   const float* taps = a.taps + static_cast<size_t>(ch) * K;
   for (int r = 0; r < rows; ++r) {
     const float xv = a.x[static_cast<size_t>(r) * a.ldx + ch];
-    float acc = __fmul_rn(taps[K - 1], xv);  // tap K-1 is the current token
-#pragma unroll
-    for (int j = 0; j < kMaxConvHist; ++j)
-      if (j < K - 1) acc = mul_add_rn(acc, taps[j], hist[j]);
-    a.y[static_cast<size_t>(r) * a.ldy + ch] = siluf_(acc);
-#pragma unroll
-    for (int j = 0; j < kMaxConvHist; ++j) {
-      if (j < K - 2) hist[j] = hist[j + 1 < kMaxConvHist ? j + 1 : j];
-      else if (j == K - 2) hist[j] = xv;
-    }
+    a.y[static_cast<size_t>(r) * a.ldy + ch] = conv_row(taps, K, hist, xv);
     if (snap && r + 1 < rows) {
       float* sn = a.snaps + static_cast<size_t>(r) * a.snap_stride;
 #pragma unroll
@@ -145,8 +151,6 @@ __global__ void gdn_conv_kernel(const GdnConvArgs a, const StepParams* sp, int r
   for (int j = 0; j < kMaxConvHist; ++j)
     if (j < K - 1) a.state[static_cast<size_t>(j) * C + ch] = hist[j];
 }
-
-constexpr int kKeyPart = 32;  // state rows (key dims) held in registers per thread
 
 // Prefill chunks (never snapshotted): the same convolution with the rows split into blocks of
 // kConvRowBlock, one thread per (channel, row block). The conv is not recurrent (a row's history is the
@@ -171,16 +175,7 @@ __global__ void gdn_conv_rows_kernel(const GdnConvArgs a, int rows) {
   const float* taps = a.taps + static_cast<size_t>(ch) * K;
   for (int r = r0; r < r1; ++r) {
     const float xv = a.x[static_cast<size_t>(r) * a.ldx + ch];
-    float acc = __fmul_rn(taps[K - 1], xv);  // tap K-1 is the current token
-#pragma unroll
-    for (int j = 0; j < kMaxConvHist; ++j)
-      if (j < K - 1) acc = mul_add_rn(acc, taps[j], hist[j]);
-    a.y[static_cast<size_t>(r) * a.ldy + ch] = siluf_(acc);
-#pragma unroll
-    for (int j = 0; j < kMaxConvHist; ++j) {
-      if (j < K - 2) hist[j] = hist[j + 1 < kMaxConvHist ? j + 1 : j];
-      else if (j == K - 2) hist[j] = xv;
-    }
+    a.y[static_cast<size_t>(r) * a.ldy + ch] = conv_row(taps, K, hist, xv);
   }
   if (blockIdx.y == 0) {  // the new state: the last K-1 inputs of the chunk (old state where rows < K-1)
     float last[kMaxConvHist];
@@ -191,6 +186,8 @@ __global__ void gdn_conv_rows_kernel(const GdnConvArgs a, int rows) {
       if (j < K - 1) a.state[static_cast<size_t>(j) * C + ch] = last[j];
   }
 }
+
+constexpr int kKeyPart = 32;  // state rows (key dims) held in registers per thread
 
 // grid (nv), block round_up(dv * parts, 32) <= 512 threads, parts = ceil(dk / 32). Thread (j, p) holds
 // S[p*32 .. p*32+31][j] of its head in registers for the whole step; sums over the key dimension are
