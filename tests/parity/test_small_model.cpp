@@ -81,7 +81,9 @@ void check_against_fixture(const cpu::Model& model, const test::Fixture* fx) {
   // Greedy continuation, where the reference's margin is clear.
   int32_t next = r.argmax.back();
   for (size_t i = 0; i < fx->greedy.size(); ++i) {
-    if (fx->margins[i] > 1e-3f) ASSERT_EQ(next, fx->greedy[i]) << "greedy token " << i;
+    if (fx->margins[i] > 1e-3f) {
+      ASSERT_EQ(next, fx->greedy[i]) << "greedy token " << i;
+    }
     int32_t tok[1] = {fx->greedy[i]};
     ASSERT_TRUE(s->step_rows(tok, false, false, &r).ok());
     s->commit(1);
