@@ -1,20 +1,16 @@
 #!/usr/bin/env bash
 # A/B runs of bench_cuda on the GPU machine, one per case, in one device call: each case is
-# "label:VAR=value,VAR2=value" (environment switches such as CK_Q4_STAGE or CK_ATTN_HEADS; "label:" for
+# "label:VAR=value,VAR2=value" (environment switches such as CK_ATTN_HEADS or CK_PDL; "label:" for
 # none). Unpacks .devcarry/ (scripts/prepare_devcarry.sh) like gpu_check.sh. Writes $OUT/ab.txt: each
 # case's figure lines (decode, mtp, prefill, profile). CK_AB_TESTS=1 first runs test_cuda_ops under
 # each case (its prefill and expert tests), so every variant measured is also checked.
-#   CK_AB_CASES="staged:CK_Q4_STAGE=all plain:CK_Q4_STAGE=none" CK_AB_ARGS="--synth-layers 16 --prefill 2048" \
+#   CK_AB_CASES="heads: per-head:CK_ATTN_HEADS=0" CK_AB_ARGS="--synth-layers 16 --prefill 2048" \
 #     OUT=/tmp/out bash scripts/gpu_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ck_gpu_ab}
 mkdir -p "$OUT"
-D=/tmp/ck_devcarry
-if [ ! -x "$D/bench_cuda" ]; then
-  mkdir -p "$D" && tar -C "$D" -xJf .devcarry/bundle.tar.xz || exit 3
-fi
-export LD_LIBRARY_PATH=$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. scripts/devcarry_unpack.sh  # D, LD_LIBRARY_PATH
 export CK_CUBLAS=${CK_CUBLAS:-$(ls /usr/local/cuda/lib64/libcublas.so.13* /usr/local/cuda/lib64/libcublas.so* 2>/dev/null | head -1)}
 ARGS=${CK_AB_ARGS:---synth-layers 16 --no-kernels --decode-steps 0 --prefill 512,2048}
 {

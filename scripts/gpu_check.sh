@@ -10,12 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ck_gpu_check}
 mkdir -p "$OUT"
-D=/tmp/ck_devcarry  # unpacked from .devcarry/bundle.tar.xz (scripts/prepare_devcarry.sh)
-rm -rf "$D" && mkdir -p "$D"
-if ! tar -C "$D" -xJf .devcarry/bundle.tar.xz 2>/dev/null; then
-  python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" .devcarry/bundle.tar.xz "$D" || exit 3
-fi
-export LD_LIBRARY_PATH=$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. scripts/devcarry_unpack.sh  # D (the unpacked binaries), LD_LIBRARY_PATH
 TT=${CK_TEST_TIMEOUT:-150}
 BT=${CK_BENCH_TIMEOUT:-150}
 START=$(date +%s)

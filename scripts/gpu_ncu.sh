@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Nsight Compute on one kernel of bench_cuda, on the GPU machine, after scripts/gpu_check.sh has
-# unpacked .devcarry/ (or on its own: it unpacks too). Warm caches and the GPU's own clocks
-# (--cache-control none --clock-control none), so durations are those of a real run; the warp-state
-# and scheduler sections say why the kernel stalls. Appends the kernel's SASS.
+# Nsight Compute on one kernel of bench_cuda, on the GPU machine (the binaries of .devcarry/, unpacked
+# by scripts/devcarry_unpack.sh). Warm caches and the GPU's own clocks (--cache-control none
+# --clock-control none), so durations are those of a real run; the warp-state and scheduler sections
+# say why the kernel stalls. Appends the kernel's SASS.
 #   CK_NCU_KERNEL=regex:gemv_q_kernel CK_NCU_SKIP=0 OUT=/tmp/out bash scripts/gpu_ncu.sh
 # Env: CK_NCU_KERNEL (ncu -k filter), CK_NCU_SKIP (launches of it to skip), CK_NCU_COUNT (launches to
 # profile), CK_NCU_ARGS (bench_cuda arguments), CK_NCU_SASS (a function-name pattern for cuobjdump).
@@ -10,11 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ck_gpu_ncu}
 mkdir -p "$OUT"
-D=/tmp/ck_devcarry
-if [ ! -x "$D/bench_cuda" ]; then
-  mkdir -p "$D" && tar -C "$D" -xJf .devcarry/bundle.tar.xz || exit 3
-fi
-export LD_LIBRARY_PATH=$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. scripts/devcarry_unpack.sh  # D, LD_LIBRARY_PATH
 CUDA_BIN=${CUDA_BIN:-/usr/local/cuda/bin}
 NCU=$(command -v ncu || echo "$CUDA_BIN/ncu")
 # CK_NCU_DURATIONS=1: only each kernel's duration, as CSV ($OUT/ncu_durations.csv), for every launch
