@@ -56,9 +56,9 @@ void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int ro
 // Tensor-core product for many rows (gemm.cu; gemv() sends rows > kMaxRows here): the same contract
 // as gemv for any number of rows, tf32x3 arithmetic (within ~1e-6 of fp32, not bit-equal to gemv).
 void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
-// gemm_tc's first choice (gemm_q4.cu): when every job is 4-bit codes in groups of 64k, K >= 256 and the
-// grid has a block per SM, the factored tensor-core form (exact products); false otherwise, or with
-// CK_Q4_DENSE=0.
+// gemm_tc's first choice (gemm_q4.cu): when every job is 4-bit codes in groups of 64 x 2^k with 4-byte
+// aligned scales and biases, and K >= 256, the factored tensor-core form (exact products), K split
+// over blocks where the grid would fill its last wave poorly; false otherwise, or with CK_Q4_DENSE=0.
 bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
 
 // Which GEMV schedule runs (gemv.cu): 2, the default (tensor cores for tall 4-bit matrices, a warp per
@@ -104,7 +104,7 @@ void expert_gate_up_grouped(const ExpertPair* pairs, const int32_t* order, const
 void expert_down_grouped(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                          int max_tiles, int hidden, const float* h, int ldh, float* y, int ldy, cudaStream_t stream);
 
-// The same grouped products when every expert matrix is MLX 4-bit codes in groups of 64 or 128
+// The same grouped products when every expert matrix is MLX 4-bit codes in groups of 64 x 2^k
 // (expert_q4_ok), in the factored form on the tensor cores (gemm_q4.cu): codes as exact bf16 MMA
 // operands, the activations split into three bf16 parts once per call, scale and bias per group after
 // the product. gate/up reads x rows [0, x_rows) of width hidden; down reads the n_pairs rows of h
