@@ -26,6 +26,7 @@
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/ops.h"
+#include "cuda/split_k.h"
 
 namespace ck::cuda {
 namespace {
@@ -81,12 +82,10 @@ struct TcArgs {
   float* y = nullptr;  // experts: output row per pair
   int ldy = 0;
   // Dense split-K (short, wide matrices such as the hyper-connection down projection, which would
-  // otherwise give a few dozen blocks): block z covers K [z*k_chunk, (z+1)*k_chunk) and writes raw sums to
-  // partial[z * partial_stride + partial_off[job] + row * N + n]; dense_reduce_kernel finishes.
+  // otherwise give a few dozen blocks): block z covers K [z*k_chunk, (z+1)*k_chunk) and writes raw sums
+  // to split's scratch (cuda/split_k.h); split_k_finish adds them.
   int k_chunk = 0;
-  float* partial = nullptr;
-  size_t partial_stride = 0;
-  size_t partial_off[kMaxGemvJobs + 1] = {};
+  SplitK split;
 };
 
 
@@ -320,9 +319,9 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(const __grid_constant__ Tc
     if constexpr (MODE == kGateUp) {
       v = siluf_(v) * sm.out[1][i][c];
     } else if constexpr (MODE == kDense) {
-      if (a.partial) {  // split-K: the raw partial sum; dense_reduce adds the splits in a fixed order
-        a.partial[static_cast<size_t>(blockIdx.z) * a.partial_stride + a.partial_off[job] +
-                  static_cast<size_t>(dst[i]) * w0.rows + n0 + c] = v;
+      if (a.split.partial) {  // split-K: the raw partial sum; split_k_finish adds the splits in order
+        a.split.partial[static_cast<size_t>(blockIdx.z) * a.split.stride + a.split.off[job] +
+                        static_cast<size_t>(dst[i]) * w0.rows + n0 + c] = v;
         continue;
       }
       v = apply_epilogue(v, epi, epi_arg);
@@ -359,18 +358,24 @@ __global__ void group_pairs_kernel(const ExpertPair* pairs, int n_pairs, int n_g
   }
 }
 
+struct SplitKReduceArgs {
+  SplitK s;
+  GemvJob job[kMaxGemvJobs];
+  int n_jobs;
+};
+
 // y = epi(Σ_z partial_z) for every (job, row, n), the splits added in index order (deterministic).
-__global__ void dense_reduce_kernel(const __grid_constant__ TcArgs a, int splits) {
-  const size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= a.partial_stride) return;
+// grid (ceil(stride / 256)), block 256.
+__global__ void split_k_reduce_kernel(const __grid_constant__ SplitKReduceArgs a, int splits) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= a.s.stride) return;
   int j = 0;
-  while (j + 1 < a.n_jobs && t >= a.partial_off[j + 1]) ++j;
-  const size_t local = t - a.partial_off[j];
-  const int N = a.job[j].w.rows;
-  const size_t r = local / N, n = local % N;
+  while (j + 1 < a.n_jobs && t >= a.s.off[j + 1]) ++j;
+  const GemvJob& jb = a.job[j];
+  const int64_t local = t - a.s.off[j], r = local / jb.w.rows, n = local % jb.w.rows;
   float v = 0.0f;
-  for (int z = 0; z < splits; ++z) v += a.partial[static_cast<size_t>(z) * a.partial_stride + t];
-  a.job[j].y[r * a.job[j].ldy + n] = apply_epilogue(v, a.job[j].epi, a.job[j].epi_arg);
+  for (int z = 0; z < splits; ++z) v += a.s.partial[static_cast<size_t>(z) * a.s.stride + t];
+  jb.y[r * jb.ldy + n] = apply_epilogue(v, jb.epi, jb.epi_arg);
 }
 
 // tf32x3 unless CK_TC=bf16x3 (read once).
@@ -418,20 +423,32 @@ void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     launch<4, kDense>(a, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(m_tiles), 1), stream);
     return;
   }
-  size_t total = 0;
-  for (int j = 0; j < n_jobs; ++j) {
-    a.partial_off[j] = total;
-    total += static_cast<size_t>(rows) * jobs[j].w.rows;
-  }
-  a.partial_off[n_jobs] = total;
-  a.partial_stride = total;
-  // Stream-ordered scratch: safe for any number of sessions and streams, pooled by the driver.
-  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&a.partial), sizeof(float) * total * splits, stream));
+  a.split = split_k_start(jobs, n_jobs, rows, splits, stream);
   launch<4, kDense>(a, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(m_tiles), static_cast<unsigned>(splits)),
                     stream);
-  dense_reduce_kernel<<<static_cast<unsigned>(ceil_div(static_cast<int64_t>(total), 256)), 256, 0, stream>>>(a, splits);
+  split_k_finish(a.split, jobs, n_jobs, splits, stream);
+}
+
+SplitK split_k_start(const GemvJob* jobs, int n_jobs, int rows, int splits, cudaStream_t stream) {
+  SplitK s;
+  for (int j = 0; j < n_jobs; ++j) {
+    s.off[j] = s.stride;
+    s.stride += static_cast<int64_t>(rows) * jobs[j].w.rows;
+  }
+  s.off[n_jobs] = s.stride;
+  // Stream-ordered scratch: safe for any number of sessions and streams, pooled by the driver.
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&s.partial), sizeof(float) * s.stride * splits, stream));
+  return s;
+}
+
+void split_k_finish(const SplitK& s, const GemvJob* jobs, int n_jobs, int splits, cudaStream_t stream) {
+  SplitKReduceArgs a{};
+  a.s = s;
+  a.n_jobs = n_jobs;
+  for (int j = 0; j < n_jobs; ++j) a.job[j] = jobs[j];
+  split_k_reduce_kernel<<<static_cast<unsigned>(ceil_div(s.stride, 256)), 256, 0, stream>>>(a, splits);
   CUDA_CHECK_LAUNCH();
-  CUDA_CHECK(cudaFreeAsync(a.partial, stream));
+  CUDA_CHECK(cudaFreeAsync(s.partial, stream));
 }
 
 void group_pairs(const ExpertPair* pairs, int n_pairs, int n_groups, int32_t* order, int2* tiles, int32_t* n_tiles,

@@ -33,6 +33,7 @@
 #include "cuda/device_ops.cuh"
 #include "cuda/mma_q4.cuh"
 #include "cuda/ops.h"
+#include "cuda/split_k.h"
 
 namespace ck::cuda {
 namespace {
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int G = warp; G < groups; G += blockDim.x >> 5) {
-    const float v = G * 64 < K ? warp_sum(xr[G * 64 + lane] + xr[G * 64 + 32 + lane]) : 0.0f;
+    const float v = G * 64 < K ? tc4_group_sum(xr + G * 64) : 0.0f;
     if (lane == 0) gsum[static_cast<size_t>(row) * groups + G] = v;
   }
 }
@@ -103,12 +104,10 @@ struct Q4Args {
   float* y;           // experts: the output row per pair
   int ldy;
   // Dense split-K (few feature tiles over a long K, or a last wave mostly empty): block z takes groups
-  // [z * k_groups, (z + 1) * k_groups) and writes its raw sums to
-  // partial[z * partial_stride + partial_off[job] + row * N + n]; q4_reduce_kernel finishes.
+  // [z * k_groups, (z + 1) * k_groups) and writes its raw sums to split's scratch (cuda/split_k.h);
+  // split_k_finish adds them.
   int k_groups;       // dense: groups per block (all of them without a split)
-  float* partial;
-  int64_t partial_stride;
-  int64_t partial_off[kMaxGemvJobs + 1];
+  SplitK split;
 };
 
 // m16 fragments (16 output features each) per warp and matrix: gate/up keeps 1 (two matrices'
@@ -320,8 +319,8 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
       const int row = drow[nb * 8 + 2 * t + c];
       if (row < 0) continue;
       float* yr = y + static_cast<size_t>(row) * ldy;
-      if (MODE == kQ4Dense && a.partial)
-        yr = a.partial + blockIdx.z * a.partial_stride + a.partial_off[job] + static_cast<int64_t>(row) * w0.rows;
+      if (MODE == kQ4Dense && a.split.partial)
+        yr = a.split.partial + blockIdx.z * a.split.stride + a.split.off[job] + static_cast<int64_t>(row) * w0.rows;
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -330,24 +329,10 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
           if (f >= w0.rows) continue;
           const float v0 = acc[0][mf][nb][2 * h + c];
           if constexpr (MODE == kQ4GateUp) yr[f] = siluf_(v0) * acc[NW - 1][mf][nb][2 * h + c];
-          else if constexpr (MODE == kQ4Dense) yr[f] = a.partial ? v0 : apply_epilogue(v0, epi, epi_arg);
+          else if constexpr (MODE == kQ4Dense) yr[f] = a.split.partial ? v0 : apply_epilogue(v0, epi, epi_arg);
           else yr[f] = v0;
         }
     }
-}
-
-// y = epi(Σ_z partial_z) for every (job, row, n) of a dense split-K product, the splits added in
-// index order (deterministic). grid (ceil(total / 256)), block 256.
-__global__ void q4_reduce_kernel(const __grid_constant__ Q4Args a, int splits) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= a.partial_stride) return;
-  int j = 0;
-  while (j + 1 < a.n_jobs && t >= a.partial_off[j + 1]) ++j;
-  const GemvJob& jb = a.job[j];
-  const int64_t e = t - a.partial_off[j], row = e / jb.w.rows, n = e % jb.w.rows;
-  float v = 0.0f;
-  for (int z = 0; z < splits; ++z) v += a.partial[static_cast<size_t>(z) * a.partial_stride + t];
-  jb.y[row * jb.ldy + n] = apply_epilogue(v, jb.epi, jb.epi_arg);
 }
 
 // Scratch for one call's split activations (stream-ordered: freed after the call's kernels).
@@ -459,24 +444,11 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   }
   a.first_tile[n_jobs] = t;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups;
-  if (splits > 1) {
-    int64_t total = 0;
-    for (int j = 0; j < n_jobs; ++j) {
-      a.partial_off[j] = total;
-      total += static_cast<int64_t>(rows) * jobs[j].w.rows;
-    }
-    a.partial_off[n_jobs] = total;
-    a.partial_stride = total;
-    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&a.partial), sizeof(float) * total * splits, stream));
-  }
+  if (splits > 1) a.split = split_k_start(jobs, n_jobs, rows, splits, stream);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
   q4_tile_kernel<kQ4Dense><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
   CUDA_CHECK_LAUNCH();
-  if (splits > 1) {
-    q4_reduce_kernel<<<static_cast<unsigned>(ceil_div(a.partial_stride, 256)), 256, 0, stream>>>(a, splits);
-    CUDA_CHECK_LAUNCH();
-    CUDA_CHECK(cudaFreeAsync(a.partial, stream));
-  }
+  if (splits > 1) split_k_finish(a.split, jobs, n_jobs, splits, stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
   return true;
 }
