@@ -11,6 +11,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdarg>
@@ -151,6 +152,13 @@ struct Args {
   bool mtp = false;  // the synthetic model gets an MTP head; its draft step is timed
 };
 
+// A whole decimal int, or -1 (every numeric flag here wants a positive value, so callers reject it).
+int parse_int(const std::string& v) {
+  int x = 0;
+  const auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+  return ec == std::errc() && p == v.data() + v.size() ? x : -1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -159,19 +167,26 @@ int main(int argc, char** argv) {
     std::string s = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
     if (s == "--model") a.model_dir = next();
-    else if (s == "--synth-layers") a.synth_layers = std::stoi(next());
+    else if (s == "--synth-layers") a.synth_layers = parse_int(next());
     else if (s == "--out") a.out_path = next();
-    else if (s == "--decode-steps") a.decode_steps = std::stoi(next());
+    else if (s == "--decode-steps") a.decode_steps = parse_int(next());
     else if (s == "--no-kernels") a.kernels = false;
     else if (s == "--mtp") a.mtp = true;
-    else if (s == "--decode-rows") a.decode_rows = {std::stoi(next())};
+    else if (s == "--decode-rows") a.decode_rows = {parse_int(next())};
     else if (s == "--prefill") {
       a.prefill.clear();
       std::string v = next();
       for (size_t p = 0; p < v.size();) {
         size_t e = v.find(',', p);
         if (e == std::string::npos) e = v.size();
-        a.prefill.push_back(std::stoi(v.substr(p, e - p)));
+        const std::string tok = v.substr(p, e - p);
+        const int T = parse_int(tok);
+        if (T <= 2 * cuda::kMaxRows) {  // the first 2 kMaxRows tokens warm the session's graphs
+          std::fprintf(stderr, "bench_cuda: --prefill %s: each size must be a number above %d\n", tok.c_str(),
+                       2 * cuda::kMaxRows);
+          return 2;
+        }
+        a.prefill.push_back(T);
         p = e + 1;
       }
     } else {
@@ -179,6 +194,11 @@ int main(int argc, char** argv) {
                            "[--decode-steps N] [--decode-rows R] [--no-kernels] [--mtp] [--out FILE]\n");
       return 2;
     }
+  }
+  if (a.synth_layers < 1 || a.decode_steps < 0 || a.decode_rows[0] < 1 || a.decode_rows[0] > cuda::kMaxRows) {
+    std::fprintf(stderr, "bench_cuda: --synth-layers wants a number >= 1, --decode-steps >= 0, --decode-rows 1-%d\n",
+                 cuda::kMaxRows);
+    return 2;
   }
   if (cuda::device_count() == 0) {
     std::fprintf(stderr, "bench_cuda: no CUDA device\n");

@@ -38,6 +38,9 @@ __device__ __forceinline__ float dmatrix_elem(const DMatrix& m, int64_t r, int64
   return load_kind(m.data, r * m.cols + c, m.fmt.kind);
 }
 
+// acc + a * b with two roundings, as the CPU reference adds products (no FMA contraction).
+__device__ __forceinline__ float mul_add_rn(float acc, float a, float b) { return __fadd_rn(acc, __fmul_rn(a, b)); }
+
 // What a GEMV or GEMM applies to each output before it is stored (ops.h Epilogue; `d` is the divisor).
 // Asynchronous copies global -> shared (sm_80+): 16 bytes (bypassing L1) or 4 bytes, grouped by
 // cp_async_commit; cp_async_wait<N> waits until at most N committed groups are still in flight.

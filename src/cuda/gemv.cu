@@ -63,12 +63,6 @@ CK_HD inline int path_unit(int32_t p) {
   }
 }
 
-__device__ __forceinline__ float load_scale_elem(const uint8_t* base, size_t i, uint8_t kind) {
-  if (kind == static_cast<uint8_t>(WKind::F32)) return reinterpret_cast<const float*>(base)[i];
-  const uint16_t h = reinterpret_cast<const uint16_t*>(base)[i];
-  return kind == static_cast<uint8_t>(WKind::BF16) ? bf16_bits_to_float(h) : f16_bits_to_float(h);
-}
-
 // An unsigned code below 2^23 as a float, without the slow integer-to-float conversion: the code is
 // placed in the mantissa of 2^23 and 2^23 subtracted (exact).
 __device__ __forceinline__ float code_to_float(uint32_t c) { return __uint_as_float(0x4B000000u | c) - 8388608.0f; }
@@ -662,73 +656,6 @@ __global__ void __launch_bounds__(256, V3 ? 3 : 1) expert_down_q_kernel(const Ex
 // 312 -> 329 tok/s end to end). The kernel lab timed back-to-back direct launches, which the host's
 // launch cost bounds at ~20 us, so it hid the gain at one row on the projections: decode runs as a
 // graph. Short K (the hyper-connection up projection, K = 320) stays on v3.
-// Rows g and g+8 of a 16-row tile of a 4-bit matrix as the v4 kernels read them per 64-code group:
-// the lane's 8 code bytes of each row, and each row's scale and bias (a scale group spans 2^gshift
-// 64-code groups; the launches check the group is 64 times a power of two). BF16S: bf16 scales (the
-// checkpoints' form) are read without the per-load kind switch. Per group this is 2 code loads and
-// 4 scale loads with 32-bit indices: the loop is instruction-bound at one activation row (Nsight
-// Compute: ~190 instructions per warp and group with a division and 64-bit index math per group).
-template <bool BF16S, int BITS = 4>
-struct Tc4Rows {
-  static constexpr int kGroupBytes = 8 * BITS;  // one row's 64 codes
-  const uint8_t* pa;
-  const uint8_t* pb;
-  const uint8_t* scales;
-  const uint8_t* biases;
-  uint32_t sa0, sb0;  // element index of group 0's scale and bias for each row
-  int gshift;
-  uint8_t sk;
-  __device__ __forceinline__ void init(const DMatrix& w, int ra, int rb, int t) {
-    const size_t row_bytes = static_cast<size_t>(w.cols) * BITS / 8;
-    const uint32_t n_groups = static_cast<uint32_t>(w.cols / w.fmt.group);
-    pa = w.data + ra * row_bytes + 2 * BITS * t;  // lane t's 16 codes: 8 bytes at 4 bits, 16 at 8
-    pb = w.data + rb * row_bytes + 2 * BITS * t;
-    scales = w.scales;
-    biases = w.biases;
-    sa0 = static_cast<uint32_t>(ra) * n_groups;
-    sb0 = static_cast<uint32_t>(rb) * n_groups;
-    gshift = __ffs(w.fmt.group / 64) - 1;
-    sk = w.fmt.scale_kind;
-  }
-  // Asks L2 for groups [G0, G1) of both rows' codes and the lines of their scales and biases (lanes
-  // t == 0). For a kernel's prologue before pdl_begin(): weights never change, so this overlaps the
-  // kernel before (docs/roofline-cuda.md, "Fifth session").
-  __device__ __forceinline__ void prefetch(int G0, int G1, int t) const {
-    if (t != 0 || G1 <= G0) return;
-    const uint32_t bytes = static_cast<uint32_t>(G1 - G0) * kGroupBytes;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pa + G0 * kGroupBytes), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pb + G0 * kGroupBytes), "r"(bytes) : "memory");
-    const uint32_t es = sk == static_cast<uint8_t>(WKind::F32) ? 4 : 2, sg = static_cast<uint32_t>(G0) >> gshift;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + (sa0 + sg) * es) : "memory");
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(biases + (sa0 + sg) * es) : "memory");
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + (sb0 + sg) * es) : "memory");
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(biases + (sb0 + sg) * es) : "memory");
-  }
-  __device__ __forceinline__ float elem(const uint8_t* base, uint32_t i) const {
-    if constexpr (BF16S) return bf16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(base) + i));
-    else return load_scale_elem(base, i, sk);
-  }
-  __device__ __forceinline__ void scales_of(int G, float& sa, float& ba, float& sb, float& bb) const {
-    const uint32_t sg = static_cast<uint32_t>(G) >> gshift;
-    sa = elem(scales, sa0 + sg);
-    ba = elem(biases, sa0 + sg);
-    sb = elem(scales, sb0 + sg);
-    bb = elem(biases, sb0 + sg);
-  }
-  __device__ __forceinline__ void load(int G, uint2& wa, uint2& wb, float& sa, float& ba, float& sb, float& bb) const {
-    static_assert(BITS == 4, "4-bit codes");
-    wa = __ldg(reinterpret_cast<const uint2*>(pa + G * kGroupBytes));
-    wb = __ldg(reinterpret_cast<const uint2*>(pb + G * kGroupBytes));
-    scales_of(G, sa, ba, sb, bb);
-  }
-  __device__ __forceinline__ void load(int G, uint4& wa, uint4& wb, float& sa, float& ba, float& sb, float& bb) const {
-    static_assert(BITS == 8, "8-bit codes");
-    wa = __ldg(reinterpret_cast<const uint4*>(pa + G * kGroupBytes));
-    wb = __ldg(reinterpret_cast<const uint4*>(pb + G * kGroupBytes));
-    scales_of(G, sa, ba, sb, bb);
-  }
-};
-
 // True when every job suits the v4 kernels (codes of `bits` bits, 4 or 8, the same for all jobs,
 // groups of 64 x 2^k, cols a multiple of the group); *bf16s when all their scales are bf16. Only the
 // one-row kernel takes 8-bit codes (the routers).
@@ -878,19 +805,6 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
 constexpr int kTcInWarpMax = 16384;
 constexpr int kTcBlockGroups = 40;    // groups of x a block holds as fragments (1,028 bytes each)
 
-// Part p (0 hi, 1 mid, 2 lo; see bf16_part) of a and b as one bf16x2, without branches: lanes of one
-// warp ask for different parts.
-__device__ __forceinline__ uint32_t bf16_part_pair(float a, float b, int p) {
-  const __nv_bfloat162 hi = __floats2bfloat162_rn(a, b);
-  const float2 hf = __bfloat1622float2(hi);
-  const float a1 = a - hf.x, b1 = b - hf.y;
-  const __nv_bfloat162 mid = __floats2bfloat162_rn(a1, b1);
-  const float2 mf = __bfloat1622float2(mid);
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(a1 - mf.x, b1 - mf.y);
-  const __nv_bfloat162 r = p == 0 ? hi : p == 1 ? mid : lo;
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
 // Dynamic shared memory: [range groups][4 steps][32 lanes] uint2 fragments, then [range groups] Σ x.
 template <bool BF16S, int BITS>
 __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_constant__ TcLaunch L,
@@ -916,52 +830,29 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
     tr.prefetch(G0, G1, t);
   }
   pdl_begin();  // x comes from the kernel before
-  {
-    const int p = g < 3 ? g : 0;             // the x part this lane's MMA column carries (hi, mid, lo)
-    const uint32_t keep = g < 3 ? ~0u : 0u;  // columns 3-7 are zero
-    for (int G = B0 + warp; G < B1; G += 8) {
-      const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
-      const float4 q0 = __ldg(xp), q1 = __ldg(xp + 1), q2 = __ldg(xp + 2), q3 = __ldg(xp + 3);
-      // Σ x of the group (the bias term, on the hi column 0 only): this lane's 16, then over t.
-      float gs = ((q0.x + q0.y) + (q0.z + q0.w)) + ((q1.x + q1.y) + (q1.z + q1.w)) +
-                 (((q2.x + q2.y) + (q2.z + q2.w)) + ((q3.x + q3.y) + (q3.z + q3.w)));
-      gs += __shfl_xor_sync(0xffffffffu, gs, 1);
-      gs += __shfl_xor_sync(0xffffffffu, gs, 2);
-      if (lane == 0) sgs[G - B0] = gs;
-      // Step s's pairs (mma_q4.cuh): A = (x[c], x[c+4]), B = (x[c+1], x[c+5]) at c = 16t + {0, 2, 8, 10}.
-      uint2* f = sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane;
-      f[0] = make_uint2(bf16_part_pair(q0.x, q1.x, p) & keep, bf16_part_pair(q0.y, q1.y, p) & keep);
-      f[32] = make_uint2(bf16_part_pair(q0.z, q1.z, p) & keep, bf16_part_pair(q0.w, q1.w, p) & keep);
-      f[64] = make_uint2(bf16_part_pair(q2.x, q3.x, p) & keep, bf16_part_pair(q2.y, q3.y, p) & keep);
-      f[96] = make_uint2(bf16_part_pair(q2.z, q3.z, p) & keep, bf16_part_pair(q2.w, q3.w, p) & keep);
-    }
+  for (int G = B0 + warp; G < B1; G += 8) {
+    const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
+    const float4 q[4] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2), __ldg(xp + 3)};
+    const float gs = tc4_one_frag(q, sfrag + static_cast<size_t>(G - B0) * 4 * 32);
+    if (lane == 0) sgs[G - B0] = gs;
   }
   __syncthreads();
   if (tile < n_tiles) {
 #pragma unroll 2
     for (int G = G0; G < G1; ++G) {
-      float sa, ba, sb, bb;
-      const uint2* f = sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane;
       const float xs = t == 0 ? sgs[G - B0] : 0.0f;
-      float d[4] = {};  // the group's Σ q x, fresh per group
       if constexpr (BITS == 4) {
-        uint2 wa, wb;
-        tr.load(G, wa, wb, sa, ba, sb, bb);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
-          const int i0 = 2 * (s & 1);
-          const uint2 bf = f[32 * s];
-          mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), bf.x, bf.y);
-        }
+        tc4_one_group(tr, G, sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane, xs, acc);
       } else {
         // 8-bit codes: lane t's 16 bytes of a row are columns 16t + 4k + i (word k, byte i). Step s's
         // pair A (columns c, c + 4; c = 16t + 8(s>>1) + 2(s&1)) is byte 2(s&1) of words 2(s>>1) and
         // 2(s>>1) + 1, pair B the next byte. A code q = 16 qh + ql: its nibbles are exact bf16
         // operands, so two MMAs (ql and qh) and Σ q x = Σ ql x + 16 Σ qh x.
+        const uint2* f = sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane;
+        float sa, ba, sb, bb;
         uint4 wa, wb;
         tr.load(G, wa, wb, sa, ba, sb, bb);
-        float dh[4] = {};
+        float d[4] = {}, dh[4] = {};
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           const uint32_t la = (s >> 1) ? wa.z : wa.x, ha = (s >> 1) ? wa.w : wa.y;
@@ -977,11 +868,11 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) d[k] = fmaf(16.0f, dh[k], d[k]);
+        acc[0] = fmaf(sa, d[0], fmaf(ba, xs, acc[0]));
+        acc[1] = fmaf(sa, d[1], acc[1]);
+        acc[2] = fmaf(sb, d[2], fmaf(bb, xs, acc[2]));
+        acc[3] = fmaf(sb, d[3], acc[3]);
       }
-      acc[0] = fmaf(sa, d[0], fmaf(ba, xs, acc[0]));
-      acc[1] = fmaf(sa, d[1], acc[1]);
-      acc[2] = fmaf(sb, d[2], fmaf(bb, xs, acc[2]));
-      acc[3] = fmaf(sb, d[3], acc[3]);
     }
   }
   // Columns 0-2 (hi, mid, lo) of rows g and g+8: lanes t = 0 (columns 0, 1) and t = 1 (column 2).

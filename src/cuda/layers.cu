@@ -15,8 +15,6 @@
 namespace ck::cuda {
 namespace {
 
-__device__ __forceinline__ float mul_add_rn(float acc, float a, float b) { return __fadd_rn(acc, __fmul_rn(a, b)); }
-
 int block_for(int64_t n, int max_threads = 256) {
   return static_cast<int>(std::clamp<int64_t>(round_up(n, 32), 32, max_threads));
 }
@@ -1178,6 +1176,7 @@ __global__ void moe_combine_kernel(const float* y, int ldy, const ExpertPair* pa
 
 void init_kernels() {
   init_gemv();
+  hc_mix_init();
   // Kernels take their scratch with cudaMallocAsync (split-K partials, activation fragments, the chunked
   // delta rule's records: ~110 MB per 1,024-row prefill chunk at the released geometry). By default the
   // pool hands memory back to the driver at every synchronisation, so each prefill chunk would map it

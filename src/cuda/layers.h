@@ -47,6 +47,28 @@ void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int 
 bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H,
                         const float* scale, float eps, float* out, int rows, cudaStream_t stream);
 
+// The whole mix of one row (spec §4) in one kernel (cuda/hc_mix.cu): with o, first the deferred
+// combine R_s += o w_in_s (R is updated); then X = the grouped input norm of R, d = silu(down X / S),
+// w_out = 2 sigmoid(inject X / S) when inject has rows, and u = Σ_s sigmoid(up d)_s ⊙ X_s / S, with
+// u's v4 fragments and group sums when frag is set (cuda/ops.h Tc4Frags, one vector). False (nothing
+// launched) when the matrices are not 4-bit in groups of 64 x 2^k, H or the low rank is not a
+// multiple of 64, the scratch is short, or CK_HC_FUSED=0: then the unfused kernels run.
+struct HcMixArgs {
+  float* R = nullptr;                                     // (S * H) wide residual, one row
+  const float* o = nullptr; const float* w_in = nullptr;  // the deferred combine, or o = nullptr
+  const float* norm = nullptr; float eps = 0.0f;          // hc_norm (S * H)
+  DMatrix down, up, inject;                               // inject.rows == 0: no injection head
+  float* w_out = nullptr;                                 // (inject.rows)
+  float* u = nullptr;                                     // (H)
+  uint2* frag = nullptr; float* gsum = nullptr;           // u's fragments, or nullptr
+  int S = 0, H = 0;
+  float* scratch = nullptr; size_t scratch_floats = 0;    // hc_mix_scratch_floats(S, H, low rank)
+  unsigned* barrier = nullptr;                            // 64 words, zero before the first call
+};
+bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream);
+size_t hc_mix_scratch_floats(int S, int H, int lowrank);
+void hc_mix_init();  // kernel attributes (init_kernels calls it)
+
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;
 // the history (K-1, C) shifts per row; with sp->snap the history after row r < rows-1 goes to
 // snaps + r * snap_stride.

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "cuda/common.h"
+#include "cuda/dmatrix.h"
 
 namespace ck::cuda {
 
@@ -69,6 +70,144 @@ __device__ __forceinline__ uint2 tc4_frag_elem(const float* xg, int ldx, int nx,
 __device__ __forceinline__ float tc4_group_sum(const float* xg) {
   const int lane = threadIdx.x & 31;
   return warp_sum(xg[lane] + xg[lane + 32]);
+}
+
+__device__ __forceinline__ float load_scale_elem(const uint8_t* base, size_t i, uint8_t kind) {
+  if (kind == static_cast<uint8_t>(WKind::F32)) return reinterpret_cast<const float*>(base)[i];
+  const uint16_t h = reinterpret_cast<const uint16_t*>(base)[i];
+  return kind == static_cast<uint8_t>(WKind::BF16) ? bf16_bits_to_float(h) : f16_bits_to_float(h);
+}
+
+// Rows g and g+8 of a 16-row tile of a 4-bit matrix as the v4 kernels read them per 64-code group:
+// the lane's 8 code bytes of each row, and each row's scale and bias (a scale group spans 2^gshift
+// 64-code groups; the launches check the group is 64 times a power of two). BF16S: bf16 scales (the
+// checkpoints' form) are read without the per-load kind switch. Per group this is 2 code loads and
+// 4 scale loads with 32-bit indices: the loop is instruction-bound at one activation row (Nsight
+// Compute: ~190 instructions per warp and group with a division and 64-bit index math per group).
+template <bool BF16S, int BITS = 4>
+struct Tc4Rows {
+  static constexpr int kGroupBytes = 8 * BITS;  // one row's 64 codes
+  const uint8_t* pa;
+  const uint8_t* pb;
+  const uint8_t* scales;
+  const uint8_t* biases;
+  uint32_t sa0, sb0;  // element index of group 0's scale and bias for each row
+  int gshift;
+  uint8_t sk;
+  __device__ __forceinline__ void init(const DMatrix& w, int ra, int rb, int t) {
+    const size_t row_bytes = static_cast<size_t>(w.cols) * BITS / 8;
+    const uint32_t n_groups = static_cast<uint32_t>(w.cols / w.fmt.group);
+    pa = w.data + ra * row_bytes + 2 * BITS * t;  // lane t's 16 codes: 8 bytes at 4 bits, 16 at 8
+    pb = w.data + rb * row_bytes + 2 * BITS * t;
+    scales = w.scales;
+    biases = w.biases;
+    sa0 = static_cast<uint32_t>(ra) * n_groups;
+    sb0 = static_cast<uint32_t>(rb) * n_groups;
+    gshift = __ffs(w.fmt.group / 64) - 1;
+    sk = w.fmt.scale_kind;
+  }
+  // Asks L2 for groups [G0, G1) of both rows' codes and the lines of their scales and biases (lanes
+  // t == 0). For a kernel's prologue before pdl_begin(): weights never change, so this overlaps the
+  // kernel before (docs/roofline-cuda.md, "Fifth session").
+  __device__ __forceinline__ void prefetch(int G0, int G1, int t) const {
+    if (t != 0 || G1 <= G0) return;
+    const uint32_t bytes = static_cast<uint32_t>(G1 - G0) * kGroupBytes;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pa + G0 * kGroupBytes), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pb + G0 * kGroupBytes), "r"(bytes) : "memory");
+    const uint32_t es = sk == static_cast<uint8_t>(WKind::F32) ? 4 : 2, sg = static_cast<uint32_t>(G0) >> gshift;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + (sa0 + sg) * es) : "memory");
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(biases + (sa0 + sg) * es) : "memory");
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + (sb0 + sg) * es) : "memory");
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(biases + (sb0 + sg) * es) : "memory");
+  }
+  __device__ __forceinline__ float elem(const uint8_t* base, uint32_t i) const {
+    if constexpr (BF16S) return bf16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(base) + i));
+    else return load_scale_elem(base, i, sk);
+  }
+  __device__ __forceinline__ void scales_of(int G, float& sa, float& ba, float& sb, float& bb) const {
+    const uint32_t sg = static_cast<uint32_t>(G) >> gshift;
+    sa = elem(scales, sa0 + sg);
+    ba = elem(biases, sa0 + sg);
+    sb = elem(scales, sb0 + sg);
+    bb = elem(biases, sb0 + sg);
+  }
+  __device__ __forceinline__ void load(int G, uint2& wa, uint2& wb, float& sa, float& ba, float& sb, float& bb) const {
+    static_assert(BITS == 4, "4-bit codes");
+    wa = __ldg(reinterpret_cast<const uint2*>(pa + G * kGroupBytes));
+    wb = __ldg(reinterpret_cast<const uint2*>(pb + G * kGroupBytes));
+    scales_of(G, sa, ba, sb, bb);
+  }
+  __device__ __forceinline__ void load(int G, uint4& wa, uint4& wb, float& sa, float& ba, float& sb, float& bb) const {
+    static_assert(BITS == 8, "8-bit codes");
+    wa = __ldg(reinterpret_cast<const uint4*>(pa + G * kGroupBytes));
+    wb = __ldg(reinterpret_cast<const uint4*>(pb + G * kGroupBytes));
+    scales_of(G, sa, ba, sb, bb);
+  }
+};
+
+// Part p (0 hi, 1 mid, 2 lo; see bf16_part) of a and b as one bf16x2, without branches: lanes of one
+// warp ask for different parts.
+__device__ __forceinline__ uint32_t bf16_part_pair(float a, float b, int p) {
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(a, b);
+  const float2 hf = __bfloat1622float2(hi);
+  const float a1 = a - hf.x, b1 = b - hf.y;
+  const __nv_bfloat162 mid = __floats2bfloat162_rn(a1, b1);
+  const float2 mf = __bfloat1622float2(mid);
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(a1 - mf.x, b1 - mf.y);
+  const __nv_bfloat162 r = p == 0 ? hi : p == 1 ? mid : lo;
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// One activation row's B fragments of one 64-code group, as the kernels that build them in shared
+// memory lay them out (gemv_tc4_one_kernel, hc_mix_row_kernel): lane (g, t) holds x[16t, 16t + 16)
+// of the group in q; lanes g = 0, 1, 2 store the hi, mid and lo parts (MMA columns 0-2), the other
+// lanes zero columns; step s of the group at f[32 s + lane]. Step s's pairs: A = (x[c], x[c+4]),
+// B = (x[c+1], x[c+5]) at c = 16t + {0, 2, 8, 10}. Returns Σ x of the group on every lane (the
+// lane's 16 in one fixed order, then over t): the bias term's factor.
+__device__ __forceinline__ float tc4_one_frag(const float4 (&q)[4], uint2* f) {
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+  const int p = g < 3 ? g : 0;             // the x part this lane's MMA column carries (hi, mid, lo)
+  const uint32_t keep = g < 3 ? ~0u : 0u;  // columns 3-7 are zero
+  float gs = ((q[0].x + q[0].y) + (q[0].z + q[0].w)) + ((q[1].x + q[1].y) + (q[1].z + q[1].w)) +
+             (((q[2].x + q[2].y) + (q[2].z + q[2].w)) + ((q[3].x + q[3].y) + (q[3].z + q[3].w)));
+  gs += __shfl_xor_sync(0xffffffffu, gs, 1);
+  gs += __shfl_xor_sync(0xffffffffu, gs, 2);
+  f += lane;
+  f[0] = make_uint2(bf16_part_pair(q[0].x, q[1].x, p) & keep, bf16_part_pair(q[0].y, q[1].y, p) & keep);
+  f[32] = make_uint2(bf16_part_pair(q[0].z, q[1].z, p) & keep, bf16_part_pair(q[0].w, q[1].w, p) & keep);
+  f[64] = make_uint2(bf16_part_pair(q[2].x, q[3].x, p) & keep, bf16_part_pair(q[2].y, q[3].y, p) & keep);
+  f[96] = make_uint2(bf16_part_pair(q[2].z, q[3].z, p) & keep, bf16_part_pair(q[2].w, q[3].w, p) & keep);
+  return gs;
+}
+
+// One 64-code group of a one-row tile against fragments from tc4_one_frag, its codes and scales
+// already loaded (Tc4Rows::load; f: the group's base plus the lane; xs: the group's Σ x on lanes
+// t == 0, zero on the others): acc += s Σ q x + b Σ x for rows g (acc[0..1]) and g + 8 (acc[2..3]),
+// columns 2t and 2t + 1.
+__device__ __forceinline__ void tc4_one_mma(const uint2& wa, const uint2& wb, float sa, float ba, float sb, float bb,
+                                            const uint2* f, float xs, float (&acc)[4]) {
+  float d[4] = {};  // the group's Σ q x, fresh per group
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
+    const int i0 = 2 * (s & 1);
+    const uint2 bf = f[32 * s];
+    mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), bf.x, bf.y);
+  }
+  acc[0] = fmaf(sa, d[0], fmaf(ba, xs, acc[0]));
+  acc[1] = fmaf(sa, d[1], acc[1]);
+  acc[2] = fmaf(sb, d[2], fmaf(bb, xs, acc[2]));
+  acc[3] = fmaf(sb, d[3], acc[3]);
+}
+
+// tc4_one_mma with the group's loads.
+template <bool BF16S>
+__device__ __forceinline__ void tc4_one_group(const Tc4Rows<BF16S, 4>& tr, int G, const uint2* f, float xs,
+                                              float (&acc)[4]) {
+  float sa, ba, sb, bb;
+  uint2 wa, wb;
+  tr.load(G, wa, wb, sa, ba, sb, bb);
+  tc4_one_mma(wa, wb, sa, ba, sb, bb, f, xs, acc);
 }
 
 }  // namespace ck::cuda

@@ -302,6 +302,9 @@ struct Session::Buffers {
   // what u holds now (nothing after a prefill chunk's mix).
   uint2* ufrag = nullptr;
   float* ugsum = nullptr;
+  float* hc_scratch = nullptr;  // hc_mix_row's partial products, one row
+  size_t hc_scratch_n = 0;
+  unsigned* hc_barrier = nullptr;
   Tc4Frags ufr;
   int32_t* argmax = nullptr;
   // MTP head (one row): its StepParams, the embedding row e, N1(e), fe, the input hidden and its norm,
@@ -342,6 +345,9 @@ Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
     const int64_t groups = H / 64;
     b.ufrag = reinterpret_cast<uint2*>(fbuf(kMaxRows * groups * 128 * 2));
     b.ugsum = fbuf(kMaxRows * groups * 8);
+    b.hc_scratch_n = hc_mix_scratch_floats(S, H, c.hc_lowrank);
+    b.hc_scratch = fbuf(static_cast<int64_t>(b.hc_scratch_n));
+    b.hc_barrier = reinterpret_cast<unsigned*>(fbuf(64));  // zeroed by fbuf
   }
   b.gx = fbuf(R * b.ldC); b.gz = fbuf(R * b.ldVd); b.gb = fbuf(R * b.ldNV); b.ga = fbuf(R * b.ldNV);
   b.gy = fbuf(R * b.ldC); b.go = fbuf(R * b.ldVd);
@@ -450,6 +456,36 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   Buffers& b = *b_;
   const int H = c.hidden_size, S = c.hc_count, W = c.wide();
   const float eps = static_cast<float>(c.rms_norm_eps);
+  if (rows == 1 && (!pending_combine_ || pending_combine_->rows == 1)) {  // one kernel (cuda/hc_mix.cu)
+    HcMixArgs a;
+    a.R = b.R;
+    if (pending_combine_) {
+      a.o = pending_combine_->o;
+      a.w_in = pending_combine_->w;
+    }
+    a.norm = hc.norm;
+    a.eps = eps;
+    a.down = hc.down;
+    a.up = hc.up;
+    if (w) a.inject = hc.inject;
+    a.w_out = w;
+    a.u = u;
+    const bool frags = u == b.u && b.ufrag;
+    if (frags) {
+      a.frag = b.ufrag;
+      a.gsum = b.ugsum;
+    }
+    a.S = S;
+    a.H = H;
+    a.scratch = b.hc_scratch;
+    a.scratch_floats = b.hc_scratch_n;
+    a.barrier = b.hc_barrier;
+    if (hc_mix_row(a, stream_)) {
+      pending_combine_.reset();
+      if (u == b.u) b.ufr = frags ? Tc4Frags{b.u, static_cast<int>(b.ldH), rows, H / 64, b.ufrag, b.ugsum} : Tc4Frags{};
+      return;
+    }
+  }
   if (pending_combine_ && pending_combine_->rows == rows &&
       hc_combine_rmsnorm(b.R, b.ldW, pending_combine_->o, b.ldH, pending_combine_->w, b.ldS, S, H, hc.norm, eps, b.X,
                          rows, stream_)) {

@@ -706,6 +706,29 @@ std::vector<Geometry> geometries() {
     g.opt.ngram = WeightForm{DType::BF16};
     gs.push_back(g);
   }
+  {
+    // Every mix matrix 4-bit in groups of 64 with H and the low rank multiples of 64: one-row mixes take
+    // the fused kernel (cuda/hc_mix.cu): 20 one-group chunks of the wide input, u in 5 groups.
+    Geometry g{"q4g64 H320 hc4 low rank 64 (fused one-row mix)", base_config(), {}};
+    ModelConfig& c = g.cfg;
+    c.vocab_size = 256; c.hidden_size = 320; c.hc_count = 4; c.hc_lowrank = 64;
+    c.num_hidden_layers = 3;
+    c.layer_types = {LayerKind::LinearAttention, LayerKind::SparseAttention, LayerKind::LinearAttention};
+    c.num_attention_heads = 4; c.num_key_value_heads = 2; c.head_dim = 64; c.partial_rotary_factor = 0.5;
+    c.rope_theta = 1e6;
+    c.indexer_n_heads = 2; c.indexer_head_dim = 64; c.indexer_budget = 12; c.indexer_compress_ratio = 3;
+    c.linear_conv_kernel_dim = 4; c.linear_key_head_dim = 32; c.linear_value_head_dim = 32;
+    c.linear_num_key_heads = 2; c.linear_num_value_heads = 4; c.output_gate_type = "sigmoid";
+    c.num_experts = 16; c.num_experts_per_tok = 4; c.norm_topk_prob = true;
+    c.moe_intermediate_size = 128; c.shared_expert_intermediate_size = 128;
+    c.ple_layer_ids = {1}; c.ple_embed_dim = 64; c.ple_conv_kernel_size = 4; c.ngram_size = 3; c.heads_per_ngram = 2;
+    c.ngram_vocab_size_base = 60; c.eos_token_ids = {3};
+    g.opt.dense = WeightForm{DType::U32, 4, 64, DType::BF16};
+    g.opt.router = WeightForm{DType::U32, 8, 64, DType::BF16};
+    g.opt.experts = WeightForm{DType::U32, 4, 64, DType::BF16};
+    g.opt.ngram = WeightForm{DType::U32, 4, 64, DType::BF16};
+    gs.push_back(g);
+  }
   return gs;
 }
 

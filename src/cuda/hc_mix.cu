@@ -1,0 +1,353 @@
+// The hyper-connection mix of one decode row in one kernel (spec §4): the deferred combine, the grouped
+// input norm, the low-rank down projection with the injection head, silu, the up projection, sigmoid
+// and the mean over the streams, plus the v4 fragments of u for the projections that read it.
+//
+// Why: at one row these were four kernels per mix (combine + norm, down, up, gate mean), each
+// latency-bound on ~1.6 MB matrices: 23.5 us of kernel time per mix in Nsight Compute, 33 mixes per
+// step of the 16-layer synthetic model. This kernel takes 18.1 us there (docs/performance.md,
+// "Seventh session", with the versions that were slower: one 16-block cluster, 27.8 us, too few SMs
+// to issue a mix's instructions; a second grid barrier; large unrolled code, whose instruction fetch
+// showed in every phase of a kernel that runs each piece of code once).
+//
+// Phases (one block per SM, all resident: the launch checks one block fits an SM, and under
+// programmatic dependent launch the next kernel is only scheduled once every block of this one runs):
+//  1. Block c takes chunk c of the wide input (cg 64-code groups inside one stream): it applies the
+//     deferred combine R += o w_s (and writes R back: each element has one owner), keeps x' = R n
+//     (n the norm's scale), its sum of squares, and y_c = down_c x'_c for every down and inject row
+//     (a warp's two tiles load together). The norm's 1 / rms is a per-stream factor, so it is applied
+//     to the chunks' products after the grid barrier: down X = Σ_c r_s(c) y_c.
+//  2. (grid barrier) Each block that has a group of u copies every chunk's y to shared memory in one
+//     round trip of 16-byte loads and makes all of d: Σ_c r_s(c) y_c in chunk order, silu(y / S), the
+//     same bits in every block; block 0 also writes the injection weights 2 sigmoid(y / S).
+//  3. Block b takes u's 64-group b: the up rows s H + 64 b + i for every stream, X_s,i = (R_s,i r_s)
+//     n_s,i (the CPU's norm formula), u_i = Σ_s sigmoid(g) X / S, and the group's v4 fragments.
+// Arithmetic: the v4 one-row form (mma_q4.cuh: codes exact in bf16, x in three bf16 parts), the CPU's
+// formulas for combine, norm, sigmoid, silu and the gate mean, sums in a fixed order (deterministic).
+// The down product of the norm differs in rounding from the unfused kernels (r_s applied after the
+// product, not to X before it), within the parity tolerances against the CPU reference (tests/parity).
+#include <algorithm>
+#include <cstdlib>
+
+#include "cuda/common.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/layers.h"
+#include "cuda/mma_q4.cuh"
+
+namespace ck::cuda {
+namespace {
+
+constexpr int kHcThreads = 512, kHcWarps = kHcThreads / 32;
+constexpr int kHcMaxStreams = 8;
+constexpr int kHcMaxLowrank = 1024;
+constexpr int kHcMaxChunkGroups = 16;
+constexpr int kHcMaxInject = 16;
+constexpr int kHcMaxChunks = 256;
+constexpr int kHcMaxPartialBytes = 160 * 1024;  // dynamic shared memory for phase 2
+
+struct HcMixLaunch {
+  HcMixArgs a;
+  int W, lowrank;
+  int cg, n_chunks;      // chunks of cg groups (inside one stream), one per block in phase 1
+  int tiles_d, tiles_i;  // 16-row tiles of down and of inject
+  float* ss;             // [n_chunks] sums of squares of the combined R per chunk
+  float* part;           // [n_chunks][16 (tiles_d + tiles_i)] partial products ((hi + mid) + lo)
+  unsigned* bar;         // grid barrier: arrivals, generation
+};
+
+// All blocks of the grid meet here; writes before it are visible to reads after it (read other
+// blocks' data with __ldcg: L1 is not coherent). Sense by generation (bar[32], its own line): a block
+// reads the generation before it arrives (bar[0]); the last to arrive resets the count and then
+// advances the generation with release semantics; the others poll it with acquire loads.
+__device__ __forceinline__ void grid_barrier(unsigned* bar) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* gen = bar + 32;
+    unsigned g0, old, g;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(g0) : "l"(gen) : "memory");
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the block's writes (ordered by __syncthreads) first
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(bar) : "memory");
+    if (old == gridDim.x - 1) {
+      asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(bar) : "memory");
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(gen) : "memory");
+    } else {
+      do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(g) : "l"(gen) : "memory");
+      while (g == g0);
+    }
+  }
+  __syncthreads();
+}
+
+// L2 prefetch of the 128-byte lines of [p, p + bytes).
+__device__ __forceinline__ void prefetch_l2(const uint8_t* p, int bytes) {
+  for (int off = 0; off < bytes; off += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off) : "memory");
+}
+
+// The 16-row one-row tile at rows row0.. of m over groups [G0, G1) against fragments f (group G at
+// f + (G - G0) * 128) and group sums xg: the three column sums (hi, mid, lo) of rows g and g + 8 as
+// acc (tc4_one_group's layout). UNROLL groups' loads are issued together.
+template <bool BF16S, int UNROLL>
+__device__ __forceinline__ void hc_tile(const DMatrix& m, int row0, int G0, int G1, const uint2* f, const float* xg,
+                                        float (&acc)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  Tc4Rows<BF16S, 4> tr;
+  tr.init(m, min(row0 + g, static_cast<int>(m.rows) - 1), min(row0 + g + 8, static_cast<int>(m.rows) - 1), t);
+#pragma unroll UNROLL
+  for (int G = G0; G < G1; ++G)
+    tc4_one_group(tr, G, f + static_cast<size_t>(G - G0) * 128 + lane, t == 0 ? xg[G - G0] : 0.0f, acc);
+}
+
+// Two tiles (rows ra.. of ma, rb.. of mb) over the same groups, both tiles' loads of a group issued
+// before either's products: a warp's two tiles cost one memory round trip per group, not two.
+template <bool BF16S>
+__device__ __forceinline__ void hc_tile_pair(const DMatrix& ma, int ra, const DMatrix& mb, int rb, int G0, int G1,
+                                             const uint2* f, const float* xg, float (&acc_a)[4], float (&acc_b)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  Tc4Rows<BF16S, 4> ta, tb;
+  ta.init(ma, min(ra + g, static_cast<int>(ma.rows) - 1), min(ra + g + 8, static_cast<int>(ma.rows) - 1), t);
+  tb.init(mb, min(rb + g, static_cast<int>(mb.rows) - 1), min(rb + g + 8, static_cast<int>(mb.rows) - 1), t);
+  for (int G = G0; G < G1; ++G) {
+    uint2 wa0, wb0, wa1, wb1;
+    float s[8];
+    ta.load(G, wa0, wb0, s[0], s[1], s[2], s[3]);
+    tb.load(G, wa1, wb1, s[4], s[5], s[6], s[7]);
+    const uint2* fg = f + static_cast<size_t>(G - G0) * 128 + lane;
+    const float xs = t == 0 ? xg[G - G0] : 0.0f;
+    tc4_one_mma(wa0, wb0, s[0], s[1], s[2], s[3], fg, xs, acc_a);
+    tc4_one_mma(wa1, wb1, s[4], s[5], s[6], s[7], fg, xs, acc_b);
+  }
+}
+
+// Rows g and g + 8 of a tile, (hi + mid) + lo, on lanes t == 0 (columns 0-2 sit on lanes t = 0 and 1).
+__device__ __forceinline__ void hc_tile_rows(const float (&acc)[4], float& yg, float& yg8) {
+  const float lo0 = __shfl_down_sync(0xffffffffu, acc[0], 1), lo2 = __shfl_down_sync(0xffffffffu, acc[2], 1);
+  yg = (acc[0] + acc[1]) + lo0;
+  yg8 = (acc[2] + acc[3]) + lo2;
+}
+
+// Group fragments and Σ x from 64 floats of shared memory (one warp).
+__device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+  const float4* xp = reinterpret_cast<const float4*>(x64 + 16 * t);
+  const float4 q[4] = {xp[0], xp[1], xp[2], xp[3]};
+  const float s = tc4_one_frag(q, f);
+  if (lane == 0) *gs = s;
+}
+
+template <bool BF16S>
+__global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
+  __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
+  __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
+  __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
+  __shared__ float sss[kHcMaxChunks];
+  extern __shared__ __align__(16) float sp[];  // phase 2: every chunk's partial products
+  const HcMixArgs& a = L.a;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int S = a.S, H = a.H, lowrank = L.lowrank, cg = L.cg, td = L.tiles_d + L.tiles_i;
+  const int c = blockIdx.x;
+
+  // Weights never change: ask L2 for this block's shares (phases 1 and 2) while the kernel before runs.
+  if (c < L.n_chunks) {
+    const int G0 = c * cg;
+    for (int r = tid; r < a.down.rows + a.inject.rows; r += kHcThreads) {
+      const DMatrix& m = r < a.down.rows ? a.down : a.inject;
+      const int row = r < a.down.rows ? r : r - a.down.rows;
+      prefetch_l2(m.data + static_cast<size_t>(row) * (m.cols / 2) + G0 * 32, cg * 32);
+      const int gpr = m.cols / m.fmt.group, es = wkind_bytes(m.fmt.scale_kind), gshift = __ffs(m.fmt.group / 64) - 1;
+      const size_t si = (static_cast<size_t>(row) * gpr + (G0 >> gshift)) * es;
+      prefetch_l2(m.scales + si, es);
+      prefetch_l2(m.biases + si, es);
+    }
+  }
+  if (blockIdx.x < H / 64) {
+    const DMatrix& m = a.up;
+    const int gpr = m.cols / m.fmt.group, es = wkind_bytes(m.fmt.scale_kind);
+    for (int s = warp; s < S; s += kHcWarps) {  // a warp per stream: 64 contiguous rows
+      const size_t r0 = static_cast<size_t>(s) * H + 64 * blockIdx.x;
+      for (int off = 128 * lane; off < 64 * m.cols / 2; off += 32 * 128) prefetch_l2(m.data + r0 * (m.cols / 2) + off, 1);
+      for (int off = 128 * lane; off < 64 * gpr * es; off += 32 * 128) {
+        prefetch_l2(m.scales + r0 * gpr * es + off, 1);
+        prefetch_l2(m.biases + r0 * gpr * es + off, 1);
+      }
+    }
+  }
+  pdl_begin();  // R, o and w come from the kernels before
+
+  // 1. The chunk: combine, x' = R n, sum of squares, partial products of down and inject.
+  if (c < L.n_chunks) {
+    const int k0 = c * cg * 64, n = cg * 64, s = k0 / H;
+    float sq = 0.0f;
+    for (int e = tid; e < n; e += kHcThreads) {
+      const int k = k0 + e;
+      float v = a.R[k];
+      if (a.o) {
+        v = mul_add_rn(v, a.o[k - s * H], a.w_in[s]);
+        a.R[k] = v;
+      }
+      sq += v * v;
+      xs[e] = v * a.norm[k];
+    }
+    sq = block_sum(sq, scratch);  // synchronises: xs is complete
+    if (tid == 0) L.ss[c] = sq;
+    for (int G = warp; G < cg; G += kHcWarps) hc_frag(xs + 64 * G, frag + G * 128, xg + G);
+    __syncthreads();
+    // Tiles w and w + 16 of warp w together (td <= 2 kHcWarps, checked at launch).
+    for (int tile = warp; tile < td && tile < kHcWarps; tile += 2 * kHcWarps) {
+      const int tb = tile + kHcWarps < td ? tile + kHcWarps : tile;
+      auto mat = [&](int x) -> const DMatrix& { return x >= L.tiles_d ? a.inject : a.down; };
+      auto row = [&](int x) { return 16 * (x >= L.tiles_d ? x - L.tiles_d : x); };
+      float acc_a[4] = {}, acc_b[4] = {};
+      hc_tile_pair<BF16S>(mat(tile), row(tile), mat(tb), row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
+      float y0, y1;
+      hc_tile_rows(acc_a, y0, y1);
+      float* p = L.part + static_cast<size_t>(c) * td * 16;
+      if (t == 0) {
+        p[16 * tile + g] = y0;
+        p[16 * tile + g + 8] = y1;
+      }
+      hc_tile_rows(acc_b, y0, y1);
+      if (t == 0 && tb != tile) {
+        p[16 * tb + g] = y0;
+        p[16 * tb + g + 8] = y1;
+      }
+    }
+  }
+  grid_barrier(L.bar);
+
+  // 1 / rms per stream: its chunks' sums of squares in chunk order (every block, for phases 2 and 3).
+  const int cps = H / (64 * cg);  // chunks per stream
+  if (tid < L.n_chunks) sss[tid] = __ldcg(L.ss + tid);  // one round trip for all
+  __syncthreads();
+  if (tid < S) {
+    float tot = 0.0f;
+    for (int k = 0; k < cps; ++k) tot += sss[tid * cps + k];
+    rinv[tid] = 1.0f / sqrtf(tot / static_cast<float>(H) + a.eps);  // rmsnorm_wide_tail's formula
+  }
+  __syncthreads();
+
+  // 2. Rows j of down (and inject): Σ_c r_s(c) y_c in chunk order, then silu(y / S) (2 sigmoid(y / S)
+  // for inject). Every block that needs d makes all of it (the same bits everywhere): cheaper than a
+  // second grid barrier. The partials come to shared memory in one round trip of 16-byte loads.
+  const int ngd = lowrank / 64;
+  if (static_cast<int>(blockIdx.x) < H / 64) {
+    const int n4 = L.n_chunks * td * 4;
+    const float4* src = reinterpret_cast<const float4*>(L.part);
+    float4* dst = reinterpret_cast<float4*>(sp);
+#pragma unroll 4
+    for (int e = tid; e < n4; e += kHcThreads) dst[e] = __ldcg(src + e);
+    __syncthreads();
+    for (int j = tid; j < 16 * td; j += kHcThreads) {
+      float v = 0.0f;
+#pragma unroll 1
+      for (int s = 0, k = 0; s < S; ++s)
+        for (int e = 0; e < cps; ++e, ++k) v += sp[k * td * 16 + j] * rinv[s];
+      if (j < lowrank) xs[j] = apply_epilogue(v, Epilogue::SiluDiv, static_cast<float>(S));  // trap 4: divide first
+      else if (blockIdx.x == 0 && j >= 16 * L.tiles_d && j - 16 * L.tiles_d < a.inject.rows)
+        a.w_out[j - 16 * L.tiles_d] = apply_epilogue(v, Epilogue::TwoSigmoidDiv, static_cast<float>(S));
+    }
+    __syncthreads();
+    for (int G = warp; G < ngd; G += kHcWarps) hc_frag(xs + 64 * G, frag + G * 128, xg + G);
+    __syncthreads();
+  }
+  for (int b = blockIdx.x; b < H / 64; b += gridDim.x) {
+    for (int it = warp; it < 4 * S; it += kHcWarps) {  // (stream, 16-row tile)
+      const int s = it >> 2, r0 = 16 * (it & 3);
+      float acc[4] = {};
+      hc_tile<BF16S, 2>(a.up, s * H + 64 * b + r0, 0, ngd, frag, xg, acc);
+      float y0, y1;
+      hc_tile_rows(acc, y0, y1);
+      if (t == 0) {
+        gl[s][r0 + g] = y0;
+        gl[s][r0 + g + 8] = y1;
+      }
+    }
+    __syncthreads();
+    if (tid < 64) {  // hc_gate_mean_kernel's order
+      const int i = 64 * b + tid;
+      float acc = 0.0f;
+      for (int s = 0; s < S; ++s) {
+        const int k = s * H + i;
+        const float x = (__ldcg(a.R + k) * rinv[s]) * a.norm[k];
+        acc = mul_add_rn(acc, sigmoidf_(gl[s][tid]), x);
+      }
+      const float v = acc / static_cast<float>(S);
+      a.u[i] = v;
+      su[tid] = v;
+    }
+    if (a.frag) {  // u's v4 fragments and group sum (hc_gate_mean_kernel<true>'s layout and rounding)
+      __syncthreads();
+      for (int e = tid; e < 128; e += kHcThreads) a.frag[static_cast<size_t>(b) * 128 + e] = tc4_frag_elem<1>(su, 64, 1, e);
+      if (warp == 0) {
+        const float s = tc4_group_sum(su);
+        if (lane < 8) a.gsum[b * 8 + lane] = lane == 0 ? s : 0.0f;
+      }
+    }
+    __syncthreads();  // gl and su are reused by the next group
+  }
+}
+
+bool q4_suits(const DMatrix& m, int64_t rows, int64_t cols) {
+  const int gpg = m.fmt.group / 64;
+  return m.quantized() && m.fmt.bits == 4 && m.fmt.group % 64 == 0 && (gpg & (gpg - 1)) == 0 && m.rows == rows &&
+         m.cols == cols;
+}
+
+}  // namespace
+
+void hc_mix_init() {
+  for (auto k : {hc_mix_row_kernel<true>, hc_mix_row_kernel<false>})
+    CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kHcMaxPartialBytes));
+}
+
+size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
+  const size_t chunks = static_cast<size_t>(S) * H / 64;  // at most: chunks of one group
+  return chunks * (lowrank + kHcMaxInject) + chunks;
+}
+
+bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
+  static const bool on = !env_is("CK_HC_FUSED", "0");
+  static const int blocks = [] {  // one block per SM, if one fits
+    int n = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, hc_mix_row_kernel<true>, kHcThreads, kHcMaxPartialBytes) == cudaSuccess &&
+                   n >= 1
+               ? sm_count()
+               : 0;
+  }();
+  if (!on || blocks == 0 || !a.scratch || !a.barrier || a.S < 1 || a.S > kHcMaxStreams || a.H % 64 != 0) return false;
+  const int W = a.S * a.H, lowrank = static_cast<int>(a.down.rows);
+  if (lowrank % 64 != 0 || lowrank > kHcMaxLowrank || !q4_suits(a.down, lowrank, W) || !q4_suits(a.up, W, lowrank) ||
+      (a.inject.rows > 0 && (!q4_suits(a.inject, a.inject.rows, W) || a.inject.rows > kHcMaxInject)))
+    return false;
+  if (a.scratch_floats < hc_mix_scratch_floats(a.S, a.H, lowrank)) return false;
+  HcMixLaunch L;
+  L.a = a;
+  L.W = W;
+  L.lowrank = lowrank;
+  // The fewest groups per chunk (a divisor of a stream's groups) that leave a chunk per block.
+  const int gps = a.H / 64;
+  L.cg = gps;
+  for (int d = 1; d <= gps; ++d)
+    if (gps % d == 0 && a.S * (gps / d) <= blocks) {
+      L.cg = d;
+      break;
+    }
+  if (L.cg > kHcMaxChunkGroups) return false;
+  L.n_chunks = a.S * gps / L.cg;
+  if (L.n_chunks > blocks) return false;
+  L.tiles_d = lowrank / 16;
+  L.tiles_i = static_cast<int>(ceil_div(a.inject.rows, 16));
+  if (L.tiles_d + L.tiles_i > 2 * kHcWarps || L.n_chunks > kHcMaxChunks) return false;
+  const size_t part_bytes = sizeof(float) * L.n_chunks * (L.tiles_d + L.tiles_i) * 16;
+  if (part_bytes > kHcMaxPartialBytes) return false;
+  L.part = a.scratch;  // 256-byte aligned (cudaMalloc): phase 2 reads it in 16-byte loads
+  L.ss = L.part + L.n_chunks * (L.tiles_d + L.tiles_i) * 16;
+  L.bar = a.barrier;
+  const bool bf16s = a.down.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16) &&
+                     a.up.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16) &&
+                     (a.inject.rows == 0 || a.inject.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16));
+  const dim3 grid(static_cast<unsigned>(blocks));
+  if (bf16s) launch(hc_mix_row_kernel<true>, grid, kHcThreads, part_bytes, stream, L);
+  else launch(hc_mix_row_kernel<false>, grid, kHcThreads, part_bytes, stream, L);
+  return true;
+}
+
+}  // namespace ck::cuda
