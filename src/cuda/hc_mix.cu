@@ -70,8 +70,16 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar) {
       asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(bar) : "memory");
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(gen) : "memory");
     } else {
-      do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(g) : "l"(gen) : "memory");
-      while (g == g0);
+      // A wait of seconds means some block never became resident (the launch's occupancy check
+      // failed to hold, e.g. under MPS with fewer SMs): trap, so the step fails with a CUDA error
+      // instead of hanging.
+      uint64_t t0, now;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+      do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(g) : "l"(gen) : "memory");
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - t0 > 2000000000ull) __trap();
+      } while (g == g0);
     }
   }
   __syncthreads();
