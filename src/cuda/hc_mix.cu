@@ -25,9 +25,6 @@
 // formulas for combine, norm, sigmoid, silu and the gate mean, sums in a fixed order (deterministic).
 // The down product of the norm differs in rounding from the unfused kernels (r_s applied after the
 // product, not to X before it), within the parity tolerances against the CPU reference (tests/parity).
-#include <algorithm>
-#include <cstdlib>
-
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/layers.h"
@@ -46,12 +43,12 @@ constexpr int kHcMaxPartialBytes = 160 * 1024;  // dynamic shared memory for pha
 
 struct HcMixLaunch {
   HcMixArgs a;
-  int W, lowrank;
+  int lowrank;
   int cg, n_chunks;      // chunks of cg groups (inside one stream), one per block in phase 1
   int tiles_d, tiles_i;  // 16-row tiles of down and of inject
   float* ss;             // [n_chunks] sums of squares of the combined R per chunk
   float* part;           // [n_chunks][16 (tiles_d + tiles_i)] partial products ((hi + mid) + lo)
-  unsigned* bar;         // grid barrier: arrivals, generation
+  unsigned* bar;         // grid barrier: arrivals (bar[0]), generation (bar[32])
 };
 
 // All blocks of the grid meet here; writes before it are visible to reads after it (read other
@@ -153,7 +150,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   const int S = a.S, H = a.H, lowrank = L.lowrank, cg = L.cg, td = L.tiles_d + L.tiles_i;
   const int c = blockIdx.x;
 
-  // Weights never change: ask L2 for this block's shares (phases 1 and 2) while the kernel before runs.
+  // Weights never change: ask L2 for this block's shares (phases 1 and 3) while the kernel before runs.
   if (c < L.n_chunks) {
     const int G0 = c * cg;
     for (int r = tid; r < a.down.rows + a.inject.rows; r += kHcThreads) {
@@ -328,7 +325,6 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   if (a.scratch_floats < hc_mix_scratch_floats(a.S, a.H, lowrank)) return false;
   HcMixLaunch L;
   L.a = a;
-  L.W = W;
   L.lowrank = lowrank;
   // The fewest groups per chunk (a divisor of a stream's groups) that leave a chunk per block.
   const int gps = a.H / 64;

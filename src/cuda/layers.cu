@@ -937,6 +937,21 @@ __host__ __device__ inline int attn_cap4(const AttnArgs& a) { return ((a.block_t
 
 // grid (nkv * chunks, rows), block 256, dynamic shared memory (1 + heads per block) * cap4 * 4 bytes.
 // Needs hd % 8 == 0 and hd <= 256 (a lane's 8 dimensions of a key row as two float4).
+// One step of a transposing warp sum of 2 STEP values per lane: the lanes with bit STEP set keep the
+// upper half, the others the lower, each adding its partner's copy of the half it keeps; then the
+// next step on the kept half. After STEP = 16 .. 1, lane l holds the warp's sum of value l.
+template <int STEP>
+__device__ __forceinline__ void transpose_sum(float (&v)[32], int lane) {
+  const bool upper = (lane & STEP) != 0;
+#pragma unroll
+  for (int i = 0; i < STEP; ++i) {
+    const float send = upper ? v[i] : v[i + STEP], keep = upper ? v[i + STEP] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, STEP);
+  }
+  if constexpr (STEP > 1) transpose_sum<STEP / 2>(v, lane);
+}
+
+template <bool BUTTERFLY>
 __global__ void __launch_bounds__(256) attn_heads_kernel(const AttnArgs a, const StepParams* sp) {
   pdl_begin();
   extern __shared__ float smem[];
@@ -979,17 +994,38 @@ __global__ void __launch_bounds__(256) attn_heads_kernel(const AttnArgs a, const
         k[u][0] = lo.x; k[u][1] = lo.y; k[u][2] = lo.z; k[u][3] = lo.w;
         k[u][4] = hi.x; k[u][5] = hi.y; k[u][6] = hi.z; k[u][7] = hi.w;
       }
+    if constexpr (BUTTERFLY) {
+      // The KU x MAXH partial dots (value u * MAXH + h) summed over the warp by a transposing
+      // butterfly: at each step a lane keeps half of its values and adds its partner's copy of that
+      // half, so 16 + 8 + 4 + 2 + 1 = 31 shuffles give all 32 sums (a warp_sum per dot took 5 each:
+      // 120 for 6 heads). Lane l ends with value l. Absent heads and keys are zeros.
+      static_assert(KU * MAXH == 32, "one value per lane");
+      float v[32];
 #pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      if (jb + u >= m) break;  // uniform
+      for (int u = 0; u < KU; ++u)
 #pragma unroll
-      for (int h = 0; h < MAXH; ++h) {
-        if (h >= nhb) break;  // uniform
-        float dot = 0.0f;
+        for (int h = 0; h < MAXH; ++h) {
+          float dot = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) dot = fmaf(q[h][i], k[u][i], dot);
-        dot = warp_sum(dot);
-        if (lane == 0) p[h * cap4 + jb + u] = dot * scale;
+          for (int i = 0; i < 8; ++i) dot = fmaf(q[h][i], k[u][i], dot);
+          v[u * MAXH + h] = dot;
+        }
+      transpose_sum<16>(v, lane);
+      const int u = lane / MAXH, h = lane % MAXH;
+      if (h < nhb && jb + u < m) p[h * cap4 + jb + u] = v[0] * scale;
+    } else {
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        if (jb + u >= m) break;  // uniform
+#pragma unroll
+        for (int h = 0; h < MAXH; ++h) {
+          if (h >= nhb) break;  // uniform
+          float dot = 0.0f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dot = fmaf(q[h][i], k[u][i], dot);
+          dot = warp_sum(dot);
+          if (lane == 0) p[h * cap4 + jb + u] = dot * scale;
+        }
       }
     }
   }
@@ -1192,7 +1228,8 @@ void init_kernels() {
   CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(gdn_scan_smem(kGdnChunkMaxDim))));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
 }
 
 std::vector<float> rope_inv_freq(int rot_dim, double theta) {
@@ -1312,7 +1349,11 @@ void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t s
   const int hpg = a.nh / a.nkv;
   const size_t heads_smem = static_cast<size_t>(1 + attn_heads_per_block(hpg)) * attn_cap4(a) * sizeof(float);
   if (heads_on && rows > kMaxRows && a.hd % 8 == 0 && a.hd <= 256 && heads_smem <= 200 * 1024) {
-    launch(attn_heads_kernel, dim3(a.nkv * attn_heads_chunks(hpg), rows), 256, heads_smem, stream, a, sp);
+    // CK_ATTN_BUTTERFLY=0: one warp sum per dot product (the sixth session's kernel).
+    static const bool butterfly = !env_is("CK_ATTN_BUTTERFLY", "0");
+    const dim3 grid(static_cast<unsigned>(a.nkv * attn_heads_chunks(hpg)), static_cast<unsigned>(rows));
+    if (butterfly) launch(attn_heads_kernel<true>, grid, 256, heads_smem, stream, a, sp);
+    else launch(attn_heads_kernel<false>, grid, 256, heads_smem, stream, a, sp);
   } else {
     launch(attn_decode_kernel, dim3(a.nh, rows), 256, dec_smem, stream, a, sp);
   }
