@@ -41,7 +41,6 @@ __device__ __forceinline__ float dmatrix_elem(const DMatrix& m, int64_t r, int64
 // acc + a * b with two roundings, as the CPU reference adds products (no FMA contraction).
 __device__ __forceinline__ float mul_add_rn(float acc, float a, float b) { return __fadd_rn(acc, __fmul_rn(a, b)); }
 
-// What a GEMV or GEMM applies to each output before it is stored (ops.h Epilogue; `d` is the divisor).
 // Asynchronous copies global -> shared (sm_80+): 16 bytes (bypassing L1) or 4 bytes, grouped by
 // cp_async_commit; cp_async_wait<N> waits until at most N committed groups are still in flight.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -56,6 +55,7 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// What a GEMV or GEMM applies to each output before it is stored (ops.h Epilogue; `d` is the divisor).
 __device__ __forceinline__ float apply_epilogue(float y, Epilogue e, float d) {
   switch (e) {
     case Epilogue::SiluDiv: return siluf_(y / d);

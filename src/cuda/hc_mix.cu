@@ -195,7 +195,9 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     if (tid == 0) L.ss[c] = sq;
     for (int G = warp; G < cg; G += kHcWarps) hc_frag(xs + 64 * G, frag + G * 128, xg + G);
     __syncthreads();
-    // Tiles w and w + 16 of warp w together (td <= 2 kHcWarps, checked at launch).
+    // Tiles w and w + 16 of warp w together (td <= 2 kHcWarps, checked at launch). A warp with one
+    // tile runs the pair on it twice and stores it once: a one-tile branch would add code to a kernel
+    // whose instruction fetch shows (not measured; docs/performance.md "Seventh session").
     for (int tile = warp; tile < td && tile < kHcWarps; tile += 2 * kHcWarps) {
       const int tb = tile + kHcWarps < td ? tile + kHcWarps : tile;
       auto mat = [&](int x) -> const DMatrix& { return x >= L.tiles_d ? a.inject : a.down; };
@@ -290,11 +292,9 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   }
 }
 
-bool q4_suits(const DMatrix& m, int64_t rows, int64_t cols) {
-  const int gpg = m.fmt.group / 64;
-  return m.quantized() && m.fmt.bits == 4 && m.fmt.group % 64 == 0 && (gpg & (gpg - 1)) == 0 && m.rows == rows &&
-         m.cols == cols;
-}
+// 4-bit codes in groups of 64 x 2^k (ops.h expert_q4_ok: Tc4Rows finds a scale group by a shift), of
+// the given shape.
+bool q4_suits(const DMatrix& m, int64_t rows, int64_t cols) { return expert_q4_ok(m) && m.rows == rows && m.cols == cols; }
 
 }  // namespace
 

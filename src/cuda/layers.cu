@@ -935,8 +935,6 @@ __host__ __device__ inline int attn_heads_per_block(int hpg) {
 // Selectable keys rounded up to 4 (float4 reads of the weights).
 __host__ __device__ inline int attn_cap4(const AttnArgs& a) { return ((a.block_topk + 1) * a.cr - 1 + 3) & ~3; }
 
-// grid (nkv * chunks, rows), block 256, dynamic shared memory (1 + heads per block) * cap4 * 4 bytes.
-// Needs hd % 8 == 0 and hd <= 256 (a lane's 8 dimensions of a key row as two float4).
 // One step of a transposing warp sum of 2 STEP values per lane: the lanes with bit STEP set keep the
 // upper half, the others the lower, each adding its partner's copy of the half it keeps; then the
 // next step on the kept half. After STEP = 16 .. 1, lane l holds the warp's sum of value l.
@@ -951,6 +949,8 @@ __device__ __forceinline__ void transpose_sum(float (&v)[32], int lane) {
   if constexpr (STEP > 1) transpose_sum<STEP / 2>(v, lane);
 }
 
+// grid (nkv * chunks, rows), block 256, dynamic shared memory (1 + heads per block) * cap4 * 4 bytes.
+// Needs hd % 8 == 0 and hd <= 256 (a lane's 8 dimensions of a key row as two float4).
 template <bool BUTTERFLY>
 __global__ void __launch_bounds__(256) attn_heads_kernel(const AttnArgs a, const StepParams* sp) {
   pdl_begin();
