@@ -6,9 +6,11 @@
 // Schedules (docs/roofline-cuda.md):
 //  v4 (4-bit codes, MLX groups of 64 x 2^k): the tensor cores. One activation row: 4- and 8-bit codes
 //     of matrices up to kTcInWarpMax tiles x groups go to gemv_tc4_one_kernel (fragments built in the
-//     block, K split over a thread-block cluster: one launch), larger ones (the LM head, in_proj) to a
-//     fragment kernel plus gemv_tc4_kernel; 2-8 rows of tall 4-bit matrices to gemv_tc4_kernel.
-//     CK_GEMV=v3 turns v4 off, CK_GEMV_INWARP=0 the one-row kernel.
+//     block, K split over a thread-block cluster: one launch), larger ones (the LM head, in_proj) to
+//     the streamed GEMV (gemv_stream.cu: weights brought into shared memory by the bulk-copy engine)
+//     or, where it does not suit, a fragment kernel plus gemv_tc4_kernel; 2-8 rows of tall 4-bit
+//     matrices to gemv_tc4_kernel. CK_GEMV=v3 turns v4 off, CK_GEMV_INWARP=0 the one-row kernel,
+//     CK_GEMV_STREAM=0 the streamed one.
 //  v2 (4- and 8-bit codes, the real checkpoint's forms): each warp owns a group of RPW output rows and
 //     sweeps their codes in units of CPU codes per lane (16-byte loads for one activation row); a unit
 //     of x is loaded once and applied to the RPW rows; warps reduce with shuffles only; a grid-stride
@@ -26,6 +28,7 @@
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
+#include "cuda/gemv_stream.h"
 #include "cuda/mma_q4.cuh"
 #include "cuda/ops.h"
 
@@ -1137,6 +1140,7 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   if (q_arith() != 4 || n_jobs < 1 || n_jobs > kMaxGemvJobs || !tc4_suits(jobs, n_jobs, &bf16s, &bits)) return false;
   int total_rows = 0;
   for (int j = 0; j < n_jobs; ++j) total_rows += jobs[j].w.rows;
+  if (rows == 1 && bits == 4 && gemv_stream(jobs, n_jobs, x, bf16s, stream)) return true;
   if (rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, bits, stream)) return true;
   if (bits != 4) return false;
   // CK_GEMV_TC_ONE_ROW=N moves the one-row threshold (total rows of the jobs) to compare.
@@ -1277,6 +1281,7 @@ void set_gemv_version(int v) { g_gemv_version = v == 1 ? 1 : 2; }
 void init_gemv() {
   (void)sm_count();
   (void)gemv_version();
+  gemv_stream_init();
   // The occupancy of each kernel is asked on its first launch; ask now, before any graph capture.
   (void)q_arith();
   static const int occ[] = {

@@ -217,6 +217,9 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
       // 8 rows: 3 MMAs per step), and a row count that is not a multiple of 16.
       {2048, 2560, q(4, 64, DType::BF16)},  {1100, 6144, q(4, 128, DType::F16)}, {1037, 1024, q(4, 64, DType::F32)},
       {65600, 1024, q(4, 64, DType::BF16)},  // one activation row too (the LM head's shape class)
+      // One row of large matrices: the streamed GEMV (gemv_stream.cu; its threshold lowered below),
+      // f16 and f32 scales, a last tile of 7 and of 9 rows.
+      {20007, 2560, q(4, 64, DType::F16)},   {17001, 1536, q(4, 64, DType::F32)},
       {40000, 320, q(4, 64, DType::BF16)},   // prefill's 4-bit GEMM over a short K (the hc up projection's)
       // One row of short, wide 4-bit matrices: the in-warp tensor-core GEMV with K split over the
       // blocks of a cluster (the hyper-connection down projection's shape; a lone row, as the
@@ -225,6 +228,8 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
       {2560, 6144, q(4, 64, DType::BF16)},  {700, 192, q(4, 64, DType::F32)},
   };
   DeviceArena arena;
+  set_gemv_stream_min_work(16385);  // the one-row matrices of more than 1,024 tiles x 16 groups
+  const int64_t streamed_before = gemv_stream_launches();
   for (const GemvCase& gc : cases) {
     HostMatrix hm = make_matrix(gc.rows, gc.cols, gc.f, rng);
     DenseUploader up(&arena);
@@ -258,6 +263,9 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
       }
     }
   }
+  // The three one-row cases above the threshold, under version 2.
+  EXPECT_GE(gemv_stream_launches() - streamed_before, 3);
+  set_gemv_stream_min_work(-1);
   set_gemv_version(2);
 }
 
@@ -267,13 +275,15 @@ TEST(CudaOps, GemvMultiJobWithEpilogues) {
   // three tall-enough 4-bit jobs: 5 rows (the tensor-core GEMV, 3 MMAs per step), then 70 rows over
   // enough features for prefill's factored 4-bit GEMM (gemm_q4), then one row over 4,175 rows of
   // 4-bit jobs (the tensor-core GEMV at one row, as for the DeltaNet in_proj), then 70 rows over few
-  // features and a long K (gemm_q4 split over K, as the hyper-connection down projection).
-  for (int variant = 0; variant < 7; ++variant) {
+  // features and a long K (gemm_q4 split over K, as the hyper-connection down projection), then one
+  // row of the three 4-bit jobs on the streamed GEMV (its threshold lowered to take them).
+  for (int variant = 0; variant < 8; ++variant) {
   set_gemv_version(variant == 2 ? 1 : 2);
+  set_gemv_stream_min_work(variant == 7 ? 0 : -1);
   std::mt19937_64 rng(77 + variant);
-  const int cols = variant == 6 ? 10240 : variant >= 3 ? 3840 : variant ? 2560 : 64;
-  const int rows = variant == 5 ? 1 : variant == 4 || variant == 6 ? 70 : variant ? 5 : 3, ldx = cols;
-  const int na = variant == 6 ? 300 : variant == 5 ? 4100 : variant == 4 ? 12000 : variant == 3 ? 1000 : 40, ld_a = na;
+  const int cols = variant == 6 ? 10240 : variant == 7 ? 2560 : variant >= 3 ? 3840 : variant ? 2560 : 64;
+  const int rows = variant == 5 || variant == 7 ? 1 : variant == 4 || variant == 6 ? 70 : variant ? 5 : 3, ldx = cols;
+  const int na = variant == 6 ? 300 : variant >= 5 ? 4100 : variant == 4 ? 12000 : variant == 3 ? 1000 : 40, ld_a = na;
   const WeightForm q4{DType::U32, 4, 64, DType::BF16}, q8{DType::U32, 8, 64, DType::BF16};
   HostMatrix a = make_matrix(na, cols, variant ? q4 : WeightForm{DType::U32, 4, 32, DType::BF16}, rng);
   HostMatrix b = make_matrix(5, cols, variant >= 3 ? q4 : variant ? q8 : WeightForm{DType::BF16}, rng);
@@ -288,7 +298,11 @@ TEST(CudaOps, GemvMultiJobWithEpilogues) {
   jobs[0].w = *up.matrix(a.m); jobs[0].y = ya.get(); jobs[0].ldy = ld_a; jobs[0].epi = Epilogue::SiluDiv; jobs[0].epi_arg = 3.0f;
   jobs[1].w = *up.matrix(b.m); jobs[1].y = yb.get(); jobs[1].ldy = 8; jobs[1].epi = Epilogue::TwoSigmoidDiv; jobs[1].epi_arg = 4.0f;
   jobs[2].w = *up.matrix(c.m); jobs[2].y = yc.get(); jobs[2].ldy = nc;
+  const int64_t streamed_before = gemv_stream_launches();
   gemv(jobs, 3, to_device(x, &xd), ldx, rows, nullptr);
+  if (variant == 7) {
+    EXPECT_EQ(gemv_stream_launches() - streamed_before, 1);
+  }
   const HostMatrix* hm[3] = {&a, &b, &c};
   const DeviceBuffer<float>* yd[3] = {&ya, &yb, &yc};
   for (int j = 0; j < 3; ++j) {
@@ -307,6 +321,7 @@ TEST(CudaOps, GemvMultiJobWithEpilogues) {
            compare(got, ref, {}, scale_atol(ref), 1e-4));
   }
   }
+  set_gemv_stream_min_work(-1);
   set_gemv_version(2);
 }
 

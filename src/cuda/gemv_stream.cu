@@ -1,0 +1,289 @@
+// One activation row through large 4-bit matrices (the LM head, the DeltaNet in_proj, the attention
+// q/k/v projections of a decode step) with the weights streamed into shared memory by the bulk-copy
+// engine (TMA), instead of each warp loading them into registers.
+//
+// Why: the two-kernel v4 form (fragment kernel + gemv_tc4_kernel, gemv.cu) reached 1.66 TB/s on the
+// LM head and ~1.4 TB/s on in_proj, against a copy rate of ~4.2 TB/s: with registers capped for 3-4
+// blocks per SM, a warp keeps few loads in flight, so DRAM latency is not covered. Here every warp
+// owns a ring of kStages shared-memory stages; one cp.async.bulk per row fills a stage (16 rows x 8
+// groups of codes, their scales and biases) and completes an mbarrier, so each SM keeps ~100 KB of
+// weights in flight whatever the compute does. The first stages are requested before pdl_begin()
+// (weights never change), while the kernel before is still running.
+//
+// Arithmetic: the v4 one-row arithmetic of gemv_tc4_one_kernel (mma_q4.cuh: tc4_one_frag builds the
+// B fragments of x in shared memory once per block, tc4_one_mma per group). A warp owns whole 16-row
+// tiles (tile = warp id + k * warps in the grid) and adds a tile's groups in index order: no split K,
+// no reduction, deterministic.
+//
+// Shared-memory layout of a stage: codes [16 rows][kRowPitch] (a row's 256 bytes, then 32 bytes of
+// padding so rows g = 0..7 start 8 banks apart: a half-warp's 8-byte reads of 4 rows x 4 lanes hit 32
+// different banks), then scales [16][kScalePitch] and biases [16][kScalePitch].
+#include <algorithm>
+#include <cstdlib>
+
+#include "cuda/common.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/gemv_stream.h"
+#include "cuda/mma_q4.cuh"
+
+namespace ck::cuda {
+namespace {
+
+// Two shapes of block, one per SM (CK_GEMV_STREAM_WARPS=8 or 16 picks; 16 by default): 8 warps with
+// 3 stages each, or 16 warps with 2 (more warps to hide the compute's latencies, as many bytes in
+// flight).
+constexpr int kChunk = 8;                 // 64-code groups per stage: 512 codes, 256 bytes of a row
+constexpr int kRowPitch = kChunk * 32 + 32;
+constexpr int kScalePitch = 32;           // up to 8 f32 scales of a row
+constexpr int kStageBytes = 16 * kRowPitch + 2 * 16 * kScalePitch;
+constexpr int kFragGroupBytes = 4 * 32 * 8;  // one group's B fragments (tc4_one_frag)
+template <int WARPS, int STAGES>
+struct Ring {
+  static constexpr int kRingBytes = WARPS * STAGES * kStageBytes;
+  static constexpr int kBarBytes = WARPS * STAGES * 8;
+};
+// Matrices of at least this many tiles x groups take this kernel: the LM head (9,496 x 40 at the
+// released geometry), not the DeltaNet in_proj or the attention projections (~1,030 x 40). A block
+// of ~220 KB cannot be resident beside the kernel before, so this kernel starts its copies only when
+// that one has ended, while gemv_tc4_kernel's small blocks are resident early and ask L2 for their
+// weights during it: on the 25 MB in_proj that overlap wins (decode 438 tok/s with every one-row
+// matrix above 16,384 here, 460 with none, 469 with the LM head only: H200, 2026-11-30 08:35Z).
+// set_gemv_stream_min_work moves it (tests, comparisons).
+constexpr int64_t kStreamMinWork = 100000;
+int64_t g_min_work = -1;  // -1: not yet read (CK_GEMV_STREAM_MIN)
+int64_t g_launches = 0;
+
+struct StreamLaunch {
+  GemvJob job[kMaxGemvJobs];
+  int32_t first_tile[kMaxGemvJobs + 1];  // job j owns 16-row tiles [first_tile[j], first_tile[j+1])
+  int32_t n_jobs;
+  int32_t groups;  // K / 64
+  int32_t chunks;  // groups / kChunk
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// The issuing lane's arrival, announcing the bytes the stage's copies will deliver.
+__device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// Waits for the phase of `parity`. A wait of seconds means copies that never complete (a byte count
+// that does not match what was asked): trap, so the step fails with a CUDA error instead of hanging.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  uint64_t t0, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  while (!mbar_try_wait(bar, parity)) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - t0 > 2000000000ull) __trap();
+  }
+}
+
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global to shared memory; the
+// barrier's transaction count drops by bytes when they have landed.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ int scale_elem_bytes(uint8_t kind) { return kind == static_cast<uint8_t>(WKind::F32) ? 4 : 2; }
+
+__device__ __forceinline__ int job_of(const StreamLaunch& L, int tile) {
+  int j = 0;
+  while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
+  return j;
+}
+
+// Asks for unit u of this warp (its (u / chunks)-th tile, chunk u % chunks) into `stage`: lane 0
+// announces the bytes, then lanes 0-15 copy one row each (codes, scales, biases). Rows past the
+// matrix read its last row (never stored).
+__device__ __forceinline__ void issue(const StreamLaunch& L, int u, int gw, int W, uint8_t* stage, uint64_t* bar) {
+  const int lane = threadIdx.x & 31;
+  const int tile = gw + (u / L.chunks) * W, c = u % L.chunks;
+  const int j = job_of(L, tile);
+  const DMatrix& w = L.job[j].w;
+  const uint32_t es = scale_elem_bytes(w.fmt.scale_kind);
+  if (lane == 0) mbar_expect_bytes(bar, 16 * (kChunk * 32 + 2 * kChunk * es));
+  __syncwarp();
+  if (lane < 16) {
+    const int row = min((tile - L.first_tile[j]) * 16 + lane, w.rows - 1);
+    const size_t row_bytes = static_cast<size_t>(w.cols) / 2;
+    bulk_copy(stage + lane * kRowPitch, w.data + row * row_bytes + c * (kChunk * 32), kChunk * 32, bar);
+    const size_t s0 = (static_cast<size_t>(row) * L.groups + c * kChunk) * es;
+    uint8_t* sc = stage + 16 * kRowPitch;
+    bulk_copy(sc + lane * kScalePitch, w.scales + s0, kChunk * es, bar);
+    bulk_copy(sc + 16 * kScalePitch + lane * kScalePitch, w.biases + s0, kChunk * es, bar);
+  }
+}
+
+template <bool BF16S>
+__device__ __forceinline__ float stage_scale(const uint8_t* p, int i, uint8_t kind) {
+  if constexpr (BF16S) return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+  else return load_scale_elem(p, i, kind);
+}
+
+// grid: one block per SM (sm_count), block WARPS x 32. Dynamic shared memory: the warps' rings, their
+// barriers, then the x fragments [groups][4 steps][32 lanes] and the groups' Σ x.
+template <bool BF16S, int WARPS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32, 1) gemv_stream_kernel(const __grid_constant__ StreamLaunch L,
+                                                                    const float* __restrict__ x) {
+  constexpr int kWarps = WARPS, kStages = STAGES, kRingBytes = Ring<WARPS, STAGES>::kRingBytes,
+                kBarBytes = Ring<WARPS, STAGES>::kBarBytes;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  uint8_t* ring = smem + warp * kStages * kStageBytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kRingBytes) + warp * kStages;
+  uint2* sfrag = reinterpret_cast<uint2*>(smem + kRingBytes + kBarBytes);
+  float* sgs = reinterpret_cast<float*>(smem + kRingBytes + kBarBytes + static_cast<size_t>(L.groups) * kFragGroupBytes);
+  const int n_tiles = L.first_tile[L.n_jobs];
+  const int gw = blockIdx.x * kWarps + warp, W = gridDim.x * kWarps;
+  const int n_units = gw < n_tiles ? ((n_tiles - 1 - gw) / W + 1) * L.chunks : 0;
+
+  if (lane < kStages) mbar_init(&bars[lane]);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the copy engine
+  __syncwarp();
+  for (int u = 0; u < kStages && u < n_units; ++u) issue(L, u, gw, W, ring + u * kStageBytes, &bars[u]);
+
+  pdl_begin();  // x comes from the kernel before
+  for (int G = warp; G < L.groups; G += kWarps) {
+    const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
+    const float4 q[4] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2), __ldg(xp + 3)};
+    const float gs = tc4_one_frag(q, sfrag + static_cast<size_t>(G) * 128);
+    if (lane == 0) sgs[G] = gs;
+  }
+  __syncthreads();
+
+  float acc[4] = {};
+  for (int u = 0; u < n_units; ++u) {
+    const int s = u % kStages;
+    mbar_wait(&bars[s], static_cast<uint32_t>(u / kStages) & 1u);
+    const int tile = gw + (u / L.chunks) * W, c = u % L.chunks;
+    const int j = job_of(L, tile);
+    const uint8_t sk = L.job[j].w.fmt.scale_kind;
+    const uint8_t* st = ring + s * kStageBytes;
+    const uint8_t* sc = st + 16 * kRowPitch;
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      const int G = c * kChunk + i;
+      const uint2 wa = *reinterpret_cast<const uint2*>(st + g * kRowPitch + i * 32 + t * 8);
+      const uint2 wb = *reinterpret_cast<const uint2*>(st + (g + 8) * kRowPitch + i * 32 + t * 8);
+      const float sa = stage_scale<BF16S>(sc + g * kScalePitch, i, sk);
+      const float ba = stage_scale<BF16S>(sc + (16 + g) * kScalePitch, i, sk);
+      const float sb = stage_scale<BF16S>(sc + (g + 8) * kScalePitch, i, sk);
+      const float bb = stage_scale<BF16S>(sc + (24 + g) * kScalePitch, i, sk);
+      tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 128 + lane, t == 0 ? sgs[G] : 0.0f, acc);
+    }
+    __syncwarp();  // every lane has read the stage: it can be refilled
+    if (u + kStages < n_units) issue(L, u + kStages, gw, W, ring + s * kStageBytes, &bars[s]);
+    if (c == L.chunks - 1) {
+      // Columns 0-2 (hi, mid, lo) of rows g and g + 8: lanes t = 0 (columns 0, 1) and t = 1 (column 2).
+      const float c2a = __shfl_down_sync(0xffffffffu, acc[0], 1), c2b = __shfl_down_sync(0xffffffffu, acc[2], 1);
+      const GemvJob& jb = L.job[j];
+      const int row0 = (tile - L.first_tile[j]) * 16;
+      if (t == 0 && row0 + g < jb.w.rows) jb.y[row0 + g] = apply_epilogue((acc[0] + acc[1]) + c2a, jb.epi, jb.epi_arg);
+      if (t == 0 && row0 + g + 8 < jb.w.rows)
+        jb.y[row0 + g + 8] = apply_epilogue((acc[2] + acc[3]) + c2b, jb.epi, jb.epi_arg);
+      acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+    }
+  }
+}
+
+template <int WARPS, int STAGES>
+size_t smem_bytes(int groups) {
+  return static_cast<size_t>(Ring<WARPS, STAGES>::kRingBytes) + Ring<WARPS, STAGES>::kBarBytes +
+         static_cast<size_t>(groups) * (kFragGroupBytes + sizeof(float));
+}
+
+int max_smem_optin() {
+  static const int v = [] {
+    int dev = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return n;
+  }();
+  return v;
+}
+
+int64_t min_work() {
+  if (g_min_work < 0) {
+    const char* e = std::getenv("CK_GEMV_STREAM_MIN");
+    g_min_work = e ? std::max<int64_t>(0, std::atoll(e)) : kStreamMinWork;
+  }
+  return g_min_work;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+void set_gemv_stream_min_work(int64_t work) { g_min_work = work < 0 ? kStreamMinWork : work; }
+int64_t gemv_stream_launches() { return g_launches; }
+
+void gemv_stream_init() {
+  static const bool done = [] {
+    for (auto k : {gemv_stream_kernel<true, 8, 3>, gemv_stream_kernel<false, 8, 3>, gemv_stream_kernel<true, 16, 2>,
+                   gemv_stream_kernel<false, 16, 2>})
+      CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem_optin()));
+    (void)min_work();
+    return true;
+  }();
+  (void)done;
+}
+
+bool gemv_stream(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cudaStream_t s) {
+  static const bool on = !env_is("CK_GEMV_STREAM", "0");
+  gemv_stream_init();  // once (init_gemv calls it before any capture; direct callers get it here)
+  if (!on || n_jobs < 1 || n_jobs > kMaxGemvJobs || !aligned16(x)) return false;
+  StreamLaunch L{};
+  L.n_jobs = n_jobs;
+  const int cols = jobs[0].w.cols;
+  if (cols % (64 * kChunk) != 0) return false;
+  L.groups = cols / 64;
+  L.chunks = L.groups / kChunk;
+  int tiles = 0;
+  for (int j = 0; j < n_jobs; ++j) {
+    const DMatrix& w = jobs[j].w;
+    // 4-bit codes in groups of 64 (a stage's scales are then whole 16-byte copies), 16-byte aligned.
+    if (!w.quantized() || w.fmt.bits != 4 || w.fmt.group != 64 || w.cols != cols || w.rows < 1 ||
+        !aligned16(w.data) || !aligned16(w.scales) || !aligned16(w.biases))
+      return false;
+    L.job[j] = jobs[j];
+    L.first_tile[j] = tiles;
+    tiles += static_cast<int>(ceil_div(w.rows, 16));
+  }
+  L.first_tile[n_jobs] = tiles;
+  static const bool wide = !env_is("CK_GEMV_STREAM_WARPS", "8");
+  const size_t smem = wide ? smem_bytes<16, 2>(L.groups) : smem_bytes<8, 3>(L.groups);
+  if (static_cast<int64_t>(tiles) * L.groups < min_work() || smem > static_cast<size_t>(max_smem_optin())) return false;
+  const int warps = wide ? 16 : 8;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sm_count(), ceil_div(tiles, warps)));
+  if (wide) {
+    if (bf16s) launch(gemv_stream_kernel<true, 16, 2>, grid, 512, smem, s, L, x);
+    else launch(gemv_stream_kernel<false, 16, 2>, grid, 512, smem, s, L, x);
+  } else {
+    if (bf16s) launch(gemv_stream_kernel<true, 8, 3>, grid, 256, smem, s, L, x);
+    else launch(gemv_stream_kernel<false, 8, 3>, grid, 256, smem, s, L, x);
+  }
+  CUDA_CHECK_LAUNCH();
+  ++g_launches;
+  return true;
+}
+
+}  // namespace ck::cuda
