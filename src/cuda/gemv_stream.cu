@@ -1,14 +1,15 @@
-// One activation row through large 4-bit matrices (the LM head, the DeltaNet in_proj, the attention
-// q/k/v projections of a decode step) with the weights streamed into shared memory by the bulk-copy
+// One activation row through the largest 4-bit matrix of a decode step (the LM head: 9,496 tiles x
+// 40 groups at the released geometry) with the weights streamed into shared memory by the bulk-copy
 // engine (TMA), instead of each warp loading them into registers.
 //
 // Why: the two-kernel v4 form (fragment kernel + gemv_tc4_kernel, gemv.cu) reached 1.66 TB/s on the
-// LM head and ~1.4 TB/s on in_proj, against a copy rate of ~4.2 TB/s: with registers capped for 3-4
-// blocks per SM, a warp keeps few loads in flight, so DRAM latency is not covered. Here every warp
-// owns a ring of kStages shared-memory stages; one cp.async.bulk per row fills a stage (16 rows x 8
-// groups of codes, their scales and biases) and completes an mbarrier, so each SM keeps ~100 KB of
-// weights in flight whatever the compute does. The first stages are requested before pdl_begin()
-// (weights never change), while the kernel before is still running.
+// LM head against a copy rate of ~4.2 TB/s: with registers capped for 3-4 blocks per SM, a warp keeps
+// few loads in flight. Here every warp owns a ring of kStages shared-memory stages; one cp.async.bulk
+// per row fills a stage (16 rows x 8 groups of codes, their scales and biases) and completes an
+// mbarrier, so each SM keeps ~90 KB of weights in flight whatever the compute does. The first stages
+// are requested before pdl_begin() (weights never change). What bounds it now is issue: ~130
+// instructions per 64-code group of 16 rows, most of them unpacking codes (Nsight Compute: 187 us,
+// 1.94 TB/s, 2.45 instructions per cycle per SM).
 //
 // Arithmetic: the v4 one-row arithmetic of gemv_tc4_one_kernel (mma_q4.cuh: tc4_one_frag builds the
 // B fragments of x in shared memory once per block, tc4_one_mma per group). A warp owns whole 16-row
@@ -29,19 +30,18 @@
 namespace ck::cuda {
 namespace {
 
-// Two shapes of block, one per SM (CK_GEMV_STREAM_WARPS=8 or 16 picks; 16 by default): 8 warps with
-// 3 stages each, or 16 warps with 2 (more warps to hide the compute's latencies, as many bytes in
-// flight).
+// One block of 16 warps per SM, 2 stages per warp. 8 warps with 3 stages each kept as many bytes in
+// flight but not the compute's latencies hidden (the LM head: 260 us, DRAM 1.39 TB/s, issue slots 44%
+// busy; 16 warps: 187 us, 1.94 TB/s; decode 458 against 469 tok/s, H200 2026-11-30).
+constexpr int kWarps = 16;
+constexpr int kStages = 2;
 constexpr int kChunk = 8;                 // 64-code groups per stage: 512 codes, 256 bytes of a row
 constexpr int kRowPitch = kChunk * 32 + 32;
 constexpr int kScalePitch = 32;           // up to 8 f32 scales of a row
 constexpr int kStageBytes = 16 * kRowPitch + 2 * 16 * kScalePitch;
 constexpr int kFragGroupBytes = 4 * 32 * 8;  // one group's B fragments (tc4_one_frag)
-template <int WARPS, int STAGES>
-struct Ring {
-  static constexpr int kRingBytes = WARPS * STAGES * kStageBytes;
-  static constexpr int kBarBytes = WARPS * STAGES * 8;
-};
+constexpr int kRingBytes = kWarps * kStages * kStageBytes;
+constexpr int kBarBytes = kWarps * kStages * 8;
 // Matrices of at least this many tiles x groups take this kernel: the LM head (9,496 x 40 at the
 // released geometry), not the DeltaNet in_proj or the attention projections (~1,030 x 40). A block
 // of ~220 KB cannot be resident beside the kernel before, so this kernel starts its copies only when
@@ -139,13 +139,11 @@ __device__ __forceinline__ float stage_scale(const uint8_t* p, int i, uint8_t ki
   else return load_scale_elem(p, i, kind);
 }
 
-// grid: one block per SM (sm_count), block WARPS x 32. Dynamic shared memory: the warps' rings, their
+// grid: one block per SM (sm_count), block 512. Dynamic shared memory: the warps' rings, their
 // barriers, then the x fragments [groups][4 steps][32 lanes] and the groups' Σ x.
-template <bool BF16S, int WARPS, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32, 1) gemv_stream_kernel(const __grid_constant__ StreamLaunch L,
-                                                                    const float* __restrict__ x) {
-  constexpr int kWarps = WARPS, kStages = STAGES, kRingBytes = Ring<WARPS, STAGES>::kRingBytes,
-                kBarBytes = Ring<WARPS, STAGES>::kBarBytes;
+template <bool BF16S>
+__global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __grid_constant__ StreamLaunch L,
+                                                                     const float* __restrict__ x) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   uint8_t* ring = smem + warp * kStages * kStageBytes;
@@ -205,10 +203,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) gemv_stream_kernel(const __grid
   }
 }
 
-template <int WARPS, int STAGES>
 size_t smem_bytes(int groups) {
-  return static_cast<size_t>(Ring<WARPS, STAGES>::kRingBytes) + Ring<WARPS, STAGES>::kBarBytes +
-         static_cast<size_t>(groups) * (kFragGroupBytes + sizeof(float));
+  return static_cast<size_t>(kRingBytes) + kBarBytes + static_cast<size_t>(groups) * (kFragGroupBytes + sizeof(float));
 }
 
 int max_smem_optin() {
@@ -238,8 +234,7 @@ int64_t gemv_stream_launches() { return g_launches; }
 
 void gemv_stream_init() {
   static const bool done = [] {
-    for (auto k : {gemv_stream_kernel<true, 8, 3>, gemv_stream_kernel<false, 8, 3>, gemv_stream_kernel<true, 16, 2>,
-                   gemv_stream_kernel<false, 16, 2>})
+    for (auto k : {gemv_stream_kernel<true>, gemv_stream_kernel<false>})
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem_optin()));
     (void)min_work();
     return true;
@@ -269,18 +264,11 @@ bool gemv_stream(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cu
     tiles += static_cast<int>(ceil_div(w.rows, 16));
   }
   L.first_tile[n_jobs] = tiles;
-  static const bool wide = !env_is("CK_GEMV_STREAM_WARPS", "8");
-  const size_t smem = wide ? smem_bytes<16, 2>(L.groups) : smem_bytes<8, 3>(L.groups);
+  const size_t smem = smem_bytes(L.groups);
   if (static_cast<int64_t>(tiles) * L.groups < min_work() || smem > static_cast<size_t>(max_smem_optin())) return false;
-  const int warps = wide ? 16 : 8;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sm_count(), ceil_div(tiles, warps)));
-  if (wide) {
-    if (bf16s) launch(gemv_stream_kernel<true, 16, 2>, grid, 512, smem, s, L, x);
-    else launch(gemv_stream_kernel<false, 16, 2>, grid, 512, smem, s, L, x);
-  } else {
-    if (bf16s) launch(gemv_stream_kernel<true, 8, 3>, grid, 256, smem, s, L, x);
-    else launch(gemv_stream_kernel<false, 8, 3>, grid, 256, smem, s, L, x);
-  }
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sm_count(), ceil_div(tiles, kWarps)));
+  if (bf16s) launch(gemv_stream_kernel<true>, grid, kWarps * 32, smem, s, L, x);
+  else launch(gemv_stream_kernel<false>, grid, kWarps * 32, smem, s, L, x);
   CUDA_CHECK_LAUNCH();
   ++g_launches;
   return true;
