@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "cuda/bulk_copy.cuh"
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/gemv_stream.h"
@@ -61,48 +62,6 @@ struct StreamLaunch {
   int32_t chunks;  // groups / kChunk
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-}
-
-// The issuing lane's arrival, announcing the bytes the stage's copies will deliver.
-__device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-      : "=r"(done)
-      : "r"(smem_u32(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-// Waits for the phase of `parity`. A wait of seconds means copies that never complete (a byte count
-// that does not match what was asked): trap, so the step fails with a CUDA error instead of hanging.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  if (mbar_try_wait(bar, parity)) return;
-  uint64_t t0, now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  while (!mbar_try_wait(bar, parity)) {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (now - t0 > 2000000000ull) __trap();
-  }
-}
-
-// bytes (a multiple of 16, both addresses 16-byte aligned) from global to shared memory; the
-// barrier's transaction count drops by bytes when they have landed.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-}
-
 __device__ __forceinline__ int scale_elem_bytes(uint8_t kind) { return kind == static_cast<uint8_t>(WKind::F32) ? 4 : 2; }
 
 __device__ __forceinline__ int job_of(const StreamLaunch& L, int tile) {
@@ -120,7 +79,7 @@ __device__ __forceinline__ void issue(const StreamLaunch& L, int u, int gw, int 
   const int j = job_of(L, tile);
   const DMatrix& w = L.job[j].w;
   const uint32_t es = scale_elem_bytes(w.fmt.scale_kind);
-  if (lane == 0) mbar_expect_bytes(bar, 16 * (kChunk * 32 + 2 * kChunk * es));
+  if (lane == 0) mbar_arrive_expect(bar, 16 * (kChunk * 32 + 2 * kChunk * es));
   __syncwarp();
   if (lane < 16) {
     const int row = min((tile - L.first_tile[j]) * 16 + lane, w.rows - 1);
@@ -155,7 +114,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __gri
   const int n_units = gw < n_tiles ? ((n_tiles - 1 - gw) / W + 1) * L.chunks : 0;
 
   if (lane < kStages) mbar_init(&bars[lane]);
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the copy engine
+  mbar_init_fence();
   __syncwarp();
   for (int u = 0; u < kStages && u < n_units; ++u) issue(L, u, gw, W, ring + u * kStageBytes, &bars[u]);
 
