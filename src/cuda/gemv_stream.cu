@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __gri
       const float ba = stage_scale<BF16S>(sc + (16 + g) * kScalePitch, i, sk);
       const float sb = stage_scale<BF16S>(sc + (g + 8) * kScalePitch, i, sk);
       const float bb = stage_scale<BF16S>(sc + (24 + g) * kScalePitch, i, sk);
-      tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 128 + lane, t == 0 ? sgs[G] : 0.0f, acc);
+      tc4_one_mma<true>(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 128 + lane, t == 0 ? sgs[G] : 0.0f, acc);
     }
     __syncwarp();  // every lane has read the stage: it can be refilled
     if (u + kStages < n_units) issue(L, u + kStages, gw, W, ring + s * kStageBytes, &bars[s]);

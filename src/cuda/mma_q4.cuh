@@ -40,6 +40,25 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t w, int i) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+// (a & MASK) | c in one LOP3 (for two constants the compiler emits an AND and an OR).
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "r"(c));
+  return d;
+}
+
+// code_pair with the mask and the exponent in one LOP3: a pair costs a shift, a LOP3 and a
+// subtraction instead of a shift, two LOP3 and a subtraction. For the issue-bound one-row streamed
+// GEMV (gemv_stream.cu): decode 455 -> 469 tok/s with it. Not everywhere: prefill's 4-bit GEMM
+// (gemm_q4.cu, 128 registers) lost 12% on its experts with it (the constant takes a register there;
+// H200, 2026-11-30). Same bits as code_pair.
+__device__ __forceinline__ uint32_t code_pair_lop3(uint32_t w, int i) {
+  const uint32_t m = and_or<0x000F000Fu>(w >> (4 * i), 0x43004300u);
+  const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&m), __floats2bfloat162_rn(128.0f, 128.0f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
 // d += a * b, m16n8k16, bf16 in, fp32 accumulate. Fragments (PTX ISA, g = lane/4, t = lane%4):
 // a0 (row g, k 2t..2t+1), a1 (row g+8, same k), a2 (row g, k 2t+8..9), a3 (row g+8, k 2t+8..9);
 // b0 (k 2t..2t+1, col g), b1 (k 2t+8..9, col g); d0/d1 (row g, cols 2t, 2t+1), d2/d3 (row g+8).
@@ -183,16 +202,18 @@ __device__ __forceinline__ float tc4_one_frag(const float4 (&q)[4], uint2* f) {
 // One 64-code group of a one-row tile against fragments from tc4_one_frag, its codes and scales
 // already loaded (Tc4Rows::load; f: the group's base plus the lane; xs: the group's Σ x on lanes
 // t == 0, zero on the others): acc += s Σ q x + b Σ x for rows g (acc[0..1]) and g + 8 (acc[2..3]),
-// columns 2t and 2t + 1.
+// columns 2t and 2t + 1. LOP3: unpack with code_pair_lop3.
+template <bool LOP3 = false>
 __device__ __forceinline__ void tc4_one_mma(const uint2& wa, const uint2& wb, float sa, float ba, float sb, float bb,
                                             const uint2* f, float xs, float (&acc)[4]) {
   float d[4] = {};  // the group's Σ q x, fresh per group
+  auto cp = [](uint32_t w, int i) { return LOP3 ? code_pair_lop3(w, i) : code_pair(w, i); };
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
     const int i0 = 2 * (s & 1);
     const uint2 bf = f[32 * s];
-    mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), bf.x, bf.y);
+    mma_bf16(d, cp(xa, i0), cp(xb, i0), cp(xa, i0 + 1), cp(xb, i0 + 1), bf.x, bf.y);
   }
   acc[0] = fmaf(sa, d[0], fmaf(ba, xs, acc[0]));
   acc[1] = fmaf(sa, d[1], acc[1]);
