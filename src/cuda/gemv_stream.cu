@@ -7,9 +7,12 @@
 // few loads in flight. Here every warp owns a ring of kStages shared-memory stages; one cp.async.bulk
 // per row fills a stage (16 rows x 8 groups of codes, their scales and biases) and completes an
 // mbarrier, so each SM keeps ~90 KB of weights in flight whatever the compute does. The first stages
-// are requested before pdl_begin() (weights never change). What bounds it now is issue: ~130
+// are requested before pdl_begin() (weights never change). What bounds it now is issue: ~110-130
 // instructions per 64-code group of 16 rows, most of them unpacking codes (Nsight Compute: 187 us,
-// 1.94 TB/s, 2.45 instructions per cycle per SM).
+// 1.94 TB/s, 2.45 instructions per cycle per SM, against ~214 us for the two kernels). Its codes
+// are unpacked with code_pair_lop3: without it this kernel gained nothing in decode (454.8 against
+// 455.6 tok/s), with it 461.3 and 463.3 against 456.1, and the MTP draft step 0.485 / 0.474 against
+// 0.506 ms (H200, 2026-11-30, same-call comparisons with CK_GEMV_STREAM=0).
 //
 // Arithmetic: the v4 one-row arithmetic of gemv_tc4_one_kernel (mma_q4.cuh: tc4_one_frag builds the
 // B fragments of x in shared memory once per block, tc4_one_mma per group). A warp owns whole 16-row
@@ -32,8 +35,9 @@ namespace ck::cuda {
 namespace {
 
 // One block of 16 warps per SM, 2 stages per warp. 8 warps with 3 stages each kept as many bytes in
-// flight but not the compute's latencies hidden (the LM head: 260 us, DRAM 1.39 TB/s, issue slots 44%
-// busy; 16 warps: 187 us, 1.94 TB/s; decode 458 against 469 tok/s, H200 2026-11-30).
+// flight but left the compute's latencies exposed: the LM head took 260 us (DRAM 1.39 TB/s, issue
+// slots 44% busy; decode 446 against 454 tok/s without this kernel, same call); the 16-warp form
+// 187 us (1.94 TB/s; measured with code_pair_lop3 in every kernel, so not a clean comparison).
 constexpr int kWarps = 16;
 constexpr int kStages = 2;
 constexpr int kChunk = 8;                 // 64-code groups per stage: 512 codes, 256 bytes of a row
@@ -47,8 +51,8 @@ constexpr int kBarBytes = kWarps * kStages * 8;
 // released geometry), not the DeltaNet in_proj or the attention projections (~1,030 x 40). A block
 // of ~220 KB cannot be resident beside the kernel before, so this kernel starts its copies only when
 // that one has ended, while gemv_tc4_kernel's small blocks are resident early and ask L2 for their
-// weights during it: on the 25 MB in_proj that overlap wins (decode 438 tok/s with every one-row
-// matrix above 16,384 here, 460 with none, 469 with the LM head only: H200, 2026-11-30 08:35Z).
+// weights during it: on the 25 MB in_proj that overlap wins (8-warp form, decode 421 tok/s with
+// every one-row matrix above 16,384 tile-groups here against 455 with none, same call).
 // set_gemv_stream_min_work moves it (tests, comparisons).
 constexpr int64_t kStreamMinWork = 100000;
 int64_t g_min_work = -1;  // -1: not yet read (CK_GEMV_STREAM_MIN)
