@@ -6,11 +6,11 @@
 // Schedules (docs/roofline-cuda.md):
 //  v4 (4-bit codes, MLX groups of 64 x 2^k): the tensor cores. One activation row: 4- and 8-bit codes
 //     of matrices up to kTcInWarpMax tiles x groups go to gemv_tc4_one_kernel (fragments built in the
-//     block, K split over a thread-block cluster: one launch), larger ones (the LM head, in_proj) to
-//     the streamed GEMV (gemv_stream.cu: weights brought into shared memory by the bulk-copy engine)
-//     or, where it does not suit, a fragment kernel plus gemv_tc4_kernel; 2-8 rows of tall 4-bit
-//     matrices to gemv_tc4_kernel. CK_GEMV=v3 turns v4 off, CK_GEMV_INWARP=0 the one-row kernel,
-//     CK_GEMV_STREAM=0 the streamed one.
+//     block, K split over a thread-block cluster: one launch), the largest (the LM head) to the
+//     streamed GEMV (gemv_stream.cu: weights brought into shared memory by the bulk-copy engine), the
+//     others (in_proj, the attention projections) to a fragment kernel plus gemv_tc4_kernel; 2-8 rows
+//     of tall 4-bit matrices to gemv_tc4_kernel. CK_GEMV=v3 turns v4 off, CK_GEMV_INWARP=0 the
+//     one-row kernel, CK_GEMV_STREAM=0 the streamed one.
 //  v2 (4- and 8-bit codes, the real checkpoint's forms): each warp owns a group of RPW output rows and
 //     sweeps their codes in units of CPU codes per lane (16-byte loads for one activation row); a unit
 //     of x is loaded once and applied to the RPW rows; warps reduce with shuffles only; a grid-stride

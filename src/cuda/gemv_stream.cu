@@ -192,7 +192,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-void set_gemv_stream_min_work(int64_t work) { g_min_work = work < 0 ? kStreamMinWork : work; }
+void set_gemv_stream_min_work(int64_t work) { g_min_work = work < 0 ? -1 : work; }  // -1: read again
 int64_t gemv_stream_launches() { return g_launches; }
 
 void gemv_stream_init() {

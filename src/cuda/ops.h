@@ -67,7 +67,8 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 void set_gemv_version(int v);
 int gemv_version();
 // The smallest one-row job (16-row tiles x 64-code groups) that takes the streamed GEMV
-// (gemv_stream.h); a negative value restores the default. For tests and comparisons.
+// (gemv_stream.h); a negative value restores the default (CK_GEMV_STREAM_MIN, else 100,000). For
+// tests and comparisons.
 void set_gemv_stream_min_work(int64_t work);
 // Launches of the streamed GEMV so far in this process (tests check the path they mean ran).
 int64_t gemv_stream_launches();
