@@ -7,12 +7,13 @@
 // few loads in flight. Here every warp owns a ring of kStages shared-memory stages; one cp.async.bulk
 // per row fills a stage (16 rows x 8 groups of codes, their scales and biases) and completes an
 // mbarrier, so each SM keeps ~90 KB of weights in flight whatever the compute does. The first stages
-// are requested before pdl_begin() (weights never change). What bounds it now is issue: ~110-130
-// instructions per 64-code group of 16 rows, most of them unpacking codes (Nsight Compute: 187 us,
-// 1.94 TB/s, 2.45 instructions per cycle per SM, against ~214 us for the two kernels). Its codes
-// are unpacked with code_pair_lop3: without it this kernel gained nothing in decode (454.8 against
-// 455.6 tok/s), with it 461.3 and 463.3 against 456.1, and the MTP draft step 0.485 / 0.474 against
-// 0.506 ms (H200, 2026-11-30, same-call comparisons with CK_GEMV_STREAM=0).
+// are requested before pdl_begin() (weights never change). Nsight Compute: 187 us, 1.94 TB/s, against
+// ~214 us for the two kernels; ~280 issued instructions per 64-code group of 16 rows against ~74 in
+// the loop, so most likely it waits on its copies (48 small bulk copies per stage; one 2D tensor-map
+// copy per stage is the next thing to try, docs/roofline-cuda.md). Its codes are unpacked with
+// code_pair_lop3: without it this kernel gained nothing in decode (454.8 against 455.6 tok/s), with
+// it 461.3 and 463.3 against 456.1, and the MTP draft step 0.485 / 0.474 against 0.506 ms (H200,
+// 2026-11-30, same-call comparisons with CK_GEMV_STREAM=0).
 //
 // Arithmetic: the v4 one-row arithmetic of gemv_tc4_one_kernel (mma_q4.cuh: tc4_one_frag builds the
 // B fragments of x in shared memory once per block, tc4_one_mma per group). A warp owns whole 16-row

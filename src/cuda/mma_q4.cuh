@@ -49,8 +49,8 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
 }
 
 // code_pair with the mask and the exponent in one LOP3: a pair costs a shift, a LOP3 and a
-// subtraction instead of a shift, two LOP3 and a subtraction. For the issue-bound one-row streamed
-// GEMV (gemv_stream.cu, where it makes the difference between no gain and +1.5% decode). Not
+// subtraction instead of a shift, two LOP3 and a subtraction. For the one-row streamed GEMV
+// (gemv_stream.cu, where it makes the difference between no gain and +1.5% decode). Not
 // everywhere: with it in every kernel, prefill's grouped 4-bit experts (gemm_q4.cu, 128 registers)
 // took 45.1 instead of 40.0 us per 8k-prefill token (H200, 2026-11-30; the constant needs a register
 // there). Same bits as code_pair.
