@@ -63,6 +63,8 @@ bool pdl_enabled();
 // True when environment variable `name` is set to exactly `value` (the engine's CK_* switches that
 // select another schedule to compare, read once by their callers).
 bool env_is(const char* name, const char* value);
+// An attribute of the current device (cudaDeviceGetAttribute; errors abort).
+int device_attribute(cudaDeviceAttr attr);
 // Streaming multiprocessors of the current device (asked once; call before any graph capture).
 int sm_count();
 // One line naming the device: name, SMs, memory, L2 (for the startup banner).

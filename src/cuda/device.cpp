@@ -27,13 +27,15 @@ int device_count() {
   return n;
 }
 
+int device_attribute(cudaDeviceAttr attr) {
+  int dev = 0, v = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, dev));
+  return v;
+}
+
 int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
+  static const int n = device_attribute(cudaDevAttrMultiProcessorCount);
   return n;
 }
 

@@ -67,8 +67,6 @@ struct StreamLaunch {
   int32_t chunks;  // groups / kChunk
 };
 
-__device__ __forceinline__ int scale_elem_bytes(uint8_t kind) { return kind == static_cast<uint8_t>(WKind::F32) ? 4 : 2; }
-
 __device__ __forceinline__ int job_of(const StreamLaunch& L, int tile) {
   int j = 0;
   while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
@@ -83,7 +81,7 @@ __device__ __forceinline__ void issue(const StreamLaunch& L, int u, int gw, int 
   const int tile = gw + (u / L.chunks) * W, c = u % L.chunks;
   const int j = job_of(L, tile);
   const DMatrix& w = L.job[j].w;
-  const uint32_t es = scale_elem_bytes(w.fmt.scale_kind);
+  const uint32_t es = wkind_bytes(w.fmt.scale_kind);
   if (lane == 0) mbar_arrive_expect(bar, 16 * (kChunk * 32 + 2 * kChunk * es));
   __syncwarp();
   if (lane < 16) {
@@ -172,12 +170,7 @@ size_t smem_bytes(int groups) {
 }
 
 int max_smem_optin() {
-  static const int v = [] {
-    int dev = 0, n = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    return n;
-  }();
+  static const int v = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   return v;
 }
 
