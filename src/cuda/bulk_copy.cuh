@@ -1,5 +1,6 @@
-// Bulk copies from global to shared memory (cp.async.bulk, sm_90) completed through mbarriers: the
-// pieces of the streamed GEMV (gemv_stream.cu), kept apart so other kernels can stream the same way.
+// Tensor-map copies from global to shared memory (cp.async.bulk.tensor, sm_90) completed through
+// mbarriers: the pieces of the streamed GEMV (gemv_stream.cu), kept apart so other kernels can stream
+// the same way.
 // A barrier is initialised with one arrival per phase; that arrival announces the bytes of the
 // phase's copies (expect_tx), and the phase completes when every announced byte has landed.
 #pragma once
@@ -43,13 +44,15 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
-// bytes (a multiple of 16, both addresses 16-byte aligned) from global to shared memory; the
-// barrier's transaction count drops by bytes when they have landed.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
+// A 2D tensor-map box (CUtensorMap in kernel parameters, 1024-byte aligned destination for the
+// 128-byte swizzle) at element coordinates (x, y) into shared memory; the barrier's transaction count
+// drops by the box's bytes (out-of-bounds elements arrive as zeros and count too) when they have landed.
+__device__ __forceinline__ void tma_copy_2d(void* dst, const void* tmap, int x, int y, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          smem_u32(dst)),
+      "l"(tmap), "r"(x), "r"(y), "r"(smem_u32(bar))
+      : "memory");
 }
 
 }  // namespace ck::cuda

@@ -1,28 +1,31 @@
 // One activation row through the largest 4-bit matrix of a decode step (the LM head: 9,496 tiles x
-// 40 groups at the released geometry) with the weights streamed into shared memory by the bulk-copy
-// engine (TMA), instead of each warp loading them into registers.
+// 40 groups at the released geometry) with the weights streamed into shared memory by the tensor
+// memory accelerator (TMA), instead of each warp loading them into registers.
 //
 // Why: the two-kernel v4 form (fragment kernel + gemv_tc4_kernel, gemv.cu) reached 1.66 TB/s on the
 // LM head against a copy rate of ~4.2 TB/s: with registers capped for 3-4 blocks per SM, a warp keeps
-// few loads in flight. Here every warp owns a ring of kStages shared-memory stages; one cp.async.bulk
-// per row fills a stage (16 rows x 8 groups of codes, their scales and biases) and completes an
-// mbarrier, so each SM keeps ~90 KB of weights in flight whatever the compute does. The first stages
-// are requested before pdl_begin() (weights never change). Nsight Compute: 187 us, 1.94 TB/s, against
-// ~214 us for the two kernels; ~280 issued instructions per 64-code group of 16 rows against ~74 in
-// the loop, so most likely it waits on its copies (48 small bulk copies per stage; one 2D tensor-map
-// copy per stage is the next thing to try, docs/roofline-cuda.md). Its codes are unpacked with
-// code_pair_lop3: without it this kernel gained nothing in decode (454.8 against 455.6 tok/s), with
-// it 461.3 and 463.3 against 456.1, and the MTP draft step 0.485 / 0.474 against 0.506 ms (H200,
-// 2026-11-30, same-call comparisons with CK_GEMV_STREAM=0).
+// few loads in flight. Here every warp owns a ring of kStages shared-memory stages; a stage (16 rows x
+// 8 groups of codes, their scales and biases) is filled by four 2D tensor-map copies issued by one
+// lane and completes an mbarrier, so each SM keeps ~80 KB of weights in flight whatever the compute
+// does. The first stages are requested before pdl_begin() (weights never change).
+//
+// History (H200, same-call comparisons, docs/performance.md): the first form filled a stage with 48
+// per-row cp.async.bulk copies: LM head 187 us (1.94 TB/s) against ~214 for the two kernels, decode
+// 461-463 against 456 tok/s. The tensor-map copies (2026-11-30 10:30Z): decode 477.4 against 460-463
+// tok/s, the MTP draft step 0.398 against 0.469-0.489 ms. Its codes are unpacked with code_pair_lop3
+// (without it the per-row form gained nothing).
 //
 // Arithmetic: the v4 one-row arithmetic of gemv_tc4_one_kernel (mma_q4.cuh: tc4_one_frag builds the
 // B fragments of x in shared memory once per block, tc4_one_mma per group). A warp owns whole 16-row
 // tiles (tile = warp id + k * warps in the grid) and adds a tile's groups in index order: no split K,
 // no reduction, deterministic.
 //
-// Shared-memory layout of a stage: codes [16 rows][kRowPitch] (a row's 256 bytes, then 32 bytes of
-// padding so rows g = 0..7 start 8 banks apart: a half-warp's 8-byte reads of 4 rows x 4 lanes hit 32
-// different banks), then scales [16][kScalePitch] and biases [16][kScalePitch].
+// Shared-memory layout of a stage (5,120 bytes, 1024-aligned for the swizzle): codes as two boxes of
+// [16 rows][128 bytes] in the 128-byte swizzle (16-byte chunk c of row r lands at chunk c ^ (r & 7),
+// so the 8 rows g = 0..7 a quad-group reads hit different banks), then scales [16][8] and biases
+// [16][8] dense at kScalesAt and kScalesAt + 512. Rows past the matrix arrive as zeros (never stored).
+#include <cuda.h>  // CUtensorMap (the encoder comes through the runtime: no link to libcuda)
+
 #include <algorithm>
 #include <cstdlib>
 
@@ -41,10 +44,9 @@ namespace {
 // 187 us (1.94 TB/s; measured with code_pair_lop3 in every kernel, so not a clean comparison).
 constexpr int kWarps = 16;
 constexpr int kStages = 2;
-constexpr int kChunk = 8;                 // 64-code groups per stage: 512 codes, 256 bytes of a row
-constexpr int kRowPitch = kChunk * 32 + 32;
-constexpr int kScalePitch = 32;           // up to 8 f32 scales of a row
-constexpr int kStageBytes = 16 * kRowPitch + 2 * 16 * kScalePitch;
+constexpr int kChunk = 8;         // 64-code groups per stage: 512 codes, 256 bytes of a row
+constexpr int kStageBytes = 5120;  // 2 x 2,048 bytes of codes, 512 of scales, 512 of biases
+constexpr int kScalesAt = 4096;
 constexpr int kFragGroupBytes = 4 * 32 * 8;  // one group's B fragments (tc4_one_frag)
 constexpr int kRingBytes = kWarps * kStages * kStageBytes;
 constexpr int kBarBytes = kWarps * kStages * 8;
@@ -60,6 +62,7 @@ int64_t g_min_work = -1;  // -1: not yet read (CK_GEMV_STREAM_MIN)
 int64_t g_launches = 0;
 
 struct StreamLaunch {
+  CUtensorMap tmap[kMaxGemvJobs][3];  // each job's codes, scales, biases
   GemvJob job[kMaxGemvJobs];
   int32_t first_tile[kMaxGemvJobs + 1];  // job j owns 16-row tiles [first_tile[j], first_tile[j+1])
   int32_t n_jobs;
@@ -74,25 +77,19 @@ __device__ __forceinline__ int job_of(const StreamLaunch& L, int tile) {
 }
 
 // Asks for unit u of this warp (its (u / chunks)-th tile, chunk u % chunks) into `stage`: lane 0
-// announces the bytes, then lanes 0-15 copy one row each (codes, scales, biases). Rows past the
-// matrix read its last row (never stored).
+// announces the bytes and issues the four copies.
 __device__ __forceinline__ void issue(const StreamLaunch& L, int u, int gw, int W, uint8_t* stage, uint64_t* bar) {
-  const int lane = threadIdx.x & 31;
-  const int tile = gw + (u / L.chunks) * W, c = u % L.chunks;
-  const int j = job_of(L, tile);
-  const DMatrix& w = L.job[j].w;
-  const uint32_t es = wkind_bytes(w.fmt.scale_kind);
-  if (lane == 0) mbar_arrive_expect(bar, 16 * (kChunk * 32 + 2 * kChunk * es));
-  __syncwarp();
-  if (lane < 16) {
-    const int row = min((tile - L.first_tile[j]) * 16 + lane, w.rows - 1);
-    const size_t row_bytes = static_cast<size_t>(w.cols) / 2;
-    bulk_copy(stage + lane * kRowPitch, w.data + row * row_bytes + c * (kChunk * 32), kChunk * 32, bar);
-    const size_t s0 = (static_cast<size_t>(row) * L.groups + c * kChunk) * es;
-    uint8_t* sc = stage + 16 * kRowPitch;
-    bulk_copy(sc + lane * kScalePitch, w.scales + s0, kChunk * es, bar);
-    bulk_copy(sc + 16 * kScalePitch + lane * kScalePitch, w.biases + s0, kChunk * es, bar);
+  if ((threadIdx.x & 31) == 0) {
+    const int tile = gw + (u / L.chunks) * W, c = u % L.chunks;
+    const int j = job_of(L, tile);
+    const int row0 = (tile - L.first_tile[j]) * 16;
+    mbar_arrive_expect(bar, 16 * (kChunk * 32 + 2 * kChunk * wkind_bytes(L.job[j].w.fmt.scale_kind)));
+    tma_copy_2d(stage, &L.tmap[j][0], c * (kChunk * 32), row0, bar);
+    tma_copy_2d(stage + 2048, &L.tmap[j][0], c * (kChunk * 32) + 128, row0, bar);
+    tma_copy_2d(stage + kScalesAt, &L.tmap[j][1], c * kChunk, row0, bar);
+    tma_copy_2d(stage + kScalesAt + 512, &L.tmap[j][2], c * kChunk, row0, bar);
   }
+  __syncwarp();
 }
 
 template <bool BF16S>
@@ -106,7 +103,7 @@ __device__ __forceinline__ float stage_scale(const uint8_t* p, int i, uint8_t ki
 template <bool BF16S>
 __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __grid_constant__ StreamLaunch L,
                                                                      const float* __restrict__ x) {
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   uint8_t* ring = smem + warp * kStages * kStageBytes;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kRingBytes) + warp * kStages;
@@ -138,16 +135,20 @@ __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __gri
     const int j = job_of(L, tile);
     const uint8_t sk = L.job[j].w.fmt.scale_kind;
     const uint8_t* st = ring + s * kStageBytes;
-    const uint8_t* sc = st + 16 * kRowPitch;
+    const int es = wkind_bytes(sk);
+    const uint8_t* sc = st + kScalesAt;
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
       const int G = c * kChunk + i;
-      const uint2 wa = *reinterpret_cast<const uint2*>(st + g * kRowPitch + i * 32 + t * 8);
-      const uint2 wb = *reinterpret_cast<const uint2*>(st + (g + 8) * kRowPitch + i * 32 + t * 8);
-      const float sa = stage_scale<BF16S>(sc + g * kScalePitch, i, sk);
-      const float ba = stage_scale<BF16S>(sc + (16 + g) * kScalePitch, i, sk);
-      const float sb = stage_scale<BF16S>(sc + (g + 8) * kScalePitch, i, sk);
-      const float bb = stage_scale<BF16S>(sc + (24 + g) * kScalePitch, i, sk);
+      // Row r's 16-byte chunk ch of box i / 4 sits at chunk ch ^ (r & 7); rows g and g + 8 alike.
+      const int ch = ((i & 3) * 2 + (t >> 1)) ^ g;
+      const uint8_t* box = st + (i >> 2) * 2048 + ch * 16 + (t & 1) * 8;
+      const uint2 wa = *reinterpret_cast<const uint2*>(box + g * 128);
+      const uint2 wb = *reinterpret_cast<const uint2*>(box + (g + 8) * 128);
+      const float sa = stage_scale<BF16S>(sc + g * 8 * es, i, sk);
+      const float sb = stage_scale<BF16S>(sc + (g + 8) * 8 * es, i, sk);
+      const float ba = stage_scale<BF16S>(sc + 512 + g * 8 * es, i, sk);
+      const float bb = stage_scale<BF16S>(sc + 512 + (g + 8) * 8 * es, i, sk);
       tc4_one_mma<true>(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 128 + lane, t == 0 ? sgs[G] : 0.0f, acc);
     }
     __syncwarp();  // every lane has read the stage: it can be refilled
@@ -167,6 +168,47 @@ __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __gri
 
 size_t smem_bytes(int groups) {
   return static_cast<size_t>(kRingBytes) + kBarBytes + static_cast<size_t>(groups) * (kFragGroupBytes + sizeof(float));
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link to libcuda); null when the
+// driver does not offer it (the caller then falls back to gemv_tc4_kernel).
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<EncodeTiled>(p);
+  }();
+  return fn;
+}
+
+// A 2D map over `rows` rows of `inner` elements (row pitch `pitch` bytes) in boxes of box_inner x 16
+// rows. False when the driver refuses it.
+bool encode_map(CUtensorMap* m, const void* base, CUtensorMapDataType type, uint64_t inner, uint64_t rows,
+                uint64_t pitch, uint32_t box_inner, CUtensorMapSwizzle swizzle) {
+  const EncodeTiled fn = encode_tiled();
+  if (!fn) return false;
+  const cuuint64_t dims[2] = {inner, rows}, strides[1] = {pitch};
+  const cuuint32_t box[2] = {box_inner, 16}, elem_strides[2] = {1, 1};
+  return fn(m, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// A job's three maps: codes in boxes of 128 bytes (the 128-byte swizzle's widest), scales and biases
+// in boxes of kChunk elements.
+bool encode_job_maps(const DMatrix& w, int groups, CUtensorMap (&m)[3]) {
+  const bool f32 = w.fmt.scale_kind == static_cast<uint8_t>(WKind::F32);
+  const CUtensorMapDataType st = f32 ? CU_TENSOR_MAP_DATA_TYPE_UINT32 : CU_TENSOR_MAP_DATA_TYPE_UINT16;
+  const uint64_t row_bytes = static_cast<uint64_t>(w.cols) / 2, es = f32 ? 4 : 2;
+  return encode_map(&m[0], w.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, row_bytes, w.rows, row_bytes, 128,
+                    CU_TENSOR_MAP_SWIZZLE_128B) &&
+         encode_map(&m[1], w.scales, st, groups, w.rows, groups * es, kChunk, CU_TENSOR_MAP_SWIZZLE_NONE) &&
+         encode_map(&m[2], w.biases, st, groups, w.rows, groups * es, kChunk, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 int max_smem_optin() {
@@ -212,10 +254,11 @@ bool gemv_stream(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cu
   int tiles = 0;
   for (int j = 0; j < n_jobs; ++j) {
     const DMatrix& w = jobs[j].w;
-    // 4-bit codes in groups of 64 (a stage's scales are then whole 16-byte copies), 16-byte aligned.
+    // 4-bit codes in groups of 64, 16-byte aligned (a tensor map's base and row pitch must be).
     if (!w.quantized() || w.fmt.bits != 4 || w.fmt.group != 64 || w.cols != cols || w.rows < 1 ||
         !aligned16(w.data) || !aligned16(w.scales) || !aligned16(w.biases))
       return false;
+    if (!encode_job_maps(w, L.groups, L.tmap[j])) return false;
     L.job[j] = jobs[j];
     L.first_tile[j] = tiles;
     tiles += static_cast<int>(ceil_div(w.rows, 16));
