@@ -393,6 +393,19 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
     expert_down(pd.get(), n_pairs, std::max(I, SI), H, hd.get(), ldh, yd.get(), ldy, codes48, nullptr);
   }
   std::vector<float> hh = to_host(hd.get(), n_pairs * ldh), yh = to_host(yd.get(), n_pairs * ldy);
+  if (tc4) {  // the staged loop (the default) and the register loop: the same loads, the same bits
+    set_expert_stage(0);
+    DeviceBuffer<float> hd2(n_pairs * ldh), yd2(n_pairs * ldy);
+    expert_gate_up_tc4(pd.get(), n_pairs, std::max(I, SI), H, xd.get(), H, rows, hd2.get(), ldh, nullptr);
+    expert_down_tc4(pd.get(), n_pairs, std::max(I, SI), H, hd2.get(), ldh, yd2.get(), ldy, nullptr);
+    set_expert_stage(-1);
+    std::vector<float> hh2 = to_host(hd2.get(), n_pairs * ldh), yh2 = to_host(yd2.get(), n_pairs * ldy);
+    for (int p = 0; p < n_pairs; ++p) {
+      const int inter = static_cast<int>(ex[p].g.m.rows);
+      for (int i = 0; i < inter; ++i) ASSERT_EQ(hh[p * ldh + i], hh2[p * ldh + i]) << "staged gate/up, pair " << p << " row " << i;
+      for (int i = 0; i < H; ++i) ASSERT_EQ(yh[p * ldy + i], yh2[p * ldy + i]) << "staged down, pair " << p << " row " << i;
+    }
+  }
   for (int p = 0; p < n_pairs; ++p) {
     const Ex& e = ex[p];
     const int inter = static_cast<int>(e.g.m.rows);
@@ -598,6 +611,20 @@ TEST(CudaOps, TopkAndArgmaxTies) {
       std::vector<int> ref = ck::cpu::topk_desc(std::span<const float>(v.data() + r * n, n), k);
       for (int t = 0; t < k; ++t) EXPECT_EQ(got[r * k + t], ref[t]) << "topk n " << n << " k " << k << " row " << r << " slot " << t;
     }
+  }
+  {  // NaNs never win: the finite values in order, then (only NaNs left) the lowest unused indices
+    const int n = 70, k = 12;
+    std::vector<float> v(n, std::nanf(""));
+    std::vector<int> want;
+    for (int i : {65, 3, 40, 7, 33, 12, 50, 21, 69, 0}) { v[i] = static_cast<float>(i % 11) - 0.01f * i; want.push_back(i); }
+    std::sort(want.begin(), want.end(), [&](int a, int b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
+    want.push_back(1);
+    want.push_back(2);
+    DeviceBuffer<float> vd;
+    DeviceBuffer<int32_t> id(k);
+    topk_desc(to_device(v, &vd), n, k, id.get(), 1, n, nullptr);
+    std::vector<int32_t> got = to_host(id.get(), k);
+    for (int t = 0; t < k; ++t) EXPECT_EQ(got[t], want[t]) << "topk with NaNs, slot " << t;
   }
   for (int64_t n : {int64_t{1}, int64_t{100}, int64_t{8192}, int64_t{8193}, int64_t{248320}}) {
     const int rows = 4;
