@@ -962,108 +962,19 @@ __device__ __forceinline__ void expert_tc4_groups(const DMatrix (&w)[NM], int ro
   }
 }
 
-// The same group loop with the warp's weights staged first: every lane asks for all of its share of
-// codes, scales and biases with cp.async at once (one 16-byte copy of codes and one 4-byte word of a
-// scale or bias per matrix and group), then computes from shared memory. Why: the register loop keeps
-// ~2 groups of loads in flight per warp and waits on DRAM at each (decode experts ran at ~1 TB/s,
-// 18.5 us for gate/up of 11 pairs in Nsight Compute); here all of a warp's bytes are in flight
-// together. Same loads, same order of arithmetic: the same bits as expert_tc4_groups.
-// stage: the warp's [NM][G1 - G0] units of kExpertUnit bytes: codes [16 rows][32 bytes] (lane l copies
-// row l / 2, half l % 2), then 32 words: the scale word of row i (i < 16), the bias word of row i - 16.
-constexpr int kExpertUnit = 16 * 32 + 32 * 4;
-// The staged expert loop's shared memory: gate/up at the released geometry (ks 4, 10 groups per warp)
-// takes 100 KB per block, two blocks per SM. CK_EXPERT_STAGE=0 keeps the register loop.
-constexpr size_t kExpertStageMax = 110 * 1024;
-size_t expert_stage_bytes(int nm, int units) { return static_cast<size_t>(8) * nm * units * kExpertUnit; }
-int g_expert_stage = -1;  // -1: not yet read (CK_EXPERT_STAGE)
-bool expert_staged() {
-  if (g_expert_stage < 0) g_expert_stage = env_is("CK_EXPERT_STAGE", "0") ? 0 : 1;
-  return g_expert_stage != 0;
-}
-
-
-template <int NM, bool BF16S>
-__device__ __forceinline__ void expert_tc4_groups_staged(const DMatrix (&w)[NM], int row0, int G0, int G1,
-                                                         const uint2* __restrict__ fv, const float* __restrict__ gv,
-                                                         uint8_t* stage, float (&acc)[NM][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, n = G1 - G0;
-  int par_a[NM], par_b[NM], gshift[NM];
-#pragma unroll
-  for (int m = 0; m < NM; ++m) {
-    const DMatrix& wm = w[m];
-    const size_t row_bytes = static_cast<size_t>(wm.cols) / 2;
-    const uint32_t n_sg = static_cast<uint32_t>(wm.cols / wm.fmt.group);
-    gshift[m] = __ffs(wm.fmt.group / 64) - 1;
-    const uint32_t es = static_cast<uint32_t>(wkind_bytes(wm.fmt.scale_kind));
-    const uint8_t* codes = wm.data + static_cast<size_t>(min(row0 + (lane >> 1), wm.rows - 1)) * row_bytes + (lane & 1) * 16;
-    const uint32_t srow = static_cast<uint32_t>(min(row0 + (lane & 15), wm.rows - 1)) * n_sg;
-    const uintptr_t sbase = reinterpret_cast<uintptr_t>(lane < 16 ? wm.scales : wm.biases);
-    for (int G = G0; G < G1; ++G) {
-      uint8_t* unit = stage + (m * n + (G - G0)) * kExpertUnit;
-      cp_async16(unit + lane * 16, codes + G * 32);
-      const uintptr_t at = sbase + (srow + (static_cast<uint32_t>(G) >> gshift[m])) * es;
-      cp_async4(unit + 512 + lane * 4, reinterpret_cast<const void*>(at & ~uintptr_t{3}));
-    }
-    // Which half of a staged word holds a 2-byte scale: the parity of its element index.
-    par_a[m] = (min(row0 + g, wm.rows - 1) * static_cast<int>(n_sg)) & 1;
-    par_b[m] = (min(row0 + g + 8, wm.rows - 1) * static_cast<int>(n_sg)) & 1;
-  }
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncwarp();
-  auto from_word = [](uint32_t word, int par, uint8_t sk) -> float {
-    if (BF16S || sk == static_cast<uint8_t>(WKind::BF16)) return __uint_as_float(par ? word & 0xffff0000u : word << 16);
-    if (sk == static_cast<uint8_t>(WKind::F32)) return __uint_as_float(word);
-    return f16_bits_to_float(static_cast<uint16_t>(par ? word >> 16 : word & 0xffffu));
-  };
-#pragma unroll 2
-  for (int G = G0; G < G1; ++G) {
-    const float x0 = __ldg(gv + G * 8 + 2 * t), x1 = __ldg(gv + G * 8 + 2 * t + 1);
-    uint2 b[4];
-#pragma unroll
-    for (int st = 0; st < 4; ++st) b[st] = __ldg(fv + (static_cast<size_t>(G) * 4 + st) * 32);
-#pragma unroll
-    for (int m = 0; m < NM; ++m) {
-      const uint8_t* unit = stage + (m * n + (G - G0)) * kExpertUnit;
-      const uint2 wa = *reinterpret_cast<const uint2*>(unit + g * 32 + t * 8);
-      const uint2 wb = *reinterpret_cast<const uint2*>(unit + (g + 8) * 32 + t * 8);
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(unit + 512);
-      const int pg = (G >> gshift[m]) & 1;
-      const uint8_t sk = w[m].fmt.scale_kind;
-      const float sa = from_word(words[g], par_a[m] ^ pg, sk), ba = from_word(words[16 + g], par_a[m] ^ pg, sk);
-      const float sb = from_word(words[g + 8], par_b[m] ^ pg, sk), bb = from_word(words[24 + g], par_b[m] ^ pg, sk);
-      float d[4] = {};  // the group's Σ q x, fresh per group
-#pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        const uint32_t xa = (st >> 1) ? wa.y : wa.x, xb = (st >> 1) ? wb.y : wb.x;
-        const int i0 = 2 * (st & 1);
-        mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b[st].x,
-                 b[st].y);
-      }
-      acc[m][0] = fmaf(sa, d[0], fmaf(ba, x0, acc[m][0]));
-      acc[m][1] = fmaf(sa, d[1], fmaf(ba, x1, acc[m][1]));
-      acc[m][2] = fmaf(sb, d[2], fmaf(bb, x0, acc[m][2]));
-      acc[m][3] = fmaf(sb, d[3], fmaf(bb, x1, acc[m][3]));
-    }
-  }
-}
-
 // Decode experts on the tensor cores (v4 arithmetic, one activation vector per pair): warp (pair, tile
 // of 16 rows, part) runs the gemv_tc4_kernel loop over its part of the pair's groups with the
 // fragments of the pair's vector (GATE_UP: row pairs[p].x_row of x, both gate and up; otherwise row p
 // of h through down). Each pair's matrices are read from its device-side view (any 4-bit form in
 // groups of 64k, bf16/f16/f32 scales), so the kernel follows the expert table like the v3 kernels.
 // GATE_UP writes h[p] = silu(gate x) * (up x); otherwise y[p] = down h[p]. grid: tiles / (8 / ks).
-// STAGED: expert_tc4_groups_staged, dynamic shared memory 8 warps x NM x ceil(groups / ks) units
-// (matrices whose codes are not 16-byte aligned take the register loop).
-template <bool GATE_UP, int UNROLL, bool STAGED>
+template <bool GATE_UP, int UNROLL>
 __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const ExpertPair* __restrict__ pairs, int n_pairs,
                                                             int tiles_per_pair, int ks, const uint2* __restrict__ frag,
                                                             const float* __restrict__ gsum, int vec_groups,
-                                                            float* __restrict__ out, int ldo, int stage_units) {
+                                                            float* __restrict__ out, int ldo) {
   pdl_begin();
   constexpr int NM = GATE_UP ? 2 : 1;
-  extern __shared__ __align__(16) uint8_t expert_stage[];
   __shared__ float red[8][NM][16][4];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int part = warp % ks, tile_all = blockIdx.x * (8 / ks) + warp / ks;
@@ -1085,15 +996,10 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
     const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * 4 * 32 + t * 8 + g;
     const float* gv = gsum + static_cast<size_t>(vec) * vec_groups * 8;
     const uint8_t bf = static_cast<uint8_t>(WKind::BF16);
-    const bool bf16s = w[0].fmt.scale_kind == bf && w[NM - 1].fmt.scale_kind == bf;
-    bool staged = STAGED && G1 - G0 <= stage_units;
-#pragma unroll
-    for (int m = 0; m < NM; ++m) staged = staged && reinterpret_cast<uintptr_t>(w[m].data) % 16 == 0;
-    uint8_t* stage = expert_stage + static_cast<size_t>(warp) * NM * stage_units * kExpertUnit;
-    if (staged && bf16s) expert_tc4_groups_staged<NM, true>(w, row0, G0, G1, fv, gv, stage, acc);
-    else if (staged) expert_tc4_groups_staged<NM, false>(w, row0, G0, G1, fv, gv, stage, acc);
-    else if (bf16s) expert_tc4_groups<NM, true, UNROLL>(w, row0, G0, G1, fv, gv, acc);
-    else expert_tc4_groups<NM, false, UNROLL>(w, row0, G0, G1, fv, gv, acc);
+    if (w[0].fmt.scale_kind == bf && w[NM - 1].fmt.scale_kind == bf)
+      expert_tc4_groups<NM, true, UNROLL>(w, row0, G0, G1, fv, gv, acc);
+    else
+      expert_tc4_groups<NM, false, UNROLL>(w, row0, G0, G1, fv, gv, acc);
   }
   // Columns 0-2 (hi, mid, lo of the one vector) live in lanes t = 0 (0, 1) and t = 1 (2).
 #pragma unroll
@@ -1120,16 +1026,6 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
     v[m] = (c[0] + c[1]) + c[2];
   }
   out[static_cast<size_t>(p) * ldo + row0 + lane] = GATE_UP ? siluf_(v[0]) * v[NM - 1] : v[0];
-}
-
-// Once (init_gemv calls it before any graph capture; direct callers get it at their first launch).
-void expert_stage_init() {
-  static const bool done = [] {
-    for (auto k : {expert_tc4_kernel<true, 2, true>, expert_tc4_kernel<false, 2, true>})
-      CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kExpertStageMax)));
-    return true;
-  }();
-  (void)done;
 }
 
 int g_gemv_version = 0;  // 0: not yet read from the environment
@@ -1384,7 +1280,6 @@ void set_gemv_version(int v) { g_gemv_version = v == 1 ? 1 : 2; }
 
 void init_gemv() {
   (void)sm_count();
-  expert_stage_init();
   (void)gemv_version();
   gemv_stream_init();
   // The occupancy of each kernel is asked on its first launch; ask now, before any graph capture.
@@ -1481,8 +1376,6 @@ void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hid
   CUDA_CHECK_LAUNCH();
 }
 
-void set_expert_stage(int on) { g_expert_stage = on < 0 ? -1 : on; }
-
 bool expert_tc4_enabled() {
   static const bool on = !env_is("CK_EXPERT_TC4", "0");
   return on && q_arith() == 4;
@@ -1518,15 +1411,8 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
   while (ks < 8 && tiles * ks < sm_count() * 16 && groups >= 8 * ks) ks *= 2;
   // Group loop unrolled twice: four times measured 422 against 429 tok/s (2026-11-30).
   const unsigned grid = static_cast<unsigned>(ceil_div(tiles, 8 / ks));
-  const int units = static_cast<int>(ceil_div(groups, ks));
-  const size_t smem = expert_stage_bytes(GATE_UP ? 2 : 1, units);
-  expert_stage_init();
-  if (expert_staged() && smem <= kExpertStageMax)
-    launch(expert_tc4_kernel<GATE_UP, 2, true>, grid, 256, smem, s, pairs, n_pairs, tiles_per_pair, ks, frag, gsum,
-           groups, out, ldo, units);
-  else
-    launch(expert_tc4_kernel<GATE_UP, 2, false>, grid, 256, 0, s, pairs, n_pairs, tiles_per_pair, ks, frag, gsum,
-           groups, out, ldo, 0);
+  launch(expert_tc4_kernel<GATE_UP, 2>, grid, 256, 0, s, 
+      pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out, ldo);
   CUDA_CHECK_LAUNCH();
   if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
 }

@@ -1142,35 +1142,37 @@ __global__ void ple_conv_kernel(const PleConvArgs a, const StepParams* sp, int r
 
 // ------------------------------------------------------------------ MoE
 
-// grid (rows), block 32 (one warp per row: softmax and top-k without block barriers, warp_topk),
-// dynamic shared memory E floats + E bytes.
+// grid (rows), block 256, dynamic shared memory E floats + E bytes.
 __global__ void moe_route_kernel(const MoeRouteArgs a) {
   pdl_begin();
   extern __shared__ float prob[];
+  __shared__ float scratch[32];
+  __shared__ float lv[8 * 64];
+  __shared__ int li[8 * 64];
   __shared__ int top[64];
   __shared__ float top_sum;
   uint8_t* flags = reinterpret_cast<uint8_t*>(prob + a.E);
-  const int r = blockIdx.x, lane = threadIdx.x;
+  const int r = blockIdx.x;
   const float* lg = a.logits + static_cast<size_t>(r) * a.ld;
   float mx = -INFINITY;
-  for (int e = lane; e < a.E; e += 32) mx = fmaxf(mx, lg[e]);
-  mx = warp_max(mx);
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) mx = fmaxf(mx, lg[e]);
+  mx = block_max(mx, scratch);
   float sum = 0.0f;
-  for (int e = lane; e < a.E; e += 32) {
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) {
     const float v = expf(lg[e] - mx);
     prob[e] = v;
     sum += v;
   }
-  sum = warp_sum(sum);
-  for (int e = lane; e < a.E; e += 32) prob[e] /= sum;
-  __syncwarp();
-  warp_topk(prob, a.E, a.k, top, flags);
-  if (lane == 0) {
+  sum = block_sum(sum, scratch);
+  // Each thread divides its own elements, the ones block_topk's first level reads: no barrier.
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) prob[e] /= sum;
+  block_topk(prob, a.E, a.k, top, flags, lv, li);
+  if (threadIdx.x == 0) {
     float ts = 0.0f;
     for (int t = 0; t < a.k; ++t) ts += prob[top[t]];
     top_sum = ts;
   }
-  __syncwarp();
+  __syncthreads();
   for (int t = threadIdx.x; t <= a.k; t += blockDim.x) {
     ExpertPair pr;
     pr.x_row = r;
@@ -1372,7 +1374,7 @@ void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t
 
 void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
   CK_REQUIRE(a.k >= 1 && a.k <= 64 && a.k <= a.E && a.E <= 8192, "invariant");
-  launch(moe_route_kernel, rows, 32, sizeof(float) * a.E + a.E, stream, a);
+  launch(moe_route_kernel, rows, 256, sizeof(float) * a.E + a.E, stream, a);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -90,9 +90,6 @@ void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden
 // max_inter multiples of 64; x has x_rows rows (the pairs' x_row values). expert_tc4_enabled():
 // the GEMV arithmetic is v4 and CK_EXPERT_TC4 is not 0.
 bool expert_tc4_enabled();
-// The decode expert kernels' staged loop (weights copied to shared memory first): 1 on, 0 off (the
-// register loop), -1 back to CK_EXPERT_STAGE.
-void set_expert_stage(int on);
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
                         int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre = nullptr);
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
