@@ -90,55 +90,26 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* s
     if (arg_better(sv[w], si[w], v, i)) { v = sv[w]; i = si[w]; }
 }
 
-// Indices of the k largest of v[0..n) into out[0..k) (shared memory), in descending order, ties to
-// the lower index (cpu::topk_desc); NaNs never win, and when only NaNs are left the lowest unused
-// index is taken. Two levels, with one block barrier: each warp takes the top k of its threads'
-// elements (thread i owns i, i + blockDim, ...: it keeps its best unused one and looks again only when
-// that one is taken) into lv/li [warp][k]; warp 0 then merges the warps' sorted lists (a lane per
-// list, k rounds of a warp argmax over the heads). The order is total, so the k best of the union of
-// the warps' k best are the k best. Why: k rounds of a block argmax were a chain of ~35 block barriers
-// (the router's top-10 of 512 took 9.5 us per decode layer in Nsight Compute).
-// Shared memory: flags n bytes, lv/li blockDim / 32 * k entries each. Ends with __syncthreads.
-__device__ __forceinline__ void block_topk(const float* v, int n, int k, int* out, uint8_t* flags, float* lv, int* li) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-  float cv = -INFINITY;
-  int ci = INT_MAX;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    flags[i] = 0;
-    if (arg_better(v[i], i, cv, ci)) { cv = v[i]; ci = i; }
-  }
+// Indices of the k largest of v[0..n) into out[0..k) (shared or global memory), in descending order,
+// ties to the lower index (cpu::topk_desc). flags: n bytes of shared memory; sv/si as block_argmax.
+// k rounds of a block argmax: cheap for the router's k <= 64 over a few hundred experts.
+__device__ __forceinline__ void block_topk(const float* v, int n, int k, int* out, uint8_t* flags, float* sv, int* si) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) flags[i] = 0;
+  __syncthreads();
   for (int t = 0; t < k; ++t) {
-    float bv = cv;
-    int bi = ci;
-    warp_argmax(bv, bi);
-    if (lane == 0) { lv[warp * k + t] = bv; li[warp * k + t] = bi; }
-    if (bi != INT_MAX && bi == ci) {  // this thread's element was taken: its next best
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+      if (!flags[i] && arg_better(v[i], i, bv, bi)) { bv = v[i]; bi = i; }
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+      if (bi == INT_MAX)  // only NaNs left: take the lowest unused index
+        for (bi = 0; flags[bi]; ++bi) {}
+      out[t] = bi;
       flags[bi] = 1;
-      cv = -INFINITY;
-      ci = INT_MAX;
-      for (int i = threadIdx.x; i < n; i += blockDim.x)
-        if (!flags[i] && arg_better(v[i], i, cv, ci)) { cv = v[i]; ci = i; }
     }
+    __syncthreads();
   }
-  __syncthreads();
-  if (warp == 0) {
-    int pos = 0;  // lane w: the head of warp w's list
-    for (int t = 0; t < k; ++t) {
-      float hv = -INFINITY;
-      int hi = INT_MAX;
-      if (lane < n_warps && pos < k) { hv = lv[lane * k + pos]; hi = li[lane * k + pos]; }
-      warp_argmax(hv, hi);
-      if (hi != INT_MAX) {
-        if (lane < n_warps && pos < k && li[lane * k + pos] == hi) ++pos;
-      } else if (lane == 0) {  // only NaNs left: the lowest index not yet in out
-        hi = 0;
-        for (int u = 0; u < t;)
-          if (out[u] == hi) { ++hi; u = 0; } else { ++u; }
-      }
-      if (lane == 0) out[t] = hi;
-    }
-  }
-  __syncthreads();
 }
 
 // The tail of a wide RMS norm (rmsnorm_wide_kernel, hc_combine_rmsnorm_kernel): a 1,024-thread block

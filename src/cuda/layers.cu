@@ -1147,8 +1147,8 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
   pdl_begin();
   extern __shared__ float prob[];
   __shared__ float scratch[32];
-  __shared__ float lv[8 * 64];
-  __shared__ int li[8 * 64];
+  __shared__ float sv[32];
+  __shared__ int si[32];
   __shared__ int top[64];
   __shared__ float top_sum;
   uint8_t* flags = reinterpret_cast<uint8_t*>(prob + a.E);
@@ -1164,9 +1164,9 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
     sum += v;
   }
   sum = block_sum(sum, scratch);
-  // Each thread divides its own elements, the ones block_topk's first level reads: no barrier.
   for (int e = threadIdx.x; e < a.E; e += blockDim.x) prob[e] /= sum;
-  block_topk(prob, a.E, a.k, top, flags, lv, li);
+  __syncthreads();
+  block_topk(prob, a.E, a.k, top, flags, sv, si);
   if (threadIdx.x == 0) {
     float ts = 0.0f;
     for (int t = 0; t < a.k; ++t) ts += prob[top[t]];
