@@ -206,9 +206,14 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
       cp_async4(&st.sb[i], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
     }
   };
-  // A scale or bias from its staged 4-byte word (scales and biases start 4-byte aligned: gemm_q4
-  // checks the dense jobs; expert records are 256-byte aligned, cuda/dmatrix.h expert_layout).
-  auto from_word = [&](uint32_t word, int par) -> float { return scale_from_word(word, par, sk); };
+  // A scale or bias from its staged 4-byte word: which half holds a 2-byte one is the parity of its
+  // element index (scales and biases start 4-byte aligned: gemm_q4 checks the dense jobs; expert
+  // records are 256-byte aligned, cuda/dmatrix.h expert_layout).
+  auto from_word = [&](uint32_t word, int par) -> float {
+    if (sk == static_cast<uint8_t>(WKind::F32)) return __uint_as_float(word);
+    if (sk == static_cast<uint8_t>(WKind::BF16)) return __uint_as_float(par ? word & 0xffff0000u : word << 16);
+    return f16_bits_to_float(static_cast<uint16_t>(par ? word >> 16 : word & 0xffffu));
+  };
   auto load_codes = [&](int G, uint2 (&wq)[NW][MF][2]) {
 #pragma unroll
     for (int q = 0; q < NW; ++q) {

@@ -39,10 +39,7 @@ constexpr int kHcMaxLowrank = 1024;
 constexpr int kHcMaxChunkGroups = 16;
 constexpr int kHcMaxInject = 16;
 constexpr int kHcMaxChunks = 256;
-constexpr int kHcMaxPartialBytes = 160 * 1024;  // phase 2's partials (dynamic shared memory)
-// Dynamic shared memory: the partials, then (when it fits) phase 3's up weights (hc_stage_up). With
-// the kernel's 24 KB of static shared memory, one block per SM.
-constexpr int kHcMaxDynamic = 200 * 1024;
+constexpr int kHcMaxPartialBytes = 160 * 1024;  // dynamic shared memory for phase 2
 
 struct HcMixLaunch {
   HcMixArgs a;
@@ -52,8 +49,6 @@ struct HcMixLaunch {
   float* ss;             // [n_chunks] sums of squares of the combined R per chunk
   float* part;           // [n_chunks][16 (tiles_d + tiles_i)] partial products ((hi + mid) + lo)
   unsigned* bar;         // grid barrier: arrivals (bar[0]), generation (bar[32])
-  int stage_up;          // 1: block b < H / 64 copies its up rows to shared memory at its start
-  int stage_at;          // where in the dynamic shared memory (floats): after the partials
 };
 
 // All blocks of the grid meet here; writes before it are visible to reads after it (read other
@@ -143,50 +138,6 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
   if (lane == 0) *gs = s;
 }
 
-// Phase 3's weights, staged: block b's up rows s H + 64 b + i (staged row s * 64 + i) for every group
-// G < ngd (one 32-byte unit per row and group, row-major), then the words that hold their scales and
-// biases ([2][rows][ngd]). Copied with cp.async at the kernel's start, before pdl_begin: the up
-// projection after the grid barrier then reads shared memory, not L2 (its 5 groups were 3 dependent
-// round trips per warp at the released geometry).
-__device__ __forceinline__ void hc_stage_up(const DMatrix& m, int S, int H, int ngd, int b, uint8_t* st) {
-  const int rows = S * 64, units = rows * ngd, es = wkind_bytes(m.fmt.scale_kind);
-  const int gpr = m.cols / m.fmt.group, gshift = __ffs(m.fmt.group / 64) - 1;
-  auto global_row = [&](int i) { return static_cast<size_t>(i >> 6) * H + 64 * b + (i & 63); };
-  for (int e = threadIdx.x; e < 2 * units; e += blockDim.x) {
-    const int u = e >> 1, half = e & 1;
-    cp_async16(st + u * 32 + half * 16, m.data + global_row(u / ngd) * (m.cols / 2) + (u % ngd) * 32 + half * 16);
-  }
-  uint32_t* words = reinterpret_cast<uint32_t*>(st + units * 32);
-  for (int e = threadIdx.x; e < 2 * units; e += blockDim.x) {
-    const int u = e % units, G = u % ngd;
-    const uintptr_t base = reinterpret_cast<uintptr_t>(e < units ? m.scales : m.biases);
-    const uintptr_t at = base + (global_row(u / ngd) * gpr + (G >> gshift)) * es;
-    cp_async4(words + e, reinterpret_cast<const void*>(at & ~uintptr_t{3}));
-  }
-  cp_async_commit();
-}
-
-size_t hc_stage_up_bytes(int S, int ngd) { return static_cast<size_t>(S) * 64 * ngd * (32 + 2 * 4); }
-
-// hc_tile over all ngd groups of a staged tile: staged rows i0.. (global rows row0..).
-__device__ __forceinline__ void hc_tile_staged(const DMatrix& m, const uint8_t* st, int S, int ngd, int i0, size_t row0,
-                                               const uint2* f, const float* xg, float (&acc)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, units = S * 64 * ngd;
-  const int gpr = m.cols / m.fmt.group, gshift = __ffs(m.fmt.group / 64) - 1;
-  const uint8_t sk = m.fmt.scale_kind;
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(st + units * 32);
-  const int ua = (i0 + g) * ngd, ub = (i0 + g + 8) * ngd;
-  const int pa = static_cast<int>(((row0 + g) * gpr) & 1), pb = static_cast<int>(((row0 + g + 8) * gpr) & 1);
-  for (int G = 0; G < ngd; ++G) {
-    const uint2 wa = *reinterpret_cast<const uint2*>(st + (ua + G) * 32 + t * 8);
-    const uint2 wb = *reinterpret_cast<const uint2*>(st + (ub + G) * 32 + t * 8);
-    const int pg = (G >> gshift) & 1;
-    const float sa = scale_from_word(words[ua + G], pa ^ pg, sk), ba = scale_from_word(words[units + ua + G], pa ^ pg, sk);
-    const float sb = scale_from_word(words[ub + G], pb ^ pg, sk), bb = scale_from_word(words[units + ub + G], pb ^ pg, sk);
-    tc4_one_mma(wa, wb, sa, ba, sb, bb, f + static_cast<size_t>(G) * 128 + lane, t == 0 ? xg[G] : 0.0f, acc);
-  }
-}
-
 template <bool BF16S>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
@@ -212,10 +163,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       prefetch_l2(m.biases + si, es);
     }
   }
-  uint8_t* up_stage = reinterpret_cast<uint8_t*>(sp + L.stage_at);
-  if (L.stage_up && blockIdx.x < H / 64) {
-    hc_stage_up(a.up, S, H, lowrank / 64, blockIdx.x, up_stage);
-  } else if (blockIdx.x < H / 64) {
+  if (blockIdx.x < H / 64) {
     const DMatrix& m = a.up;
     const int gpr = m.cols / m.fmt.group, es = wkind_bytes(m.fmt.scale_kind);
     for (int s = warp; s < S; s += kHcWarps) {  // a warp per stream: 64 contiguous rows
@@ -307,18 +255,11 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     for (int G = warp; G < ngd; G += kHcWarps) hc_frag(xs + 64 * G, frag + G * 128, xg + G);
     __syncthreads();
   }
-  if (L.stage_up) {
-    cp_async_wait<0>();
-    __syncthreads();
-  }
   for (int b = blockIdx.x; b < H / 64; b += gridDim.x) {
     for (int it = warp; it < 4 * S; it += kHcWarps) {  // (stream, 16-row tile)
       const int s = it >> 2, r0 = 16 * (it & 3);
       float acc[4] = {};
-      if (L.stage_up)  // the launch asks for it only when every b is some block's first
-        hc_tile_staged(a.up, up_stage, S, ngd, s * 64 + r0, static_cast<size_t>(s) * H + 64 * b + r0, frag, xg, acc);
-      else
-        hc_tile<BF16S, 2>(a.up, s * H + 64 * b + r0, 0, ngd, frag, xg, acc);
+      hc_tile<BF16S, 2>(a.up, s * H + 64 * b + r0, 0, ngd, frag, xg, acc);
       float y0, y1;
       hc_tile_rows(acc, y0, y1);
       if (t == 0) {
@@ -351,8 +292,6 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // 4-bit codes in groups of 64 x 2^k (ops.h expert_q4_ok: Tc4Rows finds a scale group by a shift), of
 // the given shape.
 bool q4_suits(const DMatrix& m, int64_t rows, int64_t cols) { return expert_q4_ok(m) && m.rows == rows && m.cols == cols; }
@@ -361,7 +300,7 @@ bool q4_suits(const DMatrix& m, int64_t rows, int64_t cols) { return expert_q4_o
 
 void hc_mix_init() {
   for (auto k : {hc_mix_row_kernel<true>, hc_mix_row_kernel<false>})
-    CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kHcMaxDynamic));
+    CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kHcMaxPartialBytes));
 }
 
 size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
@@ -373,7 +312,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   static const bool on = !env_is("CK_HC_FUSED", "0");
   static const int blocks = [] {  // one block per SM, if one fits
     int n = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, hc_mix_row_kernel<true>, kHcThreads, kHcMaxDynamic) == cudaSuccess &&
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, hc_mix_row_kernel<true>, kHcThreads, kHcMaxPartialBytes) == cudaSuccess &&
                    n >= 1
                ? sm_count()
                : 0;
@@ -409,17 +348,9 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const bool bf16s = a.down.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16) &&
                      a.up.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16) &&
                      (a.inject.rows == 0 || a.inject.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16));
-  // Phase 3's weights staged in shared memory when they fit after the partials and each block has
-  // at most one 64-group of u (CK_HC_STAGE=0: read from L2, prefetched, as before).
-  static const bool stage_on = !env_is("CK_HC_STAGE", "0");
-  L.stage_at = static_cast<int>(ceil_div(part_bytes, 16) * 4);
-  const size_t smem_staged = sizeof(float) * L.stage_at + hc_stage_up_bytes(a.S, lowrank / 64);
-  L.stage_up = stage_on && blocks >= a.H / 64 && smem_staged <= kHcMaxDynamic && aligned16(a.up.data) &&
-               (a.up.cols / 2) % 16 == 0 ? 1 : 0;
-  const size_t smem = L.stage_up ? smem_staged : part_bytes;
   const dim3 grid(static_cast<unsigned>(blocks));
-  if (bf16s) launch(hc_mix_row_kernel<true>, grid, kHcThreads, smem, stream, L);
-  else launch(hc_mix_row_kernel<false>, grid, kHcThreads, smem, stream, L);
+  if (bf16s) launch(hc_mix_row_kernel<true>, grid, kHcThreads, part_bytes, stream, L);
+  else launch(hc_mix_row_kernel<false>, grid, kHcThreads, part_bytes, stream, L);
   return true;
 }
 

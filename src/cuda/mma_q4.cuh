@@ -98,15 +98,6 @@ __device__ __forceinline__ float load_scale_elem(const uint8_t* base, size_t i, 
   return kind == static_cast<uint8_t>(WKind::BF16) ? bf16_bits_to_float(h) : f16_bits_to_float(h);
 }
 
-// A scale or bias from the 4-byte word that holds it (kernels that stage them with cp.async copy that
-// word, whatever the element's alignment): which half holds a 2-byte one is the parity of its element
-// index (scales and biases start 4-byte aligned).
-__device__ __forceinline__ float scale_from_word(uint32_t word, int par, uint8_t kind) {
-  if (kind == static_cast<uint8_t>(WKind::F32)) return __uint_as_float(word);
-  if (kind == static_cast<uint8_t>(WKind::BF16)) return __uint_as_float(par ? word & 0xffff0000u : word << 16);
-  return f16_bits_to_float(static_cast<uint16_t>(par ? word >> 16 : word & 0xffffu));
-}
-
 // Rows g and g+8 of a 16-row tile of a 4-bit matrix as the v4 kernels read them per 64-code group:
 // the lane's 8 code bytes of each row, and each row's scale and bias (a scale group spans 2^gshift
 // 64-code groups; the launches check the group is 64 times a power of two). BF16S: bf16 scales (the
