@@ -738,7 +738,7 @@ std::vector<Geometry> geometries() {
   {
     // Every mix matrix 4-bit in groups of 64 with H and the low rank multiples of 64: one-row mixes take
     // the fused kernel (cuda/hc_mix.cu): 20 one-group chunks of the wide input, u in 5 groups, d in 3
-    // (its up weights staged in shared memory: several groups per staged row).
+    // (the up projection loops over several groups).
     Geometry g{"q4g64 H320 hc4 low rank 192 (fused one-row mix)", base_config(), {}};
     ModelConfig& c = g.cfg;
     c.vocab_size = 256; c.hidden_size = 320; c.hc_count = 4; c.hc_lowrank = 192;
