@@ -42,17 +42,14 @@ namespace {
 // flight but left the compute's latencies exposed: the LM head took 260 us (DRAM 1.39 TB/s, issue
 // slots 44% busy; decode 446 against 454 tok/s without this kernel, same call); the 16-warp form
 // 187 us (1.94 TB/s; measured with code_pair_lop3 in every kernel, so not a clean comparison).
+constexpr int kWarps = 16;
+constexpr int kStages = 2;
 constexpr int kChunk = 8;         // 64-code groups per stage: 512 codes, 256 bytes of a row
 constexpr int kStageBytes = 5120;  // 2 x 2,048 bytes of codes, 512 of scales, 512 of biases
 constexpr int kScalesAt = 4096;
 constexpr int kFragGroupBytes = 4 * 32 * 8;  // one group's B fragments (tc4_one_frag)
-// The block's form (warps x stages per warp): 16 x 2 by default; CK_GEMV_STREAM_FORM=12x3 or 8x4
-// (experimental, to compare) keep ~as many bytes in flight with deeper rings per warp.
-template <int WARPS, int STAGES>
-struct Form {
-  static constexpr int kRingBytes = WARPS * STAGES * kStageBytes;
-  static constexpr int kBarBytes = WARPS * STAGES * 8;
-};
+constexpr int kRingBytes = kWarps * kStages * kStageBytes;
+constexpr int kBarBytes = kWarps * kStages * 8;
 // Matrices of at least this many tiles x groups take this kernel: the LM head (9,496 x 40 at the
 // released geometry), not the DeltaNet in_proj or the attention projections (~1,030 x 40). A block
 // of ~220 KB cannot be resident beside the kernel before, so this kernel starts its copies only when
@@ -103,12 +100,11 @@ __device__ __forceinline__ float stage_scale(const uint8_t* p, int i, uint8_t ki
 
 // grid: one block per SM (sm_count), block 512. Dynamic shared memory: the warps' rings, their
 // barriers, then the x fragments [groups][4 steps][32 lanes] and the groups' Σ x.
-template <bool BF16S, int kWarps, int kStages>
+template <bool BF16S>
 __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __grid_constant__ StreamLaunch L,
                                                                      const float* __restrict__ x) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  constexpr int kRingBytes = Form<kWarps, kStages>::kRingBytes, kBarBytes = Form<kWarps, kStages>::kBarBytes;
   uint8_t* ring = smem + warp * kStages * kStageBytes;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kRingBytes) + warp * kStages;
   uint2* sfrag = reinterpret_cast<uint2*>(smem + kRingBytes + kBarBytes);
@@ -170,10 +166,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __gri
   }
 }
 
-template <int kWarps, int kStages>
 size_t smem_bytes(int groups) {
-  return static_cast<size_t>(Form<kWarps, kStages>::kRingBytes) + Form<kWarps, kStages>::kBarBytes +
-         static_cast<size_t>(groups) * (kFragGroupBytes + sizeof(float));
+  return static_cast<size_t>(kRingBytes) + kBarBytes + static_cast<size_t>(groups) * (kFragGroupBytes + sizeof(float));
 }
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link to libcuda); null when the
@@ -239,8 +233,7 @@ int64_t gemv_stream_launches() { return g_launches; }
 
 void gemv_stream_init() {
   static const bool done = [] {
-    for (auto k : {gemv_stream_kernel<true, 16, 2>, gemv_stream_kernel<false, 16, 2>, gemv_stream_kernel<true, 12, 3>,
-                   gemv_stream_kernel<false, 12, 3>, gemv_stream_kernel<true, 8, 4>, gemv_stream_kernel<false, 8, 4>})
+    for (auto k : {gemv_stream_kernel<true>, gemv_stream_kernel<false>})
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem_optin()));
     (void)min_work();
     return true;
@@ -271,21 +264,11 @@ bool gemv_stream(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cu
     tiles += static_cast<int>(ceil_div(w.rows, 16));
   }
   L.first_tile[n_jobs] = tiles;
-  static const int form = env_is("CK_GEMV_STREAM_FORM", "12x3") ? 1 : env_is("CK_GEMV_STREAM_FORM", "8x4") ? 2 : 0;
-  const size_t smem = form == 1 ? smem_bytes<12, 3>(L.groups) : form == 2 ? smem_bytes<8, 4>(L.groups) : smem_bytes<16, 2>(L.groups);
+  const size_t smem = smem_bytes(L.groups);
   if (static_cast<int64_t>(tiles) * L.groups < min_work() || smem > static_cast<size_t>(max_smem_optin())) return false;
-  const int warps = form == 1 ? 12 : form == 2 ? 8 : 16;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sm_count(), ceil_div(tiles, warps))), block = warps * 32;
-  if (form == 1) {
-    if (bf16s) launch(gemv_stream_kernel<true, 12, 3>, grid, block, smem, s, L, x);
-    else launch(gemv_stream_kernel<false, 12, 3>, grid, block, smem, s, L, x);
-  } else if (form == 2) {
-    if (bf16s) launch(gemv_stream_kernel<true, 8, 4>, grid, block, smem, s, L, x);
-    else launch(gemv_stream_kernel<false, 8, 4>, grid, block, smem, s, L, x);
-  } else {
-    if (bf16s) launch(gemv_stream_kernel<true, 16, 2>, grid, block, smem, s, L, x);
-    else launch(gemv_stream_kernel<false, 16, 2>, grid, block, smem, s, L, x);
-  }
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sm_count(), ceil_div(tiles, kWarps)));
+  if (bf16s) launch(gemv_stream_kernel<true>, grid, kWarps * 32, smem, s, L, x);
+  else launch(gemv_stream_kernel<false>, grid, kWarps * 32, smem, s, L, x);
   CUDA_CHECK_LAUNCH();
   ++g_launches;
   return true;
