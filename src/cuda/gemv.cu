@@ -7,7 +7,7 @@
 //  v4 (4-bit codes, MLX groups of 64 x 2^k): the tensor cores. One activation row: 4- and 8-bit codes
 //     of matrices up to kTcInWarpMax tiles x groups go to gemv_tc4_one_kernel (fragments built in the
 //     block, K split over a thread-block cluster: one launch), the largest (the LM head) to the
-//     streamed GEMV (gemv_stream.cu: weights brought into shared memory by the bulk-copy engine), the
+//     streamed GEMV (gemv_stream.cu: weights brought into shared memory by tensor-map copies), the
 //     others (in_proj, the attention projections) to a fragment kernel plus gemv_tc4_kernel; 2-8 rows
 //     of tall 4-bit matrices to gemv_tc4_kernel. CK_GEMV=v3 turns v4 off, CK_GEMV_INWARP=0 the
 //     one-row kernel, CK_GEMV_STREAM=0 the streamed one.

@@ -38,10 +38,9 @@
 namespace ck::cuda {
 namespace {
 
-// One block of 16 warps per SM, 2 stages per warp. 8 warps with 3 stages each kept as many bytes in
-// flight but left the compute's latencies exposed: the LM head took 260 us (DRAM 1.39 TB/s, issue
-// slots 44% busy; decode 446 against 454 tok/s without this kernel, same call); the 16-warp form
-// 187 us (1.94 TB/s; measured with code_pair_lop3 in every kernel, so not a clean comparison).
+// One block of 16 warps per SM, 2 stages per warp. With the per-row copies, 8 warps x 3 stages were
+// slower (LM head 260 against 187 us); with the tensor-map copies, 12 x 3 and 8 x 4 measured the same
+// as 16 x 2 (decode ~472 tok/s each, 2026-11-30 11:07Z).
 constexpr int kWarps = 16;
 constexpr int kStages = 2;
 constexpr int kChunk = 8;         // 64-code groups per stage: 512 codes, 256 bytes of a row
