@@ -1,6 +1,6 @@
-// One activation row through large 4-bit matrices with the weights streamed into shared memory by the
-// tensor memory accelerator (gemv_stream.cu): the path gemv() takes for the LM head of a decode step (and of a
-// prompt's last row).
+// One activation row through large 4-bit matrices with the weights streamed into shared memory by
+// tensor-map copies (gemv_stream.cu): the path gemv() takes for the LM head of a decode step (and of
+// a prompt's last row).
 #pragma once
 #include <cuda_runtime.h>
 
