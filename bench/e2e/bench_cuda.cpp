@@ -148,6 +148,7 @@ struct Args {
   std::vector<int> prefill = {512, 2048, 8192};
   int decode_steps = 48;
   std::vector<int> decode_rows = {1, 4};
+  int decode_context = 64;  // prompt tokens before the timed decode steps
   bool kernels = true;
   bool mtp = false;  // the synthetic model gets an MTP head; its draft step is timed
 };
@@ -173,6 +174,7 @@ int main(int argc, char** argv) {
     else if (s == "--no-kernels") a.kernels = false;
     else if (s == "--mtp") a.mtp = true;
     else if (s == "--decode-rows") a.decode_rows = {parse_int(next())};
+    else if (s == "--decode-context") a.decode_context = parse_int(next());
     else if (s == "--prefill") {
       a.prefill.clear();
       std::string v = next();
@@ -191,12 +193,15 @@ int main(int argc, char** argv) {
       }
     } else {
       std::fprintf(stderr, "usage: bench_cuda [--model DIR | --synth-layers N] [--prefill 512,2048,8192] "
-                           "[--decode-steps N] [--decode-rows R] [--no-kernels] [--mtp] [--out FILE]\n");
+                           "[--decode-steps N] [--decode-rows R] [--decode-context T] [--no-kernels] [--mtp] "
+                           "[--out FILE]\n");
       return 2;
     }
   }
-  if (a.synth_layers < 1 || a.decode_steps < 0 || a.decode_rows[0] < 1 || a.decode_rows[0] > cuda::kMaxRows) {
-    std::fprintf(stderr, "bench_cuda: --synth-layers wants a number >= 1, --decode-steps >= 0, --decode-rows 1-%d\n",
+  if (a.synth_layers < 1 || a.decode_steps < 0 || a.decode_rows[0] < 1 || a.decode_rows[0] > cuda::kMaxRows ||
+      a.decode_context < 1) {
+    std::fprintf(stderr, "bench_cuda: --synth-layers wants a number >= 1, --decode-steps >= 0, --decode-rows 1-%d, "
+                         "--decode-context >= 1\n",
                  cuda::kMaxRows);
     return 2;
   }
@@ -270,12 +275,13 @@ int main(int argc, char** argv) {
   };
   cuda::StepResult res;
 
-  // ---- decode, 1 and 4 rows per step
+  // ---- decode, 1 and 4 rows per step, after a prompt of decode_context tokens
   for (int rows : a.decode_rows) {
-    auto s = m->new_session(4096);
-    std::vector<int32_t> prompt = rand_tokens(64);
-    if (!s->step_rows(prompt, false, false, &res).ok()) return 1;
-    s->commit(64);
+    const int ctx = a.decode_context;
+    auto s = m->new_session(std::max(4096, ctx + (a.decode_steps + 3) * rows + 16));
+    std::vector<int32_t> prompt = rand_tokens(ctx);
+    if (!s->step_rows(prompt, false, false, &res, cuda::RowOutputs::kLast).ok()) return 1;
+    s->commit(ctx);
     std::vector<double> t;
     int32_t next = res.argmax.back();
     for (int i = 0; i < a.decode_steps + 3; ++i) {
@@ -295,10 +301,11 @@ int main(int argc, char** argv) {
     const double uniq = E * (1.0 - std::pow(1.0 - k / E, rows));
     const double step_bytes = dense_tok + c.num_hidden_layers * uniq * expert_rec;
     const double ceil_tps = rows / (step_bytes / (copy_gbs * 1e9));
+    const std::string at = ctx == 64 ? "" : " at context " + std::to_string(ctx);
     emit(out, "decode   %d row%s/step   %8.1f tok/s  (%.3f ms/step, median of %zu)   ceiling %8.1f tok/s "
-              "(%.3f GB/step / %.0f GB/s)   %.0f%% of ceiling\n",
+              "(%.3f GB/step / %.0f GB/s)   %.0f%% of ceiling%s\n",
          rows, rows > 1 ? "s" : " ", rows / step_s, step_s * 1e3, t.size(), ceil_tps, step_bytes / 1e9, copy_gbs,
-         100.0 * (rows / step_s) / ceil_tps);
+         100.0 * (rows / step_s) / ceil_tps, at.c_str());
   }
 
   // ---- MTP draft step (direct launches: no graph yet), after a 64-token prompt

@@ -841,30 +841,41 @@ __global__ void __launch_bounds__(256) attn_select_kernel(const AttnArgs a, cons
 }
 
 // The token ids row r attends to, compacted in ascending order into idx (block-wide; returns how
-// many): every token of a selected block, and the tokens of the incomplete last block.
+// many): every token of a selected block, and the tokens of the incomplete last block. Thread i takes
+// a contiguous run of compressed blocks, counts its selected ones, and finds where its tokens go with
+// one scan over the threads' counts: three block barriers whatever the context (a pass of 256 tokens
+// with three barriers each was 32 passes at 8k tokens).
 __device__ int attn_gather_selected(const AttnArgs& a, int r, int64_t n, int* idx) {
-  __shared__ int warp_counts[32];
-  __shared__ int total;
+  __shared__ int warp_sums[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   const int64_t nb = n / a.cr;
   const uint8_t* sel = a.sel + r * a.nb_max;
-  if (threadIdx.x == 0) total = 0;
-  __syncthreads();
-  for (int64_t t0 = 0; t0 < n; t0 += blockDim.x) {
-    const int64_t t = t0 + threadIdx.x;
-    const bool flag = t < n && (t >= nb * a.cr || sel[t / a.cr] != 0);
-    const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
-    __syncthreads();
-    int off = total;
-    for (int w = 0; w < warp; ++w) off += warp_counts[w];
-    if (flag) idx[off + __popc(ballot & ((1u << lane) - 1u))] = static_cast<int>(t);
-    __syncthreads();
-    if (threadIdx.x == 0)
-      for (int w = 0; w < n_warps; ++w) total += warp_counts[w];
-    __syncthreads();
+  const int64_t per = (nb + blockDim.x - 1) / blockDim.x;
+  const int64_t b0 = min(nb, threadIdx.x * per), b1 = min(nb, b0 + per);
+  int count = 0;
+  for (int64_t b = b0; b < b1; ++b) count += sel[b] != 0;
+  // Exclusive scan of count over the block: within the warp, then over the warps' sums.
+  int incl = count;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
   }
-  return total;
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  int before = incl - count, all = 0;
+  for (int w = 0; w < n_warps; ++w) {
+    if (w < warp) before += warp_sums[w];
+    all += warp_sums[w];
+  }
+  int off = before * a.cr;
+  for (int64_t b = b0; b < b1; ++b)
+    if (sel[b] != 0)
+      for (int j = 0; j < a.cr; ++j) idx[off++] = static_cast<int>(b * a.cr + j);
+  const int tail = static_cast<int>(n - nb * a.cr);  // the incomplete last block, always attended
+  for (int j = threadIdx.x; j < tail; j += blockDim.x) idx[all * a.cr + j] = static_cast<int>(nb * a.cr + j);
+  __syncthreads();  // idx is complete; warp_sums may be reused by the next call
+  return all * a.cr + tail;
 }
 
 // grid (nh, rows), block 256, dynamic shared memory cap * 8 bytes (cap = attention_max_selected).

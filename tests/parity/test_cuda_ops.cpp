@@ -1047,6 +1047,38 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
   }
 }
 
+// Attention over a context of more compressed blocks than a block has threads (attn_gather_selected
+// gives each thread a run of blocks): 880 tokens of prefill chunks, then one-row decode steps, every
+// row's logits against the CPU.
+TEST(CudaOps, LongContextAttentionMatchesCpu) {
+  REQUIRE_GPU();
+  const Geometry g = geometries()[0];
+  SCOPED_TRACE(g.name);
+  auto rm = make_random_model(g.cfg, g.opt);
+  ck::cpu::Model cm(rm->weights, rm->experts);
+  auto dm = Model::create(rm->weights, rm->experts);
+  ASSERT_TRUE(dm.ok()) << dm.status().message();
+  const int T = 900, P = 880, V = static_cast<int>(g.cfg.vocab_size);
+  ASSERT_GT(P / g.cfg.indexer_compress_ratio, 256) << "the context must exceed one block per thread";
+  const std::vector<int32_t> tokens = random_tokens(T, g.cfg.vocab_size, g.cfg.ple_eos(), 17);
+  std::map<std::string, std::vector<float>> ref;
+  std::vector<float> ref_logits;
+  cpu_taps(cm, tokens, &ref, &ref_logits);
+  auto s = (*dm)->new_session(1024);
+  s->set_prefill_chunk(256);
+  StepResult res;
+  ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data(), P), false, true, &res).ok());
+  s->commit(P);
+  double worst = rel_l2(res.logits.data(), ref_logits.data(), static_cast<size_t>(P) * V);
+  for (int pos = P; pos < T; ++pos) {
+    ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, 1), false, true, &res).ok());
+    s->commit(1);
+    worst = std::max(worst, rel_l2(res.logits.data(), ref_logits.data() + static_cast<size_t>(pos) * V, V));
+  }
+  std::printf("  %s, %d tokens: worst logits rel_l2 %.3e\n", g.name.c_str(), T, worst);
+  EXPECT_LE(worst, 1e-4);
+}
+
 // The MTP head (spec §10) of a random model with 4-bit dense and expert matrices (the fixtures' heads
 // are bf16): CUDA mtp_step against the CPU's on the same inputs, the CPU trunk's hiddens at the
 // prompt's positions, then a chain of drafts from the CPU head's own outputs.
