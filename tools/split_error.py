@@ -3,7 +3,7 @@
 
 The CUDA kernels multiply MLX 4-bit codes q (0..15, exact in any MMA type) by fp32 activations x.
   bf16x3 (today's kernels): x = hi + mid + lo, three bf16 parts, each product exact, each part
-         summed in fp32 as an MMA column does.
+         summed in fp32 as an MMA column does. bf16x2: hi + mid only.
   int8xP (a candidate, docs/roofline-cuda.md "Eighth session"): x = 2^e * Σ_j d_j 2^(-7j) with a
          power-of-two e per group (|x / 2^e| < 1/2) and P signed 7-bit digits d_j (int8), so the
          integer MMA sums Σ q d_j exactly in int32; the P column sums are scaled in fp32 and added.
@@ -40,6 +40,13 @@ def dot_bf16x3(q, x):
     return fsum32([fsum32(q * hi), fsum32(q * mid), fsum32(q * lo)])
 
 
+def dot_bf16x2(q, x):
+    """Two parts only (a candidate for prefill: two thirds of the MMAs)."""
+    hi = bf16(x)
+    mid = bf16(np.float32(x - hi))
+    return fsum32([fsum32(q * hi), fsum32(q * mid)])
+
+
 def dot_int8(q, x, parts):
     m = float(np.max(np.abs(x)))
     if m == 0.0:
@@ -68,7 +75,7 @@ def main():
         "wide range": lambda: rng.standard_normal(64) * 2.0 ** rng.integers(-20, 5, 64),
         "one huge": lambda: np.r_[1e4, rng.standard_normal(63) * 1e-3],
     }
-    forms = {"bf16x3": dot_bf16x3, "int8x4": lambda q, x: dot_int8(q, x, 4),
+    forms = {"bf16x3": dot_bf16x3, "bf16x2": dot_bf16x2, "int8x4": lambda q, x: dot_int8(q, x, 4),
              "int8x5": lambda q, x: dot_int8(q, x, 5), "int8x6": lambda q, x: dot_int8(q, x, 6)}
     print(f"{'activations':12s}" + "".join(f"{name:>27s}" for name in forms))
     for shape, gen in shapes.items():
