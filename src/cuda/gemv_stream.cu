@@ -257,7 +257,6 @@ bool gemv_stream(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cu
     if (!w.quantized() || w.fmt.bits != 4 || w.fmt.group != 64 || w.cols != cols || w.rows < 1 ||
         !aligned16(w.data) || !aligned16(w.scales) || !aligned16(w.biases))
       return false;
-    if (!encode_job_maps(w, L.groups, L.tmap[j])) return false;
     L.job[j] = jobs[j];
     L.first_tile[j] = tiles;
     tiles += static_cast<int>(ceil_div(w.rows, 16));
@@ -265,6 +264,10 @@ bool gemv_stream(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cu
   L.first_tile[n_jobs] = tiles;
   const size_t smem = smem_bytes(L.groups);
   if (static_cast<int64_t>(tiles) * L.groups < min_work() || smem > static_cast<size_t>(max_smem_optin())) return false;
+  // The tensor maps last: each is a driver call, and most one-row launches (every direct launch of an
+  // MTP draft step, every projection below the threshold) stop at the checks above.
+  for (int j = 0; j < n_jobs; ++j)
+    if (!encode_job_maps(jobs[j].w, L.groups, L.tmap[j])) return false;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sm_count(), ceil_div(tiles, kWarps)));
   if (bf16s) launch(gemv_stream_kernel<true>, grid, kWarps * 32, smem, s, L, x);
   else launch(gemv_stream_kernel<false>, grid, kWarps * 32, smem, s, L, x);
