@@ -970,6 +970,106 @@ __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
 }
 
 
+// Decode attention split over the selected keys (EXPERIMENTAL, not yet run on a GPU): at long contexts
+// one block per query head (24 blocks at the released geometry) walks up to 2,051 keys, ~290 us per
+// layer at 8k tokens of context. Block (h, r, s) takes split s of the row's selected keys (a
+// contiguous range, key order kept inside it): their scores, the split's max mx_s, its Σ e_j
+// (e_j = exp(score_j - mx_s)) and its Σ e_j v_j, into part [(r nh + h) splits + s][2 + hd]; then
+// attn_decode_combine_kernel adds the splits in split order, each scaled by exp(mx_s - M):
+// out = (Σ_s o_s e^(mx_s - M)) / (Σ_s l_s e^(mx_s - M)) * sigmoid(gate). Within fp32 rounding of
+// attn_decode_kernel, not the same bits (it divides each weight before the weighted sum).
+// grid (nh, rows, splits), block 256, dynamic shared memory (cap + per_split) * 4 bytes.
+__global__ void attn_decode_split_kernel(const AttnArgs a, const StepParams* sp, int splits, float* part) {
+  pdl_begin();
+  extern __shared__ float smem[];
+  __shared__ float scratch[32];
+  const int h = blockIdx.x, r = blockIdx.y, sp_i = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  const int64_t n = sp->pos + r + 1;
+  const int cap = (a.block_topk + 1) * a.cr - 1;  // attention_max_selected
+  int* idx = reinterpret_cast<int*>(smem);
+  float* p = smem + cap;
+  const int m = attn_gather_selected(a, r, n, idx);
+  const int per = (m + splits - 1) / splits, j0 = min(m, sp_i * per), j1 = min(m, j0 + per), mk = j1 - j0;
+  const int g = h / (a.nh / a.nkv);
+  const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
+  const float* q = a.q + static_cast<size_t>(r) * a.ldq + static_cast<size_t>(h) * a.hd;
+  const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
+  for (int k0 = warp * kAttnDotKeys; k0 < mk; k0 += n_warps * kAttnDotKeys) {
+    const float* kj[kAttnDotKeys];
+    float dot[kAttnDotKeys];
+#pragma unroll
+    for (int b = 0; b < kAttnDotKeys; ++b) {
+      kj[b] = a.k_cache + static_cast<size_t>(idx[j0 + (k0 + b < mk ? k0 + b : 0)]) * kvw + static_cast<size_t>(g) * a.hd;
+      dot[b] = 0.0f;
+    }
+    for (int i = lane; i < a.hd; i += 32) {
+      const float qi = q[i];
+#pragma unroll
+      for (int b = 0; b < kAttnDotKeys; ++b) dot[b] += qi * kj[b][i];
+    }
+#pragma unroll
+    for (int b = 0; b < kAttnDotKeys; ++b) {
+      const float d = warp_sum(dot[b]);
+      if (lane == 0 && k0 + b < mk) p[k0 + b] = d * scale;
+    }
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int jj = threadIdx.x; jj < mk; jj += blockDim.x) mx = fmaxf(mx, p[jj]);
+  mx = block_max(mx, scratch);
+  float sum = 0.0f;
+  for (int jj = threadIdx.x; jj < mk; jj += blockDim.x) {
+    const float e = expf(p[jj] - mx);
+    p[jj] = e;
+    sum += e;
+  }
+  sum = block_sum(sum, scratch);  // its barriers also publish p
+  float* out = part + (static_cast<size_t>(r * a.nh + h) * splits + sp_i) * (a.hd + 2);
+  if (threadIdx.x == 0) {
+    out[0] = mx;  // -inf for an empty split: the combine skips it (its sum is 0)
+    out[1] = sum;
+  }
+  const float* vg = a.v_cache + static_cast<size_t>(g) * a.hd;
+  for (int i = threadIdx.x; i < a.hd; i += blockDim.x) {
+    float acc = 0.0f;
+    int jj = 0;
+    for (; jj + kAttnVLoads <= mk; jj += kAttnVLoads) {
+      float v[kAttnVLoads];
+#pragma unroll
+      for (int u = 0; u < kAttnVLoads; ++u) v[u] = vg[static_cast<size_t>(idx[j0 + jj + u]) * kvw + i];
+#pragma unroll
+      for (int u = 0; u < kAttnVLoads; ++u) acc = mul_add_rn(acc, p[jj + u], v[u]);
+    }
+    for (; jj < mk; ++jj) acc = mul_add_rn(acc, p[jj], vg[static_cast<size_t>(idx[j0 + jj]) * kvw + i]);
+    out[2 + i] = acc;
+  }
+}
+
+// grid (nh, rows), block 256: the splits of attn_decode_split_kernel in split order.
+__global__ void attn_decode_combine_kernel(const AttnArgs a, int splits, const float* part) {
+  pdl_begin();
+  const int h = blockIdx.x, r = blockIdx.y;
+  const float* base = part + static_cast<size_t>(r * a.nh + h) * splits * (a.hd + 2);
+  float M = -INFINITY;
+  for (int s = 0; s < splits; ++s)
+    if (base[s * (a.hd + 2) + 1] > 0.0f) M = fmaxf(M, base[s * (a.hd + 2)]);
+  float L = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float l = base[s * (a.hd + 2) + 1];
+    if (l > 0.0f) L += l * expf(base[s * (a.hd + 2)] - M);
+  }
+  const float* gate = a.qg + static_cast<size_t>(r) * a.ldqg + static_cast<size_t>(h) * 2 * a.hd + a.hd;
+  for (int i = threadIdx.x; i < a.hd; i += blockDim.x) {
+    float o = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float* ps = base + s * (a.hd + 2);
+      if (ps[1] > 0.0f) o += ps[2 + i] * expf(ps[0] - M);
+    }
+    a.out[static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h) * a.hd + i] = (o / L) * sigmoidf_(gate[i]);
+  }
+}
+
 // Prefill chunks: the query heads that share a KV head, up to kAttnHeadsPerBlock per block, so each
 // selected key and value row is read once for all of them (attn_decode_kernel reads it once per head:
 // 12 times at the released geometry, and its loads were most of its instructions). The weighted sum
@@ -1281,6 +1381,7 @@ void init_kernels() {
                                   static_cast<int>(gdn_scan_smem(kGdnChunkMaxDim))));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_decode_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   CUDA_CHECK(cudaFuncSetAttribute(attn_heads_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   CUDA_CHECK(cudaFuncSetAttribute(attn_heads_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
 }
@@ -1383,6 +1484,25 @@ void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream) {
 
 int64_t attention_max_selected(int block_topk, int cr) { return static_cast<int64_t>(block_topk + 1) * cr - 1; }
 
+namespace {
+// Selected keys per split of the split decode attention; 0: not yet read (CK_ATTN_SPLIT: keys per
+// split, 0 to turn the split off). Splits are sized by the most keys a query can select (a graph is
+// replayed at every position), at most kAttnMaxSplits.
+constexpr int kAttnSplitKeys = 256;
+constexpr int kAttnMaxSplits = 16;
+int g_attn_split_keys = -1;
+int attn_decode_splits(int cap) {
+  if (g_attn_split_keys < 0) {
+    const char* e = std::getenv("CK_ATTN_SPLIT");
+    g_attn_split_keys = e ? std::max(0, std::atoi(e)) : kAttnSplitKeys;
+  }
+  if (g_attn_split_keys == 0) return 1;
+  return static_cast<int>(std::min<int64_t>(kAttnMaxSplits, ceil_div(cap, g_attn_split_keys)));
+}
+}  // namespace
+
+void set_attn_split_keys(int keys) { g_attn_split_keys = keys; }
+
 void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
   CK_REQUIRE(a.cr >= 1 && a.block_topk >= 1 && a.nh % a.nkv == 0 && a.rot <= a.hd && a.rot <= a.ihd, "invariant");
   const int cap = static_cast<int>(attention_max_selected(a.block_topk, a.cr));
@@ -1408,6 +1528,20 @@ void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t s
     if (butterfly) launch(attn_heads_kernel<true>, grid, 256, heads_smem, stream, a, sp);
     else launch(attn_heads_kernel<false>, grid, 256, heads_smem, stream, a, sp);
   } else {
+    const int splits = attn_decode_splits(cap);
+    if (splits > 1) {
+      const int per = static_cast<int>(ceil_div(cap, splits));
+      float* part = nullptr;  // stream-ordered scratch (graph-capturable), pooled by the driver
+      CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part),
+                                 sizeof(float) * rows * a.nh * splits * (a.hd + 2), stream));
+      launch(attn_decode_split_kernel, dim3(a.nh, rows, splits), 256, sizeof(float) * (cap + per), stream, a, sp, splits,
+             part);
+      CUDA_CHECK_LAUNCH();
+      launch(attn_decode_combine_kernel, dim3(a.nh, rows), 256, 0, stream, a, splits, static_cast<const float*>(part));
+      CUDA_CHECK_LAUNCH();
+      CUDA_CHECK(cudaFreeAsync(part, stream));
+      return;
+    }
     static const bool batched = !env_is("CK_ATTN_DECODE_BATCH", "0");
     if (batched) launch(attn_decode_kernel<true>, dim3(a.nh, rows), 256, dec_smem, stream, a, sp);
     else launch(attn_decode_kernel<false>, dim3(a.nh, rows), 256, dec_smem, stream, a, sp);

@@ -130,6 +130,9 @@ struct AttnArgs {
 void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
 // Most tokens one query attends to: (block_topk + 1) * cr - 1.
 int64_t attention_max_selected(int block_topk, int cr);
+// Decode attention over the selected keys split across blocks, keys per split (tests, comparisons):
+// 0 turns the split off, -1 goes back to CK_ATTN_SPLIT (default 256). Experimental.
+void set_attn_split_keys(int keys);
 
 // PLE (spec §5.5) after the key/value projections and the two grouped norms:
 // G (rows, W) = sigmoid(ssqrt(<kn_s, qn_s> / sqrt(H))) · val for each stream s.

@@ -1049,7 +1049,8 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
 
 // Attention over a context of more compressed blocks than a block has threads (attn_gather_selected
 // gives each thread a run of blocks): 880 tokens of prefill chunks, then one-row decode steps, every
-// row's logits against the CPU.
+// row's logits against the CPU; decode attention in one block per head, then split over blocks of 4
+// selected keys (attn_decode_split_kernel: 3 splits of the 11 keys a query selects here).
 TEST(CudaOps, LongContextAttentionMatchesCpu) {
   REQUIRE_GPU();
   const Geometry g = geometries()[0];
@@ -1064,19 +1065,24 @@ TEST(CudaOps, LongContextAttentionMatchesCpu) {
   std::map<std::string, std::vector<float>> ref;
   std::vector<float> ref_logits;
   cpu_taps(cm, tokens, &ref, &ref_logits);
-  auto s = (*dm)->new_session(1024);
-  s->set_prefill_chunk(256);
-  StepResult res;
-  ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data(), P), false, true, &res).ok());
-  s->commit(P);
-  double worst = rel_l2(res.logits.data(), ref_logits.data(), static_cast<size_t>(P) * V);
-  for (int pos = P; pos < T; ++pos) {
-    ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, 1), false, true, &res).ok());
-    s->commit(1);
-    worst = std::max(worst, rel_l2(res.logits.data(), ref_logits.data() + static_cast<size_t>(pos) * V, V));
+  for (int split_keys : {0, 4}) {
+    set_attn_split_keys(split_keys);
+    auto s = (*dm)->new_session(1024);
+    s->set_prefill_chunk(256);
+    StepResult res;
+    ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data(), P), false, true, &res).ok());
+    s->commit(P);
+    double worst = rel_l2(res.logits.data(), ref_logits.data(), static_cast<size_t>(P) * V);
+    for (int pos = P; pos < T; ++pos) {
+      ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, 1), false, true, &res).ok());
+      s->commit(1);
+      worst = std::max(worst, rel_l2(res.logits.data(), ref_logits.data() + static_cast<size_t>(pos) * V, V));
+    }
+    std::printf("  %s, %d tokens, decode split keys %d: worst logits rel_l2 %.3e\n", g.name.c_str(), T, split_keys,
+                worst);
+    EXPECT_LE(worst, 1e-4);
   }
-  std::printf("  %s, %d tokens: worst logits rel_l2 %.3e\n", g.name.c_str(), T, worst);
-  EXPECT_LE(worst, 1e-4);
+  set_attn_split_keys(-1);
 }
 
 // The MTP head (spec §10) of a random model with 4-bit dense and expert matrices (the fixtures' heads
