@@ -131,7 +131,7 @@ void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t s
 // Most tokens one query attends to: (block_topk + 1) * cr - 1.
 int64_t attention_max_selected(int block_topk, int cr);
 // Decode attention over the selected keys split across blocks, keys per split (tests, comparisons):
-// 0 turns the split off, -1 goes back to CK_ATTN_SPLIT (default 256). Experimental.
+// 0 turns the split off, -1 goes back to CK_ATTN_SPLIT (default 256).
 void set_attn_split_keys(int keys);
 
 // PLE (spec §5.5) after the key/value projections and the two grouped norms:

@@ -1065,6 +1065,9 @@ TEST(CudaOps, LongContextAttentionMatchesCpu) {
   std::map<std::string, std::vector<float>> ref;
   std::vector<float> ref_logits;
   cpu_taps(cm, tokens, &ref, &ref_logits);
+  // The prefill rows do not depend on the split: the decode rows are compared on their own, with the
+  // CPU and with each other (the split adds in another order: fp32 rounding, not the same bits).
+  std::vector<float> unsplit;
   for (int split_keys : {0, 4}) {
     set_attn_split_keys(split_keys);
     auto s = (*dm)->new_session(1024);
@@ -1072,15 +1075,22 @@ TEST(CudaOps, LongContextAttentionMatchesCpu) {
     StepResult res;
     ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data(), P), false, true, &res).ok());
     s->commit(P);
-    double worst = rel_l2(res.logits.data(), ref_logits.data(), static_cast<size_t>(P) * V);
+    const double prefill = rel_l2(res.logits.data(), ref_logits.data(), static_cast<size_t>(P) * V);
+    double decode = 0.0, vs_unsplit = 0.0;
+    std::vector<float> rows;
     for (int pos = P; pos < T; ++pos) {
       ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, 1), false, true, &res).ok());
       s->commit(1);
-      worst = std::max(worst, rel_l2(res.logits.data(), ref_logits.data() + static_cast<size_t>(pos) * V, V));
+      decode = std::max(decode, rel_l2(res.logits.data(), ref_logits.data() + static_cast<size_t>(pos) * V, V));
+      rows.insert(rows.end(), res.logits.begin(), res.logits.begin() + V);
     }
-    std::printf("  %s, %d tokens, decode split keys %d: worst logits rel_l2 %.3e\n", g.name.c_str(), T, split_keys,
-                worst);
-    EXPECT_LE(worst, 1e-4);
+    if (split_keys == 0) unsplit = rows;
+    else vs_unsplit = rel_l2(rows.data(), unsplit.data(), rows.size());
+    std::printf("  %s, %d tokens, decode split keys %d: logits rel_l2 prefill %.3e, decode %.3e (vs unsplit %.3e)\n",
+                g.name.c_str(), T, split_keys, prefill, decode, vs_unsplit);
+    EXPECT_LE(prefill, 1e-4);
+    EXPECT_LE(decode, 1e-4);
+    EXPECT_LE(vs_unsplit, 1e-5);
   }
   set_attn_split_keys(-1);
 }
