@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
@@ -1382,6 +1383,29 @@ bool expert_tc4_enabled() {
 }
 
 namespace {
+// The K split of the decode experts (warps per 16-row tile, 8 / ks tiles per block). "double": the
+// first rule, doubling while the warps are fewer than 16 per SM (gate/up at the released geometry: 440
+// tiles -> ks 8, 3,520 warps, more than one wave of resident blocks); "fit" (the default): the largest
+// split whose blocks all fit in one wave of resident blocks. CK_EXPERT_KS="double", or "a/b" fixed
+// splits for gate/up and down (comparisons).
+int expert_k_split(bool gate_up, int tiles, int groups, int resident_blocks) {
+  static const std::string mode = [] {
+    const char* e = std::getenv("CK_EXPERT_KS");
+    return std::string(e ? e : "fit");
+  }();
+  int ks = 1;
+  if (mode == "double") {
+    while (ks < 8 && tiles * ks < sm_count() * 16 && groups >= 8 * ks) ks *= 2;
+  } else if (mode == "fit") {
+    while (ks < 8 && ceil_div(tiles, 8 / (2 * ks)) <= resident_blocks && groups >= 4 * 2 * ks) ks *= 2;
+  } else {
+    const size_t comma = mode.find('/');
+    const int want = std::atoi((gate_up || comma == std::string::npos ? mode : mode.substr(comma + 1)).c_str());
+    while (ks < 8 && 2 * ks <= want && groups >= 2 * ks) ks *= 2;
+  }
+  return ks;
+}
+
 // Fragments of n_vec vectors of K = 64 * groups floats (rows of x at ldx), then expert_tc4_kernel over
 // n_pairs pairs of at most max_rows rows. Split each tile's groups over more warps while there are too
 // few warps for the memory pipes (as gemv_tc4), each keeping at least 4 groups.
@@ -1407,12 +1431,18 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
     gsum = gs;
   }
   const int tiles_per_pair = static_cast<int>(ceil_div(max_rows, 16)), tiles = n_pairs * tiles_per_pair;
-  int ks = 1;
-  while (ks < 8 && tiles * ks < sm_count() * 16 && groups >= 8 * ks) ks *= 2;
-  // Group loop unrolled twice: four times measured 422 against 429 tok/s (2026-11-30).
+  static const int occ = blocks_per_sm(expert_tc4_kernel<GATE_UP, 2>);
+  const int ks = expert_k_split(GATE_UP, tiles, groups, sm_count() * occ);
+  // Group loop unrolled twice: four times measured 422 against 429 tok/s (2026-11-30, with the
+  // "double" split); CK_EXPERT_UNROLL=4 to compare again.
+  static const bool unroll4 = env_is("CK_EXPERT_UNROLL", "4");
   const unsigned grid = static_cast<unsigned>(ceil_div(tiles, 8 / ks));
-  launch(expert_tc4_kernel<GATE_UP, 2>, grid, 256, 0, s, 
-      pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out, ldo);
+  if (unroll4)
+    launch(expert_tc4_kernel<GATE_UP, 4>, grid, 256, 0, s, pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out,
+           ldo);
+  else
+    launch(expert_tc4_kernel<GATE_UP, 2>, grid, 256, 0, s, pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out,
+           ldo);
   CUDA_CHECK_LAUNCH();
   if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
 }
