@@ -90,79 +90,26 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* s
     if (arg_better(sv[w], si[w], v, i)) { v = sv[w]; i = si[w]; }
 }
 
-// The rank key of a top-k value: unsigned order = float order (-0 taken as +0), NaN lowest (key 0,
-// below -inf's 0x007fffff), so "larger key, then lower index" is arg_better's order with NaNs last.
-__device__ __forceinline__ uint32_t topk_key(float f) {
-  if (f != f) return 0u;
-  if (f == 0.0f) f = 0.0f;
-  const uint32_t b = __float_as_uint(f);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
 // Indices of the k largest of v[0..n) into out[0..k) (shared or global memory), in descending order,
-// ties to the lower index, NaNs after every number (cpu::topk_desc; arg_better's order).
-// flags: n bytes of shared memory; cand: kTopkMaxWarps * k entries of shared memory. blockDim.x a
-// multiple of 32, at most 32 * kTopkMaxWarps; k <= n.
-// Two stages of k warp-wide picks, each pick two redux instructions (max key, then min index among
-// that key) instead of a block argmax with its barriers: (1) every warp takes the k best of its
-// threads' elements (thread j holds j, j + blockDim.x, ...), (2) warp 0 takes the k best of those
-// candidates (the k best overall are among them). A pick rescans only the winning lane's elements.
-// The former form, k block argmaxes, took ~7 us of the router's 9 us (Nsight Compute, 2026-11-30).
-constexpr int kTopkMaxWarps = 8;
-__device__ __forceinline__ void block_topk(const float* v, int n, int k, int* out, uint8_t* flags, uint2* cand) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  constexpr uint32_t kNone = 0xffffffffu;
-  uint32_t bk = 0, bi = kNone;  // this thread's best untaken element (key, index)
-  auto rescan = [&] {
-    bk = 0;
-    bi = kNone;
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
-      if (!flags[i]) {
-        const uint32_t key = topk_key(v[i]);
-        if (key > bk || (key == bk && static_cast<uint32_t>(i) < bi)) { bk = key; bi = static_cast<uint32_t>(i); }
-      }
-  };
-  for (int i = threadIdx.x; i < n; i += blockDim.x) flags[i] = 0;  // each element read by its owner only
-  rescan();
+// ties to the lower index (cpu::topk_desc). flags: n bytes of shared memory; sv/si as block_argmax.
+// k rounds of a block argmax: cheap for the router's k <= 64 over a few hundred experts.
+__device__ __forceinline__ void block_topk(const float* v, int n, int k, int* out, uint8_t* flags, float* sv, int* si) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) flags[i] = 0;
+  __syncthreads();
   for (int t = 0; t < k; ++t) {
-    const uint32_t m = __reduce_max_sync(0xffffffffu, bk);
-    const uint32_t w = __reduce_min_sync(0xffffffffu, bk == m ? bi : kNone);
-    if (lane == 0) cand[warp * k + t] = make_uint2(m, w);  // (0, kNone): this warp ran out of elements
-    if (w != kNone && bi == w) {
-      flags[w] = 1;
-      rescan();
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+      if (!flags[i] && arg_better(v[i], i, bv, bi)) { bv = v[i]; bi = i; }
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+      if (bi == INT_MAX)  // only NaNs left: take the lowest unused index
+        for (bi = 0; flags[bi]; ++bi) {}
+      out[t] = bi;
+      flags[bi] = 1;
     }
+    __syncthreads();
   }
-  __syncthreads();
-  if (warp == 0) {
-    const int nc = static_cast<int>(blockDim.x >> 5) * k;
-    uint64_t taken = 0;  // candidate lane + 32 j taken: bit j (nc <= 32 * 64)
-    int bj = -1;
-    auto rescan_cand = [&] {
-      bk = 0;
-      bi = kNone;
-      bj = -1;
-      for (int j = 0, c = lane; c < nc; ++j, c += 32) {
-        const uint2 e = cand[c];
-        if (!(taken >> j & 1u) && e.y != kNone && (e.x > bk || (e.x == bk && e.y < bi))) {
-          bk = e.x;
-          bi = e.y;
-          bj = j;
-        }
-      }
-    };
-    rescan_cand();
-    for (int t = 0; t < k; ++t) {
-      const uint32_t m = __reduce_max_sync(0xffffffffu, bk);
-      const uint32_t w = __reduce_min_sync(0xffffffffu, bk == m ? bi : kNone);
-      if (lane == 0) out[t] = static_cast<int>(w);
-      if (bi == w && bj >= 0) {
-        taken |= uint64_t{1} << bj;
-        rescan_cand();
-      }
-    }
-  }
-  __syncthreads();
 }
 
 // The tail of a wide RMS norm (rmsnorm_wide_kernel, hc_combine_rmsnorm_kernel): a 1,024-thread block

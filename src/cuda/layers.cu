@@ -1299,7 +1299,8 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
   pdl_begin();
   extern __shared__ float prob[];
   __shared__ float scratch[32];
-  __shared__ uint2 cand[kTopkMaxWarps * 64];
+  __shared__ float sv[32];
+  __shared__ int si[32];
   __shared__ int top[64];
   __shared__ float top_sum;
   uint8_t* flags = reinterpret_cast<uint8_t*>(prob + a.E);
@@ -1317,7 +1318,7 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
   sum = block_sum(sum, scratch);
   for (int e = threadIdx.x; e < a.E; e += blockDim.x) prob[e] /= sum;
   __syncthreads();
-  block_topk(prob, a.E, a.k, top, flags, cand);
+  block_topk(prob, a.E, a.k, top, flags, sv, si);
   if (threadIdx.x == 0) {
     float ts = 0.0f;
     for (int t = 0; t < a.k; ++t) ts += prob[top[t]];

@@ -79,9 +79,10 @@ __global__ void rope_kernel(float* x, int rot_dim, int64_t pos, const float* __r
 __global__ void topk_kernel(const float* v, int n, int k, int32_t* idx, int64_t ld) {
   pdl_begin();
   extern __shared__ uint8_t flags[];
-  __shared__ uint2 cand[kTopkMaxWarps * 64];
+  __shared__ float sv[32];
+  __shared__ int si[32];
   __shared__ int out[64];
-  block_topk(v + blockIdx.x * ld, n, k, out, flags, cand);
+  block_topk(v + blockIdx.x * ld, n, k, out, flags, sv, si);
   for (int t = threadIdx.x; t < k; t += blockDim.x) idx[blockIdx.x * k + t] = out[t];
 }
 
