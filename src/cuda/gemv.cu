@@ -1029,6 +1029,54 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
   out[static_cast<size_t>(p) * ldo + row0 + lane] = GATE_UP ? siluf_(v[0]) * v[NM - 1] : v[0];
 }
 
+// Decode experts' down products with each pair's h turned into fragments in the block (tc4_one_frag,
+// as gemv_tc4_one_kernel does with x): no fragment kernel between gate/up and down (16 launches of
+// ~3 us per step in Nsight Compute). Block b takes 8 tiles of 16 output rows of pair b / bpp (bpp =
+// ceil(rows / 128) blocks per pair), each warp one tile over all of the pair's groups (K = the pair's
+// intermediate size, at most kTcBlockGroups groups), in the one-row v4 arithmetic.
+// grid (n_pairs * bpp), block 256, dynamic shared memory max_groups * (4 * 32 uint2 + 1 float).
+template <bool BF16S>
+__device__ __forceinline__ void expert_down_one_tile(const DMatrix& w, int row0, int groups, const uint2* sfrag,
+                                                     const float* sgs, float (&acc)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  Tc4Rows<BF16S, 4> tr;
+  tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
+#pragma unroll 2
+  for (int G = 0; G < groups; ++G)
+    tc4_one_group(tr, G, sfrag + static_cast<size_t>(G) * 4 * 32 + lane, t == 0 ? sgs[G] : 0.0f, acc);
+}
+
+__global__ void __launch_bounds__(256, 3) expert_down_one_kernel(const ExpertPair* __restrict__ pairs, int bpp,
+                                                                 int max_groups, const float* __restrict__ h, int ldh,
+                                                                 float* __restrict__ y, int ldy) {
+  extern __shared__ uint2 sfrag[];
+  pdl_begin();  // the pairs (route) and h (gate/up) come from the kernels before
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int p = blockIdx.x / bpp, row0 = ((blockIdx.x % bpp) * 8 + warp) * 16;
+  const DMatrix w = pairs[p].down;
+  const int groups = w.cols / 64;
+  float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(max_groups) * 4 * 32);
+  const float* x = h + static_cast<size_t>(p) * ldh;
+  for (int G = warp; G < groups; G += 8) {
+    const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
+    const float4 q[4] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2), __ldg(xp + 3)};
+    const float gs = tc4_one_frag(q, sfrag + static_cast<size_t>(G) * 4 * 32);
+    if (lane == 0) sgs[G] = gs;
+  }
+  __syncthreads();
+  if (row0 >= w.rows) return;  // warp-uniform; no barrier below
+  float acc[4] = {};
+  if (w.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16)) expert_down_one_tile<true>(w, row0, groups, sfrag, sgs, acc);
+  else expert_down_one_tile<false>(w, row0, groups, sfrag, sgs, acc);
+  // Columns 0-2 (hi, mid, lo): lane t = 0 holds 0 and 1, lane t = 1 holds 2, of rows g and g + 8.
+  const float lo_g = __shfl_down_sync(0xffffffffu, acc[0], 1), lo_g8 = __shfl_down_sync(0xffffffffu, acc[2], 1);
+  if (t == 0) {
+    float* yp = y + static_cast<size_t>(p) * ldy;
+    if (row0 + g < w.rows) yp[row0 + g] = (acc[0] + acc[1]) + lo_g;
+    if (row0 + g + 8 < w.rows) yp[row0 + g + 8] = (acc[2] + acc[3]) + lo_g8;
+  }
+}
+
 int g_gemv_version = 0;  // 0: not yet read from the environment
 
 // The arithmetic of 4/8-bit GEMVs: 4 (the default: 4-bit codes of tall matrices on the tensor cores,
@@ -1095,8 +1143,12 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, i
   // Split K into more parts while there are too few warps for the GPU (~16 per SM) and each part keeps
   // at least two groups: over the blocks of a cluster first (each block's fragments then serve all
   // its tiles), then over the warps of a block. A block holds at most kTcBlockGroups groups of x.
+  static const int min_part = [] {  // groups per part at least 2 * this (CK_GEMV_INWARP_PART, to compare)
+    const char* e = std::getenv("CK_GEMV_INWARP_PART");
+    return e ? std::max(1, std::atoi(e)) : 2;
+  }();
   int parts = 1;
-  while (parts < 64 && tiles * parts < sm_count() * 16 && L.groups >= 4 * parts) parts *= 2;
+  while (parts < 64 && tiles * parts < sm_count() * 16 && L.groups >= 2 * min_part * parts) parts *= 2;
   int kb = std::min(parts, 8);
   while (kb < 8 && ceil_div(L.groups, kb) > kTcBlockGroups) kb *= 2;
   const int per_b = static_cast<int>(ceil_div(L.groups, kb));
@@ -1457,6 +1509,18 @@ void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
                      int ldy, cudaStream_t stream) {
   CK_REQUIRE(n_pairs >= 1 && max_inter % 64 == 0 && hidden >= 1, "invariant");
+  // The fragments in the block unless the pairs' K is beyond a block's fragment memory (or
+  // CK_EXPERT_DOWN_ONE=0: the fragment kernel and expert_tc4_kernel, to compare).
+  static const bool one = !env_is("CK_EXPERT_DOWN_ONE", "0");
+  const int max_groups = max_inter / 64;
+  if (one && max_groups <= kTcBlockGroups && reinterpret_cast<uintptr_t>(h) % 16 == 0 && ldh % 4 == 0) {
+    const int bpp = static_cast<int>(ceil_div(hidden, 128));
+    launch(expert_down_one_kernel, static_cast<unsigned>(n_pairs * bpp), 256,
+           static_cast<size_t>(max_groups) * (4 * 32 * sizeof(uint2) + sizeof(float)), stream, pairs, bpp, max_groups,
+           h, ldh, y, ldy);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   launch_expert_tc4<false>(pairs, n_pairs, hidden, max_inter / 64, h, ldh, n_pairs, y, ldy, stream, nullptr);
 }
 
