@@ -931,14 +931,11 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
 template <int NM, bool BF16S, int UNROLL>
 __device__ __forceinline__ void expert_tc4_groups(const DMatrix (&w)[NM], int row0, int G0, int G1,
                                                   const uint2* __restrict__ fv, const float* __restrict__ gv,
-                                                  bool prefetch, float (&acc)[NM][4]) {
+                                                  float (&acc)[NM][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   Tc4Rows<BF16S> tr[NM];
 #pragma unroll
-  for (int m = 0; m < NM; ++m) {
-    tr[m].init(w[m], min(row0 + g, w[m].rows - 1), min(row0 + g + 8, w[m].rows - 1), t);
-    if (prefetch) tr[m].prefetch(G0, G1, t);  // the warp's whole range asked of L2 at once
-  }
+  for (int m = 0; m < NM; ++m) tr[m].init(w[m], min(row0 + g, w[m].rows - 1), min(row0 + g + 8, w[m].rows - 1), t);
 #pragma unroll UNROLL
   for (int G = G0; G < G1; ++G) {
     const float x0 = __ldg(gv + G * 8 + 2 * t), x1 = __ldg(gv + G * 8 + 2 * t + 1);
@@ -976,7 +973,7 @@ template <bool GATE_UP, int UNROLL>
 __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const ExpertPair* __restrict__ pairs, int n_pairs,
                                                             int tiles_per_pair, int ks, const uint2* __restrict__ frag,
                                                             const float* __restrict__ gsum, int vec_groups,
-                                                            float* __restrict__ out, int ldo, bool prefetch) {
+                                                            float* __restrict__ out, int ldo) {
   pdl_begin();
   constexpr int NM = GATE_UP ? 2 : 1;
   __shared__ float red[8][NM][16][4];
@@ -1001,9 +998,9 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
     const float* gv = gsum + static_cast<size_t>(vec) * vec_groups * 8;
     const uint8_t bf = static_cast<uint8_t>(WKind::BF16);
     if (w[0].fmt.scale_kind == bf && w[NM - 1].fmt.scale_kind == bf)
-      expert_tc4_groups<NM, true, UNROLL>(w, row0, G0, G1, fv, gv, prefetch, acc);
+      expert_tc4_groups<NM, true, UNROLL>(w, row0, G0, G1, fv, gv, acc);
     else
-      expert_tc4_groups<NM, false, UNROLL>(w, row0, G0, G1, fv, gv, prefetch, acc);
+      expert_tc4_groups<NM, false, UNROLL>(w, row0, G0, G1, fv, gv, acc);
   }
   // Columns 0-2 (hi, mid, lo of the one vector) live in lanes t = 0 (0, 1) and t = 1 (2).
 #pragma unroll
@@ -1039,9 +1036,11 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
 // intermediate size, at most kTcBlockGroups groups), in the one-row v4 arithmetic.
 // grid (n_pairs * bpp), block 256, dynamic shared memory max_groups * (4 * 32 uint2 + 1 float).
 template <bool BF16S>
-__device__ __forceinline__ void expert_down_one_tile(const Tc4Rows<BF16S, 4>& tr, int groups, const uint2* sfrag,
+__device__ __forceinline__ void expert_down_one_tile(const DMatrix& w, int row0, int groups, const uint2* sfrag,
                                                      const float* sgs, float (&acc)[4]) {
-  const int lane = threadIdx.x & 31, t = lane & 3;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  Tc4Rows<BF16S, 4> tr;
+  tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
 #pragma unroll 2
   for (int G = 0; G < groups; ++G)
     tc4_one_group(tr, G, sfrag + static_cast<size_t>(G) * 4 * 32 + lane, t == 0 ? sgs[G] : 0.0f, acc);
@@ -1049,25 +1048,13 @@ __device__ __forceinline__ void expert_down_one_tile(const Tc4Rows<BF16S, 4>& tr
 
 __global__ void __launch_bounds__(256, 3) expert_down_one_kernel(const ExpertPair* __restrict__ pairs, int bpp,
                                                                  int max_groups, const float* __restrict__ h, int ldh,
-                                                                 float* __restrict__ y, int ldy, bool prefetch) {
+                                                                 float* __restrict__ y, int ldy) {
   extern __shared__ uint2 sfrag[];
   pdl_begin();  // the pairs (route) and h (gate/up) come from the kernels before
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int p = blockIdx.x / bpp, row0 = ((blockIdx.x % bpp) * 8 + warp) * 16;
   const DMatrix w = pairs[p].down;
   const int groups = w.cols / 64;
-  const bool bf16s = w.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16);
-  Tc4Rows<true, 4> tr_b;
-  Tc4Rows<false, 4> tr_o;
-  if (row0 < w.rows) {  // the tile's rows asked of L2 while the block makes the fragments
-    const int ra = min(row0 + g, w.rows - 1), rb = min(row0 + g + 8, w.rows - 1);
-    if (bf16s) tr_b.init(w, ra, rb, t);
-    else tr_o.init(w, ra, rb, t);
-    if (prefetch) {
-      if (bf16s) tr_b.prefetch(0, groups, t);
-      else tr_o.prefetch(0, groups, t);
-    }
-  }
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(max_groups) * 4 * 32);
   const float* x = h + static_cast<size_t>(p) * ldh;
   for (int G = warp; G < groups; G += 8) {
@@ -1079,8 +1066,8 @@ __global__ void __launch_bounds__(256, 3) expert_down_one_kernel(const ExpertPai
   __syncthreads();
   if (row0 >= w.rows) return;  // warp-uniform; no barrier below
   float acc[4] = {};
-  if (bf16s) expert_down_one_tile(tr_b, groups, sfrag, sgs, acc);
-  else expert_down_one_tile(tr_o, groups, sfrag, sgs, acc);
+  if (w.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16)) expert_down_one_tile<true>(w, row0, groups, sfrag, sgs, acc);
+  else expert_down_one_tile<false>(w, row0, groups, sfrag, sgs, acc);
   // Columns 0-2 (hi, mid, lo): lane t = 0 holds 0 and 1, lane t = 1 holds 2, of rows g and g + 8.
   const float lo_g = __shfl_down_sync(0xffffffffu, acc[0], 1), lo_g8 = __shfl_down_sync(0xffffffffu, acc[2], 1);
   if (t == 0) {
@@ -1453,13 +1440,6 @@ namespace {
 // tiles -> ks 8, 3,520 warps, more than one wave of resident blocks); "fit" (the default): the largest
 // split whose blocks all fit in one wave of resident blocks. CK_EXPERT_KS="double", or "a/b" fixed
 // splits for gate/up and down (comparisons).
-// The decode experts' warps ask L2 for their whole range of codes and scales once the pair is known
-// (Tc4Rows::prefetch), before the group loop's dependent loads; CK_EXPERT_PREFETCH=0 to compare.
-bool expert_prefetch() {
-  static const bool on = !env_is("CK_EXPERT_PREFETCH", "0");
-  return on;
-}
-
 int expert_k_split(bool gate_up, int tiles, int groups, int resident_blocks) {
   static const std::string mode = [] {
     const char* e = std::getenv("CK_EXPERT_KS");
@@ -1509,13 +1489,12 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
   // "double" split); CK_EXPERT_UNROLL=4 to compare again.
   static const bool unroll4 = env_is("CK_EXPERT_UNROLL", "4");
   const unsigned grid = static_cast<unsigned>(ceil_div(tiles, 8 / ks));
-  const bool prefetch = expert_prefetch();
   if (unroll4)
     launch(expert_tc4_kernel<GATE_UP, 4>, grid, 256, 0, s, pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out,
-           ldo, prefetch);
+           ldo);
   else
     launch(expert_tc4_kernel<GATE_UP, 2>, grid, 256, 0, s, pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out,
-           ldo, prefetch);
+           ldo);
   CUDA_CHECK_LAUNCH();
   if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
 }
@@ -1533,13 +1512,12 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
   // The fragments in the block unless the pairs' K is beyond a block's fragment memory (or
   // CK_EXPERT_DOWN_ONE=0: the fragment kernel and expert_tc4_kernel, to compare).
   static const bool one = !env_is("CK_EXPERT_DOWN_ONE", "0");
-  const bool prefetch = expert_prefetch();
   const int max_groups = max_inter / 64;
   if (one && max_groups <= kTcBlockGroups && reinterpret_cast<uintptr_t>(h) % 16 == 0 && ldh % 4 == 0) {
     const int bpp = static_cast<int>(ceil_div(hidden, 128));
     launch(expert_down_one_kernel, static_cast<unsigned>(n_pairs * bpp), 256,
            static_cast<size_t>(max_groups) * (4 * 32 * sizeof(uint2) + sizeof(float)), stream, pairs, bpp, max_groups,
-           h, ldh, y, ldy, prefetch);
+           h, ldh, y, ldy);
     CUDA_CHECK_LAUNCH();
     return;
   }
