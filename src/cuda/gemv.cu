@@ -1143,12 +1143,8 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, i
   // Split K into more parts while there are too few warps for the GPU (~16 per SM) and each part keeps
   // at least two groups: over the blocks of a cluster first (each block's fragments then serve all
   // its tiles), then over the warps of a block. A block holds at most kTcBlockGroups groups of x.
-  static const int min_part = [] {  // groups per part at least 2 * this (CK_GEMV_INWARP_PART, to compare)
-    const char* e = std::getenv("CK_GEMV_INWARP_PART");
-    return e ? std::max(1, std::atoi(e)) : 2;
-  }();
   int parts = 1;
-  while (parts < 64 && tiles * parts < sm_count() * 16 && L.groups >= 2 * min_part * parts) parts *= 2;
+  while (parts < 64 && tiles * parts < sm_count() * 16 && L.groups >= 4 * parts) parts *= 2;
   int kb = std::min(parts, 8);
   while (kb < 8 && ceil_div(L.groups, kb) > kTcBlockGroups) kb *= 2;
   const int per_b = static_cast<int>(ceil_div(L.groups, kb));
