@@ -90,112 +90,26 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* s
     if (arg_better(sv[w], si[w], v, i)) { v = sv[w]; i = si[w]; }
 }
 
-// The rank key of a top-k value: unsigned order = float order (-0 taken as +0), NaN lowest (key 0,
-// below -inf's 0x007fffff), so "larger key, then lower index" is arg_better's order with NaNs last.
-__device__ __forceinline__ uint32_t topk_key(float f) {
-  if (f != f) return 0u;
-  const uint32_t u = __float_as_uint(f == 0.0f ? 0.0f : f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// block_topk's shared memory.
-struct TopkScratch {
-  uint32_t hist[256];
-  uint32_t warp_ties[32];
-  uint32_t key[64];
-  int idx[64];
-  uint32_t prefix, remaining, n_sel;
-};
-
 // Indices of the k largest of v[0..n) into out[0..k) (shared or global memory), in descending order,
-// ties to the lower index, NaNs after every number (cpu::topk_desc; arg_better's order). k <= 64,
-// k <= n; blockDim.x a multiple of 32.
-// A radix select (attn_select_kernel's): four passes over the 8-bit digits of topk_key find the key T
-// of the k-th best and how many of the keys equal to T to take (the lowest-index ones); warp 0 finds
-// each pass's digit with a scan over the 256 bins. Then the k chosen are compacted and each finds its
-// place by counting the chosen that beat it. The former form, k rounds of a block argmax, was a chain
-// of 10 dependent warp reductions and 30 barriers for the router: ~5.7 us of its 9.6 us (Nsight
-// Compute warp sampling, 2026-11-30).
-__device__ __forceinline__ void block_topk(const float* v, int n, int k, int* out, TopkScratch& s) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
-  if (tid == 0) {
-    s.prefix = 0;
-    s.remaining = static_cast<uint32_t>(k);
-  }
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = tid; b < 256; b += blockDim.x) s.hist[b] = 0;
-    __syncthreads();  // also publishes prefix and remaining
-    const uint32_t prefix = s.prefix, rem = s.remaining;
-    const uint32_t high = shift == 24 ? 0u : ~((1u << (shift + 8)) - 1u);
-    for (int i0 = 0; i0 < n; i0 += blockDim.x) {  // one atomic per digit and warp: the keys crowd few digits
-      const int i = i0 + tid;
-      const uint32_t key = i < n ? topk_key(v[i]) : 0u;
-      const uint32_t digit = i < n && (key & high) == (prefix & high) ? (key >> shift) & 255u : 256u;
-      const uint32_t peers = __match_any_sync(0xffffffffu, digit);
-      if (digit < 256u && lane == __ffs(peers) - 1) atomicAdd(&s.hist[digit], static_cast<uint32_t>(__popc(peers)));
-    }
-    __syncthreads();
-    if (warp == 0) {  // lane l holds digits 255 - 8l down to 248 - 8l
-      uint32_t c[8], sum = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        c[j] = s.hist[255 - 8 * lane - j];
-        sum += c[j];
-      }
-      uint32_t incl = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t u = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += u;
-      }
-      uint32_t above = incl - sum;  // keys in higher digits
-      if (above < rem && rem <= incl) {  // exactly one lane: the k-th best's digit is here
-        int d = 255 - 8 * lane;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (above + c[j] >= rem) {
-            d = 255 - 8 * lane - j;
-            break;
-          }
-          above += c[j];
-        }
-        s.remaining = rem - above;  // of the keys with this digit, how many to take
-        s.prefix = prefix | (static_cast<uint32_t>(d) << shift);
-      }
-    }
-    __syncthreads();
-  }
-  const uint32_t T = s.prefix, take_ties = s.remaining;
-  if (tid == 0) s.n_sel = 0;
-  // The chosen: every key above T, and the first take_ties keys equal to T in index order.
-  uint32_t ties_before = 0;  // keys equal to T in the chunks before (the same on every thread)
-  for (int i0 = 0; i0 < n; i0 += blockDim.x) {
-    const int i = i0 + tid;
-    const uint32_t key = i < n ? topk_key(v[i]) : 0u;
-    const bool tie = i < n && key == T;
-    const uint32_t mask = __ballot_sync(0xffffffffu, tie);
-    if (lane == 0) s.warp_ties[warp] = __popc(mask);
-    __syncthreads();
-    uint32_t before = ties_before + __popc(mask & ((1u << lane) - 1u));
-    for (int w = 0; w < n_warps; ++w) {
-      if (w < warp) before += s.warp_ties[w];
-      ties_before += s.warp_ties[w];
-    }
-    if (i < n && (key > T || (tie && before < take_ties))) {
-      const uint32_t slot = atomicAdd(&s.n_sel, 1u);
-      s.key[slot] = key;
-      s.idx[slot] = i;
-    }
-    __syncthreads();  // warp_ties read by all before the next chunk writes it; the chosen complete
-  }
-  if (tid < k) {  // place = how many of the chosen beat this one
-    const uint32_t key = s.key[tid];
-    const int idx = s.idx[tid];
-    int place = 0;
-    for (int j = 0; j < k; ++j) place += (s.key[j] > key || (s.key[j] == key && s.idx[j] < idx)) ? 1 : 0;
-    out[place] = idx;
-  }
+// ties to the lower index (cpu::topk_desc). flags: n bytes of shared memory; sv/si as block_argmax.
+// k rounds of a block argmax: cheap for the router's k <= 64 over a few hundred experts.
+__device__ __forceinline__ void block_topk(const float* v, int n, int k, int* out, uint8_t* flags, float* sv, int* si) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) flags[i] = 0;
   __syncthreads();
+  for (int t = 0; t < k; ++t) {
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+      if (!flags[i] && arg_better(v[i], i, bv, bi)) { bv = v[i]; bi = i; }
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+      if (bi == INT_MAX)  // only NaNs left: take the lowest unused index
+        for (bi = 0; flags[bi]; ++bi) {}
+      out[t] = bi;
+      flags[bi] = 1;
+    }
+    __syncthreads();
+  }
 }
 
 // The tail of a wide RMS norm (rmsnorm_wide_kernel, hc_combine_rmsnorm_kernel): a 1,024-thread block

@@ -1294,14 +1294,16 @@ __global__ void ple_conv_kernel(const PleConvArgs a, const StepParams* sp, int r
 
 // ------------------------------------------------------------------ MoE
 
-// grid (rows), block 256, dynamic shared memory E floats.
+// grid (rows), block 256, dynamic shared memory E floats + E bytes.
 __global__ void moe_route_kernel(const MoeRouteArgs a) {
   pdl_begin();
   extern __shared__ float prob[];
   __shared__ float scratch[32];
-  __shared__ TopkScratch topk_scratch;
+  __shared__ float sv[32];
+  __shared__ int si[32];
   __shared__ int top[64];
   __shared__ float top_sum;
+  uint8_t* flags = reinterpret_cast<uint8_t*>(prob + a.E);
   const int r = blockIdx.x;
   const float* lg = a.logits + static_cast<size_t>(r) * a.ld;
   float mx = -INFINITY;
@@ -1316,7 +1318,7 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
   sum = block_sum(sum, scratch);
   for (int e = threadIdx.x; e < a.E; e += blockDim.x) prob[e] /= sum;
   __syncthreads();
-  block_topk(prob, a.E, a.k, top, topk_scratch);
+  block_topk(prob, a.E, a.k, top, flags, sv, si);
   if (threadIdx.x == 0) {
     float ts = 0.0f;
     for (int t = 0; t < a.k; ++t) ts += prob[top[t]];
@@ -1561,7 +1563,7 @@ void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t
 
 void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
   CK_REQUIRE(a.k >= 1 && a.k <= 64 && a.k <= a.E && a.E <= 8192, "invariant");
-  launch(moe_route_kernel, rows, 256, sizeof(float) * a.E, stream, a);
+  launch(moe_route_kernel, rows, 256, sizeof(float) * a.E + a.E, stream, a);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -75,12 +75,14 @@ __global__ void rope_kernel(float* x, int rot_dim, int64_t pos, const float* __r
   }
 }
 
-// grid (rows), block 256.
+// grid (rows), block 256, dynamic shared memory n bytes.
 __global__ void topk_kernel(const float* v, int n, int k, int32_t* idx, int64_t ld) {
   pdl_begin();
-  __shared__ TopkScratch scratch;
+  extern __shared__ uint8_t flags[];
+  __shared__ float sv[32];
+  __shared__ int si[32];
   __shared__ int out[64];
-  block_topk(v + blockIdx.x * ld, n, k, out, scratch);
+  block_topk(v + blockIdx.x * ld, n, k, out, flags, sv, si);
   for (int t = threadIdx.x; t < k; t += blockDim.x) idx[blockIdx.x * k + t] = out[t];
 }
 
@@ -162,7 +164,7 @@ void rope(float* x, int rot_dim, int64_t pos, const float* inv_freq, int rows, i
 
 void topk_desc(const float* v, int n, int k, int32_t* idx, int rows, int64_t ld, cudaStream_t stream) {
   CK_REQUIRE(rows >= 1 && k >= 1 && k <= n && k <= 64 && n <= 48 * 1024, "invariant");
-  launch(topk_kernel, rows, 256, 0, stream, v, n, k, idx, ld);
+  launch(topk_kernel, rows, 256, static_cast<size_t>(n), stream, v, n, k, idx, ld);
   CUDA_CHECK_LAUNCH();
 }
 
