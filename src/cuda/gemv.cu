@@ -1434,8 +1434,8 @@ namespace {
 // The K split of the decode experts (warps per 16-row tile, 8 / ks tiles per block). "double": the
 // first rule, doubling while the warps are fewer than 16 per SM (gate/up at the released geometry: 440
 // tiles -> ks 8, 3,520 warps, more than one wave of resident blocks); "fit" (the default): the largest
-// split whose blocks all fit in one wave of resident blocks. CK_EXPERT_KS="double", or "a/b" fixed
-// splits for gate/up and down (comparisons).
+// split whose blocks all fit in one wave of resident blocks, each part keeping at least 4 groups.
+// CK_EXPERT_KS="double", or "a/b" fixed splits for gate/up and down (comparisons).
 int expert_k_split(bool gate_up, int tiles, int groups, int resident_blocks) {
   static const std::string mode = [] {
     const char* e = std::getenv("CK_EXPERT_KS");
@@ -1455,8 +1455,7 @@ int expert_k_split(bool gate_up, int tiles, int groups, int resident_blocks) {
 }
 
 // Fragments of n_vec vectors of K = 64 * groups floats (rows of x at ldx), then expert_tc4_kernel over
-// n_pairs pairs of at most max_rows rows. Split each tile's groups over more warps while there are too
-// few warps for the memory pipes (as gemv_tc4), each keeping at least 4 groups.
+// n_pairs pairs of at most max_rows rows, each tile's groups split over expert_k_split's warps.
 template <bool GATE_UP>
 void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int groups, const float* x, int ldx,
                        int n_vec, float* out, int ldo, cudaStream_t s, const Tc4Frags* pre) {
@@ -1481,16 +1480,11 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
   const int tiles_per_pair = static_cast<int>(ceil_div(max_rows, 16)), tiles = n_pairs * tiles_per_pair;
   static const int occ = blocks_per_sm(expert_tc4_kernel<GATE_UP, 2>);
   const int ks = expert_k_split(GATE_UP, tiles, groups, sm_count() * occ);
-  // Group loop unrolled twice: four times measured 422 against 429 tok/s (2026-11-30, with the
-  // "double" split); CK_EXPERT_UNROLL=4 to compare again.
-  static const bool unroll4 = env_is("CK_EXPERT_UNROLL", "4");
+  // Group loop unrolled twice: four times measured 422 against 429 tok/s (2026-11-30), and again
+  // 506.3 against 509.6 with the one-wave split.
   const unsigned grid = static_cast<unsigned>(ceil_div(tiles, 8 / ks));
-  if (unroll4)
-    launch(expert_tc4_kernel<GATE_UP, 4>, grid, 256, 0, s, pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out,
-           ldo);
-  else
-    launch(expert_tc4_kernel<GATE_UP, 2>, grid, 256, 0, s, pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out,
-           ldo);
+  launch(expert_tc4_kernel<GATE_UP, 2>, grid, 256, 0, s, pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out,
+         ldo);
   CUDA_CHECK_LAUNCH();
   if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
 }
