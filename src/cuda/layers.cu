@@ -888,6 +888,53 @@ __device__ int attn_gather_selected(const AttnArgs& a, int r, int64_t n, int* id
 // in Nsight Compute, 2026-11-30). The same arithmetic in the same order: the same bits.
 constexpr int kAttnDotKeys = 8;
 constexpr int kAttnVLoads = 16;
+
+// Scores q · k / sqrt(hd) of the selected keys idx[0, m) into p[0, m): a warp takes kAttnDotKeys keys
+// at once (keys past m read idx[0] and are not stored); each dot in lane order, then a warp sum.
+__device__ __forceinline__ void attn_scores_batched(const AttnArgs& a, const float* q, int g, const int* idx, int m,
+                                                    float* p) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
+  const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
+  for (int j0 = warp * kAttnDotKeys; j0 < m; j0 += n_warps * kAttnDotKeys) {
+    const float* kj[kAttnDotKeys];
+    float dot[kAttnDotKeys];
+#pragma unroll
+    for (int b = 0; b < kAttnDotKeys; ++b) {
+      kj[b] = a.k_cache + static_cast<size_t>(idx[j0 + b < m ? j0 + b : 0]) * kvw + static_cast<size_t>(g) * a.hd;
+      dot[b] = 0.0f;
+    }
+    for (int i = lane; i < a.hd; i += 32) {
+      const float qi = q[i];
+#pragma unroll
+      for (int b = 0; b < kAttnDotKeys; ++b) dot[b] += qi * kj[b][i];
+    }
+#pragma unroll
+    for (int b = 0; b < kAttnDotKeys; ++b) {
+      const float d = warp_sum(dot[b]);
+      if (lane == 0 && j0 + b < m) p[j0 + b] = d * scale;
+    }
+  }
+}
+
+// Σ_j p[j] v_j[i] over the selected keys idx[0, m) in j order, kAttnVLoads value rows' loads issued
+// before their adds (vg: the KV head's column 0 of the value cache, rows kvw apart).
+__device__ __forceinline__ float attn_vsum_batched(const float* vg, size_t kvw, const int* idx, const float* p, int m,
+                                                   int i) {
+  float acc = 0.0f;
+  int jj = 0;
+  for (; jj + kAttnVLoads <= m; jj += kAttnVLoads) {
+    float v[kAttnVLoads];
+#pragma unroll
+    for (int u = 0; u < kAttnVLoads; ++u) v[u] = vg[static_cast<size_t>(idx[jj + u]) * kvw + i];
+#pragma unroll
+    for (int u = 0; u < kAttnVLoads; ++u) acc = mul_add_rn(acc, p[jj + u], v[u]);
+  }
+#pragma unroll 4
+  for (; jj < m; ++jj) acc = mul_add_rn(acc, p[jj], vg[static_cast<size_t>(idx[jj]) * kvw + i]);
+  return acc;
+}
+
 template <bool BATCHED>
 __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
   pdl_begin();
@@ -905,26 +952,7 @@ __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
   const float* q = a.q + static_cast<size_t>(r) * a.ldq + static_cast<size_t>(h) * a.hd;
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
   if constexpr (BATCHED) {
-    // Keys j0 .. j0 + kAttnDotKeys - 1 of this warp together; keys past m read key 0 (not stored).
-    for (int j0 = warp * kAttnDotKeys; j0 < m; j0 += n_warps * kAttnDotKeys) {
-      const float* kj[kAttnDotKeys];
-      float dot[kAttnDotKeys];
-#pragma unroll
-      for (int b = 0; b < kAttnDotKeys; ++b) {
-        kj[b] = a.k_cache + static_cast<size_t>(idx[j0 + b < m ? j0 + b : 0]) * kvw + static_cast<size_t>(g) * a.hd;
-        dot[b] = 0.0f;
-      }
-      for (int i = lane; i < a.hd; i += 32) {
-        const float qi = q[i];
-#pragma unroll
-        for (int b = 0; b < kAttnDotKeys; ++b) dot[b] += qi * kj[b][i];
-      }
-#pragma unroll
-      for (int b = 0; b < kAttnDotKeys; ++b) {
-        const float d = warp_sum(dot[b]);
-        if (lane == 0 && j0 + b < m) p[j0 + b] = d * scale;
-      }
-    }
+    attn_scores_batched(a, q, g, idx, m, p);
   } else {
     for (int jj = warp; jj < m; jj += n_warps) {
       const float* kj = a.k_cache + static_cast<size_t>(idx[jj]) * kvw + static_cast<size_t>(g) * a.hd;
@@ -953,18 +981,12 @@ __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
   const float* vg = a.v_cache + static_cast<size_t>(g) * a.hd;
   for (int i = threadIdx.x; i < a.hd; i += blockDim.x) {
     float acc = 0.0f;
-    int jj = 0;
     if constexpr (BATCHED) {
-      for (; jj + kAttnVLoads <= m; jj += kAttnVLoads) {
-        float v[kAttnVLoads];
-#pragma unroll
-        for (int u = 0; u < kAttnVLoads; ++u) v[u] = vg[static_cast<size_t>(idx[jj + u]) * kvw + i];
-#pragma unroll
-        for (int u = 0; u < kAttnVLoads; ++u) acc = mul_add_rn(acc, p[jj + u], v[u]);
-      }
-    }
+      acc = attn_vsum_batched(vg, kvw, idx, p, m, i);
+    } else {
 #pragma unroll 4
-    for (; jj < m; ++jj) acc = mul_add_rn(acc, p[jj], vg[static_cast<size_t>(idx[jj]) * kvw + i]);
+      for (int jj = 0; jj < m; ++jj) acc = mul_add_rn(acc, p[jj], vg[static_cast<size_t>(idx[jj]) * kvw + i]);
+    }
     a.out[static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h) * a.hd + i] = acc * sigmoidf_(gate[i]);
   }
 }
@@ -984,7 +1006,6 @@ __global__ void attn_decode_split_kernel(const AttnArgs a, const StepParams* sp,
   extern __shared__ float smem[];
   __shared__ float scratch[32];
   const int h = blockIdx.x, r = blockIdx.y, sp_i = blockIdx.z;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   const int64_t n = sp->pos + r + 1;
   const int cap = (a.block_topk + 1) * a.cr - 1;  // attention_max_selected
   int* idx = reinterpret_cast<int*>(smem);
@@ -994,26 +1015,7 @@ __global__ void attn_decode_split_kernel(const AttnArgs a, const StepParams* sp,
   const int g = h / (a.nh / a.nkv);
   const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
   const float* q = a.q + static_cast<size_t>(r) * a.ldq + static_cast<size_t>(h) * a.hd;
-  const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
-  for (int k0 = warp * kAttnDotKeys; k0 < mk; k0 += n_warps * kAttnDotKeys) {
-    const float* kj[kAttnDotKeys];
-    float dot[kAttnDotKeys];
-#pragma unroll
-    for (int b = 0; b < kAttnDotKeys; ++b) {
-      kj[b] = a.k_cache + static_cast<size_t>(idx[j0 + (k0 + b < mk ? k0 + b : 0)]) * kvw + static_cast<size_t>(g) * a.hd;
-      dot[b] = 0.0f;
-    }
-    for (int i = lane; i < a.hd; i += 32) {
-      const float qi = q[i];
-#pragma unroll
-      for (int b = 0; b < kAttnDotKeys; ++b) dot[b] += qi * kj[b][i];
-    }
-#pragma unroll
-    for (int b = 0; b < kAttnDotKeys; ++b) {
-      const float d = warp_sum(dot[b]);
-      if (lane == 0 && k0 + b < mk) p[k0 + b] = d * scale;
-    }
-  }
+  attn_scores_batched(a, q, g, idx + j0, mk, p);
   __syncthreads();
   float mx = -INFINITY;
   for (int jj = threadIdx.x; jj < mk; jj += blockDim.x) mx = fmaxf(mx, p[jj]);
@@ -1031,19 +1033,7 @@ __global__ void attn_decode_split_kernel(const AttnArgs a, const StepParams* sp,
     out[1] = sum;
   }
   const float* vg = a.v_cache + static_cast<size_t>(g) * a.hd;
-  for (int i = threadIdx.x; i < a.hd; i += blockDim.x) {
-    float acc = 0.0f;
-    int jj = 0;
-    for (; jj + kAttnVLoads <= mk; jj += kAttnVLoads) {
-      float v[kAttnVLoads];
-#pragma unroll
-      for (int u = 0; u < kAttnVLoads; ++u) v[u] = vg[static_cast<size_t>(idx[j0 + jj + u]) * kvw + i];
-#pragma unroll
-      for (int u = 0; u < kAttnVLoads; ++u) acc = mul_add_rn(acc, p[jj + u], v[u]);
-    }
-    for (; jj < mk; ++jj) acc = mul_add_rn(acc, p[jj], vg[static_cast<size_t>(idx[j0 + jj]) * kvw + i]);
-    out[2 + i] = acc;
-  }
+  for (int i = threadIdx.x; i < a.hd; i += blockDim.x) out[2 + i] = attn_vsum_batched(vg, kvw, idx + j0, p, mk, i);
 }
 
 // grid (nh, rows), block 256: the splits of attn_decode_split_kernel in split order.
