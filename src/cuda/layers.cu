@@ -935,6 +935,20 @@ __device__ __forceinline__ float attn_vsum_batched(const float* vg, size_t kvw, 
   return acc;
 }
 
+// p[j] = exp(p[j] - mx) over [0, m), mx = max p; returns Σ p (block-wide). Its barriers publish p.
+__device__ __forceinline__ float attn_exp_scores(float* p, int m, float* scratch, float& mx) {
+  mx = -INFINITY;
+  for (int jj = threadIdx.x; jj < m; jj += blockDim.x) mx = fmaxf(mx, p[jj]);
+  mx = block_max(mx, scratch);
+  float sum = 0.0f;
+  for (int jj = threadIdx.x; jj < m; jj += blockDim.x) {
+    const float e = expf(p[jj] - mx);
+    p[jj] = e;
+    sum += e;
+  }
+  return block_sum(sum, scratch);
+}
+
 template <bool BATCHED>
 __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
   pdl_begin();
@@ -963,16 +977,8 @@ __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
     }
   }
   __syncthreads();
-  float mx = -INFINITY;
-  for (int jj = threadIdx.x; jj < m; jj += blockDim.x) mx = fmaxf(mx, p[jj]);
-  mx = block_max(mx, scratch);
-  float sum = 0.0f;
-  for (int jj = threadIdx.x; jj < m; jj += blockDim.x) {
-    const float e = expf(p[jj] - mx);
-    p[jj] = e;
-    sum += e;
-  }
-  sum = block_sum(sum, scratch);  // its barriers also publish p
+  float mx;
+  const float sum = attn_exp_scores(p, m, scratch, mx);
   // The weights p / sum once per key (as the CPU: the same IEEE quotient), not once per key and column:
   // the division was most of this kernel's time at long contexts.
   for (int jj = threadIdx.x; jj < m; jj += blockDim.x) p[jj] = p[jj] / sum;
@@ -1017,16 +1023,8 @@ __global__ void attn_decode_split_kernel(const AttnArgs a, const StepParams* sp,
   const float* q = a.q + static_cast<size_t>(r) * a.ldq + static_cast<size_t>(h) * a.hd;
   attn_scores_batched(a, q, g, idx + j0, mk, p);
   __syncthreads();
-  float mx = -INFINITY;
-  for (int jj = threadIdx.x; jj < mk; jj += blockDim.x) mx = fmaxf(mx, p[jj]);
-  mx = block_max(mx, scratch);
-  float sum = 0.0f;
-  for (int jj = threadIdx.x; jj < mk; jj += blockDim.x) {
-    const float e = expf(p[jj] - mx);
-    p[jj] = e;
-    sum += e;
-  }
-  sum = block_sum(sum, scratch);  // its barriers also publish p
+  float mx;
+  const float sum = attn_exp_scores(p, mk, scratch, mx);
   float* out = part + (static_cast<size_t>(r * a.nh + h) * splits + sp_i) * (a.hd + 2);
   if (threadIdx.x == 0) {
     out[0] = mx;  // -inf for an empty split: the combine skips it (its sum is 0)
