@@ -2,6 +2,7 @@
 // and relative-error measures. Header-only so every test binary can include it.
 #pragma once
 #include <dirent.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -57,6 +58,29 @@ inline Result<Fixture> load_fixture(const std::string& dir) {
     f.mtp_logits = ml.as_f32();
   }
   return f;
+}
+
+// Below this margin (top-1 minus top-2 logit) the oracle's own greedy choice is rounding noise.
+constexpr float kMarginFloor = 1e-3f;
+
+// The oracle's greedy tokens from a session of either engine (StepResult: its step result type): the
+// prompt, then each oracle token in turn; the session's argmax must be the oracle's next token
+// wherever the oracle's margin is above kMarginFloor (elsewhere it follows the oracle's token).
+template <class StepResult, class Session>
+void expect_greedy_tokens(Session& s, const Fixture& fx) {
+  StepResult r;
+  ASSERT_TRUE(s.step_rows(fx.prompt, false, false, &r).ok());
+  s.commit(static_cast<int>(fx.prompt.size()));
+  int32_t next = r.argmax.back();
+  for (size_t i = 0; i < fx.greedy.size(); ++i) {
+    if (fx.margins[i] > kMarginFloor) {
+      ASSERT_EQ(next, fx.greedy[i]) << "greedy token " << i << " (oracle margin " << fx.margins[i] << ")";
+    }
+    int32_t tok[1] = {fx.greedy[i]};
+    ASSERT_TRUE(s.step_rows(tok, false, false, &r).ok());
+    s.commit(1);
+    next = r.argmax[0];
+  }
 }
 
 // ||a - b|| / ||b|| over n values.
