@@ -32,19 +32,16 @@ def fsum32(values):
     return s
 
 
-def dot_bf16x3(q, x):
-    hi = bf16(x)
-    r1 = np.float32(x - hi)
-    mid = bf16(r1)
-    lo = bf16(np.float32(r1 - mid))
-    return fsum32([fsum32(q * hi), fsum32(q * mid), fsum32(q * lo)])
-
-
-def dot_bf16x2(q, x):
-    """Two parts only (a candidate for prefill: two thirds of the MMAs)."""
-    hi = bf16(x)
-    mid = bf16(np.float32(x - hi))
-    return fsum32([fsum32(q * hi), fsum32(q * mid)])
+def dot_bf16(q, x, parts):
+    """x split into `parts` bf16 parts (hi, mid, lo: each the rest's rounding), each part's products
+    summed in fp32, then the part sums: bf16x3 is today's kernels, bf16x2 a candidate for prefill (two
+    thirds of the MMAs)."""
+    sums, rest = [], x
+    for _ in range(parts):
+        part = bf16(rest)
+        sums.append(fsum32(q * part))
+        rest = np.float32(rest - part)
+    return fsum32(sums)
 
 
 def dot_int8(q, x, parts):
@@ -75,7 +72,7 @@ def main():
         "wide range": lambda: rng.standard_normal(64) * 2.0 ** rng.integers(-20, 5, 64),
         "one huge": lambda: np.r_[1e4, rng.standard_normal(63) * 1e-3],
     }
-    forms = {"bf16x3": dot_bf16x3, "bf16x2": dot_bf16x2, "int8x4": lambda q, x: dot_int8(q, x, 4),
+    forms = {"bf16x3": lambda q, x: dot_bf16(q, x, 3), "bf16x2": lambda q, x: dot_bf16(q, x, 2), "int8x4": lambda q, x: dot_int8(q, x, 4),
              "int8x5": lambda q, x: dot_int8(q, x, 5), "int8x6": lambda q, x: dot_int8(q, x, 6)}
     print(f"{'activations':12s}" + "".join(f"{name:>27s}" for name in forms))
     for shape, gen in shapes.items():

@@ -840,6 +840,9 @@ __global__ void __launch_bounds__(256) attn_select_kernel(const AttnArgs a, cons
   }
 }
 
+// Most tokens one query attends to (attention_max_selected): the selected blocks and the last, incomplete one.
+__host__ __device__ inline int attn_cap(const AttnArgs& a) { return (a.block_topk + 1) * a.cr - 1; }
+
 // The token ids row r attends to, compacted in ascending order into idx (block-wide; returns how
 // many): every token of a selected block, and the tokens of the incomplete last block. Thread i takes
 // a contiguous run of compressed blocks, counts its selected ones, and finds where its tokens go with
@@ -957,7 +960,7 @@ __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
   const int h = blockIdx.x, r = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   const int64_t n = sp->pos + r + 1;
-  const int cap = (a.block_topk + 1) * a.cr - 1;  // attention_max_selected
+  const int cap = attn_cap(a);
   int* idx = reinterpret_cast<int*>(smem);
   float* p = smem + cap;
   const int m = attn_gather_selected(a, r, n, idx);
@@ -1013,7 +1016,7 @@ __global__ void attn_decode_split_kernel(const AttnArgs a, const StepParams* sp,
   __shared__ float scratch[32];
   const int h = blockIdx.x, r = blockIdx.y, sp_i = blockIdx.z;
   const int64_t n = sp->pos + r + 1;
-  const int cap = (a.block_topk + 1) * a.cr - 1;  // attention_max_selected
+  const int cap = attn_cap(a);
   int* idx = reinterpret_cast<int*>(smem);
   float* p = smem + cap;
   const int m = attn_gather_selected(a, r, n, idx);
@@ -1073,7 +1076,7 @@ __host__ __device__ inline int attn_heads_per_block(int hpg) {
   return (hpg + c - 1) / c;
 }
 // Selectable keys rounded up to 4 (float4 reads of the weights).
-__host__ __device__ inline int attn_cap4(const AttnArgs& a) { return ((a.block_topk + 1) * a.cr - 1 + 3) & ~3; }
+__host__ __device__ inline int attn_cap4(const AttnArgs& a) { return (attn_cap(a) + 3) & ~3; }
 
 // One step of a transposing warp sum of 2 STEP values per lane: the lanes with bit STEP set keep the
 // upper half, the others the lower, each adding its partner's copy of the half it keeps; then the
@@ -1473,7 +1476,7 @@ void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream) {
 int64_t attention_max_selected(int block_topk, int cr) { return static_cast<int64_t>(block_topk + 1) * cr - 1; }
 
 namespace {
-// Selected keys per split of the split decode attention; 0: not yet read (CK_ATTN_SPLIT: keys per
+// Selected keys per split of the split decode attention; -1: not yet read (CK_ATTN_SPLIT: keys per
 // split, 0 to turn the split off). Splits are sized by the most keys a query can select (a graph is
 // replayed at every position), at most kAttnMaxSplits.
 constexpr int kAttnSplitKeys = 256;

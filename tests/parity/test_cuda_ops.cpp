@@ -583,6 +583,15 @@ TEST(CudaOps, NormsAndRope) {
   }
 }
 
+// topk_desc of one row v against the expected indices.
+void expect_topk(const std::vector<float>& v, int k, const std::vector<int>& want, const char* what) {
+  DeviceBuffer<float> vd;
+  DeviceBuffer<int32_t> id(k);
+  topk_desc(to_device(v, &vd), static_cast<int>(v.size()), k, id.get(), 1, static_cast<int>(v.size()), nullptr);
+  std::vector<int32_t> got = to_host(id.get(), k);
+  for (int t = 0; t < k; ++t) EXPECT_EQ(got[t], want[t]) << what << ", slot " << t;
+}
+
 TEST(CudaOps, TopkAndArgmaxTies) {
   REQUIRE_GPU();
   std::mt19937_64 rng(3);
@@ -608,22 +617,13 @@ TEST(CudaOps, TopkAndArgmaxTies) {
     std::sort(want.begin(), want.end(), [&](int a, int b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
     want.push_back(1);
     want.push_back(2);
-    DeviceBuffer<float> vd;
-    DeviceBuffer<int32_t> id(k);
-    topk_desc(to_device(v, &vd), n, k, id.get(), 1, n, nullptr);
-    std::vector<int32_t> got = to_host(id.get(), k);
-    for (int t = 0; t < k; ++t) EXPECT_EQ(got[t], want[t]) << "topk with NaNs, slot " << t;
+    expect_topk(v, k, want, "topk with NaNs");
   }
   {  // -0 ties +0 (the lower index first), -inf comes before NaN, all of them taken
     const float inf = std::numeric_limits<float>::infinity(), nan = std::nanf("");
     const std::vector<float> v = {0.0f, -inf, -0.0f, -1.0f, -0.0f, nan, -inf, 2.0f, 0.0f, nan, -1.0f};
     const int n = static_cast<int>(v.size()), k = n;
-    const std::vector<int> want = {7, 0, 2, 4, 8, 3, 10, 1, 6, 5, 9};
-    DeviceBuffer<float> vd;
-    DeviceBuffer<int32_t> id(k);
-    topk_desc(to_device(v, &vd), n, k, id.get(), 1, n, nullptr);
-    std::vector<int32_t> got = to_host(id.get(), k);
-    for (int t = 0; t < k; ++t) EXPECT_EQ(got[t], want[t]) << "topk with signed zeros and infinities, slot " << t;
+    expect_topk(v, k, {7, 0, 2, 4, 8, 3, 10, 1, 6, 5, 9}, "topk with signed zeros and infinities");
   }
   for (int64_t n : {int64_t{1}, int64_t{100}, int64_t{8192}, int64_t{8193}, int64_t{248320}}) {
     const int rows = 4;
