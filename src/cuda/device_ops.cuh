@@ -64,6 +64,18 @@ __device__ __forceinline__ float apply_epilogue(float y, Epilogue e, float d) {
   }
 }
 
+// Element i of one row's MoE output (DESIGN §2, "Exactness"): Σ_t w_t y_t over the routed slots in
+// top-k order, each product rounded to fp32 and the sum in fp64, wherever each expert came from;
+// then + sigmoid(gate logit) times the shared expert's y (slot k). y: the row's k + 1 slots at ldy;
+// pairs: the row's slots. moe_combine_kernel and the one-row mix (which takes the combine into its
+// first phase) share it, so both give the same bits.
+__device__ __forceinline__ float moe_combine_elem(const float* y, int64_t ldy, const ExpertPair* pairs, int k,
+                                                  float gamma, int64_t i) {
+  double acc = 0.0;
+  for (int t = 0; t < k; ++t) acc += static_cast<double>(__fmul_rn(y[t * ldy + i], pairs[t].weight));
+  return __fadd_rn(static_cast<float>(acc), __fmul_rn(gamma, y[k * ldy + i]));
+}
+
 // (v, i) beats (bv, bi): larger value, or equal value and lower index. NaN never beats anything.
 __device__ __forceinline__ bool arg_better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
 

@@ -9,6 +9,9 @@
 // to issue a mix's instructions; a second grid barrier; large unrolled code, whose instruction fetch
 // showed in every phase of a kernel that runs each piece of code once).
 //
+// A deferred MoE output (HcMixArgs::moe_y) is combined from its slots in phase 1, element by element
+// (moe_combine_elem: the same bits as moe_combine_kernel), instead of by a kernel of its own before.
+//
 // Phases (one block per SM, all resident: the launch checks one block fits an SM, and under
 // programmatic dependent launch the next kernel is only scheduled once every block of this one runs):
 //  1. Block c takes chunk c of the wide input (cg 64-code groups inside one stream): it applies the
@@ -180,12 +183,15 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // 1. The chunk: combine, x' = R n, sum of squares, partial products of down and inject.
   if (c < L.n_chunks) {
     const int k0 = c * cg * 64, n = cg * 64, s = k0 / H;
+    const float gamma = a.moe_y ? sigmoidf_(a.moe_gl[0]) : 0.0f;
     float sq = 0.0f;
     for (int e = tid; e < n; e += kHcThreads) {
       const int k = k0 + e;
       float v = a.R[k];
-      if (a.o) {
-        v = mul_add_rn(v, a.o[k - s * H], a.w_in[s]);
+      if (a.o || a.moe_y) {
+        const float o = a.moe_y ? moe_combine_elem(a.moe_y, a.moe_ldy, a.moe_pairs, a.moe_k, gamma, k - s * H)
+                                : a.o[k - s * H];
+        v = mul_add_rn(v, o, a.w_in[s]);
         a.R[k] = v;
       }
       sq += v * v;

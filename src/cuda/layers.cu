@@ -1344,11 +1344,8 @@ __global__ void moe_combine_kernel(const float* y, int ldy, const ExpertPair* pa
   if (i >= H) return;
   const int r = blockIdx.y;
   const size_t p0 = static_cast<size_t>(r) * (k + 1);
-  double acc = 0.0;  // the sum over slots runs in top-k order, wherever each expert came from (DESIGN §2)
-  for (int t = 0; t < k; ++t)
-    acc += static_cast<double>(__fmul_rn(y[(p0 + t) * ldy + i], pairs[p0 + t].weight));
   const float gamma = sigmoidf_(gl[static_cast<size_t>(r) * ldgl]);
-  out[static_cast<size_t>(r) * ldo + i] = __fadd_rn(static_cast<float>(acc), __fmul_rn(gamma, y[(p0 + k) * ldy + i]));
+  out[static_cast<size_t>(r) * ldo + i] = moe_combine_elem(y + p0 * ldy, ldy, pairs + p0, k, gamma, i);
 }
 
 }  // namespace

@@ -56,6 +56,10 @@ bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float*
 struct HcMixArgs {
   float* R = nullptr;                                     // (S * H) wide residual, one row
   const float* o = nullptr; const float* w_in = nullptr;  // the deferred combine, or o = nullptr
+  // Or o is the MoE output still to be combined from its slots (moe_y != nullptr; moe_combine's
+  // arguments for one row): the mix computes it element by element, and no moe_combine runs.
+  const float* moe_y = nullptr; int moe_ldy = 0; const ExpertPair* moe_pairs = nullptr; int moe_k = 0;
+  const float* moe_gl = nullptr;
   const float* norm = nullptr; float eps = 0.0f;          // hc_norm (S * H)
   DMatrix down, up, inject;                               // inject.rows == 0: no injection head
   float* w_out = nullptr;                                 // (inject.rows)

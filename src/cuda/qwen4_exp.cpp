@@ -434,14 +434,22 @@ void Session::tap(const std::string& name, const float* d, int rows, int64_t n, 
                           cudaMemcpyDeviceToHost));
 }
 
-void Session::defer_combine(const float* o, const float* w, int rows) {
+void Session::defer_combine(const float* o, const float* w, int rows, const PendingMoe& moe) {
   flush_combine();
-  pending_combine_ = PendingCombine{o, w, rows};
-  if (taps_) flush_combine();  // a tap reads R right after
+  pending_combine_ = PendingCombine{o, w, rows, moe};
+  if (taps_) flush_combine();  // taps read o and R right after
+}
+
+void Session::materialize_moe() {
+  if (!pending_combine_ || !pending_combine_->moe.y) return;
+  const PendingMoe& m = pending_combine_->moe;
+  moe_combine(m.y, m.ldy, m.pairs, m.k, m.gl, m.ldgl, m.o, m.ldo, m.H, pending_combine_->rows, stream_);
+  pending_combine_->moe.y = nullptr;
 }
 
 void Session::flush_combine() {
   if (!pending_combine_) return;
+  materialize_moe();
   const ModelConfig& c = m_.cfg();
   Buffers& b = *b_;
   const PendingCombine pc = *pending_combine_;
@@ -460,7 +468,16 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
     HcMixArgs a;
     a.R = b.R;
     if (pending_combine_) {
-      a.o = pending_combine_->o;
+      const PendingMoe& m = pending_combine_->moe;
+      if (m.y) {  // the mix combines the MoE output itself
+        a.moe_y = m.y;
+        a.moe_ldy = m.ldy;
+        a.moe_pairs = m.pairs;
+        a.moe_k = m.k;
+        a.moe_gl = m.gl;
+      } else {
+        a.o = pending_combine_->o;
+      }
       a.w_in = pending_combine_->w;
     }
     a.norm = hc.norm;
@@ -486,6 +503,7 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
       return;
     }
   }
+  materialize_moe();
   if (pending_combine_ && pending_combine_->rows == rows &&
       hc_combine_rmsnorm(b.R, b.ldW, pending_combine_->o, b.ldH, pending_combine_->w, b.ldS, S, H, hc.norm, eps, b.X,
                          rows, stream_)) {
@@ -655,10 +673,16 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
       }
       mark("moe experts");
     }
-    moe_combine(b.my, b.ldH, b.pairs, k, b.mgl, 4, b.o, b.ldH, H, rows, stream_);
+    // o = the slots combined (moe_combine), deferred with the hyper-connection combine into the next
+    // mix: at one row its first phase computes o itself (with taps, defer_combine runs both at once).
+    PendingMoe pm;
+    pm.y = b.my; pm.ldy = b.ldH; pm.pairs = b.pairs; pm.k = k; pm.gl = b.mgl; pm.ldgl = 4;
+    pm.o = b.o; pm.ldo = b.ldH; pm.H = H;
+    defer_combine(b.o, b.w, rows, pm);  // into the next mix's norm (profiling counts it there)
+    static const bool in_mix = !env_is("CK_MOE_COMBINE_IN_MIX", "0");  // 0: moe_combine here, to compare
+    if (!in_mix) materialize_moe();
   }
   tap(pre + "moe_out", b.o, rows, H, b.ldH);
-  defer_combine(b.o, b.w, rows);  // into the next mix's norm (profiling counts it there)
   mark("combine");
   tap(pre + "post_moe", b.R, rows, W, b.ldW);
 }

@@ -193,13 +193,29 @@ class Session {
   // R0) is deferred, so that the next mix's input norm takes it in the same kernel
   // (hc_combine_rmsnorm); flush_combine() launches it alone where something else reads R first (the
   // PLE, taps). o at ldH and w at ldS of the Buffers.
+  // The MoE output o itself can be deferred too (moe.y set): its slots' y and weights, combined by
+  // the one-row mix's first phase (no moe_combine launch), or by moe_combine into o wherever
+  // something else takes the pending combine (materialize_moe).
+  struct PendingMoe {
+    const float* y = nullptr;  // the slots' outputs (rows * (k + 1), at ldy); nullptr: o is ready
+    int ldy = 0;
+    const ExpertPair* pairs = nullptr;
+    int k = 0;
+    const float* gl = nullptr;  // the shared expert's gate logit per row, at ldgl
+    int ldgl = 0;
+    float* o = nullptr;  // where moe_combine writes o
+    int ldo = 0, H = 0;
+  };
   struct PendingCombine {
     const float* o;
     const float* w;
     int rows;
+    PendingMoe moe;
   };
   std::optional<PendingCombine> pending_combine_;
-  void defer_combine(const float* o, const float* w, int rows);
+  void defer_combine(const float* o, const float* w, int rows) { defer_combine(o, w, rows, PendingMoe()); }
+  void defer_combine(const float* o, const float* w, int rows, const PendingMoe& moe);
+  void materialize_moe();
   void flush_combine();
   void tap(const std::string& name, const float* d, int rows, int64_t n, int64_t ld);
   void restore_snapshot(int row);
