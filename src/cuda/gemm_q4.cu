@@ -119,9 +119,12 @@ __host__ __device__ constexpr int q4_block_features() { return kQ4TileWarps * 16
 
 // kQ4GateUp: h[pair] = silu(gate · x) * (up · x); kQ4Down: y[pair] = down · h; grid (features /
 // q4_block_features, max tiles). kQ4Dense: y_job[row] = epi(w_job · x[row]); grid (feature tiles of all
-// jobs, rows / 32, K splits).
-template <int MODE>
+// jobs, rows / 32, K splits). PARTS: the bf16 parts of x used, 3 (exact products, the default) or 2
+// (EXPERIMENTAL, CK_PREFILL_PARTS=2: x rounded to ~16 significant bits, two thirds of the MMAs;
+// tools/split_error.py puts its error per group at ~1.5e-6 to 6.3e-6 of Σ|q x|).
+template <int MODE, int PARTS>
 __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __grid_constant__ Q4Args a) {
+  static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
   constexpr int NW = MODE == kQ4GateUp ? 2 : 1, MF = q4_mf<MODE>(), BF = q4_block_features<MODE>();
   static_assert(NW * BF * 2 == 512, "Q4Stage::sb holds 512 words");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -192,6 +195,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
 #pragma unroll
     for (int i = tid; i < 768; i += kQ4TileWarps * 32) {
       const int r = i / 24, sp = (i % 24) >> 1, half = i & 1;  // sp = step * 3 + part
+      if (sp % 3 >= PARTS) continue;
       cp_async16(&st.xb[sp / 3][sp % 3][r][half * 2],
                  a.xf + (static_cast<size_t>(srow[r]) * a.groups + G) * kQ4GroupU2 + sp * 4 + half * 2);
     }
@@ -264,15 +268,15 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
 #pragma unroll
         for (int nb = 0; nb < 4; ++nb) {
           // B: token nb*8 + g's pairs for lane t, three parts.
-          uint2 xb[3];
+          uint2 xb[PARTS];
 #pragma unroll
-          for (int pt = 0; pt < 3; ++pt) xb[pt] = st.xb[s][pt][nb * 8 + g][t];
+          for (int pt = 0; pt < PARTS; ++pt) xb[pt] = st.xb[s][pt][nb * 8 + g][t];
 #pragma unroll
           for (int q = 0; q < NW; ++q)
 #pragma unroll
             for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-              for (int pt = 2; pt >= 0; --pt)  // small parts first
+              for (int pt = PARTS - 1; pt >= 0; --pt)  // small parts first
                 mma_bf16(d[q][mf][nb], af[q][mf][0], af[q][mf][1], af[q][mf][2], af[q][mf][3], xb[pt].x, xb[pt].y);
         }
       }
@@ -366,6 +370,13 @@ namespace {
 
 constexpr int kQ4Smem = kQ4Stages * static_cast<int>(sizeof(Q4Stage));  // 43 KB
 
+// The bf16 parts of the activations the prefill products use (q4_tile_kernel's PARTS): 3, or 2 with
+// CK_PREFILL_PARTS=2 (an experiment in arithmetic: not the default).
+int prefill_parts() {
+  static const int parts = env_is("CK_PREFILL_PARTS", "2") ? 2 : 3;
+  return parts;
+}
+
 // One grouped expert product: x (x_rows rows of width K, a multiple of 64) split into fragments, then
 // q4_tile_kernel over (features / block, tiles).
 template <int MODE>
@@ -379,7 +390,8 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
   const dim3 grid(static_cast<unsigned>(ceil_div(features, q4_block_features<MODE>())), static_cast<unsigned>(max_tiles));
-  q4_tile_kernel<MODE><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
+  if (prefill_parts() == 2) q4_tile_kernel<MODE, 2><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
+  else q4_tile_kernel<MODE, 3><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
 }
@@ -446,7 +458,8 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups;
   if (splits > 1) a.split = split_k_start(jobs, n_jobs, rows, splits, stream);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
-  q4_tile_kernel<kQ4Dense><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
+  if (prefill_parts() == 2) q4_tile_kernel<kQ4Dense, 2><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
+  else q4_tile_kernel<kQ4Dense, 3><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
   CUDA_CHECK_LAUNCH();
   if (splits > 1) split_k_finish(a.split, jobs, n_jobs, splits, stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
