@@ -8,9 +8,13 @@
 // bounds them (with the ~20 rows an expert gets per 1,024-row chunk, and for the dense projections).
 //
 // The activations are split once per call into three bf16 parts, already in the lanes' fragment order
-// (q4_xfrag_kernel), with each row's Σ x per group; the products are then exact (integer codes times
-// 8-bit mantissas) and accumulate in fp32: results within fp32 rounding of the CPU's, closer than
-// gemm.cu's tf32x3.
+// (q4_xfrag_kernel), with each row's Σ x per group. By default the kernels multiply the first two parts:
+// x rounded to ~16 significant bits (tools/split_error.py: ~1.5e-6 to 6.3e-6 of Σ|q x| per group), two
+// thirds of the MMAs and staged fragments of all three; prefill 8,094 -> 8,841 tok/s at 8k tokens
+// (docs/performance.md, eleventh session), and the oracle fixtures' chunked logits within 1e-5 (their
+// bound is 1e-4). With CK_PREFILL_PARTS=3 (or set_prefill_parts(3)) they multiply all three, and the
+// products are exact (integer codes times 8-bit mantissas) and accumulate in fp32: results within fp32
+// rounding of the CPU's, closer than gemm.cu's tf32x3.
 //
 // The MMA computes yᵀ = W xᵀ: the codes are the A operand (16 output features by k16), unpacked into
 // registers, and the activations the B operand (k16 by 8 tokens), so a lane's B fragment of one part
@@ -119,9 +123,8 @@ __host__ __device__ constexpr int q4_block_features() { return kQ4TileWarps * 16
 
 // kQ4GateUp: h[pair] = silu(gate · x) * (up · x); kQ4Down: y[pair] = down · h; grid (features /
 // q4_block_features, max tiles). kQ4Dense: y_job[row] = epi(w_job · x[row]); grid (feature tiles of all
-// jobs, rows / 32, K splits). PARTS: the bf16 parts of x used, 3 (exact products, the default) or 2
-// (EXPERIMENTAL, CK_PREFILL_PARTS=2: x rounded to ~16 significant bits, two thirds of the MMAs;
-// tools/split_error.py puts its error per group at ~1.5e-6 to 6.3e-6 of Σ|q x|).
+// jobs, rows / 32, K splits). PARTS: the bf16 parts of x used, 2 (the default: x rounded to ~16
+// significant bits, two thirds of the MMAs) or 3 (exact products; CK_PREFILL_PARTS=3).
 template <int MODE, int PARTS>
 __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __grid_constant__ Q4Args a) {
   static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
@@ -370,11 +373,12 @@ namespace {
 
 constexpr int kQ4Smem = kQ4Stages * static_cast<int>(sizeof(Q4Stage));  // 43 KB
 
-// The bf16 parts of the activations the prefill products use (q4_tile_kernel's PARTS): 3, or 2 with
-// CK_PREFILL_PARTS=2 (an experiment in arithmetic: not the default).
+// The bf16 parts of the activations the prefill products use (q4_tile_kernel's PARTS): 2, or 3 (exact
+// products) with CK_PREFILL_PARTS=3 or set_prefill_parts(3).
+int g_prefill_parts = -1;
 int prefill_parts() {
-  static const int parts = env_is("CK_PREFILL_PARTS", "2") ? 2 : 3;
-  return parts;
+  if (g_prefill_parts < 0) g_prefill_parts = env_is("CK_PREFILL_PARTS", "3") ? 3 : 2;
+  return g_prefill_parts;
 }
 
 // One grouped expert product: x (x_rows rows of width K, a multiple of 64) split into fragments, then
@@ -397,6 +401,8 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
 }
 
 }  // namespace
+
+void set_prefill_parts(int parts) { g_prefill_parts = parts; }
 
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,

@@ -57,9 +57,13 @@ void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int ro
 // as gemv for any number of rows, tf32x3 arithmetic (within ~1e-6 of fp32, not bit-equal to gemv).
 void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
 // gemm_tc's first choice (gemm_q4.cu): when every job is 4-bit codes in groups of 64 x 2^k with 4-byte
-// aligned scales and biases, and K >= 256, the factored tensor-core form (exact products), K split
-// over blocks where the grid would fill its last wave poorly; false otherwise, or with CK_Q4_DENSE=0.
+// aligned scales and biases, and K >= 256, the factored tensor-core form (x in two bf16 parts by
+// default, see set_prefill_parts), K split over blocks where the grid would fill its last wave poorly;
+// false otherwise, or with CK_Q4_DENSE=0.
 bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
+// The bf16 parts of the activations the factored 4-bit kernels multiply (gemm_q4, expert_*_q4): 2 (the
+// default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
+void set_prefill_parts(int parts);
 
 // Which GEMV schedule runs (gemv.cu): 2, the default (tensor cores for tall 4-bit matrices, a warp per
 // row group for the other 4/8-bit codes; other formats fall back to 1), or 1 (block per rows, every
@@ -112,9 +116,9 @@ void expert_down_grouped(const ExpertPair* pairs, const int32_t* order, const in
 
 // The same grouped products when every expert matrix is MLX 4-bit codes in groups of 64 x 2^k
 // (expert_q4_ok), in the factored form on the tensor cores (gemm_q4.cu): codes as exact bf16 MMA
-// operands, the activations split into three bf16 parts once per call, scale and bias per group after
-// the product. gate/up reads x rows [0, x_rows) of width hidden; down reads the n_pairs rows of h
-// (width max_inter, a multiple of 64).
+// operands, the activations split into bf16 parts once per call (two or three multiplied:
+// set_prefill_parts), scale and bias per group after the product. gate/up reads x rows [0, x_rows)
+// of width hidden; down reads the n_pairs rows of h (width max_inter, a multiple of 64).
 bool expert_q4_ok(const DMatrix& m);
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,

@@ -488,14 +488,19 @@ TEST(CudaOps, GroupedExpertsMatchCpu) {
 }
 
 // The factored 4-bit kernels: groups of 64 and 128, bf16/f16/f32 scales, the same tiles (expert 0 in
-// two tiles, expert 5 in none, a wider shared expert).
+// two tiles, expert 5 in none, a wider shared expert); x in two bf16 parts (the default) and three.
 TEST(CudaOps, GroupedExpertsQ4MatchCpu) {
   REQUIRE_GPU();
   const WeightForm forms[7] = {WeightForm{DType::U32, 4, 64, DType::BF16},  WeightForm{DType::U32, 4, 128, DType::BF16},
                                WeightForm{DType::U32, 4, 64, DType::F16},   WeightForm{DType::U32, 4, 64, DType::F32},
                                WeightForm{DType::U32, 4, 128, DType::F16},  WeightForm{DType::U32, 4, 64, DType::BF16},
                                WeightForm{DType::U32, 4, 64, DType::BF16}};
-  check_grouped_experts(forms, true, 4243);
+  for (int parts : {2, 3}) {
+    SCOPED_TRACE("bf16 parts " + std::to_string(parts));
+    set_prefill_parts(parts);
+    check_grouped_experts(forms, true, 4243);
+  }
+  set_prefill_parts(-1);
 }
 
 TEST(CudaOps, RouterSoftmaxTopkAndTable) {
@@ -1012,14 +1017,18 @@ TEST(CudaOps, PrefillChunksWithQ4ExpertsMatchCpu) {
   std::map<std::string, std::vector<float>> ref;
   std::vector<float> ref_logits;
   cpu_taps(cm, tokens, &ref, &ref_logits);
-  auto s = (*dm)->new_session(128);
-  s->set_prefill_chunk(32);
-  StepResult res;
-  ASSERT_TRUE(s->step_rows(tokens, false, true, &res).ok());
-  ASSERT_EQ(res.logits.size(), ref_logits.size());
-  const double rl = rel_l2(res.logits.data(), ref_logits.data(), ref_logits.size());
-  std::printf("  q4 experts, prefill chunks of 32: logits rel_l2 %.3e\n", rl);
-  EXPECT_LE(rl, 1e-4);
+  for (int parts : {2, 3}) {  // x in two bf16 parts (the default) and three (exact products)
+    set_prefill_parts(parts);
+    auto s = (*dm)->new_session(128);
+    s->set_prefill_chunk(32);
+    StepResult res;
+    ASSERT_TRUE(s->step_rows(tokens, false, true, &res).ok());
+    ASSERT_EQ(res.logits.size(), ref_logits.size());
+    const double rl = rel_l2(res.logits.data(), ref_logits.data(), ref_logits.size());
+    std::printf("  q4 experts, prefill chunks of 32, %d bf16 parts: logits rel_l2 %.3e\n", parts, rl);
+    EXPECT_LE(rl, 1e-4) << parts << " parts";
+  }
+  set_prefill_parts(-1);
 }
 
 // Prefill chunks (more rows than a row-path step) take their own kernels: the chunked delta rule, the
