@@ -4,6 +4,8 @@
 # none). Unpacks .devcarry/ (scripts/prepare_devcarry.sh) like gpu_check.sh. Writes $OUT/ab.txt: each
 # case's figure lines (decode, mtp, prefill, profile). CK_AB_TESTS=1 first runs test_cuda_ops under
 # each case (its prefill and expert tests), so every variant measured is also checked.
+# CK_BENCH_BIN=bench_cuda_prev in a case runs an older build's benchmark (scripts/prepare_devcarry.sh
+# with CK_PREV_BENCH).
 #   CK_AB_CASES="heads: per-head:CK_ATTN_HEADS=0" CK_AB_ARGS="--synth-layers 16 --prefill 2048" \
 #     OUT=/tmp/out bash scripts/gpu_ab.sh
 set -uo pipefail
@@ -27,7 +29,7 @@ for case in ${CK_AB_CASES:-base:}; do
       timeout 150 "$D/test_cuda_ops" --gtest_color=no --gtest_filter='CudaOps.Prefill*:CudaOps.Grouped*' 2>&1 |
         grep -E "PASSED|FAILED|rel_l2" >> "$OUT/ab.txt"
     fi
-    timeout "${CK_BENCH_TIMEOUT:-150}" "$D/bench_cuda" $ARGS --out "$OUT/case.txt" > "$OUT/case.log" 2>&1
+    timeout "${CK_BENCH_TIMEOUT:-150}" "$D/${CK_BENCH_BIN:-bench_cuda}" $ARGS --out "$OUT/case.txt" > "$OUT/case.log" 2>&1
     rc=$?
     grep -E "^(decode|mtp|prefill|profile)" "$OUT/case.txt" >> "$OUT/ab.txt"
     [ $rc = 0 ] || { echo "bench rc=$rc:"; tail -5 "$OUT/case.log"; } >> "$OUT/ab.txt"

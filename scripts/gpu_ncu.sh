@@ -27,6 +27,23 @@ if [ "${CK_NCU_DURATIONS:-0}" = 1 ]; then
   python3 scripts/ncu_sum.py "$OUT/ncu_durations.csv" --step embed_wide --by-grid --top 40 || true
   exit 0
 fi
+# CK_NCU_SOURCE=1: warp-state samples every 32 cycles per SASS instruction of the kernel
+# ($OUT/ncu_source.csv, the source page as CSV): where its warps wait, instruction by instruction;
+# the usual sections in $OUT/ncu_source_details.txt. CK_NCU_NAME_BASE=demangled lets CK_NCU_KERNEL
+# name template arguments (regex:q4_tile_kernel<1).
+if [ "${CK_NCU_SOURCE:-0}" = 1 ]; then
+  timeout "${CK_NCU_TIMEOUT:-240}" "$NCU" --cache-control none --clock-control none --section SourceCounters \
+    --section WarpStateStats --section SpeedOfLight --section Occupancy --section SchedulerStats \
+    --section InstructionStats --section MemoryWorkloadAnalysis --warp-sampling-interval 0 \
+    --kernel-name-base "${CK_NCU_NAME_BASE:-function}" -k "${CK_NCU_KERNEL:-regex:gemv_q_kernel}" \
+    --launch-skip "${CK_NCU_SKIP:-0}" --launch-count 1 -f -o /tmp/ck_ncu_source \
+    "$D/bench_cuda" ${CK_NCU_ARGS:---synth-layers 1 --prefill "" --decode-steps 2} > "$OUT/ncu_source.log" 2>&1
+  echo "ncu rc=$?" >> "$OUT/ncu_source.log"
+  "$NCU" --import /tmp/ck_ncu_source.ncu-rep --page source --print-source sass --csv > "$OUT/ncu_source.csv" 2>> "$OUT/ncu_source.log"
+  "$NCU" --import /tmp/ck_ncu_source.ncu-rep > "$OUT/ncu_source_details.txt" 2>&1
+  grep -E "Duration|Throughput|Warp Cycles|Issued Ipc|Eligible|Registers|Occupancy" "$OUT/ncu_source_details.txt" | head -30
+  exit 0
+fi
 timeout "${CK_NCU_TIMEOUT:-240}" "$NCU" --cache-control none --clock-control none \
   -k "${CK_NCU_KERNEL:-regex:gemv_q_kernel}" --launch-skip "${CK_NCU_SKIP:-0}" --launch-count "${CK_NCU_COUNT:-1}" \
   --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \

@@ -30,8 +30,10 @@
 // group ahead, in registers) and runs 4 x 3 x MF x NW MMAs per k16 step.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
@@ -112,7 +114,14 @@ struct Q4Args {
   // split_k_finish adds them.
   int k_groups;       // dense: groups per block (all of them without a split)
   SplitK split;
+  bool all_fragments;  // CK_Q4_SKIP_EMPTY=0: every n8 fragment, full or not (to compare)
 };
+
+// CK_Q4_SKIP_EMPTY=0 multiplies a tile's empty n8 fragments too (the former schedule, to compare).
+bool q4_all_fragments() {
+  static const bool all = env_is("CK_Q4_SKIP_EMPTY", "0");
+  return all;
+}
 
 // m16 fragments (16 output features each) per warp and matrix: gate/up keeps 1 (two matrices'
 // accumulators); dense and down take 2, so each B fragment (a token's part) feeds twice the MMAs.
@@ -172,6 +181,10 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     else srow[i] = d < 0 ? 0 : d;
   }
   __syncthreads();
+  // The n8 fragments (8 tokens each) that hold any of the tile's rows: the others are neither staged
+  // nor multiplied. An expert's tile is ~60% full at 1,024-row chunks (~20 pairs per expert) and holds
+  // one or two pairs at short prompts, where most of the MMAs were on padding.
+  const int nb_used = a.all_fragments ? 4 : MODE == kQ4Dense ? min(4, (a.rows - m0 + 7) / 8) : (tile.y + 7) / 8;
   const int K = w0.cols, gpg_shift = __ffs(w0.fmt.group / 64) - 1;  // groups per scale group: 2^k
   // This block's groups: all of K, or one split of it (dense split-K).
   const int g_begin = MODE == kQ4Dense ? static_cast<int>(blockIdx.z) * a.k_groups : 0;
@@ -192,25 +205,40 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   extern __shared__ __align__(16) uint8_t q4_smem[];
   Q4Stage* stage = reinterpret_cast<Q4Stage*>(q4_smem);
   // Group G of the 32 tokens into `st`: 768 16-byte copies of fragments, 32 sums, 512 scale/bias words;
-  // every thread issues 5 or 6 (blockDim is 256).
+  // every thread issues at most 3 + 1 + 2 (blockDim is 256). The plan (which copy a thread makes, from
+  // where to where) does not change from group to group, so it is worked out once here: done per
+  // group, its index arithmetic, shared-memory row lookups and the matrix choice (kept on the stack)
+  // were 300 of a warp's ~715 instructions per group, for ~53 MMAs (Nsight Compute, eleventh session).
+  const int tid = threadIdx.x;
+  uint32_t xf_src[3], xf_dst[3];  // fragment copy j: uint2 offset in a.xf at group 0 (~0u: none), byte offset in a stage
+#pragma unroll
+  for (int j = 0; j < 3; ++j) {
+    const int i = tid + j * kQ4TileWarps * 32;
+    const int r = i / 24, sp = (i % 24) >> 1, half = i & 1;  // sp = step * 3 + part
+    const bool on = sp % 3 < PARTS && r < 8 * nb_used;
+    xf_src[j] = on ? static_cast<uint32_t>((srow[r] * a.groups) * kQ4GroupU2 + sp * 4 + half * 2) : ~0u;
+    xf_dst[j] = static_cast<uint32_t>(offsetof(Q4Stage, xb) + (((sp * 32) + r) * 4 + half * 2) * sizeof(uint2));
+  }
+  const size_t gsum_src = static_cast<size_t>(srow[tid & 31]) * a.groups;
+  const uint8_t* sb_src[2];  // scale/bias word j: the feature row's first scale group
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int i = tid + j * kQ4TileWarps * 32;
+    const int q = i / (2 * BF), fl = (i % (2 * BF)) >> 1;
+    const DMatrix& w = q == 0 ? w0 : w1;
+    sb_src[j] = ((i & 1) ? w.biases : w.scales) + static_cast<size_t>(min(block_f0 + fl, w0.rows - 1)) * n_sg * es;
+  }
   auto stage_group = [&](int G, Q4Stage& st) {
-    const int tid = threadIdx.x;
+    uint8_t* base = reinterpret_cast<uint8_t*>(&st);
 #pragma unroll
-    for (int i = tid; i < 768; i += kQ4TileWarps * 32) {
-      const int r = i / 24, sp = (i % 24) >> 1, half = i & 1;  // sp = step * 3 + part
-      if (sp % 3 >= PARTS) continue;
-      cp_async16(&st.xb[sp / 3][sp % 3][r][half * 2],
-                 a.xf + (static_cast<size_t>(srow[r]) * a.groups + G) * kQ4GroupU2 + sp * 4 + half * 2);
-    }
-    if (tid < 32) cp_async4(&st.gsum[tid], a.gsum + static_cast<size_t>(srow[tid]) * a.groups + G);
-    const size_t sg = G >> gpg_shift;
+    for (int j = 0; j < 3; ++j)
+      if (xf_src[j] != ~0u) cp_async16(base + xf_dst[j], a.xf + xf_src[j] + static_cast<size_t>(G) * kQ4GroupU2);
+    if (tid < 32) cp_async4(&st.gsum[tid], a.gsum + gsum_src + G);
+    const size_t off = static_cast<size_t>(G >> gpg_shift) * es;
 #pragma unroll
-    for (int i = tid; i < 2 * NW * BF; i += kQ4TileWarps * 32) {
-      const int q = i / (2 * BF), fl = (i % (2 * BF)) >> 1;
-      const DMatrix& w = q == 0 ? w0 : w1;
-      const uintptr_t at = reinterpret_cast<uintptr_t>((i & 1) ? w.biases : w.scales) +
-                           (static_cast<size_t>(min(block_f0 + fl, w0.rows - 1)) * n_sg + sg) * es;
-      cp_async4(&st.sb[i], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
+    for (int j = 0; j < 2; ++j) {
+      const uintptr_t at = reinterpret_cast<uintptr_t>(sb_src[j] + off);
+      cp_async4(&st.sb[tid + j * kQ4TileWarps * 32], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
     }
   };
   // A scale or bias from its staged 4-byte word: which half holds a 2-byte one is the parity of its
@@ -252,36 +280,49 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     if (active) {
       if (G + 1 < g_end) load_codes(G + 1, wn);
       float d[NW][MF][4][4] = {};  // the group's Σ q x, fresh per group
+      // The group's MMAs over the first NB n8 fragments. NB is a template argument, chosen once per
+      // group from nb_used, so each form is fully unrolled and the compiler interleaves the
+      // independent accumulators (a break inside one unrolled loop serialised them: each pair of
+      // dependent MMAs on the same accumulator then waited for the other).
+      auto group_mmas = [&](auto nb_count) {
+        constexpr int NB = decltype(nb_count)::value;
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        // A: the codes of feature rows g and g+8, k pairs A (2t, 2t+1) and B (2t+8, 2t+9) of step s.
-        const int i0 = 2 * (s & 1);
-        uint32_t af[NW][MF][4];
-#pragma unroll
-        for (int q = 0; q < NW; ++q)
-#pragma unroll
-          for (int mf = 0; mf < MF; ++mf) {
-            const uint32_t w_g = (s >> 1) ? wq[q][mf][0].y : wq[q][mf][0].x;
-            const uint32_t w_g8 = (s >> 1) ? wq[q][mf][1].y : wq[q][mf][1].x;
-            af[q][mf][0] = code_pair(w_g, i0);
-            af[q][mf][1] = code_pair(w_g8, i0);
-            af[q][mf][2] = code_pair(w_g, i0 + 1);
-            af[q][mf][3] = code_pair(w_g8, i0 + 1);
-          }
-#pragma unroll
-        for (int nb = 0; nb < 4; ++nb) {
-          // B: token nb*8 + g's pairs for lane t, three parts.
-          uint2 xb[PARTS];
-#pragma unroll
-          for (int pt = 0; pt < PARTS; ++pt) xb[pt] = st.xb[s][pt][nb * 8 + g][t];
+        for (int s = 0; s < 4; ++s) {
+          // A: the codes of feature rows g and g+8, k pairs A (2t, 2t+1) and B (2t+8, 2t+9) of step s.
+          const int i0 = 2 * (s & 1);
+          uint32_t af[NW][MF][4];
 #pragma unroll
           for (int q = 0; q < NW; ++q)
 #pragma unroll
-            for (int mf = 0; mf < MF; ++mf)
+            for (int mf = 0; mf < MF; ++mf) {
+              const uint32_t w_g = (s >> 1) ? wq[q][mf][0].y : wq[q][mf][0].x;
+              const uint32_t w_g8 = (s >> 1) ? wq[q][mf][1].y : wq[q][mf][1].x;
+              af[q][mf][0] = code_pair(w_g, i0);
+              af[q][mf][1] = code_pair(w_g8, i0);
+              af[q][mf][2] = code_pair(w_g, i0 + 1);
+              af[q][mf][3] = code_pair(w_g8, i0 + 1);
+            }
 #pragma unroll
-              for (int pt = PARTS - 1; pt >= 0; --pt)  // small parts first
-                mma_bf16(d[q][mf][nb], af[q][mf][0], af[q][mf][1], af[q][mf][2], af[q][mf][3], xb[pt].x, xb[pt].y);
+          for (int nb = 0; nb < NB; ++nb) {
+            // B: token nb*8 + g's pairs for lane t, PARTS parts.
+            uint2 xb[PARTS];
+#pragma unroll
+            for (int pt = 0; pt < PARTS; ++pt) xb[pt] = st.xb[s][pt][nb * 8 + g][t];
+#pragma unroll
+            for (int q = 0; q < NW; ++q)
+#pragma unroll
+              for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+                for (int pt = PARTS - 1; pt >= 0; --pt)  // small parts first
+                  mma_bf16(d[q][mf][nb], af[q][mf][0], af[q][mf][1], af[q][mf][2], af[q][mf][3], xb[pt].x, xb[pt].y);
+          }
         }
+      };
+      switch (nb_used) {  // block-uniform
+        case 1: group_mmas(std::integral_constant<int, 1>{}); break;
+        case 2: group_mmas(std::integral_constant<int, 2>{}); break;
+        case 3: group_mmas(std::integral_constant<int, 3>{}); break;
+        default: group_mmas(std::integral_constant<int, 4>{}); break;
       }
       // y += s * Σ q x + b * Σ x for this group: features (g, g+8) of each m16 fragment, tokens
       // (2t, 2t+1) of each n8 fragment.
@@ -391,6 +432,7 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
   const int groups = K / 64;
   XFrag f = make_xfrag(x, ldx, x_rows, K, groups, stream);
   Q4Args a{};
+  a.all_fragments = q4_all_fragments();
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
   const dim3 grid(static_cast<unsigned>(ceil_div(features, q4_block_features<MODE>())), static_cast<unsigned>(max_tiles));
@@ -451,6 +493,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (!on) return false;
   XFrag f = make_xfrag(x, ldx, rows, K, groups, stream);
   Q4Args a{};
+  a.all_fragments = q4_all_fragments();
   a.n_jobs = n_jobs;
   a.rows = rows;
   a.k_groups = k_groups;
