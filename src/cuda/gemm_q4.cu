@@ -88,6 +88,9 @@ struct Q4Stage {
   uint2 xb[4][3][32][4];
   float gsum[32];
   alignas(16) uint32_t sb[512];  // [matrix][feature][scale, bias]: NW * block features * 2 = 512 in every mode
+  // With codes staged (q4_tile_kernel's SC): the group's 32 code bytes of each of the block's NW * BF =
+  // 256 feature rows, [matrix * BF + feature][lane t]: a warp's 8 rows x 4 lanes are 256 contiguous bytes.
+  alignas(16) uint2 codes[256][4];
 };
 
 enum Q4Mode : int { kQ4Dense = 0, kQ4GateUp = 1, kQ4Down = 2 };
@@ -134,7 +137,9 @@ __host__ __device__ constexpr int q4_block_features() { return kQ4TileWarps * 16
 // q4_block_features, max tiles). kQ4Dense: y_job[row] = epi(w_job · x[row]); grid (feature tiles of all
 // jobs, rows / 32, K splits). PARTS: the bf16 parts of x used, 2 (the default: x rounded to ~16
 // significant bits, two thirds of the MMAs) or 3 (exact products; CK_PREFILL_PARTS=3).
-template <int MODE, int PARTS>
+// SC: the codes come through shared memory with the activations (cp.async, two groups ahead), instead
+// of each warp loading its own one group ahead into registers (CK_Q4_STAGE_CODES=0).
+template <int MODE, int PARTS, bool SC>
 __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __grid_constant__ Q4Args a) {
   static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
   constexpr int NW = MODE == kQ4GateUp ? 2 : 1, MF = q4_mf<MODE>(), BF = q4_block_features<MODE>();
@@ -204,20 +209,29 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     }
   extern __shared__ __align__(16) uint8_t q4_smem[];
   Q4Stage* stage = reinterpret_cast<Q4Stage*>(q4_smem);
-  // Group G of the 32 tokens into `st`: 768 16-byte copies of fragments, 32 sums, 512 scale/bias words;
-  // every thread issues at most 3 + 1 + 2 (blockDim is 256). The plan (which copy a thread makes, from
-  // where to where) does not change from group to group, so it is worked out once here: done per
-  // group, its index arithmetic, shared-memory row lookups and the matrix choice (kept on the stack)
-  // were 300 of a warp's ~715 instructions per group, for ~53 MMAs (Nsight Compute, eleventh session).
+  // Group G of the 32 tokens into `st`: 256 PARTS 16-byte copies of fragments, 32 sums, 512 scale/bias
+  // words (and 512 16-byte copies of codes with SC); every thread issues at most PARTS + 1 + 2 (+ 2)
+  // (blockDim is 256). The plan (which copy a thread makes, from where to where) does not change from
+  // group to group, so it is worked out once here: done per group, its index arithmetic, shared-memory
+  // row lookups and the matrix choice (kept on the stack) were 300 of a warp's ~715 instructions per
+  // group, for ~53 MMAs (Nsight Compute, eleventh session).
   const int tid = threadIdx.x;
-  uint32_t xf_src[3], xf_dst[3];  // fragment copy j: uint2 offset in a.xf at group 0 (~0u: none), byte offset in a stage
+  uint32_t xf_src[PARTS], xf_dst[PARTS];  // fragment copy j: uint2 offset in a.xf at group 0 (~0u: none), byte offset in a stage
 #pragma unroll
-  for (int j = 0; j < 3; ++j) {
+  for (int j = 0; j < PARTS; ++j) {  // copy i: row r, step s, part p, 16-byte half
     const int i = tid + j * kQ4TileWarps * 32;
-    const int r = i / 24, sp = (i % 24) >> 1, half = i & 1;  // sp = step * 3 + part
-    const bool on = sp % 3 < PARTS && r < 8 * nb_used;
-    xf_src[j] = on ? static_cast<uint32_t>((srow[r] * a.groups) * kQ4GroupU2 + sp * 4 + half * 2) : ~0u;
-    xf_dst[j] = static_cast<uint32_t>(offsetof(Q4Stage, xb) + (((sp * 32) + r) * 4 + half * 2) * sizeof(uint2));
+    const int r = i / (8 * PARTS), s = (i % (8 * PARTS)) / (2 * PARTS), p = (i % (2 * PARTS)) >> 1, half = i & 1;
+    const bool on = r < 8 * nb_used;
+    xf_src[j] = on ? static_cast<uint32_t>((srow[r] * a.groups) * kQ4GroupU2 + (s * 3 + p) * 4 + half * 2) : ~0u;
+    xf_dst[j] = static_cast<uint32_t>(offsetof(Q4Stage, xb) + ((((s * 3 + p) * 32) + r) * 4 + half * 2) * sizeof(uint2));
+  }
+  const uint8_t* code_src[SC ? 2 : 1];  // code copy j (SC): 16 bytes of feature row (i / 2) at group 0
+  if constexpr (SC) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int i = tid + j * kQ4TileWarps * 32, q = (i >> 1) / BF, fl = (i >> 1) % BF;
+      code_src[j] = (q == 0 ? w0 : w1).data + static_cast<size_t>(min(block_f0 + fl, w0.rows - 1)) * row_bytes + (i & 1) * 16;
+    }
   }
   const size_t gsum_src = static_cast<size_t>(srow[tid & 31]) * a.groups;
   const uint8_t* sb_src[2];  // scale/bias word j: the feature row's first scale group
@@ -231,8 +245,13 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   auto stage_group = [&](int G, Q4Stage& st) {
     uint8_t* base = reinterpret_cast<uint8_t*>(&st);
 #pragma unroll
-    for (int j = 0; j < 3; ++j)
+    for (int j = 0; j < PARTS; ++j)
       if (xf_src[j] != ~0u) cp_async16(base + xf_dst[j], a.xf + xf_src[j] + static_cast<size_t>(G) * kQ4GroupU2);
+    if constexpr (SC) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        cp_async16(&st.codes[0][0] + 2 * (tid + j * kQ4TileWarps * 32), code_src[j] + static_cast<size_t>(G) * 32);
+    }
     if (tid < 32) cp_async4(&st.gsum[tid], a.gsum + gsum_src + G);
     const size_t off = static_cast<size_t>(G >> gpg_shift) * es;
 #pragma unroll
@@ -268,7 +287,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   cp_async_commit();
   if (g_begin + 1 < g_end) stage_group(g_begin + 1, stage[1]);
   cp_async_commit();
-  if (active) load_codes(g_begin, wq);
+  if (!SC && active) load_codes(g_begin, wq);
 
   for (int G = g_begin; G < g_end; ++G) {
     cp_async_wait<1>();  // every committed group but the newest is done: group G is
@@ -278,7 +297,16 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     const Q4Stage& st = stage[(G - g_begin) % kQ4Stages];
     uint2 wn[NW][MF][2] = {};
     if (active) {
-      if (G + 1 < g_end) load_codes(G + 1, wn);
+      if constexpr (SC) {
+#pragma unroll
+        for (int q = 0; q < NW; ++q)
+#pragma unroll
+          for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) wq[q][mf][h] = st.codes[q * BF + warp * 16 * MF + mf * 16 + h * 8 + g][t];
+      } else if (G + 1 < g_end) {
+        load_codes(G + 1, wn);
+      }
       float d[NW][MF][4][4] = {};  // the group's Σ q x, fresh per group
       // The group's MMAs over the first NB n8 fragments. NB is a template argument, chosen once per
       // group from nb_used, so each form is fully unrolled and the compiler interleaves the
@@ -349,13 +377,15 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
             c[3] = fmaf(s1, e[3], fmaf(b1, sx[nb].y, c[3]));
           }
         }
+      if constexpr (!SC) {
 #pragma unroll
-      for (int q = 0; q < NW; ++q)
+        for (int q = 0; q < NW; ++q)
 #pragma unroll
-        for (int mf = 0; mf < MF; ++mf) {
-          wq[q][mf][0] = wn[q][mf][0];
-          wq[q][mf][1] = wn[q][mf][1];
-        }
+          for (int mf = 0; mf < MF; ++mf) {
+            wq[q][mf][0] = wn[q][mf][0];
+            wq[q][mf][1] = wn[q][mf][1];
+          }
+      }
     }
   }
   if (!active) return;
@@ -412,7 +442,7 @@ bool expert_q4_ok(const DMatrix& m) {
 
 namespace {
 
-constexpr int kQ4Smem = kQ4Stages * static_cast<int>(sizeof(Q4Stage));  // 43 KB
+constexpr int kQ4Smem = kQ4Stages * static_cast<int>(sizeof(Q4Stage));  // 67 KB
 
 // The bf16 parts of the activations the prefill products use (q4_tile_kernel's PARTS): 2, or 3 (exact
 // products) with CK_PREFILL_PARTS=3 or set_prefill_parts(3).
@@ -420,6 +450,25 @@ int g_prefill_parts = -1;
 int prefill_parts() {
   if (g_prefill_parts < 0) g_prefill_parts = env_is("CK_PREFILL_PARTS", "3") ? 3 : 2;
   return g_prefill_parts;
+}
+
+// One launch of q4_tile_kernel<MODE, PARTS (prefill_parts), SC (codes staged unless
+// CK_Q4_STAGE_CODES=0)>; the first launch of each form raises its dynamic shared-memory limit.
+template <int MODE>
+void launch_q4_tile(const dim3& grid, const Q4Args& a, cudaStream_t stream) {
+  static const bool sc = !env_is("CK_Q4_STAGE_CODES", "0");
+  static const bool ready = [] {
+    for (auto k : {q4_tile_kernel<MODE, 2, true>, q4_tile_kernel<MODE, 2, false>, q4_tile_kernel<MODE, 3, true>,
+                   q4_tile_kernel<MODE, 3, false>})
+      CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kQ4Smem));
+    return true;
+  }();
+  (void)ready;
+  const int parts = prefill_parts();
+  auto k = parts == 2 ? (sc ? q4_tile_kernel<MODE, 2, true> : q4_tile_kernel<MODE, 2, false>)
+                      : (sc ? q4_tile_kernel<MODE, 3, true> : q4_tile_kernel<MODE, 3, false>);
+  k<<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
 }
 
 // One grouped expert product: x (x_rows rows of width K, a multiple of 64) split into fragments, then
@@ -436,9 +485,7 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
   const dim3 grid(static_cast<unsigned>(ceil_div(features, q4_block_features<MODE>())), static_cast<unsigned>(max_tiles));
-  if (prefill_parts() == 2) q4_tile_kernel<MODE, 2><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
-  else q4_tile_kernel<MODE, 3><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
-  CUDA_CHECK_LAUNCH();
+  launch_q4_tile<MODE>(grid, a, stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
 }
 
@@ -507,9 +554,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups;
   if (splits > 1) a.split = split_k_start(jobs, n_jobs, rows, splits, stream);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
-  if (prefill_parts() == 2) q4_tile_kernel<kQ4Dense, 2><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
-  else q4_tile_kernel<kQ4Dense, 3><<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
-  CUDA_CHECK_LAUNCH();
+  launch_q4_tile<kQ4Dense>(grid, a, stream);
   if (splits > 1) split_k_finish(a.split, jobs, n_jobs, splits, stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
   return true;
