@@ -147,19 +147,12 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   DMatrix w0, w1;
   int job = 0;
-  float* y = a.y;
-  int ldy = a.ldy, block_f0 = 0;
-  Epilogue epi = Epilogue::None;
-  float epi_arg = 1.0f;
+  int block_f0 = 0;
   int m0 = 0;
   int2 tile = make_int2(0, 0);
   if constexpr (MODE == kQ4Dense) {
     while (job + 1 < a.n_jobs && static_cast<int>(blockIdx.x) >= a.first_tile[job + 1]) ++job;
     w0 = a.job[job].w;
-    y = a.job[job].y;
-    ldy = a.job[job].ldy;
-    epi = a.job[job].epi;
-    epi_arg = a.job[job].epi_arg;
     block_f0 = (static_cast<int>(blockIdx.x) - a.first_tile[job]) * BF;
     m0 = static_cast<int>(blockIdx.y) * 32;
   } else {
@@ -263,10 +256,15 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   // A scale or bias from its staged 4-byte word: which half holds a 2-byte one is the parity of its
   // element index (scales and biases start 4-byte aligned: gemm_q4 checks the dense jobs; expert
   // records are 256-byte aligned, cuda/dmatrix.h expert_layout).
-  auto from_word = [&](uint32_t word, int par) -> float {
-    if (sk == static_cast<uint8_t>(WKind::F32)) return __uint_as_float(word);
-    if (sk == static_cast<uint8_t>(WKind::BF16)) return __uint_as_float(par ? word & 0xffff0000u : word << 16);
-    return f16_bits_to_float(static_cast<uint16_t>(par ? word >> 16 : word & 0xffffu));
+  // One byte permutation places the value: bf16 into the high half (zeros below), f16 into the low
+  // half, f32 as it is (word_sel gives the selector for a parity).
+  const bool f16s = sk == static_cast<uint8_t>(WKind::F16);
+  const uint32_t sel_lo = sk == static_cast<uint8_t>(WKind::F32) ? 0x3210u : f16s ? 0x4410u : 0x1044u;
+  const uint32_t sel_hi = sk == static_cast<uint8_t>(WKind::F32) ? 0x3210u : f16s ? 0x4432u : 0x3244u;
+  auto word_sel = [&](int par) { return par ? sel_hi : sel_lo; };
+  auto from_word = [&](uint32_t word, uint32_t sel) -> float {
+    const uint32_t v = __byte_perm(word, 0u, sel);
+    return f16s ? f16_bits_to_float(static_cast<uint16_t>(v)) : __uint_as_float(v);
   };
   auto load_codes = [&](int G, uint2 (&wq)[NW][MF][2]) {
 #pragma unroll
@@ -308,10 +306,10 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
         load_codes(G + 1, wn);
       }
       float d[NW][MF][4][4] = {};  // the group's Σ q x, fresh per group
-      // The group's MMAs over the first NB n8 fragments. NB is a template argument, chosen once per
-      // group from nb_used, so each form is fully unrolled and the compiler interleaves the
-      // independent accumulators (a break inside one unrolled loop serialised them: each pair of
-      // dependent MMAs on the same accumulator then waited for the other).
+      // The group's MMAs and its scale epilogue over the first NB n8 fragments. NB is a template
+      // argument, chosen once per group from nb_used, so each form is fully unrolled and the compiler
+      // interleaves the independent accumulators (a break inside one unrolled loop serialised them:
+      // each pair of dependent MMAs on the same accumulator then waited for the other).
       auto group_mmas = [&](auto nb_count) {
         constexpr int NB = decltype(nb_count)::value;
 #pragma unroll
@@ -345,6 +343,32 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
                   mma_bf16(d[q][mf][nb], af[q][mf][0], af[q][mf][1], af[q][mf][2], af[q][mf][3], xb[pt].x, xb[pt].y);
           }
         }
+        // y += s * Σ q x + b * Σ x for this group: features (g, g+8) of each m16 fragment, tokens
+        // (2t, 2t+1) of each of the NB n8 fragments (the others hold no row of the tile).
+        float2 sx[NB];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) sx[nb] = *reinterpret_cast<const float2*>(&st.gsum[nb * 8 + 2 * t]);
+        const int sp = (G >> gpg_shift) & 1;
+#pragma unroll
+        for (int q = 0; q < NW; ++q)
+#pragma unroll
+          for (int mf = 0; mf < MF; ++mf) {
+            const int fl = warp * 16 * MF + mf * 16 + g;
+            const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl) * 2]);
+            const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl + 8) * 2]);
+            const uint32_t sel0 = word_sel(par0[mf][0] ^ sp), sel1 = word_sel(par0[mf][1] ^ sp);
+            const float s0 = from_word(sb_g.x, sel0), b0 = from_word(sb_g.y, sel0);
+            const float s1 = from_word(sb_g8.x, sel1), b1 = from_word(sb_g8.y, sel1);
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+              float* c = acc[q][mf][nb];
+              const float* e = d[q][mf][nb];
+              c[0] = fmaf(s0, e[0], fmaf(b0, sx[nb].x, c[0]));
+              c[1] = fmaf(s0, e[1], fmaf(b0, sx[nb].y, c[1]));
+              c[2] = fmaf(s1, e[2], fmaf(b1, sx[nb].x, c[2]));
+              c[3] = fmaf(s1, e[3], fmaf(b1, sx[nb].y, c[3]));
+            }
+          }
       };
       switch (nb_used) {  // block-uniform
         case 1: group_mmas(std::integral_constant<int, 1>{}); break;
@@ -352,31 +376,6 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
         case 3: group_mmas(std::integral_constant<int, 3>{}); break;
         default: group_mmas(std::integral_constant<int, 4>{}); break;
       }
-      // y += s * Σ q x + b * Σ x for this group: features (g, g+8) of each m16 fragment, tokens
-      // (2t, 2t+1) of each n8 fragment.
-      float2 sx[4];
-#pragma unroll
-      for (int nb = 0; nb < 4; ++nb) sx[nb] = *reinterpret_cast<const float2*>(&st.gsum[nb * 8 + 2 * t]);
-      const int sp = (G >> gpg_shift) & 1;
-#pragma unroll
-      for (int q = 0; q < NW; ++q)
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf) {
-          const int fl = warp * 16 * MF + mf * 16 + g;
-          const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl) * 2]);
-          const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl + 8) * 2]);
-          const float s0 = from_word(sb_g.x, par0[mf][0] ^ sp), b0 = from_word(sb_g.y, par0[mf][0] ^ sp);
-          const float s1 = from_word(sb_g8.x, par0[mf][1] ^ sp), b1 = from_word(sb_g8.y, par0[mf][1] ^ sp);
-#pragma unroll
-          for (int nb = 0; nb < 4; ++nb) {
-            float* c = acc[q][mf][nb];
-            const float* e = d[q][mf][nb];
-            c[0] = fmaf(s0, e[0], fmaf(b0, sx[nb].x, c[0]));
-            c[1] = fmaf(s0, e[1], fmaf(b0, sx[nb].y, c[1]));
-            c[2] = fmaf(s1, e[2], fmaf(b1, sx[nb].x, c[2]));
-            c[3] = fmaf(s1, e[3], fmaf(b1, sx[nb].y, c[3]));
-          }
-        }
       if constexpr (!SC) {
 #pragma unroll
         for (int q = 0; q < NW; ++q)
@@ -389,7 +388,12 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     }
   }
   if (!active) return;
-  // Store: d0/d1 are feature g at tokens 2t, 2t+1 of each n8 fragment, d2/d3 feature g+8.
+  // Store: d0/d1 are feature g at tokens 2t, 2t+1 of each n8 fragment, d2/d3 feature g+8. The output
+  // and the dense job's epilogue are read here, not held in registers through the loop.
+  float* const y = MODE == kQ4Dense ? a.job[job].y : a.y;
+  const int ldy = MODE == kQ4Dense ? a.job[job].ldy : a.ldy;
+  const Epilogue epi = MODE == kQ4Dense ? a.job[job].epi : Epilogue::None;
+  const float epi_arg = MODE == kQ4Dense ? a.job[job].epi_arg : 1.0f;
 #pragma unroll
   for (int nb = 0; nb < 4; ++nb)
 #pragma unroll
