@@ -323,10 +323,10 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
             for (int mf = 0; mf < MF; ++mf) {
               const uint32_t w_g = (s >> 1) ? wq[q][mf][0].y : wq[q][mf][0].x;
               const uint32_t w_g8 = (s >> 1) ? wq[q][mf][1].y : wq[q][mf][1].x;
-              af[q][mf][0] = code_pair(w_g, i0);
-              af[q][mf][1] = code_pair(w_g8, i0);
-              af[q][mf][2] = code_pair(w_g, i0 + 1);
-              af[q][mf][3] = code_pair(w_g8, i0 + 1);
+              af[q][mf][0] = code_pair_lop3(w_g, i0);
+              af[q][mf][1] = code_pair_lop3(w_g8, i0);
+              af[q][mf][2] = code_pair_lop3(w_g, i0 + 1);
+              af[q][mf][3] = code_pair_lop3(w_g8, i0 + 1);
             }
 #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
