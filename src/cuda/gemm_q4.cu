@@ -8,13 +8,13 @@
 // bounds them (with the ~20 rows an expert gets per 1,024-row chunk, and for the dense projections).
 //
 // The activations are split once per call into three bf16 parts, already in the lanes' fragment order
-// (q4_xfrag_kernel), with each row's Σ x per group. By default the kernels multiply the first two parts:
-// x rounded to ~16 significant bits (tools/split_error.py: ~1.5e-6 to 6.3e-6 of Σ|q x| per group), two
-// thirds of the MMAs and staged fragments of all three; prefill 8,094 -> 8,841 tok/s at 8k tokens
-// (docs/performance.md, eleventh session), and the oracle fixtures' chunked logits within 1e-5 (their
-// bound is 1e-4). With CK_PREFILL_PARTS=3 (or set_prefill_parts(3)) they multiply all three, and the
-// products are exact (integer codes times 8-bit mantissas) and accumulate in fp32: results within fp32
-// rounding of the CPU's, closer than gemm.cu's tf32x3.
+// (q4_xfrag_kernel), with each row's Σ x per group. By default the kernels stage and multiply only
+// the first two parts: x rounded to ~16 significant bits (tools/split_error.py: ~1.5e-6 to 6.3e-6 of
+// Σ|q x| per group) for two thirds of the MMAs; prefill 8,094 -> 8,841 tok/s at 8k tokens
+// (docs/performance.md, eleventh session), and the oracle fixtures' chunked logits within 1.6e-5
+// (their bound is 1e-4). With CK_PREFILL_PARTS=3 (or set_prefill_parts(3)) they multiply all three,
+// and the products are exact (integer codes times 8-bit mantissas) and accumulate in fp32: results
+// within fp32 rounding of the CPU's, closer than gemm.cu's tf32x3.
 //
 // The MMA computes yᵀ = W xᵀ: the codes are the A operand (16 output features by k16), unpacked into
 // registers, and the activations the B operand (k16 by 8 tokens), so a lane's B fragment of one part
@@ -24,10 +24,12 @@
 //
 // Block: 8 warps, a tile of 32 tokens (four n8 fragments) x 8 * 16 * MF output features (MF m16
 // fragments per warp and matrix: 1 for gate/up, which has two matrices, 2 otherwise). Per 64-code
-// group the block copies its 32 rows' fragments (3 parts, 12 KB) and the group's scales and biases into
-// shared memory with cp.async, two groups ahead, where every fragment load of a warp is a contiguous
-// 256-byte read (no bank conflicts); each warp loads 8 bytes of codes per feature row and matrix (one
-// group ahead, in registers) and runs 4 x 3 x MF x NW MMAs per k16 step.
+// group the block copies its filled rows' fragments (PARTS parts, 4 KB each), the group's scales and
+// biases and its 8 KB of codes into shared memory with cp.async, two groups ahead, where every load of
+// a warp is a contiguous 256-byte read (no bank conflicts); each warp then unpacks its codes and runs
+// 4 x PARTS x MF x NW MMAs per k16 step and filled 8-token fragment. The copies each thread makes are
+// worked out once per block. At 1,024-row chunks the kernel is bound by its instruction issue (~10
+// per MMA, eleventh session: docs/roofline-cuda.md), not by memory or the tensor cores.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -209,21 +211,23 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   // row lookups and the matrix choice (kept on the stack) were 300 of a warp's ~715 instructions per
   // group, for ~53 MMAs (Nsight Compute, eleventh session).
   const int tid = threadIdx.x;
-  uint32_t xf_src[PARTS], xf_dst[PARTS];  // fragment copy j: uint2 offset in a.xf at group 0 (~0u: none), byte offset in a stage
+  // Fragment copy j: its uint2 offset in a.xf at group 0 (~0u: none), its byte offset in a stage.
+  uint32_t xf_src[PARTS], xf_dst[PARTS];
 #pragma unroll
   for (int j = 0; j < PARTS; ++j) {  // copy i: row r, step s, part p, 16-byte half
     const int i = tid + j * kQ4TileWarps * 32;
     const int r = i / (8 * PARTS), s = (i % (8 * PARTS)) / (2 * PARTS), p = (i % (2 * PARTS)) >> 1, half = i & 1;
     const bool on = r < 8 * nb_used;
     xf_src[j] = on ? static_cast<uint32_t>((srow[r] * a.groups) * kQ4GroupU2 + (s * 3 + p) * 4 + half * 2) : ~0u;
-    xf_dst[j] = static_cast<uint32_t>(offsetof(Q4Stage, xb) + ((((s * 3 + p) * 32) + r) * 4 + half * 2) * sizeof(uint2));
+    xf_dst[j] = static_cast<uint32_t>(offsetof(Q4Stage, xb) + (((s * 3 + p) * 32 + r) * 4 + half * 2) * sizeof(uint2));
   }
   const uint8_t* code_src[SC ? 2 : 1];  // code copy j (SC): 16 bytes of feature row (i / 2) at group 0
   if constexpr (SC) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int i = tid + j * kQ4TileWarps * 32, q = (i >> 1) / BF, fl = (i >> 1) % BF;
-      code_src[j] = (q == 0 ? w0 : w1).data + static_cast<size_t>(min(block_f0 + fl, w0.rows - 1)) * row_bytes + (i & 1) * 16;
+      const size_t row = static_cast<size_t>(min(block_f0 + fl, w0.rows - 1));
+      code_src[j] = (q == 0 ? w0 : w1).data + row * row_bytes + (i & 1) * 16;
     }
   }
   const size_t gsum_src = static_cast<size_t>(srow[tid & 31]) * a.groups;
