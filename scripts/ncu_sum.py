@@ -6,7 +6,9 @@ CK_NCU_DURATIONS=1) per kernel name, largest first.
 --step REGEX keeps one whole step: the launches between two consecutive launches whose name matches
 (e.g. embed_wide_kernel, a step's first kernel), the last such segment of the shortest length (a
 decode step: a prefill chunk launches more kernels); --by-grid splits each
-kernel name by its grid size (which matrix a GEMV kernel ran on)."""
+kernel name by its grid size (which matrix a GEMV kernel ran on); --sequence N lists the first N
+launches from the first whose grid matches --sequence-grid (default ', 1024,': the first launch with
+1,024 rows in y, early in a 1,024-row chunk) in launch order, one line each, instead of the sums."""
 import argparse
 import collections
 import csv
@@ -22,6 +24,8 @@ def main():
     ap.add_argument("--skip-before", default="")
     ap.add_argument("--step", default="")
     ap.add_argument("--by-grid", action="store_true")
+    ap.add_argument("--sequence", type=int, default=0)
+    ap.add_argument("--sequence-grid", default=", 1024,")
     a = ap.parse_args()
     text = open(a.csv, errors="replace").read()
     start = text.find('"ID"')  # ncu prints its own log lines before the table
@@ -41,6 +45,15 @@ def main():
         shortest = min(b - e for e, b in segs)
         first, last = [(e, b) for e, b in segs if b - e == shortest][-1]
         rows = rows[first:last]
+    if a.sequence:
+        first = next((i for i, r in enumerate(rows) if a.sequence_grid in r.get("Grid Size", "")), None)
+        if first is None:
+            sys.exit(f"{a.csv}: no launch with a grid matching {a.sequence_grid!r}")
+        for r in rows[first:first + a.sequence]:
+            name = re.sub(r"\(.*", "", r["Kernel Name"])
+            us = float(r["Metric Value"].replace(",", "")) / 1e3
+            print(f"{us:10.2f} us  {name[:70]:70s}  grid {r.get('Grid Size', '?')}")
+        return
     total = collections.Counter()
     count = collections.Counter()
     for r in rows:
