@@ -3,6 +3,7 @@
 #include "cuda/weights.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "util/log.h"
@@ -79,6 +80,23 @@ const float* DenseUploader::vector(const std::vector<float>& v) {
   return static_cast<const float*>(arena_->upload(v.data(), v.size() * sizeof(float)));
 }
 
+Status check_device_room(size_t need, int n_layers, int n_expert, uint64_t stride) {
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (const char* e = std::getenv("CK_DEVICE_MEMORY_GB")) {  // pretend the GPU has at most this much free
+    const double gb = std::atof(e);
+    if (gb >= 0) free_b = std::min(free_b, static_cast<size_t>(gb * 1e9));
+  }
+  constexpr size_t kHeadroom = size_t{512} << 20;  // a session's buffers and the kernels' scratch
+  if (need + kHeadroom <= free_b) return {};
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  return error(
+      "CUDA engine: the routed experts need {:.2f} GiB of GPU memory ({} layers x {} experts x {:.2f} MiB) and "
+      "{:.2f} GiB of the GPU's {:.2f} GiB are free (0.5 GiB is kept for sessions). This version keeps every "
+      "expert on the GPU; use --backend cpu, or a smaller model",
+      need / kGiB, n_layers, n_expert, stride / (1024.0 * 1024.0), free_b / kGiB, total_b / kGiB);
+}
+
 Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, ExpertPool* pool) {
   pool->n_layers = n_layers;
   pool->n_expert = n_expert;
@@ -89,6 +107,9 @@ Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, 
   const ExpertLayout lay = expert_layout(pool->fmt, inter, hidden);
   pool->stride = lay.bytes;
   const size_t n_slots = static_cast<size_t>(n_layers) * n_expert;
+  // Every expert is resident until the streaming expert pool lands: say so plainly when they cannot
+  // fit (the released model's experts are ~100 GB), instead of failing inside cudaMalloc.
+  TRY(check_device_room(n_slots * pool->stride, n_layers, n_expert, pool->stride));
   pool->slots.resize(n_slots * pool->stride);
   pool->table_h.resize(n_slots);
 

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -998,6 +999,22 @@ TEST(CudaOps, GraphsEqualDirectLaunches) {
   }
   ASSERT_EQ(a.size(), b.size());
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "graph replay and direct launches differ";
+}
+
+// A model whose experts cannot all be resident fails at creation with one error naming the sizes
+// (CK_DEVICE_MEMORY_GB caps the free memory counted), instead of inside cudaMalloc; with room it loads.
+TEST(CudaOps, ModelTooLargeForTheGpuFailsCleanly) {
+  REQUIRE_GPU();
+  const Geometry g = geometries()[0];
+  auto rm = make_random_model(g.cfg, g.opt);
+  ASSERT_EQ(setenv("CK_DEVICE_MEMORY_GB", "0.001", 1), 0);
+  auto small = Model::create(rm->weights, rm->experts);
+  ASSERT_EQ(unsetenv("CK_DEVICE_MEMORY_GB"), 0);
+  ASSERT_FALSE(small.ok());
+  EXPECT_NE(small.status().message().find("the routed experts need"), std::string::npos) << small.status().message();
+  EXPECT_NE(small.status().message().find("GiB are free"), std::string::npos) << small.status().message();
+  auto fits = Model::create(rm->weights, rm->experts);
+  EXPECT_TRUE(fits.ok()) << fits.status().message();
 }
 
 // A whole prefill through chunks of 32 rows with every expert matrix (routed and shared) 4-bit in groups
