@@ -83,18 +83,23 @@ const float* DenseUploader::vector(const std::vector<float>& v) {
 Status check_device_room(size_t need, int n_layers, int n_expert, uint64_t stride) {
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  if (const char* e = std::getenv("CK_DEVICE_MEMORY_GB")) {  // pretend the GPU has at most this much free
-    const double gb = std::atof(e);
-    if (gb >= 0) free_b = std::min(free_b, static_cast<size_t>(gb * 1e9));
+  const char* cap = std::getenv("CK_DEVICE_MEMORY_GB");  // count at most this much as free (GB of 1e9 bytes)
+  if (cap) {
+    char* end = nullptr;
+    const double gb = std::strtod(cap, &end);
+    if (end == cap || *end != '\0' || !(gb >= 0))
+      return error("CK_DEVICE_MEMORY_GB={}: expected a number of GB, 0 or more", cap);
+    if (gb < 1e9) free_b = std::min(free_b, static_cast<size_t>(gb * 1e9));  // (inf: no cap)
   }
   constexpr size_t kHeadroom = size_t{512} << 20;  // a session's buffers and the kernels' scratch
   if (need + kHeadroom <= free_b) return {};
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   return error(
       "CUDA engine: the routed experts need {:.2f} GiB of GPU memory ({} layers x {} experts x {:.2f} MiB) and "
-      "{:.2f} GiB of the GPU's {:.2f} GiB are free (0.5 GiB is kept for sessions). This version keeps every "
+      "{:.2f} GiB of the GPU's {:.2f} GiB are free{} (0.5 GiB is kept for sessions). This version keeps every "
       "expert on the GPU; use --backend cpu, or a smaller model",
-      need / kGiB, n_layers, n_expert, stride / (1024.0 * 1024.0), free_b / kGiB, total_b / kGiB);
+      need / kGiB, n_layers, n_expert, stride / (1024.0 * 1024.0), free_b / kGiB, total_b / kGiB,
+      cap ? " as capped by CK_DEVICE_MEMORY_GB" : "");
 }
 
 Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, ExpertPool* pool) {

@@ -1013,6 +1013,11 @@ TEST(CudaOps, ModelTooLargeForTheGpuFailsCleanly) {
   ASSERT_FALSE(small.ok());
   EXPECT_NE(small.status().message().find("the routed experts need"), std::string::npos) << small.status().message();
   EXPECT_NE(small.status().message().find("GiB are free"), std::string::npos) << small.status().message();
+  ASSERT_EQ(setenv("CK_DEVICE_MEMORY_GB", "lots", 1), 0);  // a bad value is named, not read as 0
+  auto bad = Model::create(rm->weights, rm->experts);
+  ASSERT_EQ(unsetenv("CK_DEVICE_MEMORY_GB"), 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("CK_DEVICE_MEMORY_GB=lots"), std::string::npos) << bad.status().message();
   auto fits = Model::create(rm->weights, rm->experts);
   EXPECT_TRUE(fits.ok()) << fits.status().message();
 }
