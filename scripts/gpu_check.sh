@@ -46,6 +46,17 @@ if [ -n "$FX" ]; then
     timeout 60 stdbuf -oL "$D/cherenkov" generate --model "$FX" --prompt-ids "$IDS" --max-tokens 8 --backend cuda --check \
       > "$OUT/generate.log" 2>&1
     echo "generate rc=$? (fixture $FX)" >> "$OUT/generate.log"
+    # A model that does not fit the GPU (CK_DEVICE_MEMORY_GB caps the free memory counted): --backend
+    # cuda fails with one error naming the sizes; --backend auto runs it on the CPU with a warning.
+    { echo "---- CK_DEVICE_MEMORY_GB=0.001, --backend cuda (expect rc=1 and the sizes)"
+      CK_DEVICE_MEMORY_GB=0.001 timeout 60 "$D/cherenkov" generate --model "$FX" --prompt-ids "$IDS" --max-tokens 2 \
+        --backend cuda 2>&1 | tail -2
+      echo "fit-check cuda rc=${PIPESTATUS[0]}"
+      echo "---- CK_DEVICE_MEMORY_GB=0.001, --backend auto (expect rc=0 and the CPU engine)"
+      CK_DEVICE_MEMORY_GB=0.001 timeout 120 "$D/cherenkov" generate --model "$FX" --prompt-ids "$IDS" --max-tokens 2 \
+        2>&1 | grep -E "using the CPU engine|error" | head -2
+      echo "fit-check auto rc=${PIPESTATUS[0]}"
+    } >> "$OUT/generate.log" 2>&1
   fi
 fi
 
@@ -84,7 +95,7 @@ summ() {  # gtest log -> its summary lines ("[  PASSED  ] 9 tests." ...)
   echo "test_cuda_model  rc=$RC_MODEL    $(summ "$OUT/tests_model.log")"
   grep -h '^\[  FAILED  \] [A-Za-z]' "$OUT/tests_ops.log" "$OUT/tests_model.log" 2>/dev/null | sort -u | head -20
   grep -h 'worst rel L2' "$OUT/tests_model.log" 2>/dev/null | head -12
-  [ -f "$OUT/generate.log" ] && grep -h -E '^check:|rc=' "$OUT/generate.log" | tail -4
+  [ -f "$OUT/generate.log" ] && grep -h -E '^check:|rc=' "$OUT/generate.log" | tail -6
   echo "bench rc=$RC_BENCH"
   cat "$OUT/bench.txt" 2>/dev/null | grep -v '^kernel' 
   grep -h '^kernel' "$OUT/bench.txt" 2>/dev/null | grep -E 'rows 1 |experts' 

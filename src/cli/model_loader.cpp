@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include "util/file.h"
+#include "util/log.h"
 
 namespace ck::cli {
 
@@ -55,9 +56,16 @@ Result<std::unique_ptr<LoadedModel>> load_model(const std::string& dir, const st
   lm->model = std::make_unique<cpu::Model>(*weights, experts);
 #if CHERENKOV_HAVE_CUDA
   if (chosen == "cuda") {
-    ASSIGN_OR_RETURN(auto cm, cuda::Model::create(*weights, experts));
-    lm->engine = std::make_unique<engine::CudaModel>(std::move(cm));
-    return lm;
+    auto cm = cuda::Model::create(*weights, experts);
+    if (cm.ok()) {
+      lm->engine = std::make_unique<engine::CudaModel>(std::move(*cm));
+      return lm;
+    }
+    // --backend cuda asked for this engine: its error is the answer. With auto, the CPU engine runs
+    // what the CUDA engine cannot (today: a model whose experts do not fit the GPU), with a warning.
+    if (backend != "auto") return cm.status();
+    LOG_WRN("cli", "--backend auto: the CUDA engine cannot run this model ({}); using the CPU engine",
+            cm.status().message());
   }
 #endif
   lm->engine = std::make_unique<engine::CpuModel>(*lm->model);
