@@ -122,12 +122,6 @@ struct Q4Args {
   bool all_fragments;  // CK_Q4_SKIP_EMPTY=0: every n8 fragment, full or not (to compare)
 };
 
-// CK_Q4_SKIP_EMPTY=0 multiplies a tile's empty n8 fragments too (the former schedule, to compare).
-bool q4_all_fragments() {
-  static const bool all = env_is("CK_Q4_SKIP_EMPTY", "0");
-  return all;
-}
-
 // m16 fragments (16 output features each) per warp and matrix: gate/up keeps 1 (two matrices'
 // accumulators); dense and down take 2, so each B fragment (a token's part) feeds twice the MMAs.
 template <int MODE>
@@ -461,10 +455,13 @@ int prefill_parts() {
 }
 
 // One launch of q4_tile_kernel<MODE, PARTS (prefill_parts), SC (codes staged unless
-// CK_Q4_STAGE_CODES=0)>; the first launch of each form raises its dynamic shared-memory limit.
+// CK_Q4_STAGE_CODES=0)>, empty fragments skipped unless CK_Q4_SKIP_EMPTY=0; the first launch of each
+// form raises its dynamic shared-memory limit.
 template <int MODE>
-void launch_q4_tile(const dim3& grid, const Q4Args& a, cudaStream_t stream) {
+void launch_q4_tile(const dim3& grid, Q4Args a, cudaStream_t stream) {
   static const bool sc = !env_is("CK_Q4_STAGE_CODES", "0");
+  static const bool all_fragments = env_is("CK_Q4_SKIP_EMPTY", "0");
+  a.all_fragments = all_fragments;
   static const bool ready = [] {
     for (auto k : {q4_tile_kernel<MODE, 2, true>, q4_tile_kernel<MODE, 2, false>, q4_tile_kernel<MODE, 3, true>,
                    q4_tile_kernel<MODE, 3, false>})
@@ -489,7 +486,6 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
   const int groups = K / 64;
   XFrag f = make_xfrag(x, ldx, x_rows, K, groups, stream);
   Q4Args a{};
-  a.all_fragments = q4_all_fragments();
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
   const dim3 grid(static_cast<unsigned>(ceil_div(features, q4_block_features<MODE>())), static_cast<unsigned>(max_tiles));
@@ -548,7 +544,6 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (!on) return false;
   XFrag f = make_xfrag(x, ldx, rows, K, groups, stream);
   Q4Args a{};
-  a.all_fragments = q4_all_fragments();
   a.n_jobs = n_jobs;
   a.rows = rows;
   a.k_groups = k_groups;

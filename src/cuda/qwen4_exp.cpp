@@ -443,7 +443,8 @@ void Session::defer_combine(const float* o, const float* w, int rows, const Pend
 void Session::materialize_moe() {
   if (!pending_combine_ || !pending_combine_->moe.y) return;
   const PendingMoe& m = pending_combine_->moe;
-  moe_combine(m.y, m.ldy, m.pairs, m.k, m.gl, m.ldgl, m.o, m.ldo, m.H, pending_combine_->rows, stream_);
+  moe_combine(m.y, m.ldy, m.pairs, m.k, m.gl, m.ldgl, m.o, b_->ldH, m_.cfg().hidden_size, pending_combine_->rows,
+              stream_);
   pending_combine_->moe.y = nullptr;
 }
 
@@ -676,8 +677,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     // o = the slots combined (moe_combine), deferred with the hyper-connection combine into the next
     // mix: at one row its first phase computes o itself (with taps, defer_combine runs both at once).
     PendingMoe pm;
-    pm.y = b.my; pm.ldy = b.ldH; pm.pairs = b.pairs; pm.k = k; pm.gl = b.mgl; pm.ldgl = 4;
-    pm.o = b.o; pm.ldo = b.ldH; pm.H = H;
+    pm.y = b.my; pm.ldy = b.ldH; pm.pairs = b.pairs; pm.k = k; pm.gl = b.mgl; pm.ldgl = 4; pm.o = b.o;
     defer_combine(b.o, b.w, rows, pm);  // into the next mix's norm (profiling counts it there)
     static const bool in_mix = !env_is("CK_MOE_COMBINE_IN_MIX", "0");  // 0: moe_combine here, to compare
     if (!in_mix) materialize_moe();

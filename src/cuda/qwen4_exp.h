@@ -203,8 +203,7 @@ class Session {
     int k = 0;
     const float* gl = nullptr;  // the shared expert's gate logit per row, at ldgl
     int ldgl = 0;
-    float* o = nullptr;  // where moe_combine writes o
-    int ldo = 0, H = 0;
+    float* o = nullptr;  // where moe_combine writes o (the pending combine's o, at ldH)
   };
   struct PendingCombine {
     const float* o;

@@ -80,7 +80,8 @@ const float* DenseUploader::vector(const std::vector<float>& v) {
   return static_cast<const float*>(arena_->upload(v.data(), v.size() * sizeof(float)));
 }
 
-Status check_device_room(size_t need, int n_layers, int n_expert, uint64_t stride) {
+Status check_device_room(int n_layers, int n_expert, uint64_t stride) {
+  const size_t need = static_cast<size_t>(n_layers) * n_expert * stride;
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   const char* cap = std::getenv("CK_DEVICE_MEMORY_GB");  // count at most this much as free (GB of 1e9 bytes)
@@ -114,7 +115,7 @@ Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, 
   const size_t n_slots = static_cast<size_t>(n_layers) * n_expert;
   // Every expert is resident until the streaming expert pool lands: say so plainly when they cannot
   // fit (the released model's experts are ~100 GB), instead of failing inside cudaMalloc.
-  TRY(check_device_room(n_slots * pool->stride, n_layers, n_expert, pool->stride));
+  TRY(check_device_room(n_layers, n_expert, pool->stride));
   pool->slots.resize(n_slots * pool->stride);
   pool->table_h.resize(n_slots);
 

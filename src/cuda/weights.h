@@ -41,10 +41,10 @@ struct ExpertPool {
   int n_layers = 0, n_expert = 0;
 };
 
-// An error naming the sizes when `need` bytes of experts (n_layers x n_expert records of `stride`
-// bytes) and 0.5 GiB for sessions do not fit the GPU's free memory; CK_DEVICE_MEMORY_GB=N caps what
-// counts as free (to leave room for other programs, and for the tests).
-Status check_device_room(size_t need, int n_layers, int n_expert, uint64_t stride);
+// An error naming the sizes when the experts (n_layers x n_expert records of `stride` bytes) and 0.5
+// GiB for sessions do not fit the GPU's free memory; CK_DEVICE_MEMORY_GB=N caps what counts as free
+// (to leave room for other programs, and for the tests).
+Status check_device_room(int n_layers, int n_expert, uint64_t stride);
 // Reads every (layer < n_layers, expert) from `src` and uploads it. All experts must share one format.
 // Fails (check_device_room) before allocating when they cannot all be resident.
 Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, ExpertPool* pool);
