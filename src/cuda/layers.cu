@@ -1000,7 +1000,6 @@ __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
   }
 }
 
-
 // Decode attention split over the selected keys (flash-decoding): at long contexts
 // one block per query head (24 blocks at the released geometry) walks up to 2,051 keys, ~290 us per
 // layer at 8k tokens of context. Block (h, r, s) takes split s of the row's selected keys (a
