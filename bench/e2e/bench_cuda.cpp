@@ -56,9 +56,10 @@ void emit(FILE* out, const char* fmt_str, ...) {
   if (out) { std::fputs(buf, out); std::fflush(out); }
 }
 
-// CK_HC_TIMING=1: where the blocks of the step's last one-row mix (the final mixer) spent their time (the session's
-// stamps, HcMixArgs::stamps): each block's start against the first block's (globaltimer), and its SM
-// cycles in phase 1, at the grid barrier and in phases 2-3, as min / median / max over the blocks.
+// CK_HC_TIMING=1: where the blocks of the step's last one-row mix (the final mixer) spent their time
+// (the session's stamps, HcMixArgs::stamps): each block's start against the first block's
+// (globaltimer), and its SM cycles in phase 1, at the grid barrier and in phases 2-3, as min / median
+// / max over the blocks.
 void report_hc_mix_timing(cuda::Session& s, FILE* out) {
   const std::vector<uint64_t> st = s.hc_mix_stamps();
   if (st.empty()) return;
