@@ -56,6 +56,27 @@ void emit(FILE* out, const char* fmt_str, ...) {
   if (out) { std::fputs(buf, out); std::fflush(out); }
 }
 
+// CK_HC_TIMING=1: where the blocks of the step's last one-row mix (the final mixer) spent their time
+// (the session's stamps, HcMixArgs::stamps): each block's start against the first block's
+// (globaltimer), and its SM cycles in phase 1, at the grid barrier and in phases 2-3, as min / median
+// / max over the blocks.
+void report_hc_mix_timing(cuda::Session& s, FILE* out) {
+  const std::vector<uint64_t> st = s.hc_mix_stamps();
+  if (st.empty()) return;
+  const size_t n = st.size() / 4;
+  uint64_t first = UINT64_MAX;
+  for (size_t b = 0; b < n; ++b) first = std::min(first, st[4 * b]);
+  const char* names[4] = {"start after the first (ns)", "phase 1 (cycles)", "grid barrier (cycles)",
+                          "phases 2-3 (cycles)"};
+  for (int k = 0; k < 4; ++k) {
+    std::vector<double> v(n);
+    for (size_t b = 0; b < n; ++b) v[b] = static_cast<double>(k == 0 ? st[4 * b] - first : st[4 * b + k]);
+    std::sort(v.begin(), v.end());
+    emit(out, "hc_mix   %-28s min %9.0f  median %9.0f  max %9.0f  (%zu blocks)\n", names[k], v.front(), v[n / 2],
+         v.back(), n);
+  }
+}
+
 // GB/s of a device-to-device cudaMemcpy of `bytes`, counting bytes read plus bytes written.
 double measure_d2d(size_t bytes) {
   cuda::DeviceBuffer<uint8_t> a(bytes), b(bytes);
@@ -295,6 +316,7 @@ int main(int argc, char** argv) {
       next = res.argmax.back();
     }
     const double step_s = median(t);
+    if (rows == 1) report_hc_mix_timing(*s, out);
     // Ceiling: the weights one step must read once. With r rows the experts are the union of the rows'
     // choices: E (1 - (1 - k/E)^r) per layer when routing is random (this model's is).
     const double k = c.num_experts_per_tok, E = c.num_experts;

@@ -52,11 +52,19 @@ static_assert(kQ4TileWarps * 32 == 256, "q4_tile_kernel's staging gives each of 
 constexpr int kQ4GroupU2 = 48;   // uint2 per row and group: 4 steps x 3 parts x 4 lanes t
 constexpr int kQ4Stages = 3;     // q4_tile_kernel's shared-memory buffers
 
+// The bf16 parts of the activations the prefill products use (q4_tile_kernel's PARTS): 2, or 3 (exact
+// products) with CK_PREFILL_PARTS=3 or set_prefill_parts(3).
+int g_prefill_parts = -1;
+int prefill_parts() {
+  if (g_prefill_parts < 0) g_prefill_parts = env_is("CK_PREFILL_PARTS", "3") ? 3 : 2;
+  return g_prefill_parts;
+}
+
 // Split activations of one row, per group: [step s][part p][lane t] of uint2 (pair A, pair B) in
 // mma_q4.cuh's K order, the B fragment (b0, b1) of the MMA column that carries this row; then Σ x per
-// group. grid (rows), block 128.
+// group; only the first `parts` parts (the kernels multiply no others). grid (rows), block 128.
 __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __restrict__ x, int ldx, int K, int groups,
-                                                              uint2* xf, float* gsum) {
+                                                              int parts, uint2* xf, float* gsum) {
   const int row = blockIdx.x;
   const float* xr = x + static_cast<size_t>(row) * ldx;
   uint2* out = xf + static_cast<size_t>(row) * groups * kQ4GroupU2;
@@ -66,6 +74,7 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
     uint2* o = out + static_cast<size_t>(G) * kQ4GroupU2 + s * 12 + t;
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
+      if (p >= parts) break;
       uint2 v = make_uint2(0u, 0u);
       if (c < K) {  // K % 64 == 0 for the groups that exist; rows of a shorter matrix read zeros
         v.x = bf16_pair(bf16_part(xr[c], p), bf16_part(xr[c + 4], p));
@@ -428,7 +437,8 @@ XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, cudaStrea
   CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + sizeof(float) * rows * groups, stream));
   f.xf = reinterpret_cast<uint2*>(f.mem);
   f.gsum = reinterpret_cast<float*>(f.mem + xf_bytes);
-  q4_xfrag_kernel<<<static_cast<unsigned>(rows), kQ4Threads, 0, stream>>>(x, ldx, K, groups, f.xf, f.gsum);
+  q4_xfrag_kernel<<<static_cast<unsigned>(rows), kQ4Threads, 0, stream>>>(x, ldx, K, groups, prefill_parts(), f.xf,
+                                                                          f.gsum);
   CUDA_CHECK_LAUNCH();
   return f;
 }
@@ -446,13 +456,6 @@ namespace {
 
 constexpr int kQ4Smem = kQ4Stages * static_cast<int>(sizeof(Q4Stage));  // 67 KB
 
-// The bf16 parts of the activations the prefill products use (q4_tile_kernel's PARTS): 2, or 3 (exact
-// products) with CK_PREFILL_PARTS=3 or set_prefill_parts(3).
-int g_prefill_parts = -1;
-int prefill_parts() {
-  if (g_prefill_parts < 0) g_prefill_parts = env_is("CK_PREFILL_PARTS", "3") ? 3 : 2;
-  return g_prefill_parts;
-}
 
 // One launch of q4_tile_kernel<MODE, PARTS (prefill_parts), SC (codes staged unless
 // CK_Q4_STAGE_CODES=0)>, empty fragments skipped unless CK_Q4_SKIP_EMPTY=0; the first launch of each

@@ -179,6 +179,13 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     }
   }
   pdl_begin();  // R, o and w come from the kernels before
+  const bool stamp = a.stamps != nullptr && tid == 0;  // debug timing (HcMixArgs::stamps)
+  unsigned long long g0 = 0;
+  long long c0 = 0, c1 = 0, c2 = 0;
+  if (stamp) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g0));
+    c0 = clock64();
+  }
 
   // 1. The chunk: combine, x' = R n, sum of squares, partial products of down and inject.
   if (c < L.n_chunks) {
@@ -224,7 +231,9 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       }
     }
   }
+  if (stamp) c1 = clock64();
   grid_barrier(L.bar);
+  if (stamp) c2 = clock64();
 
   // 1 / rms per stream: its chunks' sums of squares in chunk order (every block, for phases 2 and 3).
   const int cps = H / (64 * cg);  // chunks per stream
@@ -295,6 +304,13 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       }
     }
     __syncthreads();  // gl and su are reused by the next group
+  }
+  if (stamp) {
+    unsigned long long* st = a.stamps + 4 * blockIdx.x;
+    st[0] = g0;
+    st[1] = static_cast<unsigned long long>(c1 - c0);
+    st[2] = static_cast<unsigned long long>(c2 - c1);
+    st[3] = static_cast<unsigned long long>(clock64() - c2);
   }
 }
 

@@ -1282,6 +1282,42 @@ __global__ void ple_conv_kernel(const PleConvArgs a, const StepParams* sp, int r
   for (int j = 0; j < hl; ++j) a.state[static_cast<size_t>(j) * W + ch] = hist[j];
 }
 
+// Prefill chunks (never snapshotted): the same convolution with the rows split into blocks of
+// kPleRowBlock, one thread per (channel, row block), as gdn_conv_rows_kernel. A row's history is the
+// (K-1)·dil inputs before it, so a row block reads it from Gn, and only row block 0 from the state,
+// which it then replaces with the chunk's last inputs (no other block touches the state). Each output
+// is the same operations in the same order as ple_conv_kernel's. The row-ordered kernel ran 40 blocks of
+// one thread per channel over 1,024 rows (1.23 ms per chunk, eleventh session).
+// grid (ceil(W/256), ceil(rows / kPleRowBlock)), block 256.
+constexpr int kPleRowBlock = 32;  // >= kMaxPleHist, so only row block 0 reads the state
+__global__ void ple_conv_rows_kernel(const PleConvArgs a, int rows) {
+  pdl_begin();
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= a.W) return;
+  const int K = a.K, d = a.dil, hl = (K - 1) * d, W = a.W;
+  const int r0 = blockIdx.y * kPleRowBlock, r1 = min(rows, r0 + kPleRowBlock);
+  // Input at chunk row t (t < 0: the state, oldest first).
+  auto input = [&](int t) -> float {
+    return t >= 0 ? a.Gn[static_cast<size_t>(t) * a.ld + ch] : a.state[static_cast<size_t>(hl + t) * W + ch];
+  };
+  const float* taps = a.taps + static_cast<size_t>(ch) * K;
+  for (int r = r0; r < r1; ++r) {
+    float acc = __fmul_rn(taps[K - 1], a.Gn[static_cast<size_t>(r) * a.ld + ch]);
+    for (int j = 0; j < K - 1; ++j) acc = mul_add_rn(acc, taps[j], input(r - (K - 1 - j) * d));
+    const float out = __fadd_rn(a.G[static_cast<size_t>(r) * a.ld + ch], siluf_(acc));  // un-normalised G
+    float* Rr = a.R + static_cast<size_t>(r) * a.ldR;
+    Rr[ch] = __fadd_rn(Rr[ch], out);
+  }
+  if (blockIdx.y == 0) {  // the new state: the chunk's last hl inputs (old state where rows < hl)
+    float last[kMaxPleHist];
+#pragma unroll
+    for (int j = 0; j < kMaxPleHist; ++j) last[j] = j < hl ? input(rows - hl + j) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxPleHist; ++j)
+      if (j < hl) a.state[static_cast<size_t>(j) * W + ch] = last[j];
+  }
+}
+
 // ------------------------------------------------------------------ MoE
 
 // grid (rows), block 256, dynamic shared memory E floats + E bytes.
@@ -1544,7 +1580,13 @@ void ple_gate(const float* kn, const float* qn, int ld, const float* val, int ld
 
 void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
   CK_REQUIRE(a.K >= 1 && (a.K - 1) * a.dil <= kMaxPleHist, "PLE conv history %d > %d", (a.K - 1) * a.dil, kMaxPleHist);
-  launch(ple_conv_kernel, static_cast<unsigned>(ceil_div(a.W, 256)), 256, 0, stream, a, sp, rows);
+  static_assert(kPleRowBlock >= kMaxPleHist, "row blocks past the first read their history from Gn");
+  if (rows > kMaxRows)  // a prefill chunk: no snapshots
+    launch(ple_conv_rows_kernel,
+           dim3(static_cast<unsigned>(ceil_div(a.W, 256)), static_cast<unsigned>(ceil_div(rows, kPleRowBlock))), 256, 0,
+           stream, a, rows);
+  else
+    launch(ple_conv_kernel, static_cast<unsigned>(ceil_div(a.W, 256)), 256, 0, stream, a, sp, rows);
   CUDA_CHECK_LAUNCH();
 }
 

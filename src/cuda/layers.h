@@ -68,6 +68,9 @@ struct HcMixArgs {
   int S = 0, H = 0;
   float* scratch = nullptr; size_t scratch_floats = 0;    // hc_mix_scratch_floats(S, H, low rank)
   unsigned* barrier = nullptr;                            // 64 words, zero before the first call
+  // Debug (CK_HC_TIMING=1): per block, 4 words: its start (%globaltimer, ns), then SM cycles in
+  // phase 1, at the grid barrier, and in phases 2-3. nullptr: none.
+  unsigned long long* stamps = nullptr;
 };
 bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream);
 size_t hc_mix_scratch_floats(int S, int H, int lowrank);

@@ -305,6 +305,8 @@ struct Session::Buffers {
   float* hc_scratch = nullptr;  // hc_mix_row's partial products, one row
   size_t hc_scratch_n = 0;
   unsigned* hc_barrier = nullptr;
+  unsigned long long* hc_stamps = nullptr;  // CK_HC_TIMING=1: the last one-row mix's per-block timing
+  int hc_stamp_n = 0;
   Tc4Frags ufr;
   int32_t* argmax = nullptr;
   // MTP head (one row): its StepParams, the embedding row e, N1(e), fe, the input hidden and its norm,
@@ -348,6 +350,10 @@ Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
     b.hc_scratch_n = hc_mix_scratch_floats(S, H, c.hc_lowrank);
     b.hc_scratch = fbuf(static_cast<int64_t>(b.hc_scratch_n));
     b.hc_barrier = reinterpret_cast<unsigned*>(fbuf(64));  // zeroed by fbuf
+    if (env_is("CK_HC_TIMING", "1")) {
+      b.hc_stamp_n = 4 * sm_count();
+      b.hc_stamps = reinterpret_cast<unsigned long long*>(fbuf(2 * b.hc_stamp_n));
+    }
   }
   b.gx = fbuf(R * b.ldC); b.gz = fbuf(R * b.ldVd); b.gb = fbuf(R * b.ldNV); b.ga = fbuf(R * b.ldNV);
   b.gy = fbuf(R * b.ldC); b.go = fbuf(R * b.ldVd);
@@ -498,6 +504,7 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
     a.scratch = b.hc_scratch;
     a.scratch_floats = b.hc_scratch_n;
     a.barrier = b.hc_barrier;
+    a.stamps = b.hc_stamps;
     if (hc_mix_row(a, stream_)) {
       pending_combine_.reset();
       if (u == b.u) b.ufr = frags ? Tc4Frags{b.u, static_cast<int>(b.ldH), rows, H / 64, b.ufrag, b.ugsum} : Tc4Frags{};
@@ -744,6 +751,15 @@ void Session::collect_marks() {
   }
   for (auto& [name, e] : marks_) CUDA_CHECK(cudaEventDestroy(e));
   marks_.clear();
+}
+
+std::vector<uint64_t> Session::hc_mix_stamps() {
+  Buffers& b = *b_;
+  std::vector<uint64_t> h(static_cast<size_t>(b.hc_stamp_n));
+  if (h.empty()) return h;
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  CUDA_CHECK(cudaMemcpy(h.data(), b.hc_stamps, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  return h;
 }
 
 std::vector<std::pair<std::string, double>> Session::take_profile() {

@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
@@ -172,6 +173,9 @@ class Session {
   // the sums in ms, largest first, and clears them. Off by default (events cost a little).
   void set_profile(bool on) { profile_ = on; }
   std::vector<std::pair<std::string, double>> take_profile();
+  // Debug: with CK_HC_TIMING=1 in the environment when the session was made, the last one-row
+  // hyper-connection mix's timing, 4 words per block (HcMixArgs::stamps); empty otherwise.
+  std::vector<uint64_t> hc_mix_stamps();
   // Debug: with a map, each step records named intermediates ("L3.post_attn", ...; rows x width,
   // row-major) of its rows; launches directly and synchronises after each piece. Not for speed.
   void set_taps(std::map<std::string, std::vector<float>>* taps) { taps_ = taps; }
