@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cuda/common.h"
+#include "cuda/layers.h"
 #include "cuda/qwen4_exp.h"
 #include "cuda/random_model.h"
 #include "util/log.h"
@@ -58,22 +59,21 @@ void emit(FILE* out, const char* fmt_str, ...) {
 
 // CK_HC_TIMING=1: where the blocks of the step's last one-row mix (the final mixer) spent their time
 // (the session's stamps, HcMixArgs::stamps): each block's start against the first block's
-// (globaltimer), and its SM cycles in phase 1, at the grid barrier and in phases 2-3, as min / median
-// / max over the blocks.
+// (globaltimer), and its SM cycles in each piece (cuda::kHcStampNames), as min / median / p90 / max
+// over the blocks.
 void report_hc_mix_timing(cuda::Session& s, FILE* out) {
   const std::vector<uint64_t> st = s.hc_mix_stamps();
+  constexpr int W = cuda::kHcStampWords;
   if (st.empty()) return;
-  const size_t n = st.size() / 4;
+  const size_t n = st.size() / W;
   uint64_t first = UINT64_MAX;
-  for (size_t b = 0; b < n; ++b) first = std::min(first, st[4 * b]);
-  const char* names[4] = {"start after the first (ns)", "phase 1 (cycles)", "grid barrier (cycles)",
-                          "phases 2-3 (cycles)"};
-  for (int k = 0; k < 4; ++k) {
+  for (size_t b = 0; b < n; ++b) first = std::min(first, st[W * b]);
+  for (int k = 0; k < W; ++k) {
     std::vector<double> v(n);
-    for (size_t b = 0; b < n; ++b) v[b] = static_cast<double>(k == 0 ? st[4 * b] - first : st[4 * b + k]);
+    for (size_t b = 0; b < n; ++b) v[b] = static_cast<double>(k == 0 ? st[W * b] - first : st[W * b + k]);
     std::sort(v.begin(), v.end());
-    emit(out, "hc_mix   %-28s min %9.0f  median %9.0f  max %9.0f  (%zu blocks)\n", names[k], v.front(), v[n / 2],
-         v.back(), n);
+    emit(out, "hc_mix   %-28s min %9.0f  median %9.0f  p90 %9.0f  max %9.0f  (%zu blocks)\n", cuda::kHcStampNames[k],
+         v.front(), v[n / 2], v[n * 9 / 10], v.back(), n);
   }
 }
 

@@ -153,6 +153,22 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   const int S = a.S, H = a.H, lowrank = L.lowrank, cg = L.cg, td = L.tiles_d + L.tiles_i;
   const int c = blockIdx.x;
 
+  // Debug timing (HcMixArgs::stamps, kHcStampWords per block): the entry time, then SM cycles per piece.
+  const bool stamp = a.stamps != nullptr && tid == 0;
+  unsigned long long* st = stamp ? a.stamps + kHcStampWords * blockIdx.x : nullptr;
+  long long last = 0;
+  if (stamp) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(st[0]));
+    last = clock64();
+  }
+  auto mark = [&](int k) {
+    if (stamp) {
+      const long long now = clock64();
+      st[k] = static_cast<unsigned long long>(now - last);
+      last = now;
+    }
+  };
+
   // Weights never change: ask L2 for this block's shares (phases 1 and 3) while the kernel before runs.
   if (c < L.n_chunks) {
     const int G0 = c * cg;
@@ -179,13 +195,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     }
   }
   pdl_begin();  // R, o and w come from the kernels before
-  const bool stamp = a.stamps != nullptr && tid == 0;  // debug timing (HcMixArgs::stamps)
-  unsigned long long g0 = 0;
-  long long c0 = 0, c1 = 0, c2 = 0;
-  if (stamp) {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g0));
-    c0 = clock64();
-  }
+  mark(1);
 
   // 1. The chunk: combine, x' = R n, sum of squares, partial products of down and inject.
   if (c < L.n_chunks) {
@@ -206,6 +216,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     }
     sq = block_sum(sq, scratch);  // synchronises: xs is complete
     if (tid == 0) L.ss[c] = sq;
+    mark(2);
     for (int G = warp; G < cg; G += kHcWarps) hc_frag(xs + 64 * G, frag + G * 128, xg + G);
     __syncthreads();
     // Tiles w and w + 16 of warp w together (td <= 2 kHcWarps, checked at launch). A warp with one
@@ -231,9 +242,9 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       }
     }
   }
-  if (stamp) c1 = clock64();
+  mark(3);
   grid_barrier(L.bar);
-  if (stamp) c2 = clock64();
+  mark(4);
 
   // 1 / rms per stream: its chunks' sums of squares in chunk order (every block, for phases 2 and 3).
   const int cps = H / (64 * cg);  // chunks per stream
@@ -257,6 +268,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
 #pragma unroll 4
     for (int e = tid; e < n4; e += kHcThreads) dst[e] = __ldcg(src + e);
     __syncthreads();
+    mark(5);
     for (int j = tid; j < 16 * td; j += kHcThreads) {
       float v = 0.0f;
 #pragma unroll 1
@@ -269,6 +281,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     __syncthreads();
     for (int G = warp; G < ngd; G += kHcWarps) hc_frag(xs + 64 * G, frag + G * 128, xg + G);
     __syncthreads();
+    mark(6);
   }
   for (int b = blockIdx.x; b < H / 64; b += gridDim.x) {
     for (int it = warp; it < 4 * S; it += kHcWarps) {  // (stream, 16-row tile)
@@ -283,6 +296,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       }
     }
     __syncthreads();
+    mark(7);
     if (tid < 64) {  // hc_gate_mean_kernel's order
       const int i = 64 * b + tid;
       float acc = 0.0f;
@@ -304,13 +318,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       }
     }
     __syncthreads();  // gl and su are reused by the next group
-  }
-  if (stamp) {
-    unsigned long long* st = a.stamps + 4 * blockIdx.x;
-    st[0] = g0;
-    st[1] = static_cast<unsigned long long>(c1 - c0);
-    st[2] = static_cast<unsigned long long>(c2 - c1);
-    st[3] = static_cast<unsigned long long>(clock64() - c2);
+    mark(8);
   }
 }
 

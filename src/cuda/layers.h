@@ -68,10 +68,14 @@ struct HcMixArgs {
   int S = 0, H = 0;
   float* scratch = nullptr; size_t scratch_floats = 0;    // hc_mix_scratch_floats(S, H, low rank)
   unsigned* barrier = nullptr;                            // 64 words, zero before the first call
-  // Debug (CK_HC_TIMING=1): per block, 4 words: its start (%globaltimer, ns), then SM cycles in
-  // phase 1, at the grid barrier, and in phases 2-3. nullptr: none.
+  // Debug (CK_HC_TIMING=1): per block, kHcStampWords words: its start (%globaltimer, ns), then the SM
+  // cycles of each piece (kHcStampNames; 0 where the block has no share of it). nullptr: none.
   unsigned long long* stamps = nullptr;
 };
+constexpr int kHcStampWords = 9;
+inline constexpr const char* kHcStampNames[kHcStampWords] = {
+    "start after the first (ns)", "prefetch, wait for inputs", "combine + norm", "fragments + down tiles",
+    "grid barrier", "partials to shared", "d: sum + fragments", "up tiles", "gate mean + fragments"};
 bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream);
 size_t hc_mix_scratch_floats(int S, int H, int lowrank);
 void hc_mix_init();  // kernel attributes (init_kernels calls it)

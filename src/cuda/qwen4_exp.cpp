@@ -351,7 +351,7 @@ Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
     b.hc_scratch = fbuf(static_cast<int64_t>(b.hc_scratch_n));
     b.hc_barrier = reinterpret_cast<unsigned*>(fbuf(64));  // zeroed by fbuf
     if (env_is("CK_HC_TIMING", "1")) {
-      b.hc_stamp_n = 4 * sm_count();
+      b.hc_stamp_n = kHcStampWords * sm_count();
       b.hc_stamps = reinterpret_cast<unsigned long long*>(fbuf(2 * b.hc_stamp_n));
     }
   }
