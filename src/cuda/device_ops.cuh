@@ -2,6 +2,7 @@
 // matrix_row formula), (value, index) argmax merging with the lowest-index tie rule (spec trap 29),
 // and a block-wide top-k. No kernels here.
 #pragma once
+#include <algorithm>
 #include <climits>
 
 #include "cuda/common.h"
@@ -129,6 +130,12 @@ __device__ __forceinline__ void block_topk(const float* v, int n, int k, int* ou
 // and writes (v * r) * scale. Both kernels share it so the fused form rounds exactly as the plain one.
 __device__ __forceinline__ void rmsnorm_wide_tail(const float4 (&v)[4], int n4, int64_t group, const float4* sr,
                                                   float eps, float4* orow, float* scratch) {
+  float4 sc[4];  // the scales, asked for before the block-wide sum (not one round trip after it)
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < n4) sc[k] = sr[i];
+  }
   float ss = 0.0f;
 #pragma unroll
   for (int k = 0; k < 4; ++k) ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
@@ -138,10 +145,19 @@ __device__ __forceinline__ void rmsnorm_wide_tail(const float4 (&v)[4], int n4, 
   for (int k = 0; k < 4; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
     if (i < n4) {
-      const float4 s = sr[i];
+      const float4 s = sc[k];
       orow[i] = make_float4((v[k].x * r) * s.x, (v[k].y * r) * s.y, (v[k].z * r) * s.z, (v[k].w * r) * s.w);
     }
   }
+}
+
+// The block for rmsnorm_wide_tail's kernels: the fewest warps that hold a group of n4 float4 at four
+// per thread (2,560 floats: 160 threads). Blocks of 1,024 threads left 384 idle at H = 2,560 and
+// allowed two blocks per SM: a prefill chunk's 4,096 (stream, row) blocks ran in 16 waves of one
+// memory round trip each.
+inline unsigned rmsnorm_wide_block(int64_t group) {
+  const int64_t threads = (group / 4 + 3) / 4;
+  return static_cast<unsigned>(std::min<int64_t>(1024, std::max<int64_t>(32, (threads + 31) / 32 * 32)));
 }
 
 }  // namespace ck::cuda

@@ -68,6 +68,9 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
   const int row = blockIdx.x;
   const float* xr = x + static_cast<size_t>(row) * ldx;
   uint2* out = xf + static_cast<size_t>(row) * groups * kQ4GroupU2;
+  // Unrolled so that several iterations' loads are in flight at once (one round trip each, in order,
+  // made this kernel ~60 us per 1,024-row chunk of the 10,240-wide mix input).
+#pragma unroll 4
   for (int e = threadIdx.x; e < groups * 16; e += blockDim.x) {
     const int t = e % 4, s = (e / 4) % 4, G = e / 16;
     const int c = G * 64 + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
@@ -84,6 +87,7 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
     }
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll 4
   for (int G = warp; G < groups; G += blockDim.x >> 5) {
     const float v = G * 64 < K ? tc4_group_sum(xr + G * 64) : 0.0f;
     if (lane == 0) gsum[static_cast<size_t>(row) * groups + G] = v;

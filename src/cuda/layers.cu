@@ -44,8 +44,20 @@ __global__ void hc_gate_mean_kernel(const float* g, const float* X, int ldgx, in
   if (i < H) {
     const float* gr = g + static_cast<size_t>(blockIdx.y) * ldgx;
     const float* xr = X + static_cast<size_t>(blockIdx.y) * ldgx;
+    constexpr int kBatch = 8;  // streams whose loads are issued before their products
     float acc = 0.0f;
-    for (int s = 0; s < S; ++s) acc = mul_add_rn(acc, sigmoidf_(gr[s * H + i]), xr[s * H + i]);
+    for (int s0 = 0; s0 < S; s0 += kBatch) {
+      float gv[kBatch], xv[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        if (s0 + b < S) {
+          gv[b] = gr[(s0 + b) * H + i];
+          xv[b] = xr[(s0 + b) * H + i];
+        }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        if (s0 + b < S) acc = mul_add_rn(acc, sigmoidf_(gv[b]), xv[b]);
+    }
     v = acc / static_cast<float>(S);
     u[static_cast<size_t>(blockIdx.y) * ldu + i] = v;
   }
@@ -77,9 +89,10 @@ __global__ void hc_combine_kernel(float* R, int ldR, const float* o, int ldo, co
 
 // ------------------------------------------------------------------ Gated DeltaNet
 
-// grid (S, rows), block 1024: hc_combine_kernel for stream s of row r, then rmsnorm_wide_kernel of the
-// updated stream (the hyper-connection mix's input norm, spec §4), in one kernel: the same operations
-// on the same values (so the same bits as the two launches), one launch less per mix.
+// grid (S, rows), block rmsnorm_wide_block(H): hc_combine_kernel for stream s of row r, then
+// rmsnorm_wide_kernel of the updated stream (the hyper-connection mix's input norm, spec §4), in one
+// kernel: the same operations on the same values (so the same bits as the two launches), one launch
+// less per mix.
 __global__ void __launch_bounds__(1024) hc_combine_rmsnorm_kernel(float* R, int64_t ldR, const float* o, int64_t ldo,
                                                                   const float* w, int ldw, int64_t H,
                                                                   const float* __restrict__ scale, float eps,
@@ -1448,8 +1461,8 @@ bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float*
   if (H < 2048 || H % 4 != 0 || H > 16 * 1024 || ldR % 4 != 0 || ldo % 4 != 0 || !aligned(R) || !aligned(o) ||
       !aligned(out) || !aligned(scale))
     return false;
-  launch(hc_combine_rmsnorm_kernel, dim3(static_cast<unsigned>(S), static_cast<unsigned>(rows)), 1024, 0, stream, R,
-         int64_t{ldR}, o, int64_t{ldo}, w, ldw, int64_t{H}, scale, eps, out);
+  launch(hc_combine_rmsnorm_kernel, dim3(static_cast<unsigned>(S), static_cast<unsigned>(rows)), rmsnorm_wide_block(H),
+         0, stream, R, int64_t{ldR}, o, int64_t{ldo}, w, ldw, int64_t{H}, scale, eps, out);
   CUDA_CHECK_LAUNCH();
   return true;
 }

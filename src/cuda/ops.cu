@@ -28,7 +28,7 @@ __global__ void rmsnorm_grouped_kernel(const float* x, int64_t group, const floa
 
 // The same norm for one wide group per row (the hyper-connections' W = S*H, up to 16 float4 per
 // thread): x read once with 16-byte loads into registers, issued together. grid (n / group, rows),
-// block 1024. Preconditions: group % 4 == 0, group <= 4 * 4 * 1024, x, out, scale and ld 16-byte aligned.
+// block rmsnorm_wide_block(group). Preconditions: group % 4 == 0, group <= 4 * 4 * 1024, x, out, scale and ld 16-byte aligned.
 __global__ void __launch_bounds__(1024) rmsnorm_wide_kernel(const float* x, int64_t group,
                                                             const float* __restrict__ scale, float eps, float* out,
                                                             int64_t ld) {
@@ -142,7 +142,7 @@ void rmsnorm_grouped(const float* x, int64_t n, int64_t group, const float* scal
   if (group >= 2048 && group % 4 == 0 && group <= 16 * 1024 && ld % 4 == 0 && aligned(x) && aligned(out) &&
       aligned(scale)) {
     // One block of 256 threads looping over 10,240 floats took 7.9 us per call (36 calls per decode step).
-    launch(rmsnorm_wide_kernel, grid, 1024, 0, stream, x, group, scale, eps, out, ld);
+    launch(rmsnorm_wide_kernel, grid, rmsnorm_wide_block(group), 0, stream, x, group, scale, eps, out, ld);
   } else {
     launch(rmsnorm_grouped_kernel, grid, block_for(group), 0, stream, x, group, scale, eps, out, ld);
   }
