@@ -1244,6 +1244,187 @@ __global__ void __launch_bounds__(256) attn_heads_kernel(const AttnArgs a, const
   }
 }
 
+// ---- Prefill attention on the tensor cores (CK_ATTN_TC=0: attn_heads_kernel)
+//
+// attn_heads_kernel does ~51 GFLOP of fp32 FMAs per 1,024-row chunk and attention layer at 8k tokens
+// of context (1.22 ms, near the CUDA-core rate; 17.5 us of an 8k prefill token's ~100 us, eleventh
+// session). Here a block takes one (row, KV head) with all of the group's query heads (hpg <= 16) as
+// the 16 rows of m16n8k16 MMAs: scores S = Q K^T over the selected keys, then O = P V. Each operand is
+// split into two bf16 parts (hi = bf16(v), lo = bf16(v - hi): 16 significant bits), and a product is
+// three MMAs (lo hi, hi lo, hi hi; lo lo is below fp32's rounding of the sum) with fp32 accumulators.
+// The softmax is attn_heads_kernel's (max, exp, one division per key) on the scores in shared memory.
+// The sums run in the MMAs' order, with the operands rounded to 16 bits: another rounding than the
+// fp32 kernels', within the parity tests' tolerances (tests/parity: the prefill chunk tests and the
+// oracle fixtures run it). Each K and V row is read once per group (attn_heads_kernel: once per chunk
+// of <= 8 heads, twice at the released 12 heads per group).
+constexpr int kAttnTcWarps = 8;
+constexpr int kAttnTcMaxSteps = 16;  // hd <= 256: 16-dimension steps of the scores
+constexpr int kAttnTcVSteps = 4;     // 16-key steps of P V whose value loads are issued together
+
+// hi and lo parts of (a, b) as two bf16x2 words (.x hi, .y lo); a in the low half.
+__device__ __forceinline__ uint2 split_bf16x2(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(a - hf.x, b - hf.y);
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&h), *reinterpret_cast<const uint32_t*>(&l));
+}
+
+// d += (ah + al)(bh + bl) without al bl: A parts as 4 words each, B parts as (b0, b1).
+__device__ __forceinline__ void mma_split(float (&d)[4], const uint4& ah, const uint4& al, const uint2& b0,
+                                          const uint2& b1) {
+  mma_bf16(d, al.x, al.y, al.z, al.w, b0.x, b1.x);
+  mma_bf16(d, ah.x, ah.y, ah.z, ah.w, b0.y, b1.y);
+  mma_bf16(d, ah.x, ah.y, ah.z, ah.w, b0.x, b1.x);
+}
+
+// Selectable keys rounded up to 16 (the 16-key steps of P V).
+__host__ __device__ inline int attn_cap16(const AttnArgs& a) { return (attn_cap(a) + 15) & ~15; }
+// Dynamic shared memory: the selected ids, the weights of hpg heads, the query fragments.
+__host__ __device__ inline size_t attn_tc_smem(const AttnArgs& a) {
+  return sizeof(int) * attn_cap16(a) + sizeof(float) * (a.nh / a.nkv) * attn_cap16(a) +
+         sizeof(uint4) * 2 * 32 * (a.hd / 16);
+}
+
+// grid (nkv, rows), block 256, dynamic shared memory attn_tc_smem. Needs hd % 16 == 0, hd <= 256,
+// nh / nkv <= 16.
+__global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const AttnArgs a, const StepParams* sp) {
+  pdl_begin();
+  extern __shared__ __align__(16) float smem[];
+  const int kv = blockIdx.x, r = blockIdx.y, hpg = a.nh / a.nkv, h0 = kv * hpg;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t n = sp->pos + r + 1;
+  const int cap16 = attn_cap16(a), steps = a.hd / 16;
+  int* idx = reinterpret_cast<int*>(smem);
+  float* p = smem + cap16;                                 // [head][cap16]
+  uint4* qf = reinterpret_cast<uint4*>(p + hpg * cap16);  // [step][part][lane]: A fragment words a0..a3
+  const int m = attn_gather_selected(a, r, n, idx);       // (synchronises: idx is complete)
+  const int m16 = (m + 15) & ~15;
+  const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
+
+  // Q's A fragments: a0 (head g, dims 2t, 2t+1), a1 (head g+8, the same), a2 / a3 (dims 2t+8, 2t+9) of
+  // each 16-dimension step; heads past hpg are zeros.
+  const float* qrow = a.q + static_cast<size_t>(r) * a.ldq + static_cast<size_t>(h0) * a.hd;
+  for (int e = threadIdx.x; e < steps * 32; e += blockDim.x) {
+    const int s = e >> 5, l = e & 31, lg = l >> 2, lt = l & 3;
+    uint2 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int head = lg + 8 * (i & 1), d = 16 * s + 2 * lt + 8 * (i >> 1);
+      float2 v = make_float2(0.0f, 0.0f);
+      if (head < hpg) v = *reinterpret_cast<const float2*>(qrow + static_cast<size_t>(head) * a.hd + d);
+      w[i] = split_bf16x2(v.x, v.y);
+    }
+    qf[(2 * s) * 32 + l] = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x);
+    qf[(2 * s + 1) * 32 + l] = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
+  }
+  if (threadIdx.x < m16 - m) idx[m + threadIdx.x] = idx[0];  // valid rows for the last keys' loads
+  __syncthreads();
+
+  // Scores: warp w takes key tiles w, w + 8, ... of 8 keys (the MMA's n); lane (g, t) loads key g's
+  // dimensions 2t, 2t+1, 2t+8, 2t+9 of every step, all steps' loads issued together.
+  const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
+  const float* kg = a.k_cache + static_cast<size_t>(kv) * a.hd + 2 * t;
+  for (int kt = warp; kt * 8 < m; kt += kAttnTcWarps) {
+    const float* kr = kg + static_cast<size_t>(idx[kt * 8 + g]) * kvw;
+    float2 kx[kAttnTcMaxSteps][2];
+#pragma unroll
+    for (int s = 0; s < kAttnTcMaxSteps; ++s)
+      if (s < steps) {
+        kx[s][0] = *reinterpret_cast<const float2*>(kr + 16 * s);
+        kx[s][1] = *reinterpret_cast<const float2*>(kr + 16 * s + 8);
+      }
+    float d[4] = {};
+#pragma unroll
+    for (int s = 0; s < kAttnTcMaxSteps; ++s)
+      if (s < steps)
+        mma_split(d, qf[(2 * s) * 32 + lane], qf[(2 * s + 1) * 32 + lane], split_bf16x2(kx[s][0].x, kx[s][0].y),
+                  split_bf16x2(kx[s][1].x, kx[s][1].y));
+    // d0, d1: head g, keys 8 kt + 2t, + 1; d2, d3: head g + 8.
+    const int j = kt * 8 + 2 * t;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int head = g + 8 * hh;
+      if (head >= hpg) continue;
+      if (j < m) p[head * cap16 + j] = d[2 * hh] * scale;
+      if (j + 1 < m) p[head * cap16 + j + 1] = d[2 * hh + 1] * scale;
+    }
+  }
+  __syncthreads();
+  // Softmax per head (attn_heads_kernel's), then zero weights for the keys past m up to m16.
+  for (int h = warp; h < hpg; h += kAttnTcWarps) {
+    float* ph = p + h * cap16;
+    float mx = -INFINITY;
+    for (int jj = lane; jj < m; jj += 32) mx = fmaxf(mx, ph[jj]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int jj = lane; jj < m; jj += 32) {
+      const float e = expf(ph[jj] - mx);
+      ph[jj] = e;
+      sum += e;
+    }
+    sum = warp_sum(sum);
+    for (int jj = lane; jj < m; jj += 32) ph[jj] = ph[jj] / sum;
+    for (int jj = m + lane; jj < m16; jj += 32) ph[jj] = 0.0f;
+  }
+  __syncthreads();
+
+  // O = P V: warp w takes 8-dimension tiles 4w .. 4w+3 (then + 32); per 16-key step, A = the weights
+  // of heads (g, g+8) for keys 2t, 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3); B = those keys' values at
+  // dimension g of each tile, kAttnTcVSteps steps' loads issued together.
+  const float* vg = a.v_cache + static_cast<size_t>(kv) * a.hd + g;
+  const int ntiles = a.hd / 8;
+  const float* gate0 = a.qg + static_cast<size_t>(r) * a.ldqg + static_cast<size_t>(h0) * 2 * a.hd + a.hd;
+  for (int nt0 = 4 * warp; nt0 < ntiles; nt0 += 4 * kAttnTcWarps) {
+    float o[4][4] = {};
+    for (int j0 = 0; j0 < m16; j0 += 16 * kAttnTcVSteps) {
+      float v[kAttnTcVSteps][4][4];  // [step][tile][key 2t, 2t+1, 2t+8, 2t+9]
+#pragma unroll
+      for (int u = 0; u < kAttnTcVSteps; ++u) {
+        const int jb = j0 + 16 * u;
+        if (jb >= m16) break;
+        const int key[4] = {idx[jb + 2 * t], idx[jb + 2 * t + 1], idx[jb + 2 * t + 8], idx[jb + 2 * t + 9]};
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            v[u][nn][c] = nt0 + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (nt0 + nn) * 8] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kAttnTcVSteps; ++u) {
+        const int jb = j0 + 16 * u;
+        if (jb >= m16) break;
+        uint2 w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int head = g + 8 * (i & 1);
+          float2 pw = make_float2(0.0f, 0.0f);
+          if (head < hpg) pw = *reinterpret_cast<const float2*>(p + head * cap16 + jb + 2 * t + 8 * (i >> 1));
+          w[i] = split_bf16x2(pw.x, pw.y);
+        }
+        const uint4 ah = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x), al = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn)
+          mma_split(o[nn], ah, al, split_bf16x2(v[u][nn][0], v[u][nn][1]), split_bf16x2(v[u][nn][2], v[u][nn][3]));
+      }
+    }
+    // o[nn]: d0, d1 = head g, dimensions 8 (nt0 + nn) + 2t, + 1; d2, d3 = head g + 8.
+#pragma unroll
+    for (int nn = 0; nn < 4; ++nn) {
+      if (nt0 + nn >= ntiles) break;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int head = g + 8 * hh;
+        if (head >= hpg) continue;
+        const int dim = 8 * (nt0 + nn) + 2 * t;
+        const float* gate = gate0 + static_cast<size_t>(head) * 2 * a.hd;
+        float* out = a.out + static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h0 + head) * a.hd + dim;
+        out[0] = o[nn][2 * hh] * sigmoidf_(gate[dim]);
+        out[1] = o[nn][2 * hh + 1] * sigmoidf_(gate[dim + 1]);
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ PLE
 
 // grid (S, rows), block 256.
@@ -1401,6 +1582,7 @@ __global__ void moe_combine_kernel(const float* y, int ldy, const ExpertPair* pa
 void init_kernels() {
   init_gemv();
   hc_mix_init();
+  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   // Kernels take their scratch with cudaMallocAsync (split-K partials, activation fragments, the chunked
   // delta rule's records: ~110 MB per 1,024-row prefill chunk at the released geometry). By default the
   // pool hands memory back to the driver at every synchronisation, so each prefill chunk would map it
@@ -1553,9 +1735,18 @@ void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t s
   CUDA_CHECK_LAUNCH();
   launch(attn_select_kernel, rows, 256, 0, stream, a, sp);
   CUDA_CHECK_LAUNCH();
+  const int hpg = a.nh / a.nkv;
+  // Prefill chunks on the tensor cores: a block per (row, KV head) with all its query heads.
+  static const bool tc_on = !env_is("CK_ATTN_TC", "0");
+  if (tc_on && rows > kMaxRows && a.hd % 16 == 0 && a.hd <= 16 * kAttnTcMaxSteps && hpg <= 16 &&
+      attn_tc_smem(a) <= 200 * 1024) {
+    launch(attn_heads_tc_kernel, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32,
+           attn_tc_smem(a), stream, a, sp);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   // Prefill chunks: the heads of one KV head together (CK_ATTN_HEADS=0 keeps one block per head).
   static const bool heads_on = !env_is("CK_ATTN_HEADS", "0");
-  const int hpg = a.nh / a.nkv;
   const size_t heads_smem = static_cast<size_t>(1 + attn_heads_per_block(hpg)) * attn_cap4(a) * sizeof(float);
   if (heads_on && rows > kMaxRows && a.hd % 8 == 0 && a.hd <= 256 && heads_smem <= 200 * 1024) {
     // CK_ATTN_BUTTERFLY=0: one warp sum per dot product (the sixth session's kernel).
