@@ -28,7 +28,8 @@ __global__ void rmsnorm_grouped_kernel(const float* x, int64_t group, const floa
 
 // The same norm for one wide group per row (the hyper-connections' W = S*H, up to 16 float4 per
 // thread): x read once with 16-byte loads into registers, issued together. grid (n / group, rows),
-// block rmsnorm_wide_block(group). Preconditions: group % 4 == 0, group <= 4 * 4 * 1024, x, out, scale and ld 16-byte aligned.
+// block rmsnorm_wide_block(group). Preconditions: group % 4 == 0, group <= 4 * 4 * 1024, x, out,
+// scale and ld 16-byte aligned.
 __global__ void __launch_bounds__(1024) rmsnorm_wide_kernel(const float* x, int64_t group,
                                                             const float* __restrict__ scale, float eps, float* out,
                                                             int64_t ld) {
