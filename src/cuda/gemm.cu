@@ -330,6 +330,19 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(const __grid_constant__ Tc
   }
 }
 
+// Inclusive scans of two values over the warp (Hillis-Steele, shuffles up).
+__device__ __forceinline__ void warp_inclusive_scan2(int& a, int& b) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int ya = __shfl_up_sync(0xffffffffu, a, o), yb = __shfl_up_sync(0xffffffffu, b, o);
+    if (lane >= o) {
+      a += ya;
+      b += yb;
+    }
+  }
+}
+
 // One block: counting sort of the pairs by expert (ExpertPair::group), then the tile list.
 // Order inside a group may differ between runs; no result depends on it (rows are independent).
 // The pair and tile offsets are block-wide scans over runs of groups (thread 0 walking all 512
@@ -354,15 +367,8 @@ __global__ void group_pairs_kernel(const ExpertPair* pairs, int n_pairs, int n_g
     np += count[g];
     nt += (count[g] + bm - 1) / bm;
   }
-  int ip = np, it = nt;  // inclusive scans over the warp
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int yp = __shfl_up_sync(0xffffffffu, ip, o), yt = __shfl_up_sync(0xffffffffu, it, o);
-    if (lane >= o) {
-      ip += yp;
-      it += yt;
-    }
-  }
+  int ip = np, it = nt;
+  warp_inclusive_scan2(ip, it);
   if (lane == 31) {
     warp_pairs[warp] = ip;
     warp_tiles[warp] = it;
@@ -370,14 +376,7 @@ __global__ void group_pairs_kernel(const ExpertPair* pairs, int n_pairs, int n_g
   __syncthreads();
   if (warp == 0) {
     int vp = lane < n_warps ? warp_pairs[lane] : 0, vt = lane < n_warps ? warp_tiles[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int yp = __shfl_up_sync(0xffffffffu, vp, o), yt = __shfl_up_sync(0xffffffffu, vt, o);
-      if (lane >= o) {
-        vp += yp;
-        vt += yt;
-      }
-    }
+    warp_inclusive_scan2(vp, vt);
     warp_pairs[lane] = vp;
     warp_tiles[lane] = vt;
   }

@@ -1090,6 +1090,24 @@ __host__ __device__ inline int attn_heads_per_block(int hpg) {
 // Selectable keys rounded up to 4 (float4 reads of the weights).
 __host__ __device__ inline int attn_cap4(const AttnArgs& a) { return (attn_cap(a) + 3) & ~3; }
 
+// One head's softmax over its scores ph[0, m) by one warp, as attn_decode_kernel: the max, exp(p - max)
+// and their sum, then one division per key; ph[m, pad) are set to zero (the readers' tail).
+__device__ __forceinline__ void attn_softmax_warp(float* ph, int m, int pad) {
+  const int lane = threadIdx.x & 31;
+  float mx = -INFINITY;
+  for (int jj = lane; jj < m; jj += 32) mx = fmaxf(mx, ph[jj]);
+  mx = warp_max(mx);
+  float sum = 0.0f;
+  for (int jj = lane; jj < m; jj += 32) {
+    const float e = expf(ph[jj] - mx);
+    ph[jj] = e;
+    sum += e;
+  }
+  sum = warp_sum(sum);
+  for (int jj = lane; jj < m; jj += 32) ph[jj] = ph[jj] / sum;
+  for (int jj = m + lane; jj < pad; jj += 32) ph[jj] = 0.0f;
+}
+
 // One step of a transposing warp sum of 2 STEP values per lane: the lanes with bit STEP set keep the
 // upper half, the others the lower, each adding its partner's copy of the half it keeps; then the
 // next step on the kept half. After STEP = 16 .. 1, lane l holds the warp's sum of value l.
@@ -1185,22 +1203,8 @@ __global__ void __launch_bounds__(256) attn_heads_kernel(const AttnArgs a, const
     }
   }
   __syncthreads();
-  // Softmax: warp w for head w, weights p / sum once per key (as attn_decode_kernel).
-  if (warp < nhb) {
-    float* ph = p + warp * cap4;
-    float mx = -INFINITY;
-    for (int jj = lane; jj < m; jj += 32) mx = fmaxf(mx, ph[jj]);
-    mx = warp_max(mx);
-    float sum = 0.0f;
-    for (int jj = lane; jj < m; jj += 32) {
-      const float e = expf(ph[jj] - mx);
-      ph[jj] = e;
-      sum += e;
-    }
-    sum = warp_sum(sum);
-    for (int jj = lane; jj < m; jj += 32) ph[jj] = ph[jj] / sum;
-    for (int jj = m + lane; jj < ((m + 3) & ~3); jj += 32) ph[jj] = 0.0f;  // the float4 reads' tail
-  }
+  // Softmax: warp w for head w (the float4 reads' tail zeroed).
+  if (warp < nhb) attn_softmax_warp(p + warp * cap4, m, (m + 3) & ~3);
   if (threadIdx.x < ((m + 3) & ~3) - m) idx[m + threadIdx.x] = idx[0];  // a valid row for the tail
   __syncthreads();
   // Σ_j p_j v_j in key order, thread per dimension, sixteen keys per pass with their value loads
@@ -1350,22 +1354,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
     }
   }
   __syncthreads();
-  // Softmax per head (attn_heads_kernel's), then zero weights for the keys past m up to m16.
-  for (int h = warp; h < hpg; h += kAttnTcWarps) {
-    float* ph = p + h * cap16;
-    float mx = -INFINITY;
-    for (int jj = lane; jj < m; jj += 32) mx = fmaxf(mx, ph[jj]);
-    mx = warp_max(mx);
-    float sum = 0.0f;
-    for (int jj = lane; jj < m; jj += 32) {
-      const float e = expf(ph[jj] - mx);
-      ph[jj] = e;
-      sum += e;
-    }
-    sum = warp_sum(sum);
-    for (int jj = lane; jj < m; jj += 32) ph[jj] = ph[jj] / sum;
-    for (int jj = m + lane; jj < m16; jj += 32) ph[jj] = 0.0f;
-  }
+  // Softmax per head (attn_heads_kernel's), zero weights for the keys past m up to m16.
+  for (int h = warp; h < hpg; h += kAttnTcWarps) attn_softmax_warp(p + h * cap16, m, m16);
   __syncthreads();
 
   // O = P V: warp w takes 8-dimension tiles 4w .. 4w+3 (then + 32); per 16-key step, A = the weights
