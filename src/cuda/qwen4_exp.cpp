@@ -306,7 +306,6 @@ struct Session::Buffers {
   size_t hc_scratch_n = 0;
   unsigned* hc_barrier = nullptr;
   unsigned long long* hc_stamps = nullptr;  // CK_HC_TIMING=1: the last one-row mix's per-block timing
-  int hc_stamp_n = 0;
   Tc4Frags ufr;
   int32_t* argmax = nullptr;
   // MTP head (one row): its StepParams, the embedding row e, N1(e), fe, the input hidden and its norm,
@@ -350,10 +349,8 @@ Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
     b.hc_scratch_n = hc_mix_scratch_floats(S, H, c.hc_lowrank);
     b.hc_scratch = fbuf(static_cast<int64_t>(b.hc_scratch_n));
     b.hc_barrier = reinterpret_cast<unsigned*>(fbuf(64));  // zeroed by fbuf
-    if (env_is("CK_HC_TIMING", "1")) {
-      b.hc_stamp_n = kHcStampWords * sm_count();
-      b.hc_stamps = reinterpret_cast<unsigned long long*>(fbuf(2 * b.hc_stamp_n));
-    }
+    if (env_is("CK_HC_TIMING", "1"))  // kHcStampWords words per block, one block per SM
+      b.hc_stamps = reinterpret_cast<unsigned long long*>(fbuf(2 * kHcStampWords * sm_count()));
   }
   b.gx = fbuf(R * b.ldC); b.gz = fbuf(R * b.ldVd); b.gb = fbuf(R * b.ldNV); b.ga = fbuf(R * b.ldNV);
   b.gy = fbuf(R * b.ldC); b.go = fbuf(R * b.ldVd);
@@ -755,8 +752,8 @@ void Session::collect_marks() {
 
 std::vector<uint64_t> Session::hc_mix_stamps() {
   Buffers& b = *b_;
-  std::vector<uint64_t> h(static_cast<size_t>(b.hc_stamp_n));
-  if (h.empty()) return h;
+  if (!b.hc_stamps) return {};
+  std::vector<uint64_t> h(static_cast<size_t>(kHcStampWords) * sm_count());
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   CUDA_CHECK(cudaMemcpy(h.data(), b.hc_stamps, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
   return h;

@@ -174,7 +174,7 @@ class Session {
   void set_profile(bool on) { profile_ = on; }
   std::vector<std::pair<std::string, double>> take_profile();
   // Debug: with CK_HC_TIMING=1 in the environment when the session was made, the last one-row
-  // hyper-connection mix's timing, 4 words per block (HcMixArgs::stamps); empty otherwise.
+  // hyper-connection mix's timing, kHcStampWords words per block (HcMixArgs::stamps); empty otherwise.
   std::vector<uint64_t> hc_mix_stamps();
   // Debug: with a map, each step records named intermediates ("L3.post_attn", ...; rows x width,
   // row-major) of its rows; launches directly and synchronises after each piece. Not for speed.
