@@ -19,7 +19,7 @@ ninja -C "$B" cherenkov test_cuda_ops test_cuda_model ck_engine
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 g++ -std=c++20 -O2 -Wall -Wextra -Wno-unused-parameter -fopenmp -DCHERENKOV_HAVE_CUDA=1 -Isrc -I"$CUDA_HOME/include" \
   bench/e2e/bench_cuda.cpp bench/kernels/kernels.cpp -o "$B/bench_cuda" -Wl,--as-needed \
-  "$B/libck_engine.a" "$B/libck_cuda.a" "$B/libck_cpu.a" "$B/libck_store.a" "$B/libck_format.a" "$B/libck_util.a" \
+  "$B/libck_engine.a" "$B/libck_cuda.a" "$B/libck_cuda_sm90a.a" "$B/libck_cpu.a" "$B/libck_store.a" "$B/libck_format.a" "$B/libck_util.a" \
   -lfmt -lxxhash -luring -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread
 
 # Stage, then pack: the working tree that travels with the call is limited to 64 MiB, and ICU's data

@@ -3,7 +3,9 @@
 // are applied to the group's sums, y += s * Σ q x + b * Σ x. Two users:
 //  - the routed and shared experts, grouped per expert as in gemm.cu (group_pairs' tiles of up to
 //    kGroupRows pairs of one expert);
-//  - dense projections of a prefill chunk (gemm_tc hands them here when every job is 4-bit codes).
+//  - dense projections of a prefill chunk (gemm_tc hands them here when every job is 4-bit codes); on
+//    Hopper (compute capability 9.0) their launch goes to gemm_q4_wg.cu's warpgroup-MMA kernel, the
+//    same arithmetic on the same tiles (CK_Q4_WGMMA=0 keeps q4_tile_kernel).
 // gemm.cu's kernels instead dequantize and split every weight into shared memory once per tile, which
 // bounds them (with the ~20 rows an expert gets per 1,024-row chunk, and for the dense projections).
 //
@@ -39,6 +41,7 @@
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
+#include "cuda/gemm_q4_wg.h"
 #include "cuda/mma_q4.cuh"
 #include "cuda/ops.h"
 #include "cuda/split_k.h"
@@ -62,9 +65,11 @@ int prefill_parts() {
 
 // Split activations of one row, per group: [step s][part p][lane t] of uint2 (pair A, pair B) in
 // mma_q4.cuh's K order, the B fragment (b0, b1) of the MMA column that carries this row; then Σ x per
-// group; only the first `parts` parts (the kernels multiply no others). grid (rows), block 128.
+// group; only the first `parts` parts (the kernels multiply no others). With wg (the wgmma kernel,
+// gemm_q4_wg.cu), each (step, part) holds the four lanes' pair A words, then their pair B words: the
+// row's k values 0..7 and 8..15 of the step, one core-matrix row each. grid (rows), block 128.
 __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __restrict__ x, int ldx, int K, int groups,
-                                                              int parts, uint2* xf, float* gsum) {
+                                                              int parts, int wg, uint2* xf, float* gsum) {
   const int row = blockIdx.x;
   const float* xr = x + static_cast<size_t>(row) * ldx;
   uint2* out = xf + static_cast<size_t>(row) * groups * kQ4GroupU2;
@@ -83,7 +88,13 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
         v.x = bf16_pair(bf16_part(xr[c], p), bf16_part(xr[c + 4], p));
         v.y = bf16_pair(bf16_part(xr[c + 1], p), bf16_part(xr[c + 5], p));
       }
-      o[p * 4] = v;
+      if (wg) {
+        uint32_t* ow = reinterpret_cast<uint32_t*>(out + static_cast<size_t>(G) * kQ4GroupU2 + s * 12 + p * 4);
+        ow[t] = v.x;
+        ow[4 + t] = v.y;
+      } else {
+        o[p * 4] = v;
+      }
     }
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -435,14 +446,14 @@ struct XFrag {
   float* gsum = nullptr;
 };
 
-XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, cudaStream_t stream) {
+XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, cudaStream_t stream, bool wg = false) {
   XFrag f;
   const size_t xf_bytes = static_cast<size_t>(rows) * groups * kQ4GroupU2 * sizeof(uint2);
   CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + sizeof(float) * rows * groups, stream));
   f.xf = reinterpret_cast<uint2*>(f.mem);
   f.gsum = reinterpret_cast<float*>(f.mem + xf_bytes);
-  q4_xfrag_kernel<<<static_cast<unsigned>(rows), kQ4Threads, 0, stream>>>(x, ldx, K, groups, prefill_parts(), f.xf,
-                                                                          f.gsum);
+  q4_xfrag_kernel<<<static_cast<unsigned>(rows), kQ4Threads, 0, stream>>>(x, ldx, K, groups, prefill_parts(), wg ? 1 : 0,
+                                                                          f.xf, f.gsum);
   CUDA_CHECK_LAUNCH();
   return f;
 }
@@ -549,7 +560,12 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   splits = static_cast<int>(ceil_div(groups, k_groups));
   static const bool on = !env_is("CK_Q4_DENSE", "0");
   if (!on) return false;
-  XFrag f = make_xfrag(x, ldx, rows, K, groups, stream);
+  // Hopper: the warpgroup-MMA kernel (gemm_q4_wg.cu), the same blocks and splits; CK_Q4_WGMMA=0 keeps
+  // q4_tile_kernel.
+  static const bool wg = !env_is("CK_Q4_WGMMA", "0") && device_attribute(cudaDevAttrComputeCapabilityMajor) == 9 &&
+                         device_attribute(cudaDevAttrComputeCapabilityMinor) == 0 && q4_wg_ready();
+  static_assert(kQ4WgFeatures == q4_block_features<kQ4Dense>(), "the two dense kernels tile alike");
+  XFrag f = make_xfrag(x, ldx, rows, K, groups, stream, wg);
   Q4Args a{};
   a.n_jobs = n_jobs;
   a.rows = rows;
@@ -564,7 +580,22 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups;
   if (splits > 1) a.split = split_k_start(jobs, n_jobs, rows, splits, stream);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
-  launch_q4_tile<kQ4Dense>(grid, a, stream);
+  if (wg) {
+    Q4WgArgs w;
+    for (int j = 0; j < n_jobs; ++j) w.job[j] = a.job[j];
+    for (int j = 0; j <= n_jobs; ++j) w.first_tile[j] = a.first_tile[j];
+    w.n_jobs = n_jobs;
+    w.rows = rows;
+    w.xf = f.xf;
+    w.gsum = f.gsum;
+    w.groups = groups;
+    w.k_groups = k_groups;
+    w.split = a.split;
+    static const int wg_tokens = env_is("CK_Q4_WG_TOKENS", "32") ? 32 : 64;  // 32: to compare
+    launch_q4_wg_dense(grid.x, grid.z, w, prefill_parts(), wg_tokens, stream);
+  } else {
+    launch_q4_tile<kQ4Dense>(grid, a, stream);
+  }
   if (splits > 1) split_k_finish(a.split, jobs, n_jobs, splits, stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
   return true;

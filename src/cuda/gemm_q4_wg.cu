@@ -1,0 +1,339 @@
+// The dense 4-bit prefill product on warpgroup MMAs (gemm_q4_wg.h). Why: q4_tile_kernel issues one
+// mma.sync per m16n8k16 and loads every B fragment into registers with its own instructions; at
+// 1,024-row chunks it reaches ~35% of the mma.sync rate, bound by its instruction issue and shared-
+// memory reads (docs/roofline-cuda.md). A wgmma.m64n64k16 here does the work of 32 of those MMAs in
+// one instruction and reads the activations straight from shared memory. Measured (H200, 2026-11-30
+// 18:40Z, one call against CK_Q4_WGMMA=0): the mixes' projections 14.16 -> 13.20 us per 8k prefill
+// token, the DeltaNet out_proj 4.68 -> 4.35, the attention o_proj 1.56 -> 1.45, the in_proj (K =
+// 2,560) unchanged at 8.7. With 32 tokens per block it was slower than q4_tile_kernel (in_proj 10.8).
+//
+// Block: 256 threads = 2 warpgroups, TN = 64 tokens x 256 output features; warpgroup w takes features
+// [128 w, 128 w + 128) as two m64 tiles (mf). Per 64-code group:
+//  - the block copies the group's activations (B), codes, scales, biases and Σ x into shared memory
+//    with cp.async, two groups ahead (three buffers), as q4_tile_kernel does;
+//  - each warp unpacks its rows' codes into A fragments (registers: wgmma's m64nNk16 A layout is
+//    mma.m16n8k16's, one m16 slice per warp) for the group's 4 k16 steps;
+//  - the warpgroup issues 4 steps x 2 tiles x PARTS wgmmas into the group's sums d (the first of each
+//    tile overwrites d), waits for them, and adds s d + b Σ x to its accumulators (fp32, in group
+//    order: the same sums as q4_tile_kernel, up to the order of the tensor core's additions; the
+//    parity tests run this kernel on the GPU machine).
+// B in shared memory: per (step, part) TN x 32 bytes of 8 x 8 "core matrices" (8 tokens x 8 k values,
+// 16 bytes per token), K-major without swizzle: token r at byte 256 (r / 8) + 16 (r % 8), k values
+// 8..15 at +128. q4_xfrag_kernel (its wg layout) writes the global fragments so that each 16-byte
+// half is one copy.
+#include "cuda/gemm_q4_wg.h"
+
+#include <cstddef>
+
+#include "cuda/common.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/mma_q4.cuh"
+
+namespace ck::cuda {
+namespace {
+
+constexpr int kWgThreads = 256;
+constexpr int kWgGroupU2 = 48;  // uint2 per x row and group in q4_xfrag_kernel's output (3 parts)
+constexpr uint32_t kWgLbo = 128, kWgSbo = 256;  // bytes: k-half to k-half, 8-token block to the next
+
+// One group of a block in shared memory, for TN tokens.
+template <int TN>
+struct WgStage {
+  static constexpr int kBBytes = TN * 32;  // one (step, part): TN tokens x 16 k values of bf16
+  alignas(128) uint8_t xb[4 * 3 * kBBytes];   // [step][part] (PARTS used): the B core matrices
+  alignas(16) uint2 codes[kQ4WgFeatures][4];  // [feature][lane t]: the group's 32 code bytes per row
+  alignas(16) uint32_t sb[2 * kQ4WgFeatures];  // [feature][scale, bias] words
+  float gsum[TN];
+};
+constexpr int kWgStages = 3;  // the group in the MMAs, two being copied
+template <int TN>
+constexpr int wg_smem() { return kWgStages * static_cast<int>(sizeof(WgStage<TN>)); }
+
+// Shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address, leading and
+// stride byte offsets, each >> 4; no swizzle.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Shared memory written by this thread's generic-proxy stores (cp.async) becomes visible to wgmma.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d (+)= A B for one m64n32k16: A from registers (mma.m16n8k16's A fragment of this warp's 16 rows),
+// B by descriptor. scale_d == 0: d = A B.
+__device__ __forceinline__ void wg_mma(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+}
+__device__ __forceinline__ void wg_mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+}
+#endif
+
+// y_job[row] = epi(w_job · x[row]) for the dense jobs; grid (feature tiles, rows / TN, K splits). TN: 64
+// tokens per block (32 with CK_Q4_WG_TOKENS=32, to compare).
+template <int PARTS, int TN>
+__global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid_constant__ Q4WgArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
+  static_assert(TN == 32 || TN == 64, "the wgmma shapes below");
+  constexpr int NJ = TN / 8, ND = TN / 2, kStages = kWgStages;
+  constexpr int kBBytes = WgStage<TN>::kBBytes;
+  using Stage = WgStage<TN>;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;  // warpgroup; warp within it (its 16 rows of each m64 tile)
+  int job = 0;
+  while (job + 1 < a.n_jobs && static_cast<int>(blockIdx.x) >= a.first_tile[job + 1]) ++job;
+  const DMatrix w0 = a.job[job].w;
+  const int block_f0 = (static_cast<int>(blockIdx.x) - a.first_tile[job]) * kQ4WgFeatures;
+  const int m0 = static_cast<int>(blockIdx.y) * TN;
+  const int f_wg = block_f0 + 128 * wg;
+  const bool active = f_wg < w0.rows;  // warpgroup-uniform; idle warpgroups still stage and meet the barriers
+  __shared__ int drow[TN];
+  __shared__ int srow[TN];
+  if (tid < TN) {
+    const int d = m0 + tid < a.rows ? m0 + tid : -1;
+    drow[tid] = d;
+    srow[tid] = d < 0 ? 0 : d;  // rows past the chunk read row 0 (their products are never stored)
+  }
+  __syncthreads();
+  const int K = w0.cols, gpg_shift = __ffs(w0.fmt.group / 64) - 1;
+  const int g_begin = static_cast<int>(blockIdx.z) * a.k_groups;
+  const int g_end = min(K / 64, g_begin + a.k_groups);
+  const size_t row_bytes = static_cast<size_t>(K) / 2, n_sg = K / w0.fmt.group;
+  const uint8_t sk = w0.fmt.scale_kind;
+  const int es = sk == static_cast<uint8_t>(WKind::F32) ? 4 : 2;
+  // This lane's feature rows g, g + 8 of each m64 tile's 16-row slice, and their scales' word parity.
+  int par0[2][2];
+#pragma unroll
+  for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int fr = min(f_wg + 64 * mf + 16 * wq + 8 * h + g, w0.rows - 1);
+      par0[mf][h] = static_cast<int>((static_cast<int64_t>(fr) * n_sg) & 1);
+    }
+  extern __shared__ __align__(128) uint8_t wg_smem[];
+  Stage* stage = reinterpret_cast<Stage*>(wg_smem);
+  // The copy plan, worked out once (q4_tile_kernel's reasons). Activation copy j: token r, step s,
+  // part p, k half j1: 16 bytes from its row's group block to its core-matrix row.
+  constexpr int kXCopies = PARTS * TN / 32;  // per thread: 4 steps x PARTS x 2 halves x TN / 256
+  uint32_t xf_src[kXCopies], xf_dst[kXCopies];
+#pragma unroll
+  for (int j = 0; j < kXCopies; ++j) {
+    const int i = tid + j * kWgThreads, j1 = i & 1, q = (i >> 1) % (4 * PARTS), r = (i >> 1) / (4 * PARTS);
+    const int s = q / PARTS, p = q % PARTS;
+    xf_src[j] = static_cast<uint32_t>(srow[r] * a.groups * kWgGroupU2 + (s * 3 + p) * 4 + j1 * 2);
+    xf_dst[j] = static_cast<uint32_t>(offsetof(Stage, xb) + (s * PARTS + p) * kBBytes + (r >> 3) * 256 + j1 * 128 +
+                                      (r & 7) * 16);
+  }
+  const uint8_t* code_src[2];  // code copy j: 16 bytes of block feature (i / 2) at group 0
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int i = tid + j * kWgThreads;
+    const size_t row = static_cast<size_t>(min(block_f0 + (i >> 1), w0.rows - 1));
+    code_src[j] = w0.data + row * row_bytes + (i & 1) * 16;
+  }
+  const size_t gsum_src = static_cast<size_t>(srow[tid % TN]) * a.groups;
+  const uint8_t* sb_src[2];  // scale/bias word j: its feature row's first scale group
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int i = tid + j * kWgThreads;
+    const size_t row = static_cast<size_t>(min(block_f0 + (i >> 1), w0.rows - 1));
+    sb_src[j] = ((i & 1) ? w0.biases : w0.scales) + row * n_sg * es;
+  }
+  auto stage_group = [&](int G, Stage& st) {
+    uint8_t* base = reinterpret_cast<uint8_t*>(&st);
+#pragma unroll
+    for (int j = 0; j < kXCopies; ++j)
+      cp_async16(base + xf_dst[j], a.xf + xf_src[j] + static_cast<size_t>(G) * kWgGroupU2);
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      cp_async16(&st.codes[0][0] + 2 * (tid + j * kWgThreads), code_src[j] + static_cast<size_t>(G) * 32);
+    if (tid < TN) cp_async4(&st.gsum[tid], a.gsum + gsum_src + G);
+    const size_t off = static_cast<size_t>(G >> gpg_shift) * es;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const uintptr_t at = reinterpret_cast<uintptr_t>(sb_src[j] + off);
+      cp_async4(&st.sb[tid + j * kWgThreads], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
+    }
+  };
+  // Scales and biases from their staged words (q4_tile_kernel's byte permutation).
+  const bool f16s = sk == static_cast<uint8_t>(WKind::F16);
+  const uint32_t sel_lo = sk == static_cast<uint8_t>(WKind::F32) ? 0x3210u : f16s ? 0x4410u : 0x1044u;
+  const uint32_t sel_hi = sk == static_cast<uint8_t>(WKind::F32) ? 0x3210u : f16s ? 0x4432u : 0x3244u;
+  auto from_word = [&](uint32_t word, int par) -> float {
+    const uint32_t v = __byte_perm(word, 0u, par ? sel_hi : sel_lo);
+    return f16s ? f16_bits_to_float(static_cast<uint16_t>(v)) : __uint_as_float(v);
+  };
+
+  float acc[2][ND] = {};  // [m64 tile][n8 block j * 4 + (row g: 0, 1; row g + 8: 2, 3)]
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
+  // The group's A fragments (its 4 k16 steps, q4_tile_kernel's code_pair_lop3 order): rows g, g + 8.
+  auto unpack = [&](const Stage& st, uint32_t (&af)[4][2][4]) {
+#pragma unroll
+    for (int mf = 0; mf < 2; ++mf) {
+      const int fl = 128 * wg + 64 * mf + 16 * wq + g;
+      const uint2 c0 = st.codes[fl][t], c8 = st.codes[fl + 8][t];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint32_t w_g = (s >> 1) ? c0.y : c0.x, w_g8 = (s >> 1) ? c8.y : c8.x;
+        const int i0 = 2 * (s & 1);
+        af[s][mf][0] = code_pair_lop3(w_g, i0);
+        af[s][mf][1] = code_pair_lop3(w_g8, i0);
+        af[s][mf][2] = code_pair_lop3(w_g, i0 + 1);
+        af[s][mf][3] = code_pair_lop3(w_g8, i0 + 1);
+      }
+    }
+  };
+  // The group's 4 steps x 2 tiles x PARTS wgmmas into d (the first of each tile overwrites it).
+  auto issue = [&](int sidx, const uint32_t (&af)[4][2][4], float (&d)[2][ND]) {
+    const uint32_t xb = smem_base + static_cast<uint32_t>(sidx * sizeof(Stage) + offsetof(Stage, xb));
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+        for (int p = PARTS - 1; p >= 0; --p)  // small parts first
+          wg_mma(d[mf], af[s][mf], wg_desc(xb + (s * PARTS + p) * kBBytes, kWgLbo, kWgSbo), s > 0 || p < PARTS - 1);
+  };
+  // y += s Σ q x + b Σ x for group G from its sums d: rows g, g + 8 of each tile; tokens 8 j + 2 t, + 1.
+  auto epilogue = [&](int G, const Stage& st, const float (&d)[2][ND]) {
+    float2 sx[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) sx[j] = *reinterpret_cast<const float2*>(&st.gsum[8 * j + 2 * t]);
+    const int sp = (G >> gpg_shift) & 1;
+#pragma unroll
+    for (int mf = 0; mf < 2; ++mf) {
+      const int fl = 128 * wg + 64 * mf + 16 * wq + g;
+      const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[fl * 2]);
+      const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(fl + 8) * 2]);
+      const float s0 = from_word(sb_g.x, par0[mf][0] ^ sp), b0 = from_word(sb_g.y, par0[mf][0] ^ sp);
+      const float s1 = from_word(sb_g8.x, par0[mf][1] ^ sp), b1 = from_word(sb_g8.y, par0[mf][1] ^ sp);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        float* c = &acc[mf][4 * j];
+        const float* e = &d[mf][4 * j];
+        c[0] = fmaf(s0, e[0], fmaf(b0, sx[j].x, c[0]));
+        c[1] = fmaf(s0, e[1], fmaf(b0, sx[j].y, c[1]));
+        c[2] = fmaf(s1, e[2], fmaf(b1, sx[j].x, c[2]));
+        c[3] = fmaf(s1, e[3], fmaf(b1, sx[j].y, c[3]));
+      }
+    }
+  };
+  stage_group(g_begin, stage[0]);
+  cp_async_commit();
+  if (g_begin + 1 < g_end) stage_group(g_begin + 1, stage[1]);
+  cp_async_commit();
+  // Per group: copies done, unpack, the group's wgmmas, wait for them, add their sums; the two
+  // warpgroups of the block overlap one's sums with the other's MMAs. (A software pipeline that adds
+  // group G - 1's sums while group G's wgmmas run needs two sets of sums and A fragments: at 32 tokens
+  // it was slower than this loop, 12.1 against 10.8 us per 8k token on the DeltaNet in_proj; at 64
+  // tokens it does not fit the registers.)
+  float d[2][ND];
+  uint32_t af[4][2][4];
+  for (int G = g_begin; G < g_end; ++G) {
+    cp_async_wait<1>();   // this thread's copies of group G are done
+    fence_proxy_async();  // ... and visible to the wgmmas (async proxy)
+    __syncthreads();      // everyone's are; and every warpgroup is done with group G - 1's buffer
+    if (G + 2 < g_end) stage_group(G + 2, stage[(G - g_begin + 2) % kStages]);
+    cp_async_commit();
+    const int sidx = (G - g_begin) % kStages;
+    if (active) {
+      unpack(stage[sidx], af);
+      wg_fence();
+      issue(sidx, af, d);
+      wg_commit();
+      wg_wait<0>();
+      epilogue(G, stage[sidx], d);
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  if (!active) return;
+  float* const y = a.job[job].y;
+  const int ldy = a.job[job].ldy;
+  const Epilogue epi = a.job[job].epi;
+  const float epi_arg = a.job[job].epi_arg;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int row = drow[8 * j + 2 * t + c];
+      if (row < 0) continue;
+      float* yr = y + static_cast<size_t>(row) * ldy;
+      if (a.split.partial)
+        yr = a.split.partial + blockIdx.z * a.split.stride + a.split.off[job] + static_cast<int64_t>(row) * w0.rows;
+#pragma unroll
+      for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int f = f_wg + 64 * mf + 16 * wq + 8 * h + g;
+          if (f >= w0.rows) continue;
+          const float v = acc[mf][4 * j + 2 * h + c];
+          yr[f] = a.split.partial ? v : apply_epilogue(v, epi, epi_arg);
+        }
+    }
+#else
+  __trap();  // built for sm_90a only (CMakeLists.txt); q4_wg_ready() keeps other devices off this path
+#endif
+}
+
+// The kernel for (parts, tokens per block) and its dynamic shared memory.
+using WgKernel = void (*)(Q4WgArgs);
+WgKernel wg_kernel(int parts, int tokens, int* smem) {
+  if (tokens == 32) {
+    *smem = wg_smem<32>();
+    return parts == 3 ? q4_wg_dense_kernel<3, 32> : q4_wg_dense_kernel<2, 32>;
+  }
+  *smem = wg_smem<64>();
+  return parts == 3 ? q4_wg_dense_kernel<3, 64> : q4_wg_dense_kernel<2, 64>;
+}
+
+}  // namespace
+
+bool q4_wg_ready() {
+  static const bool ready = [] {
+    cudaFuncAttributes at{};
+    for (int parts : {2, 3})
+      for (int tokens : {32, 64}) {
+        int smem = 0;
+        const WgKernel k = wg_kernel(parts, tokens, &smem);
+        if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
+            cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+          (void)cudaGetLastError();  // no image for this device: not an error of the run
+          return false;
+        }
+      }
+    return true;
+  }();
+  return ready;
+}
+
+void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens,
+                        cudaStream_t stream) {
+  int smem = 0;
+  const WgKernel k = wg_kernel(parts, tokens, &smem);
+  const dim3 grid(feature_tiles, static_cast<unsigned>((a.rows + tokens - 1) / tokens), splits);
+  k<<<grid, kWgThreads, smem, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace ck::cuda

@@ -1,0 +1,42 @@
+// The dense 4-bit prefill product on Hopper's warpgroup MMAs (wgmma, sm_90a), the same arithmetic as
+// gemm_q4.cu's q4_tile_kernel<kQ4Dense> (codes exact in bf16, the activations in PARTS bf16 parts, a
+// group's Σ q x in fp32, then y += s Σ q x + b Σ x): gemm_q4() hands its launch here when the device
+// runs sm_90a code (compute capability 9.0) and CK_Q4_WGMMA is not 0.
+//
+// This file's kernel is built for sm_90a only (CMakeLists.txt: its own library), so the rest of the
+// engine keeps its architecture list; q4_wg_ready() says whether this device can run it.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/ops.h"
+#include "cuda/split_k.h"
+
+namespace ck::cuda {
+
+// Output features per block: 2 warpgroups x 2 m64 tiles (q4_tile_kernel's dense block is as wide, so
+// gemm_q4's tiling and split-K choice apply unchanged).
+constexpr int kQ4WgFeatures = 256;
+
+struct Q4WgArgs {
+  GemvJob job[kMaxGemvJobs];  // up to kMaxGemvJobs matrices over the same x rows [0, rows)
+  int32_t first_tile[kMaxGemvJobs + 1];
+  int32_t n_jobs = 0;
+  int32_t rows = 0;
+  const uint2* xf = nullptr;  // q4_xfrag_kernel's output in its wgmma layout (see gemm_q4.cu)
+  const float* gsum = nullptr;
+  int groups = 0;             // groups per x row in xf
+  int k_groups = 0;           // groups per block (split-K: block z takes [z k_groups, (z + 1) k_groups))
+  SplitK split;
+};
+
+// The kernel image loads on this device and its shared-memory limit is raised (call once, before any
+// graph capture). False: use q4_tile_kernel.
+bool q4_wg_ready();
+// Over feature tiles of all jobs x ceil(rows / tokens) x K splits; parts: 2 or 3; tokens per block: 64
+// (or 32).
+void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens,
+                        cudaStream_t stream);
+
+}  // namespace ck::cuda
