@@ -515,6 +515,19 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
 
 void set_prefill_parts(int parts) { g_prefill_parts = parts; }
 
+// Rows from which the dense products take the wgmma kernel: 768 (CK_Q4_WG_MIN_ROWS), so 1,024-row
+// prefill chunks do and short prompts do not (at 496 rows it lost 5-7% of prefill, 2026-11-30 18:43Z:
+// half the row tiles of q4_tile_kernel, one block per SM). set_q4_wg_min_rows: tests and comparisons.
+static int g_q4_wg_min_rows = -1;
+int q4_wg_min_rows() {
+  if (g_q4_wg_min_rows < 0) {
+    const char* e = std::getenv("CK_Q4_WG_MIN_ROWS");
+    g_q4_wg_min_rows = e ? std::max(1, std::atoi(e)) : 768;
+  }
+  return g_q4_wg_min_rows;
+}
+void set_q4_wg_min_rows(int rows) { g_q4_wg_min_rows = rows < 0 ? -1 : std::max(1, rows); }
+
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
                        cudaStream_t stream) {
@@ -539,14 +552,24 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     if (reinterpret_cast<uintptr_t>(jobs[j].w.scales) % 4 || reinterpret_cast<uintptr_t>(jobs[j].w.biases) % 4) return false;
     tiles += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
   }
-  // Split K when the grid fills its last wave poorly (two blocks per SM): the hyper-connection down
-  // projection (3 feature tiles over K = 10,240: 96 blocks for 1,024 rows) and the DeltaNet out
-  // projection (320 blocks: 1.2 waves). The fewest splits whose waves are >= 85% full, each split at
-  // least 8 groups long; the partial sums cost a write and a read of the output per split. K < 256
-  // stays on gemm.cu.
-  const int row_tiles = static_cast<int>(ceil_div(rows, 32)), groups = K / 64;
   if (K < 256) return false;
-  const int64_t blocks = static_cast<int64_t>(tiles) * row_tiles, slots = 2 * static_cast<int64_t>(sm_count());
+  static const bool on = !env_is("CK_Q4_DENSE", "0");
+  if (!on) return false;
+  // Hopper: chunks of at least q4_wg_min_rows() rows go to the warpgroup-MMA kernel (gemm_q4_wg.cu;
+  // CK_Q4_WGMMA=0 keeps q4_tile_kernel): 64 tokens x 256 features per block, one block per SM.
+  static const bool wg_ok = !env_is("CK_Q4_WGMMA", "0") && device_attribute(cudaDevAttrComputeCapabilityMajor) == 9 &&
+                            device_attribute(cudaDevAttrComputeCapabilityMinor) == 0 && q4_wg_ready();
+  static_assert(kQ4WgFeatures == q4_block_features<kQ4Dense>(), "the two dense kernels tile alike");
+  static const int wg_tokens = env_is("CK_Q4_WG_TOKENS", "32") ? 32 : 64;  // 32: to compare
+  const bool wg = wg_ok && rows >= q4_wg_min_rows();
+  // Split K when the grid fills its last wave poorly (two q4_tile_kernel blocks per SM, or one wgmma
+  // block): the hyper-connection down projection (3 feature tiles over K = 10,240: 96 blocks for 1,024
+  // rows) and the DeltaNet out projection (320 blocks: 1.2 waves). The fewest splits whose waves are
+  // >= 85% full, each split at least 8 groups long; the partial sums cost a write and a read of the
+  // output per split. K < 256 stays on gemm.cu.
+  const int row_tiles = static_cast<int>(ceil_div(rows, wg ? wg_tokens : 32)), groups = K / 64;
+  const int64_t blocks = static_cast<int64_t>(tiles) * row_tiles,
+                slots = (wg ? 1 : 2) * static_cast<int64_t>(sm_count());
   auto fill = [&](int s) {
     const double waves = static_cast<double>(blocks * s) / static_cast<double>(slots);
     return waves / std::ceil(waves);
@@ -555,16 +578,9 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   const int max_splits = std::min(16, groups / 8);
   for (int s = 2; fill(splits) < 0.85 && s <= max_splits; ++s)
     if (fill(s) > fill(splits)) splits = s;
-  if (blocks < sm_count() && splits < 2) return false;
+  if (!wg && blocks < sm_count() && splits < 2) return false;
   const int k_groups = static_cast<int>(ceil_div(groups, splits));
   splits = static_cast<int>(ceil_div(groups, k_groups));
-  static const bool on = !env_is("CK_Q4_DENSE", "0");
-  if (!on) return false;
-  // Hopper: the warpgroup-MMA kernel (gemm_q4_wg.cu), the same blocks and splits; CK_Q4_WGMMA=0 keeps
-  // q4_tile_kernel.
-  static const bool wg = !env_is("CK_Q4_WGMMA", "0") && device_attribute(cudaDevAttrComputeCapabilityMajor) == 9 &&
-                         device_attribute(cudaDevAttrComputeCapabilityMinor) == 0 && q4_wg_ready();
-  static_assert(kQ4WgFeatures == q4_block_features<kQ4Dense>(), "the two dense kernels tile alike");
   XFrag f = make_xfrag(x, ldx, rows, K, groups, stream, wg);
   Q4Args a{};
   a.n_jobs = n_jobs;
@@ -591,7 +607,6 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     w.groups = groups;
     w.k_groups = k_groups;
     w.split = a.split;
-    static const int wg_tokens = env_is("CK_Q4_WG_TOKENS", "32") ? 32 : 64;  // 32: to compare
     launch_q4_wg_dense(grid.x, grid.z, w, prefill_parts(), wg_tokens, stream);
   } else {
     launch_q4_tile<kQ4Dense>(grid, a, stream);

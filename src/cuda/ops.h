@@ -64,6 +64,11 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // The bf16 parts of the activations the factored 4-bit kernels multiply (gemm_q4, expert_*_q4): 2 (the
 // default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
 void set_prefill_parts(int parts);
+// On Hopper, gemm_q4 calls of at least this many rows run the warpgroup-MMA kernel (gemm_q4_wg.h):
+// 768 by default (CK_Q4_WG_MIN_ROWS); set_q4_wg_min_rows(1) sends every call there (the tests), -1
+// goes back to the default.
+int q4_wg_min_rows();
+void set_q4_wg_min_rows(int rows);
 
 // Which GEMV schedule runs (gemv.cu): 2, the default (tensor cores for tall 4-bit matrices, a warp per
 // row group for the other 4/8-bit codes; other formats fall back to 1), or 1 (block per rows, every

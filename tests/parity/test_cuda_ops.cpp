@@ -251,15 +251,18 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
       const bool tc = rows > kMaxRows;
       if (tc)
         for (double& t : tol) t *= 32.0;
+      // Over kMaxRows: both dense 4-bit kernels on Hopper (the warpgroup-MMA one as version 1 here, by
+      // its row threshold; elsewhere both runs take q4_tile_kernel).
       for (int version : {1, 2}) {
-        if (tc && version == 1) continue;
-        set_gemv_version(version);
+        if (tc) set_q4_wg_min_rows(version == 1 ? 1 : 1 << 30);
+        else set_gemv_version(version);
         DeviceBuffer<float> xd, yd(static_cast<size_t>(rows) * ldy);
         matvec(*dm, to_device(x, &xd), ldx, yd.get(), ldy, rows, nullptr);
         std::vector<float> yh = to_host(yd.get(), static_cast<size_t>(rows) * ldy), got(ref.size());
         for (int r = 0; r < rows; ++r)
           std::memcpy(got.data() + r * gc.rows, yh.data() + r * ldy, sizeof(float) * gc.rows);
-        report(std::string(tc ? "matvec tc " : "matvec v" + std::to_string(version) + " ") + form_name(gc.f) + " [" +
+        report(std::string(tc ? (version == 1 ? "matvec tc wg " : "matvec tc ") : "matvec v" + std::to_string(version) + " ") +
+                   form_name(gc.f) + " [" +
                    std::to_string(gc.rows) + "x" + std::to_string(gc.cols) + "] rows " + std::to_string(rows),
                compare(got, ref, tol, 0, 0));
       }
@@ -269,6 +272,7 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
   EXPECT_GE(gemv_stream_launches() - streamed_before, 3);
   set_gemv_stream_min_work(-1);
   set_gemv_version(2);
+  set_q4_wg_min_rows(-1);
 }
 
 TEST(CudaOps, GemvMultiJobWithEpilogues) {
@@ -1079,14 +1083,20 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
     std::map<std::string, std::vector<float>> ref;
     std::vector<float> ref_logits;
     cpu_taps(cm, tokens, &ref, &ref_logits);
-    auto s = (*dm)->new_session(128);
-    s->set_prefill_chunk(40);
-    StepResult res;
-    ASSERT_TRUE(s->step_rows(tokens, false, true, &res).ok());
-    ASSERT_EQ(res.logits.size(), ref_logits.size());
-    const double rl = rel_l2(res.logits.data(), ref_logits.data(), ref_logits.size());
-    std::printf("  %s, prefill chunks of 40: logits rel_l2 %.3e\n", g.name.c_str(), rl);
-    EXPECT_LE(rl, 1e-4);
+    // Both dense 4-bit kernels on Hopper: the warpgroup-MMA one (below its row threshold only here).
+    for (int wg_min_rows : {-1, 1}) {
+      set_q4_wg_min_rows(wg_min_rows);
+      auto s = (*dm)->new_session(128);
+      s->set_prefill_chunk(40);
+      StepResult res;
+      ASSERT_TRUE(s->step_rows(tokens, false, true, &res).ok());
+      ASSERT_EQ(res.logits.size(), ref_logits.size());
+      const double rl = rel_l2(res.logits.data(), ref_logits.data(), ref_logits.size());
+      std::printf("  %s, prefill chunks of 40%s: logits rel_l2 %.3e\n", g.name.c_str(),
+                  wg_min_rows == 1 ? " (wgmma dense)" : "", rl);
+      EXPECT_LE(rl, 1e-4);
+    }
+    set_q4_wg_min_rows(-1);
   }
 }
 
