@@ -275,19 +275,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
       cp_async4(&st.sb[tid + j * kQ4TileWarps * 32], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
     }
   };
-  // A scale or bias from its staged 4-byte word: which half holds a 2-byte one is the parity of its
-  // element index (scales and biases start 4-byte aligned: gemm_q4 checks the dense jobs; expert
-  // records are 256-byte aligned, cuda/dmatrix.h expert_layout).
-  // One byte permutation places the value: bf16 into the high half (zeros below), f16 into the low
-  // half, f32 as it is (word_sel gives the selector for a parity).
-  const bool f16s = sk == static_cast<uint8_t>(WKind::F16);
-  const uint32_t sel_lo = sk == static_cast<uint8_t>(WKind::F32) ? 0x3210u : f16s ? 0x4410u : 0x1044u;
-  const uint32_t sel_hi = sk == static_cast<uint8_t>(WKind::F32) ? 0x3210u : f16s ? 0x4432u : 0x3244u;
-  auto word_sel = [&](int par) { return par ? sel_hi : sel_lo; };
-  auto from_word = [&](uint32_t word, uint32_t sel) -> float {
-    const uint32_t v = __byte_perm(word, 0u, sel);
-    return f16s ? f16_bits_to_float(static_cast<uint16_t>(v)) : __uint_as_float(v);
-  };
+  const StagedScales scales(sk);  // a scale or bias from its staged 4-byte word
   auto load_codes = [&](int G, uint2 (&wq)[NW][MF][2]) {
 #pragma unroll
     for (int q = 0; q < NW; ++q) {
@@ -378,9 +366,9 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
             const int fl = warp * 16 * MF + mf * 16 + g;
             const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl) * 2]);
             const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl + 8) * 2]);
-            const uint32_t sel0 = word_sel(par0[mf][0] ^ sp), sel1 = word_sel(par0[mf][1] ^ sp);
-            const float s0 = from_word(sb_g.x, sel0), b0 = from_word(sb_g.y, sel0);
-            const float s1 = from_word(sb_g8.x, sel1), b1 = from_word(sb_g8.y, sel1);
+            const uint32_t sel0 = scales.sel(par0[mf][0] ^ sp), sel1 = scales.sel(par0[mf][1] ^ sp);
+            const float s0 = scales.value(sb_g.x, sel0), b0 = scales.value(sb_g.y, sel0);
+            const float s1 = scales.value(sb_g8.x, sel1), b1 = scales.value(sb_g8.y, sel1);
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
               float* c = acc[q][mf][nb];

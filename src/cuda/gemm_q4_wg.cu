@@ -176,14 +176,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
       cp_async4(&st.sb[tid + j * kWgThreads], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
     }
   };
-  // Scales and biases from their staged words (q4_tile_kernel's byte permutation).
-  const bool f16s = sk == static_cast<uint8_t>(WKind::F16);
-  const uint32_t sel_lo = sk == static_cast<uint8_t>(WKind::F32) ? 0x3210u : f16s ? 0x4410u : 0x1044u;
-  const uint32_t sel_hi = sk == static_cast<uint8_t>(WKind::F32) ? 0x3210u : f16s ? 0x4432u : 0x3244u;
-  auto from_word = [&](uint32_t word, int par) -> float {
-    const uint32_t v = __byte_perm(word, 0u, par ? sel_hi : sel_lo);
-    return f16s ? f16_bits_to_float(static_cast<uint16_t>(v)) : __uint_as_float(v);
-  };
+  const StagedScales scales(sk);  // a scale or bias from its staged 4-byte word
 
   float acc[2][ND] = {};  // [m64 tile][n8 block j * 4 + (row g: 0, 1; row g + 8: 2, 3)]
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
@@ -226,8 +219,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
       const int fl = 128 * wg + 64 * mf + 16 * wq + g;
       const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[fl * 2]);
       const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(fl + 8) * 2]);
-      const float s0 = from_word(sb_g.x, par0[mf][0] ^ sp), b0 = from_word(sb_g.y, par0[mf][0] ^ sp);
-      const float s1 = from_word(sb_g8.x, par0[mf][1] ^ sp), b1 = from_word(sb_g8.y, par0[mf][1] ^ sp);
+      const uint32_t sel0 = scales.sel(par0[mf][0] ^ sp), sel1 = scales.sel(par0[mf][1] ^ sp);
+      const float s0 = scales.value(sb_g.x, sel0), b0 = scales.value(sb_g.y, sel0);
+      const float s1 = scales.value(sb_g8.x, sel1), b1 = scales.value(sb_g8.y, sel1);
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         float* c = &acc[mf][4 * j];

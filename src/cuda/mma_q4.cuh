@@ -60,6 +60,27 @@ __device__ __forceinline__ uint32_t code_pair_lop3(uint32_t w, int i) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+// A scale or bias of a 4-bit matrix from the aligned 4-byte word that holds it: the prefill GEMMs
+// (gemm_q4.cu, gemm_q4_wg.cu) stage those words with cp.async whatever the element's alignment.
+// Which half holds a 2-byte one is the parity of its element index (scales and biases start 4-byte
+// aligned: gemm_q4 checks the dense jobs; expert records are 256-byte aligned, cuda/dmatrix.h
+// expert_layout). One byte permutation places the value: bf16 into the high half (zeros below), f16
+// into the low half, f32 as it is.
+struct StagedScales {
+  bool f16s;
+  uint32_t sel_lo, sel_hi;
+  __device__ explicit StagedScales(uint8_t kind)
+      : f16s(kind == static_cast<uint8_t>(WKind::F16)),
+        sel_lo(kind == static_cast<uint8_t>(WKind::F32) ? 0x3210u : f16s ? 0x4410u : 0x1044u),
+        sel_hi(kind == static_cast<uint8_t>(WKind::F32) ? 0x3210u : f16s ? 0x4432u : 0x3244u) {}
+  // The byte selector for an element of index parity `par`.
+  __device__ uint32_t sel(int par) const { return par ? sel_hi : sel_lo; }
+  __device__ float value(uint32_t word, uint32_t selector) const {
+    const uint32_t v = __byte_perm(word, 0u, selector);
+    return f16s ? f16_bits_to_float(static_cast<uint16_t>(v)) : __uint_as_float(v);
+  }
+};
+
 // d += a * b, m16n8k16, bf16 in, fp32 accumulate. Fragments (PTX ISA, g = lane/4, t = lane%4):
 // a0 (row g, k 2t..2t+1), a1 (row g+8, same k), a2 (row g, k 2t+8..9), a3 (row g+8, k 2t+8..9);
 // b0 (k 2t..2t+1, col g), b1 (k 2t+8..9, col g); d0/d1 (row g, cols 2t, 2t+1), d2/d3 (row g+8).
