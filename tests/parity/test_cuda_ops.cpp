@@ -261,9 +261,10 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
         std::vector<float> yh = to_host(yd.get(), static_cast<size_t>(rows) * ldy), got(ref.size());
         for (int r = 0; r < rows; ++r)
           std::memcpy(got.data() + r * gc.rows, yh.data() + r * ldy, sizeof(float) * gc.rows);
-        report(std::string(tc ? (version == 1 ? "matvec tc wg " : "matvec tc ") : "matvec v" + std::to_string(version) + " ") +
-                   form_name(gc.f) + " [" +
-                   std::to_string(gc.rows) + "x" + std::to_string(gc.cols) + "] rows " + std::to_string(rows),
+        const std::string path =
+            tc ? (version == 1 ? "matvec tc wg " : "matvec tc ") : "matvec v" + std::to_string(version) + " ";
+        report(path + form_name(gc.f) + " [" + std::to_string(gc.rows) + "x" + std::to_string(gc.cols) + "] rows " +
+                   std::to_string(rows),
                compare(got, ref, tol, 0, 0));
       }
     }
