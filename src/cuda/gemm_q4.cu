@@ -570,36 +570,36 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   const int k_groups = static_cast<int>(ceil_div(groups, splits));
   splits = static_cast<int>(ceil_div(groups, k_groups));
   XFrag f = make_xfrag(x, ldx, rows, K, groups, stream, wg);
-  Q4Args a{};
-  a.n_jobs = n_jobs;
-  a.rows = rows;
-  a.k_groups = k_groups;
-  int t = 0;
-  for (int j = 0; j < n_jobs; ++j) {
-    a.job[j] = jobs[j];
-    a.first_tile[j] = t;
-    t += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
-  }
-  a.first_tile[n_jobs] = t;
-  a.xf = f.xf; a.gsum = f.gsum; a.groups = groups;
-  if (splits > 1) a.split = split_k_start(jobs, n_jobs, rows, splits, stream);
-  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
+  const SplitK split = splits > 1 ? split_k_start(jobs, n_jobs, rows, splits, stream) : SplitK{};
+  // The dense launch's arguments, the same fields in either kernel's struct.
+  auto dense_args = [&](auto& d) {
+    d.n_jobs = n_jobs;
+    d.rows = rows;
+    d.k_groups = k_groups;
+    int t = 0;
+    for (int j = 0; j < n_jobs; ++j) {
+      d.job[j] = jobs[j];
+      d.first_tile[j] = t;
+      t += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
+    }
+    d.first_tile[n_jobs] = t;
+    d.xf = f.xf;
+    d.gsum = f.gsum;
+    d.groups = groups;
+    d.split = split;
+  };
   if (wg) {
     Q4WgArgs w;
-    for (int j = 0; j < n_jobs; ++j) w.job[j] = a.job[j];
-    for (int j = 0; j <= n_jobs; ++j) w.first_tile[j] = a.first_tile[j];
-    w.n_jobs = n_jobs;
-    w.rows = rows;
-    w.xf = f.xf;
-    w.gsum = f.gsum;
-    w.groups = groups;
-    w.k_groups = k_groups;
-    w.split = a.split;
-    launch_q4_wg_dense(grid.x, grid.z, w, prefill_parts(), wg_tokens, stream);
+    dense_args(w);
+    launch_q4_wg_dense(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, prefill_parts(), wg_tokens,
+                       stream);
   } else {
-    launch_q4_tile<kQ4Dense>(grid, a, stream);
+    Q4Args a{};
+    dense_args(a);
+    launch_q4_tile<kQ4Dense>(
+        dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits)), a, stream);
   }
-  if (splits > 1) split_k_finish(a.split, jobs, n_jobs, splits, stream);
+  if (splits > 1) split_k_finish(split, jobs, n_jobs, splits, stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
   return true;
 }
