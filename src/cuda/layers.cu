@@ -686,6 +686,9 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs
 
 // ------------------------------------------------------------------ QSA attention
 
+// Dynamic shared memory the attention kernels may take (their limit, raised once in init_kernels).
+constexpr int kAttnMaxSmem = 200 * 1024;
+
 // Normalises src (n values, N1 with `norm`) into buf, then writes buf to dst with RoPE at `pos` on the
 // first `rot` dims. Block-wide; contains __syncthreads.
 __device__ void norm_rope_to(const float* src, int n, const float* norm, float eps, const float* inv_freq, int rot,
@@ -1572,7 +1575,6 @@ __global__ void moe_combine_kernel(const float* y, int ldy, const ExpertPair* pa
 void init_kernels() {
   init_gemv();
   hc_mix_init();
-  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   // Kernels take their scratch with cudaMallocAsync (split-K partials, activation fragments, the chunked
   // delta rule's records: ~110 MB per 1,024-row prefill chunk at the released geometry). By default the
   // pool hands memory back to the driver at every synchronisation, so each prefill chunk would map it
@@ -1587,11 +1589,12 @@ void init_kernels() {
                                   static_cast<int>(gdn_prep_smem(kGdnChunkMaxDim, kGdnChunkMaxDim))));
   CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(gdn_scan_smem(kGdnChunkMaxDim))));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_decode_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_decode_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
 }
 
 std::vector<float> rope_inv_freq(int rot_dim, double theta) {
@@ -1715,7 +1718,7 @@ void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t s
   CK_REQUIRE(a.cr >= 1 && a.block_topk >= 1 && a.nh % a.nkv == 0 && a.rot <= a.hd && a.rot <= a.ihd, "invariant");
   const int cap = static_cast<int>(attention_max_selected(a.block_topk, a.cr));
   const size_t dec_smem = static_cast<size_t>(cap) * 8;
-  CK_REQUIRE(dec_smem <= 200 * 1024, "attention: %d selectable keys do not fit in shared memory", cap);
+  CK_REQUIRE(dec_smem <= kAttnMaxSmem, "attention: %d selectable keys do not fit in shared memory", cap);
   const int nprep = a.nh + a.nkv + a.inh + 1;
   launch(attn_prep_kernel, dim3(nprep, rows), 128, sizeof(float) * std::max(a.hd, a.ihd), stream, a, sp);
   CUDA_CHECK_LAUNCH();
@@ -1729,7 +1732,7 @@ void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t s
   // Prefill chunks on the tensor cores: a block per (row, KV head) with all its query heads.
   static const bool tc_on = !env_is("CK_ATTN_TC", "0");
   if (tc_on && rows > kMaxRows && a.hd % 16 == 0 && a.hd <= 16 * kAttnTcMaxSteps && hpg <= 16 &&
-      attn_tc_smem(a) <= 200 * 1024) {
+      attn_tc_smem(a) <= kAttnMaxSmem) {
     launch(attn_heads_tc_kernel, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32,
            attn_tc_smem(a), stream, a, sp);
     CUDA_CHECK_LAUNCH();
@@ -1738,7 +1741,7 @@ void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t s
   // Prefill chunks: the heads of one KV head together (CK_ATTN_HEADS=0 keeps one block per head).
   static const bool heads_on = !env_is("CK_ATTN_HEADS", "0");
   const size_t heads_smem = static_cast<size_t>(1 + attn_heads_per_block(hpg)) * attn_cap4(a) * sizeof(float);
-  if (heads_on && rows > kMaxRows && a.hd % 8 == 0 && a.hd <= 256 && heads_smem <= 200 * 1024) {
+  if (heads_on && rows > kMaxRows && a.hd % 8 == 0 && a.hd <= 256 && heads_smem <= kAttnMaxSmem) {
     // CK_ATTN_BUTTERFLY=0: one warp sum per dot product (the sixth session's kernel).
     static const bool butterfly = !env_is("CK_ATTN_BUTTERFLY", "0");
     const dim3 grid(static_cast<unsigned>(a.nkv * attn_heads_chunks(hpg)), static_cast<unsigned>(rows));
