@@ -60,20 +60,25 @@ void emit(FILE* out, const char* fmt_str, ...) {
 // CK_HC_TIMING=1: where the blocks of the step's last one-row mix (the final mixer) spent their time
 // (the session's stamps, HcMixArgs::stamps): each block's start against the first block's
 // (globaltimer), and its SM cycles in each piece (cuda::kHcStampNames), as min / median / p90 / max
-// over the blocks.
+// over the blocks that ran it (the grid may be smaller than the stamps' one block per SM, and blocks
+// without work after phase 1 leave at the barrier: their later pieces read 0).
 void report_hc_mix_timing(cuda::Session& s, FILE* out) {
   const std::vector<uint64_t> st = s.hc_mix_stamps();
   constexpr int W = cuda::kHcStampWords;
   if (st.empty()) return;
   const size_t n = st.size() / W;
   uint64_t first = UINT64_MAX;
-  for (size_t b = 0; b < n; ++b) first = std::min(first, st[W * b]);
+  for (size_t b = 0; b < n; ++b)
+    if (st[W * b] != 0) first = std::min(first, st[W * b]);
   for (int k = 0; k < W; ++k) {
-    std::vector<double> v(n);
-    for (size_t b = 0; b < n; ++b) v[b] = static_cast<double>(k == 0 ? st[W * b] - first : st[W * b + k]);
+    std::vector<double> v;
+    for (size_t b = 0; b < n; ++b)
+      if (st[W * b] != 0 && (k == 0 || st[W * b + k] != 0))
+        v.push_back(static_cast<double>(k == 0 ? st[W * b] - first : st[W * b + k]));
+    if (v.empty()) continue;
     std::sort(v.begin(), v.end());
     emit(out, "hc_mix   %-28s min %9.0f  median %9.0f  p90 %9.0f  max %9.0f  (%zu blocks)\n", cuda::kHcStampNames[k],
-         v.front(), v[n / 2], v[n * 9 / 10], v.back(), n);
+         v.front(), v[v.size() / 2], v[v.size() * 9 / 10], v.back(), v.size());
   }
 }
 

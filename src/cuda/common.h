@@ -226,6 +226,25 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf
 __device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+// A measuring switch, never for results: with CK_HOLLOW=s1,s2,... the kernels whose (mangled) name
+// contains one of the strings are launched as an empty kernel (pdl_begin only) with the same grid,
+// block, shared memory and launch attributes. A step's time with a kernel hollowed, against without,
+// is what that kernel's work costs inside the step (its launch and its place in the chain stay).
+// Outputs are garbage. Returns the kernel to launch in place of `kernel` (itself when not hollowed).
+const void* hollow_or(const void* kernel);
+
+// cudaLaunchKernelEx(cfg, kernel, args...), or the empty kernel under CK_HOLLOW (hollow_or).
+template <typename... Params, typename... Args>
+void launch_cfg(const cudaLaunchConfig_t& cfg, void (*kernel)(Params...), Args&&... args) {
+  const void* k = hollow_or(reinterpret_cast<const void*>(kernel));
+  if (k != reinterpret_cast<const void*>(kernel)) {
+    void* none[1] = {nullptr};
+    CUDA_CHECK(cudaLaunchKernelExC(&cfg, k, none));
+    return;
+  }
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization (the kernel
 // must call pdl_begin() before it touches memory), unless CK_PDL=0 or the stream is the legacy default
 // stream (the op tests' direct launches). Launch errors abort (CUDA_CHECK).
@@ -241,7 +260,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() && stream != nullptr ? 1 : 0;  // not on the legacy default stream (tests)
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+  launch_cfg(cfg, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace ck::cuda

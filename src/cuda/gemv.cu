@@ -1171,11 +1171,11 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, i
   cfg.attrs = attr;
   cfg.numAttrs = n_attr;
   if (bits == 8) {
-    if (bf16s) CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<true, 8>, L, x, kb));
-    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<false, 8>, L, x, kb));
+    if (bf16s) launch_cfg(cfg, gemv_tc4_one_kernel<true, 8>, L, x, kb);
+    else launch_cfg(cfg, gemv_tc4_one_kernel<false, 8>, L, x, kb);
   } else {
-    if (bf16s) CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<true, 4>, L, x, kb));
-    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_tc4_one_kernel<false, 4>, L, x, kb));
+    if (bf16s) launch_cfg(cfg, gemv_tc4_one_kernel<true, 4>, L, x, kb);
+    else launch_cfg(cfg, gemv_tc4_one_kernel<false, 4>, L, x, kb);
   }
   return true;
 }

@@ -28,6 +28,8 @@
 // formulas for combine, norm, sigmoid, silu and the gate mean, sums in a fixed order (deterministic).
 // The down product of the norm differs in rounding from the unfused kernels (r_s applied after the
 // product, not to X before it), within the parity tolerances against the CPU reference (tests/parity).
+#include <algorithm>
+
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/layers.h"
@@ -52,13 +54,16 @@ struct HcMixLaunch {
   float* ss;             // [n_chunks] sums of squares of the combined R per chunk
   float* part;           // [n_chunks][16 (tiles_d + tiles_i)] partial products ((hi + mid) + lo)
   unsigned* bar;         // grid barrier: arrivals (bar[0]), generation (bar[32])
+  int leave_early;       // blocks without phase 2-3 work leave at the barrier (else all wait)
 };
 
-// All blocks of the grid meet here; writes before it are visible to reads after it (read other
-// blocks' data with __ldcg: L1 is not coherent). Sense by generation (bar[32], its own line): a block
-// reads the generation before it arrives (bar[0]); the last to arrive resets the count and then
-// advances the generation with release semantics; the others poll it with acquire loads.
-__device__ __forceinline__ void grid_barrier(unsigned* bar) {
+// All blocks of the grid arrive here; those that `wait` leave once all have arrived, and then see
+// every block's writes before the barrier (read other blocks' data with __ldcg: L1 is not coherent).
+// The others leave at once (they have no work after it, and their SM is free for the next kernel's
+// blocks sooner). Sense by generation (bar[32], its own line): a block reads the generation before it
+// arrives (bar[0]); the last to arrive resets the count and then advances the generation with release
+// semantics; the waiting others poll it with acquire loads.
+__device__ __forceinline__ void grid_barrier(unsigned* bar, bool wait) {
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned* gen = bar + 32;
@@ -69,7 +74,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar) {
     if (old == gridDim.x - 1) {
       asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(bar) : "memory");
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(gen) : "memory");
-    } else {
+    } else if (wait) {
       // A wait of seconds means some block never became resident (the launch's occupancy check
       // failed to hold, e.g. under MPS with fewer SMs): trap, so the step fails with a CUDA error
       // instead of hanging.
@@ -243,7 +248,14 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     }
   }
   mark(3);
-  grid_barrier(L.bar);
+  // Only the blocks of u's groups have work after the barrier (phases 2 and 3).
+  const bool consumer = static_cast<int>(blockIdx.x) < H / 64;
+  grid_barrier(L.bar, consumer || !L.leave_early);
+  if (!consumer && L.leave_early) {
+    if (stamp)
+      for (int k = 4; k < kHcStampWords; ++k) st[k] = 0;  // pieces this block does not run
+    return;
+  }
   mark(4);
 
   // 1 / rms per stream: its chunks' sums of squares in chunk order (every block, for phases 2 and 3).
@@ -378,7 +390,13 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const bool bf16s = a.down.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16) &&
                      a.up.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16) &&
                      (a.inject.rows == 0 || a.inject.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16));
-  const dim3 grid(static_cast<unsigned>(blocks));
+  // A block per chunk of phase 1 or group of u, whichever is more: the SMs beyond are free for the
+  // next kernel's blocks (resident early under programmatic dependent launch, asking L2 for their
+  // weights), and so are the chunk-only blocks' SMs after phase 1.
+  // CK_HC_NARROW=0: a block on every SM, all waiting at the barrier (before 2026-11-30), to compare.
+  static const bool narrow = !env_is("CK_HC_NARROW", "0");
+  L.leave_early = narrow ? 1 : 0;
+  const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   if (bf16s) launch(hc_mix_row_kernel<true>, grid, kHcThreads, part_bytes, stream, L);
   else launch(hc_mix_row_kernel<false>, grid, kHcThreads, part_bytes, stream, L);
   return true;

@@ -1507,7 +1507,27 @@ __global__ void ple_conv_rows_kernel(const PleConvArgs a, int rows) {
 
 // ------------------------------------------------------------------ MoE
 
-// grid (rows), block 256, dynamic shared memory E floats + E bytes.
+// Slot t of row r's pairs: routed expert e with its weight (t < k), or the shared expert (t == k).
+__device__ __forceinline__ void write_route_pair(const MoeRouteArgs& a, int r, int t, int e, float weight) {
+  ExpertPair pr;
+  pr.x_row = r;
+  if (t < a.k) {
+    const ExpertSlot slot = a.table[e];
+    expert_views(slot.addr, slot.fmt, a.inter, a.hidden, &pr.gate, &pr.up, &pr.down);
+    pr.weight = weight;
+    pr.group = e;
+  } else {
+    pr.gate = a.sh_gate;
+    pr.up = a.sh_up;
+    pr.down = a.sh_down;
+    pr.weight = 0.0f;
+    pr.group = a.E;
+  }
+  a.pairs[static_cast<size_t>(r) * (a.k + 1) + t] = pr;
+}
+
+// grid (rows), block 256, dynamic shared memory E floats + E bytes. Any E (moe_route_warp_kernel
+// takes E <= 1,024).
 __global__ void moe_route_kernel(const MoeRouteArgs a) {
   pdl_begin();
   extern __shared__ float prob[];
@@ -1539,23 +1559,85 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
   }
   __syncthreads();
   for (int t = threadIdx.x; t <= a.k; t += blockDim.x) {
-    ExpertPair pr;
-    pr.x_row = r;
-    if (t < a.k) {
-      const int e = top[t];
-      const ExpertSlot slot = a.table[e];
-      expert_views(slot.addr, slot.fmt, a.inter, a.hidden, &pr.gate, &pr.up, &pr.down);
-      pr.weight = a.norm_topk ? prob[e] / top_sum : prob[e];
-      pr.group = e;
-    } else {
-      pr.gate = a.sh_gate;
-      pr.up = a.sh_up;
-      pr.down = a.sh_down;
-      pr.weight = 0.0f;
-      pr.group = a.E;
-    }
-    a.pairs[static_cast<size_t>(r) * (a.k + 1) + t] = pr;
+    const int e = t < a.k ? top[t] : 0;
+    write_route_pair(a, r, t, e, t < a.k ? (a.norm_topk ? prob[e] / top_sum : prob[e]) : 0.0f);
   }
+}
+
+// The same routing with one warp per row and no block barriers, for E <= 32 VPL: lane l holds the
+// probabilities of experts [VPL l, VPL l + VPL) in registers, and each of the k rounds is a scan of
+// the lane's unused values and a warp argmax (ties to the lower index, NaN never wins: block_topk's
+// rules). The block kernel took ~8 us per decode step's layer inside the graph (CK_HOLLOW,
+// 2026-11-30), most of it in k rounds of two block barriers each. The softmax sums in another order
+// than the block kernel (a warp's butterfly): probabilities may differ from it in the last bit.
+// grid (ceil(rows / 8)), block 32 min(rows, 8).
+template <int VPL>
+__global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs a, int rows) {
+  pdl_begin();
+  const int lane = threadIdx.x & 31, r = static_cast<int>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  const float* lg = a.logits + static_cast<size_t>(r) * a.ld;
+  const int e0 = VPL * lane;
+  float p[VPL];
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) p[j] = e0 + j < a.E ? lg[e0 + j] : -INFINITY;
+  float mx = p[0];
+#pragma unroll
+  for (int j = 1; j < VPL; ++j) mx = fmaxf(mx, p[j]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    p[j] = e0 + j < a.E ? expf(p[j] - mx) : 0.0f;
+    sum += p[j];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) p[j] /= sum;
+  uint32_t used = 0;  // bit j: expert e0 + j taken (or past E)
+#pragma unroll
+  for (int j = 0; j < VPL; ++j)
+    if (e0 + j >= a.E) used |= 1u << j;
+  int mine0 = 0, mine1 = 0;  // lane l keeps the picks of rounds l and l + 32 (k <= 64)
+  float mine0_p = 0.0f, mine1_p = 0.0f;
+  float ts = 0.0f;
+  for (int t = 0; t < a.k; ++t) {
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (!(used >> j & 1u) && arg_better(p[j], e0 + j, bv, bi)) { bv = p[j]; bi = e0 + j; }
+    warp_argmax(bv, bi);
+    if (bi == INT_MAX) {  // only NaNs left: the lowest unused index
+      int lo = INT_MAX;
+#pragma unroll
+      for (int j = VPL - 1; j >= 0; --j)
+        if (!(used >> j & 1u)) lo = e0 + j;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+      bi = lo;
+    }
+    const int owner = bi / VPL, jb = bi - owner * VPL;
+    float pv = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (j == jb) pv = p[j];
+    pv = __shfl_sync(0xffffffffu, pv, owner);  // the pick's probability (bv, or the NaN)
+    if (lane == owner) used |= 1u << jb;
+    ts += pv;  // block kernel's order: the picks' probabilities in round order
+    if (t == lane) {
+      mine0 = bi;
+      mine0_p = pv;
+    } else if (t == lane + 32) {
+      mine1 = bi;
+      mine1_p = pv;
+    }
+  }
+  auto weight = [&](float pv) { return a.norm_topk ? pv / ts : pv; };
+  if (lane <= a.k) write_route_pair(a, r, lane, mine0, lane < a.k ? weight(mine0_p) : 0.0f);
+  if (lane + 32 <= a.k) write_route_pair(a, r, lane + 32, mine1, lane + 32 < a.k ? weight(mine1_p) : 0.0f);
+  if (lane == 0 && a.k == 64) write_route_pair(a, r, 64, 0, 0.0f);  // the shared expert's slot
 }
 
 // grid (ceil(H/256), rows), block 256.
@@ -1789,7 +1871,20 @@ void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t
 
 void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
   CK_REQUIRE(a.k >= 1 && a.k <= 64 && a.k <= a.E && a.E <= 8192, "invariant");
-  launch(moe_route_kernel, rows, 256, sizeof(float) * a.E + a.E, stream, a);
+  // A warp per row up to 1,024 experts (CK_ROUTE_WARP=0: the block kernel, to compare).
+  static const bool warp = !env_is("CK_ROUTE_WARP", "0");
+  const int vpl = static_cast<int>(ceil_div(a.E, 32));
+  if (warp && vpl <= 32) {
+    const unsigned grid = static_cast<unsigned>(ceil_div(rows, 8)), block = 32 * std::min(rows, 8);
+    if (vpl <= 1) launch(moe_route_warp_kernel<1>, grid, block, 0, stream, a, rows);
+    else if (vpl <= 2) launch(moe_route_warp_kernel<2>, grid, block, 0, stream, a, rows);
+    else if (vpl <= 4) launch(moe_route_warp_kernel<4>, grid, block, 0, stream, a, rows);
+    else if (vpl <= 8) launch(moe_route_warp_kernel<8>, grid, block, 0, stream, a, rows);
+    else if (vpl <= 16) launch(moe_route_warp_kernel<16>, grid, block, 0, stream, a, rows);
+    else launch(moe_route_warp_kernel<32>, grid, block, 0, stream, a, rows);
+  } else {
+    launch(moe_route_kernel, rows, 256, sizeof(float) * a.E + a.E, stream, a);
+  }
   CUDA_CHECK_LAUNCH();
 }
 

@@ -513,7 +513,8 @@ TEST(CudaOps, RouterSoftmaxTopkAndTable) {
   REQUIRE_GPU();
   std::mt19937_64 rng(5);
   for (auto [E, k, norm] : {std::tuple{8, 1, 1}, std::tuple{64, 6, 0}, std::tuple{512, 10, 1}, std::tuple{33, 33, 1},
-                              std::tuple{2000, 8, 1}}) {  // over 1,024 experts: the shared-memory top-k
+                              std::tuple{1024, 64, 0},    // a warp per row: 32 experts per lane, 65 slots
+                              std::tuple{2000, 8, 1}}) {  // over 1,024 experts: the block kernel
     const int rows = 3, H = 64, I = 32;
     std::vector<float> logits = randn(rows * E, rng, 2.0f);
     logits[1] = logits[2];  // a tie: the lower index wins
