@@ -687,6 +687,7 @@ struct TcLaunch {
   int32_t ks;                            // warps that split one tile's groups (1, 2, 4, 8)
   const uint2* frag;                     // [groups][4 steps][NB][32 lanes]
   const float* gsum;                     // [groups][8 NB]: Σ x of the group on each row's hi column
+  int32_t prefetch;                      // ask L2 for the warp's weights before pdl_begin (CK_GEMV_PREFETCH)
 };
 
 // grid (groups, vectors), block 128: group blockIdx.x's B fragments for R activation rows (nx real;
@@ -734,7 +735,7 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   Tc4Rows<BF16S> tr;
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
-    tr.prefetch(G0, G1, t);
+    if (L.prefetch) tr.prefetch(G0, G1, t);
   }
   pdl_begin();  // the fragments and group sums come from the kernel before
   if (tile < n_tiles) {
@@ -831,7 +832,7 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   Tc4Rows<BF16S, BITS> tr;
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
-    tr.prefetch(G0, G1, t);
+    if (L.prefetch) tr.prefetch(G0, G1, t);
   }
   pdl_begin();  // x comes from the kernel before
   for (int G = B0 + warp; G < B1; G += 8) {
@@ -1115,6 +1116,8 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
 // A v4 launch's jobs cut into 16-row tiles (ks still to choose). n_jobs in [1, kMaxGemvJobs].
 TcLaunch tc_launch_of(const GemvJob* jobs, int n_jobs) {
   TcLaunch L{};
+  static const bool prefetch = !env_is("CK_GEMV_PREFETCH", "0");  // 0: not, to compare
+  L.prefetch = prefetch ? 1 : 0;
   L.n_jobs = n_jobs;
   L.groups = jobs[0].w.cols / 64;
   int tiles = 0;

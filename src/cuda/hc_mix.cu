@@ -55,6 +55,7 @@ struct HcMixLaunch {
   float* part;           // [n_chunks][16 (tiles_d + tiles_i)] partial products ((hi + mid) + lo)
   unsigned* bar;         // grid barrier: arrivals (bar[0]), generation (bar[32])
   int leave_early;       // blocks without phase 2-3 work leave at the barrier (else all wait)
+  int prefetch;          // ask L2 for the block's weights before pdl_begin (CK_HC_OWN_PREFETCH)
 };
 
 // All blocks of the grid arrive here; those that `wait` leave once all have arrived, and then see
@@ -175,7 +176,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   };
 
   // Weights never change: ask L2 for this block's shares (phases 1 and 3) while the kernel before runs.
-  if (c < L.n_chunks) {
+  if (c < L.n_chunks && L.prefetch) {
     const int G0 = c * cg;
     for (int r = tid; r < a.down.rows + a.inject.rows; r += kHcThreads) {
       const DMatrix& m = r < a.down.rows ? a.down : a.inject;
@@ -187,7 +188,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       prefetch_l2(m.biases + si, es);
     }
   }
-  if (blockIdx.x < H / 64) {
+  if (blockIdx.x < H / 64 && L.prefetch) {
     const DMatrix& m = a.up;
     const int gpr = m.cols / m.fmt.group, es = wkind_bytes(m.fmt.scale_kind);
     for (int s = warp; s < S; s += kHcWarps) {  // a warp per stream: 64 contiguous rows
@@ -396,6 +397,8 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   // CK_HC_NARROW=0: a block on every SM, all waiting at the barrier (before 2026-11-30), to compare.
   static const bool narrow = !env_is("CK_HC_NARROW", "0");
   L.leave_early = narrow ? 1 : 0;
+  static const bool prefetch = !env_is("CK_HC_OWN_PREFETCH", "0");  // 0: not, to compare
+  L.prefetch = prefetch ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   if (bf16s) launch(hc_mix_row_kernel<true>, grid, kHcThreads, part_bytes, stream, L);
   else launch(hc_mix_row_kernel<false>, grid, kHcThreads, part_bytes, stream, L);
