@@ -12,8 +12,9 @@
 // A deferred MoE output (HcMixArgs::moe_y) is combined from its slots in phase 1, element by element
 // (moe_combine_elem: the same bits as moe_combine_kernel), instead of by a kernel of its own before.
 //
-// Phases (one block per SM, all resident: the launch checks one block fits an SM, and under
-// programmatic dependent launch the next kernel is only scheduled once every block of this one runs):
+// Phases (at most one block per SM, all resident: the launch checks one block fits an SM and launches
+// no more blocks than SMs, and under programmatic dependent launch the next kernel is only scheduled
+// once every block of this one runs; the blocks without work after the barrier leave there):
 //  1. Block c takes chunk c of the wide input (cg 64-code groups inside one stream): it applies the
 //     deferred combine R += o w_s (and writes R back: each element has one owner), keeps x' = R n
 //     (n the norm's scale), its sum of squares, and y_c = down_c x'_c for every down and inject row

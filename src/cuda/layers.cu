@@ -1567,9 +1567,11 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
 // The same routing with one warp per row and no block barriers, for E <= 32 VPL: lane l holds the
 // probabilities of experts [VPL l, VPL l + VPL) in registers, and each of the k rounds is a scan of
 // the lane's unused values and a warp argmax (ties to the lower index, NaN never wins: block_topk's
-// rules). The block kernel took ~8 us per decode step's layer inside the graph (CK_HOLLOW,
-// 2026-11-30), most of it in k rounds of two block barriers each. The softmax sums in another order
-// than the block kernel (a warp's butterfly): probabilities may differ from it in the last bit.
+// rules). Routing cost ~8 us per layer inside a one-row decode step's graph with the block kernel
+// (CK_HOLLOW, 2026-11-30); this kernel takes ~1.5 us of it away (decode +1%, same call), so the block
+// kernel's k rounds of barriers were a part of that time, not most of it. The softmax sums in
+// another order than the block kernel (a warp's butterfly): probabilities may differ from it in the
+// last bit.
 // grid (ceil(rows / 8)), block 32 min(rows, 8).
 template <int VPL>
 __global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs a, int rows) {
