@@ -1568,8 +1568,8 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
 // probabilities of experts [VPL l, VPL l + VPL) in registers, and each of the k rounds is a scan of
 // the lane's unused values and a warp argmax (ties to the lower index, NaN never wins: block_topk's
 // rules). Routing cost ~8 us per layer inside a one-row decode step's graph with the block kernel
-// (CK_HOLLOW, 2026-11-30); this kernel takes ~1.5 us of it away (decode +1%, same call), so the block
-// kernel's k rounds of barriers were a part of that time, not most of it. The softmax sums in
+// (CK_HOLLOW, 2026-11-30); this kernel takes 0.4-1.4 us of it away (decode +0.3-1.2%, same call), so
+// the block kernel's k rounds of barriers were a small part of that time. The softmax sums in
 // another order than the block kernel (a warp's butterfly): probabilities may differ from it in the
 // last bit.
 // grid (ceil(rows / 8)), block 32 min(rows, 8).
