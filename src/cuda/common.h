@@ -263,5 +263,32 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
   launch_cfg(cfg, kernel, std::forward<Args>(args)...);
 }
 
+// launch() with the blocks grouped into thread-block clusters of `cluster` (a launch without the
+// attribute when it is 1 x 1 x 1).
+template <typename... Params, typename... Args>
+void launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, dim3 cluster,
+                    Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (pdl_enabled() && stream != nullptr) {  // as launch(): the kernel starts with pdl_begin()
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n++].val.clusterDim.z = cluster.z;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  launch_cfg(cfg, kernel, std::forward<Args>(args)...);
+}
+
 }  // namespace ck::cuda
 #endif

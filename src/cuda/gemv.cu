@@ -30,6 +30,7 @@
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/gemv_stream.h"
+#include "cuda/gdn_conv.cuh"
 #include "cuda/mma_q4.cuh"
 #include "cuda/ops.h"
 
@@ -688,6 +689,8 @@ struct TcLaunch {
   const uint2* frag;                     // [groups][4 steps][NB][32 lanes]
   const float* gsum;                     // [groups][8 NB]: Σ x of the group on each row's hi column
   int32_t prefetch;                      // ask L2 for the warp's weights before pdl_begin (CK_GEMV_PREFETCH)
+  GdnConvArgs conv;                      // gemv_tc4_kernel with conv.y: job 0's rows are conv channels
+  const StepParams* conv_sp;             // (its x is not written: the conv output is)
 };
 
 // grid (groups, vectors), block 128: group blockIdx.x's B fragments for R activation rows (nx real;
@@ -779,17 +782,25 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   __syncthreads();
   if (part != 0 || tile >= n_tiles) return;
   // The tile's ks parts in index order, then y = hi + mid + lo per row.
-  const GemvJob& jb = L.job[j];
-  for (int o = lane; o < 16 * R; o += 32) {
-    const int m = o / R, r = o % R;
-    if (r >= nx || row0 + m >= w.rows) continue;
+  auto value = [&](int m, int r) {
     float c[3];
     for (int q = 0; q < 3; ++q) {
       float v = 0.0f;
       for (int k = 0; k < ks; ++k) v += red[warp + k][m][3 * r + q];
       c[q] = v;
     }
-    jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue((c[0] + c[1]) + c[2], jb.epi, jb.epi_arg);
+    return (c[0] + c[1]) + c[2];
+  };
+  if (L.conv.y && j == 0) {  // the DeltaNet conv of channel row0 + lane over the rows, in order
+    if (lane < 16 && row0 + lane < w.rows)
+      gdn_conv_channel(L.conv, L.conv_sp->snap != 0, row0 + lane, nx, [&](int r) { return value(lane, r); });
+    return;
+  }
+  const GemvJob& jb = L.job[j];
+  for (int o = lane; o < 16 * R; o += 32) {
+    const int m = o / R, r = o % R;
+    if (r >= nx || row0 + m >= w.rows) continue;
+    jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue(value(m, r), jb.epi, jb.epi_arg);
   }
 }
 
@@ -1154,46 +1165,36 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, i
   if (per_b > kTcBlockGroups) return false;
   L.ks = std::max(1, parts / kb);
   const size_t smem = static_cast<size_t>(per_b) * (4 * 32 * sizeof(uint2) + sizeof(float));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1);
-  cfg.blockDim = dim3(256, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[2];
-  int n_attr = 0;
-  if (pdl_enabled() && s != nullptr) {  // as launch() (common.h): the kernel starts with pdl_begin()
-    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n_attr++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (kb > 1) {
-    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
-    attr[n_attr].val.clusterDim.x = static_cast<unsigned>(kb);
-    attr[n_attr].val.clusterDim.y = 1;
-    attr[n_attr++].val.clusterDim.z = 1;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = n_attr;
+  const dim3 grid(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1),
+      cluster(static_cast<unsigned>(kb), 1, 1);
+  auto go = [&](auto kernel) { launch_cluster(kernel, grid, 256, smem, s, cluster, L, x, kb); };
   if (bits == 8) {
-    if (bf16s) launch_cfg(cfg, gemv_tc4_one_kernel<true, 8>, L, x, kb);
-    else launch_cfg(cfg, gemv_tc4_one_kernel<false, 8>, L, x, kb);
+    if (bf16s) go(gemv_tc4_one_kernel<true, 8>);
+    else go(gemv_tc4_one_kernel<false, 8>);
   } else {
-    if (bf16s) launch_cfg(cfg, gemv_tc4_one_kernel<true, 4>, L, x, kb);
-    else launch_cfg(cfg, gemv_tc4_one_kernel<false, 4>, L, x, kb);
+    if (bf16s) go(gemv_tc4_one_kernel<true, 4>);
+    else go(gemv_tc4_one_kernel<false, 4>);
   }
   return true;
 }
 
 // The v4 launch, or false when the jobs do not suit it: not all 4-bit codes in groups of 64 or 128,
 // a shape where v3 is faster (kTcMin*), or CK_GEMV asks for v2/v3.
+// With `conv` (job 0 the DeltaNet's in_proj_qkv, conv->x its output), only the two-kernel form, whose
+// epilogue then convolves job 0's channels instead of writing them.
+struct ConvTail {
+  GdnConvArgs a;
+  const StepParams* sp;
+};
 bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,
-              const Tc4Frags* pre) {
+              const Tc4Frags* pre, const ConvTail* conv = nullptr) {
   bool bf16s = false;
   int bits = 0;
   if (q_arith() != 4 || n_jobs < 1 || n_jobs > kMaxGemvJobs || !tc4_suits(jobs, n_jobs, &bf16s, &bits)) return false;
   int total_rows = 0;
   for (int j = 0; j < n_jobs; ++j) total_rows += jobs[j].w.rows;
-  if (rows == 1 && bits == 4 && gemv_stream(jobs, n_jobs, x, bf16s, stream)) return true;
-  if (rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, bits, stream)) return true;
+  if (!conv && rows == 1 && bits == 4 && gemv_stream(jobs, n_jobs, x, bf16s, stream)) return true;
+  if (!conv && rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, bits, stream)) return true;
   if (bits != 4) return false;
   // CK_GEMV_TC_ONE_ROW=N moves the one-row threshold (total rows of the jobs) to compare.
   static const int one_row_min = [] {
@@ -1208,6 +1209,10 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   int ks = 1;
   while (ks < 8 && tiles * ks < sm_count() * 16 && L.groups >= 8 * ks) ks *= 2;
   L.ks = ks;
+  if (conv) {
+    L.conv = conv->a;
+    L.conv_sp = conv->sp;
+  }
   const int R = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
   switch (R) {
     case 1: launch_tc4<1>(L, x, ldx, rows, bf16s, stream, pre); break;
@@ -1353,6 +1358,20 @@ int gemv_version() {
     g_gemv_version = env_is("CK_GEMV", "v1") ? 1 : 2;
   }
   return g_gemv_version;
+}
+
+bool gemv_conv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,
+               const Tc4Frags* pre, const GdnConvArgs& conv, const StepParams* sp) {
+  // CK_CONV_IN_GEMV=0: the conv kernel after the GEMV, to compare.
+  static const bool on = !env_is("CK_CONV_IN_GEMV", "0");
+  if (!on || rows < 1 || rows > kMaxRows || gemv_version() != 2 || conv.x != jobs[0].y || conv.ldx != jobs[0].ldy ||
+      conv.C != jobs[0].w.rows || conv.K < 1 || conv.K - 1 > kMaxConvHist || !conv.y || !sp)
+    return false;
+  for (int j = 0; j < n_jobs; ++j)
+    if (jobs[j].w.cols != jobs[0].w.cols || !jobs[j].y) return false;
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || ldx % 4 != 0) return false;
+  ConvTail ct{conv, sp};
+  return gemv_tc4(jobs, n_jobs, x, ldx, rows, stream, pre, &ct);
 }
 
 void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,

@@ -8,12 +8,16 @@
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
+#include "cuda/gdn_conv.cuh"
 #include "cuda/layers.h"
 #include "cuda/mma_q4.cuh"
 #include "cuda/ops.h"
 
+#include <cooperative_groups.h>
+
 namespace ck::cuda {
 namespace {
+namespace cg = cooperative_groups;
 
 int block_for(int64_t n, int max_threads = 256) {
   return static_cast<int>(std::clamp<int64_t>(round_up(n, 32), 32, max_threads));
@@ -120,47 +124,12 @@ __global__ void __launch_bounds__(1024) hc_combine_rmsnorm_kernel(float* R, int6
                     reinterpret_cast<float4*>(out + r * ldR + s * H), scratch);
 }
 
-constexpr int kMaxConvHist = 7;  // GDN conv kernel <= 8
-
-// One row of the depthwise conv for one channel: silu of tap K-1 times the current input, then plus
-// each tap times the history (oldest first), as the CPU adds them; then the history shifts by xv.
-__device__ __forceinline__ float conv_row(const float* taps, int K, float (&hist)[kMaxConvHist], float xv) {
-  float acc = __fmul_rn(taps[K - 1], xv);  // tap K-1 is the current token
-#pragma unroll
-  for (int j = 0; j < kMaxConvHist; ++j)
-    if (j < K - 1) acc = mul_add_rn(acc, taps[j], hist[j]);
-#pragma unroll
-  for (int j = 0; j < kMaxConvHist; ++j) {
-    if (j < K - 2) hist[j] = hist[j + 1 < kMaxConvHist ? j + 1 : j];
-    else if (j == K - 2) hist[j] = xv;
-  }
-  return siluf_(acc);
-}
-
 // grid (ceil(C/256)), block 256: one thread per channel, rows in order.
 __global__ void gdn_conv_kernel(const GdnConvArgs a, const StepParams* sp, int rows) {
   pdl_begin();
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= a.C) return;
-  const int K = a.K, C = a.C;
-  const bool snap = sp->snap != 0;
-  float hist[kMaxConvHist];
-#pragma unroll
-  for (int j = 0; j < kMaxConvHist; ++j) hist[j] = j < K - 1 ? a.state[static_cast<size_t>(j) * C + ch] : 0.0f;
-  const float* taps = a.taps + static_cast<size_t>(ch) * K;
-  for (int r = 0; r < rows; ++r) {
-    const float xv = a.x[static_cast<size_t>(r) * a.ldx + ch];
-    a.y[static_cast<size_t>(r) * a.ldy + ch] = conv_row(taps, K, hist, xv);
-    if (snap && r + 1 < rows) {
-      float* sn = a.snaps + static_cast<size_t>(r) * a.snap_stride;
-#pragma unroll
-      for (int j = 0; j < kMaxConvHist; ++j)
-        if (j < K - 1) sn[static_cast<size_t>(j) * C + ch] = hist[j];
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kMaxConvHist; ++j)
-    if (j < K - 1) a.state[static_cast<size_t>(j) * C + ch] = hist[j];
+  gdn_conv_channel(a, sp->snap != 0, ch, rows, [&](int r) { return a.x[static_cast<size_t>(r) * a.ldx + ch]; });
 }
 
 // Prefill chunks (never snapshotted): the same convolution with the rows split into blocks of
@@ -212,15 +181,22 @@ __device__ __forceinline__ float gdn_gated_out(const GdnRecArgs& a, int r, int h
   return __fmul_rn(__fmul_rn(a.norm[j], __fmul_rn(o, rr)), act);
 }
 
-__global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, const StepParams* sp, int rows) {
+// How a split head's output norm is made: in the kernel when one block holds the head (or when the
+// head's blocks form a cluster, GdnNorm::Cluster), else by gdn_out_norm_kernel after it.
+enum class GdnNorm : int { Block = 0, Kernel = 1, Cluster = 2 };
+
+__global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, const StepParams* sp, int rows,
+                                                            GdnNorm norm_mode) {
   pdl_begin();
   extern __shared__ float sh[];
   __shared__ float scratch[32];
+  __shared__ float ss_part[kMaxRows];  // GdnNorm::Cluster: this block's Σ o² per row, read by the cluster
   const int h = blockIdx.x, dk = a.dk, dv = a.dv, parts = (dk + kKeyPart - 1) / kKeyPart;
   // Value columns are independent in the delta rule (column j of S only needs (Sᵀk)_j): block y owns
-  // `cols` of them. With one block per head the norm is fused; otherwise gdn_out_norm_kernel follows.
+  // `cols` of them. With one block per head the norm is fused; with a cluster of the head's blocks
+  // (cols == 32: warp 0 holds the block's columns) too; otherwise gdn_out_norm_kernel follows.
   const int cols = dv / static_cast<int>(gridDim.y), jc0 = static_cast<int>(blockIdx.y) * cols;
-  const bool fused_norm = gridDim.y == 1;
+  const bool fused_norm = norm_mode == GdnNorm::Block;
   float* sq = sh;
   float* sk = sh + dk;
   float* red = sh + 2 * dk;
@@ -294,6 +270,20 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
       const float ss = block_sum((active && p == 0) ? o * o : 0.0f, scratch);
       const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
       if (active && p == 0) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, r, h, j, o, rr);
+    } else if (norm_mode == GdnNorm::Cluster) {
+      // The same norm across the head's blocks: block y's warp 0 sums its 32 columns (warp y of
+      // gdn_out_norm_kernel's block_sum), then every block adds the blocks' sums in rank order from
+      // distributed shared memory (that block_sum's warp order): the same bits as the two kernels.
+      cg::cluster_group cluster = cg::this_cluster();
+      if (tid < 32) {
+        const float v = warp_sum(o * o);
+        if (tid == 0) ss_part[r] = v;
+      }
+      cluster.sync();
+      float ss = 0.0f;
+      for (unsigned y = 0; y < gridDim.y; ++y) ss += *cluster.map_shared_rank(ss_part + r, y);
+      const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
+      if (active && p == 0) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, r, h, j, o, rr);
     } else if (active && p == 0) {
       a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = o;  // normed by gdn_out_norm_kernel
     }
@@ -312,6 +302,7 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
     const int i = p * kKeyPart + t;
     if (active && i < dk) S[static_cast<size_t>(i) * dv + j] = Sreg[t];
   }
+  if (norm_mode == GdnNorm::Cluster) cg::this_cluster().sync();  // the others may still read ss_part
 }
 
 // grid (rows), block 256: the same norm after gdn_chunked, one warp per head (the chunked form's sums
@@ -1738,6 +1729,12 @@ void gdn_conv(const GdnConvArgs& a, const StepParams* sp, int rows, cudaStream_t
   CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+int g_gdn_cluster_norm = -1;  // -1: not yet read from CK_GDN_CLUSTER_NORM
+}  // namespace
+
+void set_gdn_cluster_norm(bool on) { g_gdn_cluster_norm = on ? 1 : 0; }
+
 void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
   const int parts = static_cast<int>(ceil_div(a.dk, kKeyPart));
   CK_REQUIRE(a.dk <= 256 && a.dv * parts <= 512 && a.nv % a.nk == 0, "GDN dims dk %d dv %d nk %d nv %d", a.dk, a.dv,
@@ -1748,9 +1745,15 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
   const int cols = a.dv / split;
   const int threads = static_cast<int>(round_up(cols * parts, 32));
   const size_t smem = sizeof(float) * (2 * a.dk + parts * cols);
-  launch(gdn_recurrent_kernel, dim3(a.nv, split), threads, smem, stream, a, sp, rows);
+  // A split head's blocks as one thread-block cluster make the norm themselves (no second kernel and
+  // its hand-over); CK_GDN_CLUSTER_NORM=0 keeps gdn_out_norm_kernel, to compare.
+  if (g_gdn_cluster_norm < 0) g_gdn_cluster_norm = env_is("CK_GDN_CLUSTER_NORM", "0") ? 0 : 1;
+  const bool cluster = g_gdn_cluster_norm == 1 && split > 1 && split <= 8 && cols == 32 && rows <= kMaxRows;
+  const GdnNorm mode = split == 1 ? GdnNorm::Block : cluster ? GdnNorm::Cluster : GdnNorm::Kernel;
+  launch_cluster(gdn_recurrent_kernel, dim3(a.nv, split), threads, smem, stream, dim3(1, cluster ? split : 1, 1), a,
+                 sp, rows, mode);
   CUDA_CHECK_LAUNCH();
-  if (split > 1) {
+  if (mode == GdnNorm::Kernel) {
     launch(gdn_out_norm_kernel, dim3(a.nv, rows), static_cast<unsigned>(round_up(a.dv, 32)), 0, stream, a);
     CUDA_CHECK_LAUNCH();
   }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda/dmatrix.h"
+#include "cuda/ops.h"
 
 namespace ck::cuda {
 
@@ -92,6 +93,13 @@ struct GdnConvArgs {
   int C = 0, K = 0;
 };
 void gdn_conv(const GdnConvArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
+// The in_proj GEMV of a row-path step (jobs as gemv(); job 0 in_proj_qkv, whose output conv.x is) with
+// the conv in its epilogue: each channel is convolved where it is finished (conv.y, the state and its
+// snapshots as gdn_conv writes them), conv.x is not written, and no conv kernel follows. False when
+// the jobs do not suit the tensor-core GEMV's two-kernel form or CK_CONV_IN_GEMV=0 (then call gemv
+// and gdn_conv).
+bool gemv_conv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,
+               const Tc4Frags* pre, const GdnConvArgs& conv, const StepParams* sp);
 
 // GDN delta rule per value head (spec §6), rows in order, state fp32 on the device, then the gated
 // RMS norm (N2) of each head's output. Preconditions: dk <= 256, dv * ceil(dk/32) <= 512.
@@ -109,6 +117,10 @@ struct GdnRecArgs {
   int sigmoid_gate = 1;                       // output_gate_type: sigmoid (1) or silu (0)
 };
 void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
+// Whether a decode step's split heads (dv / 32 blocks of 32 columns, up to 8) make their output norm
+// as one thread-block cluster instead of by a second kernel (the same bits; default on,
+// CK_GDN_CLUSTER_NORM=0 for off).
+void set_gdn_cluster_norm(bool on);
 
 // The same delta rule and norm in the chunked form (64 rows at a time, WY representation; spec §6
 // "Chunked prefill"): equal to gdn_recurrent up to fp32 rounding, much faster for long inputs. Takes

@@ -586,13 +586,18 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     jobs[1].w = g.in_z; jobs[1].y = b.gz; jobs[1].ldy = b.ldVd;
     jobs[2].w = g.in_b; jobs[2].y = b.gb; jobs[2].ldy = b.ldNV;
     jobs[3].w = g.in_a; jobs[3].y = b.ga; jobs[3].ldy = b.ldNV;
-    gemv(jobs, 4, b.u, b.ldH, rows, stream_, &b.ufr);
-    mark("gdn in_proj");
     GdnConvArgs ca;
     ca.x = b.gx; ca.ldx = b.ldC; ca.taps = g.conv; ca.state = st.gdn_conv; ca.snaps = st.gdn_conv_snaps;
     ca.snap_stride = st.gdn_conv_n; ca.y = b.gy; ca.ldy = b.ldC; ca.C = c.gdn_conv_dim(); ca.K = c.linear_conv_kernel_dim;
-    gdn_conv(ca, sp, rows, stream_);
-    mark("gdn conv");
+    // Row-path steps: the conv in the GEMV's epilogue (no conv kernel and hand-over after it).
+    if (gemv_conv(jobs, 4, b.u, b.ldH, rows, stream_, &b.ufr, ca, sp)) {
+      mark("gdn in_proj");
+    } else {
+      gemv(jobs, 4, b.u, b.ldH, rows, stream_, &b.ufr);
+      mark("gdn in_proj");
+      gdn_conv(ca, sp, rows, stream_);
+      mark("gdn conv");
+    }
     GdnRecArgs ra;
     ra.y = b.gy; ra.ldy = b.ldC; ra.z = b.gz; ra.ldz = b.ldVd; ra.b = b.gb; ra.a = b.ga; ra.ldab = b.ldNV;
     ra.a_log = g.a_log; ra.dt_bias = g.dt_bias; ra.norm = g.norm; ra.state = st.gdn_s; ra.snaps = st.gdn_s_snaps;
@@ -646,12 +651,12 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     GemvJob jobs[2];
     jobs[0].w = mo.router; jobs[0].y = b.mlog; jobs[0].ldy = b.ldEx;
     jobs[1].w = mo.sh_expert_gate; jobs[1].y = b.mgl; jobs[1].ldy = 4;
-    gemv(jobs, 2, b.u, b.ldH, rows, stream_);
     MoeRouteArgs ra;
     ra.logits = b.mlog; ra.ld = b.ldEx; ra.E = c.num_experts; ra.k = k; ra.norm_topk = c.norm_topk_prob ? 1 : 0;
     ra.table = table;
     ra.inter = c.moe_intermediate_size; ra.hidden = H;
     ra.sh_gate = mo.sh_gate; ra.sh_up = mo.sh_up; ra.sh_down = mo.sh_down; ra.pairs = b.pairs;
+    gemv(jobs, 2, b.u, b.ldH, rows, stream_);
     moe_route(ra, rows, stream_);
     mark("moe router");
     const int n_pairs = rows * (k + 1);

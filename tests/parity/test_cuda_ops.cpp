@@ -554,6 +554,61 @@ TEST(CudaOps, RouterSoftmaxTopkAndTable) {
   }
 }
 
+// The DeltaNet in_proj GEMV of a row-path step with the conv in its epilogue (gemv_conv) against the
+// GEMV followed by the conv kernel: the same conv output, snapshots, final state and other jobs'
+// outputs, bit for bit, at 1, 3 and 8 rows (the last two keeping snapshots).
+TEST(CudaOps, InProjGemvConvolvesInItsEpilogue) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(32);
+  // Above the one-row kernel's size (tiles x groups > 16,384), so both forms take gemv_tc4_kernel.
+  const int C = 6600, cols = 2560, K = 4, nz = 70;
+  const WeightForm q4{DType::U32, 4, 64, DType::BF16};
+  HostMatrix qkv = make_matrix(C, cols, q4, rng), z = make_matrix(nz, cols, q4, rng);
+  DeviceArena arena;
+  DenseUploader up(&arena);
+  const std::vector<float> taps = randn(static_cast<size_t>(C) * K, rng, 0.5f);
+  const std::vector<float> state0 = randn(static_cast<size_t>(K - 1) * C, rng);
+  DeviceBuffer<float> tapd, stated, snaps(static_cast<size_t>(kMaxRows) * (K - 1) * C), xd;
+  for (int rows : {1, 3, 8}) {
+    const std::vector<float> x = randn(static_cast<size_t>(rows) * cols, rng);
+    DeviceBuffer<float> gx(static_cast<size_t>(rows) * C), gy(static_cast<size_t>(rows) * C), gz(static_cast<size_t>(rows) * nz);
+    GemvJob jobs[2];
+    jobs[0].w = *up.matrix(qkv.m); jobs[0].y = gx.get(); jobs[0].ldy = C;
+    jobs[1].w = *up.matrix(z.m); jobs[1].y = gz.get(); jobs[1].ldy = nz;
+    StepParams sp;
+    sp.rows = rows;
+    sp.snap = rows > 1 ? 1 : 0;
+    DeviceBuffer<StepParams> spd(1);
+    CUDA_CHECK(cudaMemcpy(spd.get(), &sp, sizeof(sp), cudaMemcpyHostToDevice));
+    GdnConvArgs ca;
+    ca.x = gx.get(); ca.ldx = C; ca.taps = to_device(taps, &tapd); ca.snaps = snaps.get(); ca.snap_stride = static_cast<int64_t>(K - 1) * C;
+    ca.y = gy.get(); ca.ldy = C; ca.C = C; ca.K = K;
+    to_device(x, &xd);
+    std::vector<float> y[2], st[2], sn[2], zo[2];
+    for (int fused : {0, 1}) {
+      ca.state = to_device(state0, &stated);
+      CUDA_CHECK(cudaMemset(gy.get(), 0xff, gy.bytes()));
+      CUDA_CHECK(cudaMemset(snaps.get(), 0, snaps.bytes()));
+      if (fused) {
+        ASSERT_TRUE(gemv_conv(jobs, 2, xd.get(), cols, rows, nullptr, nullptr, ca, spd.get())) << rows << " rows";
+      } else {
+        gemv(jobs, 2, xd.get(), cols, rows, nullptr);
+        gdn_conv(ca, spd.get(), rows, nullptr);
+      }
+      CUDA_CHECK(cudaDeviceSynchronize());
+      y[fused] = to_host(gy.get(), static_cast<size_t>(rows) * C);
+      st[fused] = to_host(stated.get(), state0.size());
+      sn[fused] = to_host(snaps.get(), static_cast<size_t>(kMaxRows) * (K - 1) * C);
+      zo[fused] = to_host(gz.get(), static_cast<size_t>(rows) * nz);
+    }
+    EXPECT_EQ(0, std::memcmp(y[0].data(), y[1].data(), y[0].size() * sizeof(float))) << rows << " rows: conv output";
+    EXPECT_EQ(0, std::memcmp(st[0].data(), st[1].data(), st[0].size() * sizeof(float))) << rows << " rows: state";
+    EXPECT_EQ(0, std::memcmp(sn[0].data(), sn[1].data(), sn[0].size() * sizeof(float))) << rows << " rows: snapshots";
+    EXPECT_EQ(0, std::memcmp(zo[0].data(), zo[1].data(), zo[0].size() * sizeof(float))) << rows << " rows: job 1";
+    EXPECT_NE(st[1], state0) << "the state moved";
+  }
+}
+
 // ------------------------------------------------------------------ norms, RoPE, top-k, argmax, gathers
 
 TEST(CudaOps, NormsAndRope) {
@@ -939,6 +994,55 @@ TEST(CudaOps, GdnChunkedAndRecurrentMatchDouble) {
       EXPECT_LE(e_out, 2e-5);
       EXPECT_LE(e_st, 2e-5);
     }
+  }
+}
+
+// A decode step's split heads make their output norm as a thread-block cluster (set_gdn_cluster_norm):
+// the same bits as the recurrence followed by gdn_out_norm_kernel, and within the double-precision
+// bound. Row counts of the row path (<= kMaxRows), one to eight 32-column blocks per head.
+TEST(CudaOps, GdnClusterNormEqualsNormKernel) {
+  REQUIRE_GPU();
+  init_kernels();
+  std::mt19937_64 rng(22);
+  const GdnCase cases[] = {{2, 4, 32, 64, 1}, {16, 48, 128, 128, 1}, {16, 48, 128, 128, 3}, {1, 3, 40, 96, 8},
+                           {2, 2, 64, 256, 5}};
+  for (const GdnCase& g : cases) {
+    const int Kd = g.nk * g.dk, Vd = g.nv * g.dv, ldy = 2 * Kd + Vd;
+    std::vector<float> y = randn(static_cast<size_t>(g.rows) * ldy, rng), z = randn(static_cast<size_t>(g.rows) * Vd, rng);
+    std::vector<float> b = randn(static_cast<size_t>(g.rows) * g.nv, rng, 2.0f), a = randn(static_cast<size_t>(g.rows) * g.nv, rng);
+    std::vector<float> a_log(g.nv, -1.0f), dt_bias = randn(g.nv, rng, 0.5f), norm = randn(g.dv, rng, 0.3f);
+    for (float& v : norm) v += 1.0f;
+    const std::vector<float> state0 = randn(static_cast<size_t>(g.nv) * g.dk * g.dv, rng, 0.5f);
+    std::vector<double> S(state0.begin(), state0.end()), ref_out;
+    gdn_reference(g, y, z, b, a, a_log, dt_bias, norm, &S, &ref_out);
+    const std::vector<float> ref_out_f(ref_out.begin(), ref_out.end());
+
+    DeviceBuffer<float> yd, zd, bd, ad, ald, dtd, nd, sd, od(static_cast<size_t>(g.rows) * Vd);
+    DeviceBuffer<StepParams> spd(1);
+    StepParams sp;
+    CUDA_CHECK(cudaMemcpy(spd.get(), &sp, sizeof(sp), cudaMemcpyHostToDevice));
+    GdnRecArgs ra;
+    ra.y = to_device(y, &yd); ra.ldy = ldy; ra.z = to_device(z, &zd); ra.ldz = Vd;
+    ra.b = to_device(b, &bd); ra.a = to_device(a, &ad); ra.ldab = g.nv;
+    ra.a_log = to_device(a_log, &ald); ra.dt_bias = to_device(dt_bias, &dtd); ra.norm = to_device(norm, &nd);
+    ra.out = od.get(); ra.ldo = Vd;
+    ra.nk = g.nk; ra.nv = g.nv; ra.dk = g.dk; ra.dv = g.dv; ra.eps = 1e-6f; ra.sigmoid_gate = 1;
+    std::vector<float> outs[2], states[2];
+    for (int cluster : {0, 1}) {
+      set_gdn_cluster_norm(cluster == 1);
+      ra.state = to_device(state0, &sd);
+      gdn_recurrent(ra, spd.get(), g.rows, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      outs[cluster] = to_host(od.get(), ref_out_f.size());
+      states[cluster] = to_host(sd.get(), state0.size());
+    }
+    set_gdn_cluster_norm(true);
+    const double e_out = rel_l2(outs[1].data(), ref_out_f.data(), ref_out_f.size());
+    std::printf("  gdn cluster norm nk %2d nv %2d dk %3d dv %3d rows %d: out rel_l2 %.3e\n", g.nk, g.nv, g.dk, g.dv,
+                g.rows, e_out);
+    EXPECT_LE(e_out, 2e-5);
+    EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(float))) << "outputs differ";
+    EXPECT_EQ(0, std::memcmp(states[0].data(), states[1].data(), states[0].size() * sizeof(float))) << "states differ";
   }
 }
 
