@@ -21,13 +21,15 @@ g++ -std=c++20 -O2 -Wall -Wextra -Wno-unused-parameter -fopenmp -DCHERENKOV_HAVE
   bench/e2e/bench_cuda.cpp bench/kernels/kernels.cpp -o "$B/bench_cuda" -Wl,--as-needed \
   "$B/libck_engine.a" "$B/libck_cuda.a" "$B/libck_cuda_sm90a.a" "$B/libck_cpu.a" "$B/libck_store.a" "$B/libck_format.a" "$B/libck_util.a" \
   -lfmt -lxxhash -luring -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread
+# The instruction-fetch lab (bench/kernels/icache_lab.cu): CUDA runtime only.
+"$CUDA_HOME/bin/nvcc" -O3 -arch=sm_90 -std=c++17 bench/kernels/icache_lab.cu -o "$B/icache_lab"
 
 # Stage, then pack: the working tree that travels with the call is limited to 64 MiB, and ICU's data
 # library alone is 30 MB (7 MB compressed). gpu_check.sh unpacks the bundle.
 S=.devcarry/stage
 rm -rf .devcarry
 mkdir -p $S/lib
-BINS="cherenkov test_cuda_ops test_cuda_model bench_cuda"
+BINS="cherenkov test_cuda_ops test_cuda_model bench_cuda icache_lab"
 for b in $BINS; do
   cp "$B/$b" $S/
   strip --strip-debug $S/$b
