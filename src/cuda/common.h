@@ -245,26 +245,8 @@ void launch_cfg(const cudaLaunchConfig_t& cfg, void (*kernel)(Params...), Args&&
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization (the kernel
-// must call pdl_begin() before it touches memory), unless CK_PDL=0 or the stream is the legacy default
-// stream (the op tests' direct launches). Launch errors abort (CUDA_CHECK).
-template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() && stream != nullptr ? 1 : 0;  // not on the legacy default stream (tests)
-  launch_cfg(cfg, kernel, std::forward<Args>(args)...);
-}
-
-// launch() with the blocks grouped into thread-block clusters of `cluster` (a launch without the
-// attribute when it is 1 x 1 x 1).
+// launch() (below) with the blocks grouped into thread-block clusters of `cluster` (a launch without
+// the attribute when it is 1 x 1 x 1).
 template <typename... Params, typename... Args>
 void launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, dim3 cluster,
                     Args&&... args) {
@@ -288,6 +270,14 @@ void launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t sme
   cfg.attrs = attr;
   cfg.numAttrs = n;
   launch_cfg(cfg, kernel, std::forward<Args>(args)...);
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization (the kernel
+// must call pdl_begin() before it touches memory), unless CK_PDL=0 or the stream is the legacy default
+// stream (the op tests' direct launches). Launch errors abort (CUDA_CHECK).
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+  launch_cluster(kernel, grid, block, smem, stream, dim3(1, 1, 1), std::forward<Args>(args)...);
 }
 
 }  // namespace ck::cuda

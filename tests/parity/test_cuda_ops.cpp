@@ -947,6 +947,41 @@ void gdn_reference(const GdnCase& g, const std::vector<float>& y, const std::vec
     }
 }
 
+// One delta-rule problem for the device forms: random inputs (slow and fast decays) from a nonzero
+// state, the double-precision reference, and the inputs on the device with their GdnRecArgs (ra.state
+// is set by reset_state before each run).
+struct GdnProblem {
+  std::vector<float> state0, ref_out, ref_state;
+  DeviceBuffer<float> yd, zd, bd, ad, ald, dtd, nd, sd, od;
+  DeviceBuffer<StepParams> spd{1};
+  GdnRecArgs ra;
+  GdnProblem(const GdnCase& g, std::mt19937_64& rng) {
+    const int Kd = g.nk * g.dk, Vd = g.nv * g.dv, ldy = 2 * Kd + Vd;
+    std::vector<float> y = randn(static_cast<size_t>(g.rows) * ldy, rng), z = randn(static_cast<size_t>(g.rows) * Vd, rng);
+    std::vector<float> b = randn(static_cast<size_t>(g.rows) * g.nv, rng, 2.0f), a = randn(static_cast<size_t>(g.rows) * g.nv, rng);
+    std::vector<float> a_log(g.nv), dt_bias = randn(g.nv, rng, 0.5f), norm = randn(g.dv, rng, 0.3f);
+    std::uniform_real_distribution<float> ul(-4.0f, 1.5f);  // slow and fast decays
+    for (float& v : a_log) v = ul(rng);
+    for (float& v : norm) v += 1.0f;
+    state0 = randn(static_cast<size_t>(g.nv) * g.dk * g.dv, rng, 0.5f);
+    std::vector<double> S(state0.begin(), state0.end()), out;
+    gdn_reference(g, y, z, b, a, a_log, dt_bias, norm, &S, &out);
+    ref_out.assign(out.begin(), out.end());
+    ref_state.assign(S.begin(), S.end());
+    od.resize(static_cast<size_t>(g.rows) * Vd);
+    const StepParams sp;
+    CUDA_CHECK(cudaMemcpy(spd.get(), &sp, sizeof(sp), cudaMemcpyHostToDevice));
+    ra.y = to_device(y, &yd); ra.ldy = ldy; ra.z = to_device(z, &zd); ra.ldz = Vd;
+    ra.b = to_device(b, &bd); ra.a = to_device(a, &ad); ra.ldab = g.nv;
+    ra.a_log = to_device(a_log, &ald); ra.dt_bias = to_device(dt_bias, &dtd); ra.norm = to_device(norm, &nd);
+    ra.out = od.get(); ra.ldo = Vd;
+    ra.nk = g.nk; ra.nv = g.nv; ra.dk = g.dk; ra.dv = g.dv; ra.eps = 1e-6f; ra.sigmoid_gate = 1;
+  }
+  void reset_state() { ra.state = to_device(state0, &sd); }
+  std::vector<float> out() const { return to_host(od.get(), ref_out.size()); }
+  std::vector<float> state() const { return to_host(sd.get(), ref_state.size()); }
+};
+
 // Both device forms of the delta rule against the double-precision recurrence, from a nonzero state,
 // over row counts around the chunk size and head sizes that are not multiples of 32. Tolerance: relative
 // L2 <= 2e-5 over the outputs and the final state (fp32 through 64-step chunks; the whole-model bound
@@ -958,37 +993,16 @@ TEST(CudaOps, GdnChunkedAndRecurrentMatchDouble) {
   const GdnCase cases[] = {{2, 4, 12, 12, 1},   {2, 4, 32, 32, 63},  {1, 3, 40, 24, 64},     {2, 4, 32, 32, 65},
                            {1, 2, 128, 100, 77}, {2, 2, 128, 128, 130}, {16, 48, 128, 128, 200}};
   for (const GdnCase& g : cases) {
-    const int Kd = g.nk * g.dk, Vd = g.nv * g.dv, ldy = 2 * Kd + Vd;
-    std::vector<float> y = randn(static_cast<size_t>(g.rows) * ldy, rng), z = randn(static_cast<size_t>(g.rows) * Vd, rng);
-    std::vector<float> b = randn(static_cast<size_t>(g.rows) * g.nv, rng, 2.0f), a = randn(static_cast<size_t>(g.rows) * g.nv, rng);
-    std::vector<float> a_log(g.nv), dt_bias = randn(g.nv, rng, 0.5f), norm = randn(g.dv, rng, 0.3f);
-    std::uniform_real_distribution<float> ul(-4.0f, 1.5f);  // slow and fast decays
-    for (float& v : a_log) v = ul(rng);
-    for (float& v : norm) v += 1.0f;
-    const std::vector<float> state0 = randn(static_cast<size_t>(g.nv) * g.dk * g.dv, rng, 0.5f);
-    std::vector<double> S(state0.begin(), state0.end()), ref_out;
-    gdn_reference(g, y, z, b, a, a_log, dt_bias, norm, &S, &ref_out);
-
-    DeviceBuffer<float> yd, zd, bd, ad, ald, dtd, nd, sd, od(static_cast<size_t>(g.rows) * Vd);
-    DeviceBuffer<StepParams> spd(1);
-    StepParams sp;
-    CUDA_CHECK(cudaMemcpy(spd.get(), &sp, sizeof(sp), cudaMemcpyHostToDevice));
-    GdnRecArgs ra;
-    ra.y = to_device(y, &yd); ra.ldy = ldy; ra.z = to_device(z, &zd); ra.ldz = Vd;
-    ra.b = to_device(b, &bd); ra.a = to_device(a, &ad); ra.ldab = g.nv;
-    ra.a_log = to_device(a_log, &ald); ra.dt_bias = to_device(dt_bias, &dtd); ra.norm = to_device(norm, &nd);
-    ra.out = od.get(); ra.ldo = Vd;
-    ra.nk = g.nk; ra.nv = g.nv; ra.dk = g.dk; ra.dv = g.dv; ra.eps = 1e-6f; ra.sigmoid_gate = 1;
-    ASSERT_TRUE(gdn_chunked_fits(ra));
-    const std::vector<float> ref_out_f(ref_out.begin(), ref_out.end()), ref_state_f(S.begin(), S.end());
+    GdnProblem p(g, rng);
+    ASSERT_TRUE(gdn_chunked_fits(p.ra));
     for (bool chunked : {false, true}) {
-      ra.state = to_device(state0, &sd);
-      if (chunked) gdn_chunked(ra, g.rows, nullptr);
-      else gdn_recurrent(ra, spd.get(), g.rows, nullptr);
+      p.reset_state();
+      if (chunked) gdn_chunked(p.ra, g.rows, nullptr);
+      else gdn_recurrent(p.ra, p.spd.get(), g.rows, nullptr);
       CUDA_CHECK(cudaDeviceSynchronize());
-      const std::vector<float> out = to_host(od.get(), ref_out_f.size()), st = to_host(sd.get(), ref_state_f.size());
-      const double e_out = rel_l2(out.data(), ref_out_f.data(), out.size());
-      const double e_st = rel_l2(st.data(), ref_state_f.data(), st.size());
+      const std::vector<float> out = p.out(), st = p.state();
+      const double e_out = rel_l2(out.data(), p.ref_out.data(), out.size());
+      const double e_st = rel_l2(st.data(), p.ref_state.data(), st.size());
       std::printf("  gdn %-9s nk %2d nv %2d dk %3d dv %3d rows %3d: out rel_l2 %.3e, state rel_l2 %.3e\n",
                   chunked ? "chunked" : "recurrent", g.nk, g.nv, g.dk, g.dv, g.rows, e_out, e_st);
       EXPECT_LE(e_out, 2e-5);
@@ -1007,37 +1021,18 @@ TEST(CudaOps, GdnClusterNormEqualsNormKernel) {
   const GdnCase cases[] = {{2, 4, 32, 64, 1}, {16, 48, 128, 128, 1}, {16, 48, 128, 128, 3}, {1, 3, 40, 96, 8},
                            {2, 2, 64, 256, 5}};
   for (const GdnCase& g : cases) {
-    const int Kd = g.nk * g.dk, Vd = g.nv * g.dv, ldy = 2 * Kd + Vd;
-    std::vector<float> y = randn(static_cast<size_t>(g.rows) * ldy, rng), z = randn(static_cast<size_t>(g.rows) * Vd, rng);
-    std::vector<float> b = randn(static_cast<size_t>(g.rows) * g.nv, rng, 2.0f), a = randn(static_cast<size_t>(g.rows) * g.nv, rng);
-    std::vector<float> a_log(g.nv, -1.0f), dt_bias = randn(g.nv, rng, 0.5f), norm = randn(g.dv, rng, 0.3f);
-    for (float& v : norm) v += 1.0f;
-    const std::vector<float> state0 = randn(static_cast<size_t>(g.nv) * g.dk * g.dv, rng, 0.5f);
-    std::vector<double> S(state0.begin(), state0.end()), ref_out;
-    gdn_reference(g, y, z, b, a, a_log, dt_bias, norm, &S, &ref_out);
-    const std::vector<float> ref_out_f(ref_out.begin(), ref_out.end());
-
-    DeviceBuffer<float> yd, zd, bd, ad, ald, dtd, nd, sd, od(static_cast<size_t>(g.rows) * Vd);
-    DeviceBuffer<StepParams> spd(1);
-    StepParams sp;
-    CUDA_CHECK(cudaMemcpy(spd.get(), &sp, sizeof(sp), cudaMemcpyHostToDevice));
-    GdnRecArgs ra;
-    ra.y = to_device(y, &yd); ra.ldy = ldy; ra.z = to_device(z, &zd); ra.ldz = Vd;
-    ra.b = to_device(b, &bd); ra.a = to_device(a, &ad); ra.ldab = g.nv;
-    ra.a_log = to_device(a_log, &ald); ra.dt_bias = to_device(dt_bias, &dtd); ra.norm = to_device(norm, &nd);
-    ra.out = od.get(); ra.ldo = Vd;
-    ra.nk = g.nk; ra.nv = g.nv; ra.dk = g.dk; ra.dv = g.dv; ra.eps = 1e-6f; ra.sigmoid_gate = 1;
+    GdnProblem p(g, rng);
     std::vector<float> outs[2], states[2];
     for (int cluster : {0, 1}) {
       set_gdn_cluster_norm(cluster == 1);
-      ra.state = to_device(state0, &sd);
-      gdn_recurrent(ra, spd.get(), g.rows, nullptr);
+      p.reset_state();
+      gdn_recurrent(p.ra, p.spd.get(), g.rows, nullptr);
       CUDA_CHECK(cudaDeviceSynchronize());
-      outs[cluster] = to_host(od.get(), ref_out_f.size());
-      states[cluster] = to_host(sd.get(), state0.size());
+      outs[cluster] = p.out();
+      states[cluster] = p.state();
     }
     set_gdn_cluster_norm(true);
-    const double e_out = rel_l2(outs[1].data(), ref_out_f.data(), ref_out_f.size());
+    const double e_out = rel_l2(outs[1].data(), p.ref_out.data(), p.ref_out.size());
     std::printf("  gdn cluster norm nk %2d nv %2d dk %3d dv %3d rows %d: out rel_l2 %.3e\n", g.nk, g.nv, g.dk, g.dv,
                 g.rows, e_out);
     EXPECT_LE(e_out, 2e-5);
