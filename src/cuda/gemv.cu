@@ -29,8 +29,8 @@
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
-#include "cuda/gemv_stream.h"
 #include "cuda/gdn_conv.cuh"
+#include "cuda/gemv_stream.h"
 #include "cuda/mma_q4.cuh"
 #include "cuda/ops.h"
 
@@ -1178,14 +1178,16 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, i
   return true;
 }
 
-// The v4 launch, or false when the jobs do not suit it: not all 4-bit codes in groups of 64 or 128,
-// a shape where v3 is faster (kTcMin*), or CK_GEMV asks for v2/v3.
-// With `conv` (job 0 the DeltaNet's in_proj_qkv, conv->x its output), only the two-kernel form, whose
-// epilogue then convolves job 0's channels instead of writing them.
+// The DeltaNet conv for gemv_tc4's epilogue (gemv_conv).
 struct ConvTail {
   GdnConvArgs a;
   const StepParams* sp;
 };
+
+// The v4 launch, or false when the jobs do not suit it: not all 4-bit codes in groups of 64 or 128,
+// a shape where v3 is faster (kTcMin*), or CK_GEMV asks for v2/v3. With `conv` (job 0 the DeltaNet's
+// in_proj_qkv, conv->a.x its output), only the two-kernel form, whose epilogue then convolves job 0's
+// channels instead of writing them.
 bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,
               const Tc4Frags* pre, const ConvTail* conv = nullptr) {
   bool bf16s = false;

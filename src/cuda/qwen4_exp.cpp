@@ -651,12 +651,12 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     GemvJob jobs[2];
     jobs[0].w = mo.router; jobs[0].y = b.mlog; jobs[0].ldy = b.ldEx;
     jobs[1].w = mo.sh_expert_gate; jobs[1].y = b.mgl; jobs[1].ldy = 4;
+    gemv(jobs, 2, b.u, b.ldH, rows, stream_);
     MoeRouteArgs ra;
     ra.logits = b.mlog; ra.ld = b.ldEx; ra.E = c.num_experts; ra.k = k; ra.norm_topk = c.norm_topk_prob ? 1 : 0;
     ra.table = table;
     ra.inter = c.moe_intermediate_size; ra.hidden = H;
     ra.sh_gate = mo.sh_gate; ra.sh_up = mo.sh_up; ra.sh_down = mo.sh_down; ra.pairs = b.pairs;
-    gemv(jobs, 2, b.u, b.ldH, rows, stream_);
     moe_route(ra, rows, stream_);
     mark("moe router");
     const int n_pairs = rows * (k + 1);
