@@ -23,13 +23,15 @@ g++ -std=c++20 -O2 -Wall -Wextra -Wno-unused-parameter -fopenmp -DCHERENKOV_HAVE
   -lfmt -lxxhash -luring -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread
 # The instruction-fetch lab (bench/kernels/icache_lab.cu): CUDA runtime only.
 "$CUDA_HOME/bin/nvcc" -O3 -arch=sm_90 -std=c++17 bench/kernels/icache_lab.cu -o "$B/icache_lab"
+# The weight-layout lab (bench/kernels/gemv_layout_lab.cu): CUDA runtime only.
+"$CUDA_HOME/bin/nvcc" -O3 -arch=sm_90 -std=c++17 -Isrc bench/kernels/gemv_layout_lab.cu -o "$B/gemv_layout_lab"
 
 # Stage, then pack: the working tree that travels with the call is limited to 64 MiB, and ICU's data
 # library alone is 30 MB (7 MB compressed). gpu_check.sh unpacks the bundle.
 S=.devcarry/stage
 rm -rf .devcarry
 mkdir -p $S/lib
-BINS="cherenkov test_cuda_ops test_cuda_model bench_cuda icache_lab"
+BINS="cherenkov test_cuda_ops test_cuda_model bench_cuda icache_lab gemv_layout_lab"
 for b in $BINS; do
   cp "$B/$b" $S/
   strip --strip-debug $S/$b

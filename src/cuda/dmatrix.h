@@ -12,19 +12,32 @@ namespace ck::cuda {
 
 enum class WKind : uint8_t { F32 = 0, BF16 = 1, F16 = 2, Q = 3 };
 
+// Where a quantized matrix's bytes are (WFormat::layout).
+//  - Rows: as MLX stores them: codes row by row, scales and biases in two [rows, cols/group] arrays.
+//  - Tiles16 (4-bit codes, groups of 64, bf16 scales, rows a multiple of 16): data holds, for each
+//    16-row tile and each 64-code group in that order, the 576 bytes the tensor-core kernels' lanes read
+//    (mma.m16n8k16's A fragment order). Bytes [16 l, 16 l + 16) belong to lane l = 4 g + t (g < 8,
+//    t < 4): code bytes [8 t, 8 t + 8) of the group in tile row g, then the same of row g + 8. Bytes
+//    [512 + 8 g, + 8): bf16 scale and bias of row g, then of row g + 8. scales and biases are null.
+//    A warp then reads one (tile, group) as one 16-byte and one 8-byte load per lane over 5 cache lines,
+//    where the row layout takes 6 loads over ~48 lines: docs/design-notes.md ("CUDA weight tiles").
+enum class WLayout : uint8_t { Rows = 0, Tiles16 = 1 };
+constexpr int kTileRows = 16, kTileGroupBytes = 576;
+
 // How a matrix is stored. For Q: `bits` per code (2, 3, 4, 8), `group` columns per scale/bias
-// (32, 64, 128), `scale_kind` the float kind of scales and biases.
+// (32, 64, 128), `scale_kind` the float kind of scales and biases, `layout` a WLayout.
 struct WFormat {
   uint8_t kind = 0;        // WKind
   uint8_t bits = 0;
   uint8_t scale_kind = 1;  // WKind::F32, BF16 or F16
-  uint8_t reserved = 0;
+  uint8_t layout = 0;      // WLayout
   uint16_t group = 0;
   uint16_t reserved2 = 0;
 };
 
 CK_HD inline bool operator==(const WFormat& a, const WFormat& b) {
-  return a.kind == b.kind && a.bits == b.bits && a.scale_kind == b.scale_kind && a.group == b.group;
+  return a.kind == b.kind && a.bits == b.bits && a.scale_kind == b.scale_kind && a.group == b.group &&
+         a.layout == b.layout;
 }
 CK_HD inline int wkind_bytes(uint8_t kind) { return kind == static_cast<uint8_t>(WKind::F32) ? 4 : 2; }
 
@@ -38,6 +51,7 @@ struct DMatrix {
   WFormat fmt;
 
   CK_HD bool quantized() const { return fmt.kind == static_cast<uint8_t>(WKind::Q); }
+  CK_HD bool tiled() const { return fmt.layout == static_cast<uint8_t>(WLayout::Tiles16); }
   CK_HD size_t data_bytes() const {
     return quantized() ? static_cast<size_t>(rows) * cols * fmt.bits / 8
                        : static_cast<size_t>(rows) * cols * wkind_bytes(fmt.kind);
@@ -45,6 +59,7 @@ struct DMatrix {
   CK_HD size_t scale_bytes() const {  // of scales, and again of biases
     return quantized() ? static_cast<size_t>(rows) * (cols / fmt.group) * wkind_bytes(fmt.scale_kind) : 0;
   }
+  // Either layout holds the same bytes (Tiles16: codes, scales and biases all in data).
   CK_HD size_t stored_bytes() const { return data_bytes() + 2 * scale_bytes(); }
 };
 

@@ -239,13 +239,21 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     xf_src[j] = on ? static_cast<uint32_t>((srow[r] * a.groups) * kQ4GroupU2 + (s * 3 + p) * 4 + half * 2) : ~0u;
     xf_dst[j] = static_cast<uint32_t>(offsetof(Q4Stage, xb) + (((s * 3 + p) * 32 + r) * 4 + half * 2) * sizeof(uint2));
   }
+  // A dense job in 16-row tiles (dmatrix.h, WLayout::Tiles16): the block's 16 tiles of a group are 16
+  // runs of 576 bytes; codes land in `codes` as [tile][lane] 16-byte pieces, the scale words in `sb`
+  // as [tile][g][row g, row g + 8] (block-uniform).
+  const bool tiled = MODE == kQ4Dense && w0.tiled();
+  const int n_tiles = (w0.rows + kTileRows - 1) / kTileRows;
+  auto tile_base = [&](int tl) {  // tile tl of the block at group 0, clamped to the matrix
+    return w0.data + static_cast<size_t>(min(block_f0 / kTileRows + tl, n_tiles - 1)) * (K / 64) * kTileGroupBytes;
+  };
   const uint8_t* code_src[SC ? 2 : 1];  // code copy j (SC): 16 bytes of feature row (i / 2) at group 0
   if constexpr (SC) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int i = tid + j * kQ4TileWarps * 32, q = (i >> 1) / BF, fl = (i >> 1) % BF;
       const size_t row = static_cast<size_t>(min(block_f0 + fl, w0.rows - 1));
-      code_src[j] = (q == 0 ? w0 : w1).data + row * row_bytes + (i & 1) * 16;
+      code_src[j] = tiled ? tile_base(i >> 5) + 16 * (i & 31) : (q == 0 ? w0 : w1).data + row * row_bytes + (i & 1) * 16;
     }
   }
   const size_t gsum_src = static_cast<size_t>(srow[tid & 31]) * a.groups;
@@ -255,7 +263,8 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     const int i = tid + j * kQ4TileWarps * 32;
     const int q = i / (2 * BF), fl = (i % (2 * BF)) >> 1;
     const DMatrix& w = q == 0 ? w0 : w1;
-    sb_src[j] = ((i & 1) ? w.biases : w.scales) + static_cast<size_t>(min(block_f0 + fl, w0.rows - 1)) * n_sg * es;
+    sb_src[j] = tiled ? tile_base(tid >> 2) + 512 + 16 * (tid & 3)  // tiled: threads < 64, one 16-byte copy
+                      : ((i & 1) ? w.biases : w.scales) + static_cast<size_t>(min(block_f0 + fl, w0.rows - 1)) * n_sg * es;
   }
   auto stage_group = [&](int G, Q4Stage& st) {
     uint8_t* base = reinterpret_cast<uint8_t*>(&st);
@@ -265,9 +274,14 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     if constexpr (SC) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
-        cp_async16(&st.codes[0][0] + 2 * (tid + j * kQ4TileWarps * 32), code_src[j] + static_cast<size_t>(G) * 32);
+        cp_async16(&st.codes[0][0] + 2 * (tid + j * kQ4TileWarps * 32),
+                   code_src[j] + static_cast<size_t>(G) * (tiled ? kTileGroupBytes : 32));
     }
     if (tid < 32) cp_async4(&st.gsum[tid], a.gsum + gsum_src + G);
+    if (tiled) {
+      if (tid < 4 * kTileRows) cp_async16(&st.sb[4 * tid], sb_src[0] + static_cast<size_t>(G) * kTileGroupBytes);
+      return;
+    }
     const size_t off = static_cast<size_t>(G >> gpg_shift) * es;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -282,9 +296,16 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
       const DMatrix& w = q == 0 ? w0 : w1;
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
+        if (tiled) {
+          const uint4 c = __ldg(reinterpret_cast<const uint4*>(tile_base(warp * MF + mf) +
+                                                               static_cast<size_t>(G) * kTileGroupBytes) + lane);
+          wq[q][mf][0] = make_uint2(c.x, c.y);
+          wq[q][mf][1] = make_uint2(c.z, c.w);
+        } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          wq[q][mf][h] = __ldg(reinterpret_cast<const uint2*>(w.data + fr[mf][h] * row_bytes + G * 32 + 8 * t));
+          for (int h = 0; h < 2; ++h)
+            wq[q][mf][h] = __ldg(reinterpret_cast<const uint2*>(w.data + fr[mf][h] * row_bytes + G * 32 + 8 * t));
+        }
     }
   };
   float acc[NW][MF][4][4] = {};  // [matrix][m16 fragment][n8 fragment (8 tokens)][d0..d3]
@@ -310,8 +331,14 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
         for (int q = 0; q < NW; ++q)
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf)
+            if (tiled) {
+              const uint4 c = reinterpret_cast<const uint4*>(&st.codes[0][0])[(warp * MF + mf) * 32 + lane];
+              wq[q][mf][0] = make_uint2(c.x, c.y);
+              wq[q][mf][1] = make_uint2(c.z, c.w);
+            } else {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) wq[q][mf][h] = st.codes[q * BF + warp * 16 * MF + mf * 16 + h * 8 + g][t];
+              for (int h = 0; h < 2; ++h) wq[q][mf][h] = st.codes[q * BF + warp * 16 * MF + mf * 16 + h * 8 + g][t];
+            }
       } else if (G + 1 < g_end) {
         load_codes(G + 1, wn);
       }
@@ -364,11 +391,18 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
             const int fl = warp * 16 * MF + mf * 16 + g;
-            const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl) * 2]);
-            const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl + 8) * 2]);
-            const uint32_t sel0 = scales.sel(par0[mf][0] ^ sp), sel1 = scales.sel(par0[mf][1] ^ sp);
-            const float s0 = scales.value(sb_g.x, sel0), b0 = scales.value(sb_g.y, sel0);
-            const float s1 = scales.value(sb_g8.x, sel1), b1 = scales.value(sb_g8.y, sel1);
+            float s0, b0, s1, b1;
+            if (tiled) {  // [tile][g]: (scale, bias) of row g, then of row g + 8, bf16
+              const uint2 w = *reinterpret_cast<const uint2*>(&st.sb[((warp * MF + mf) * 8 + g) * 2]);
+              s0 = __uint_as_float(w.x << 16), b0 = __uint_as_float(w.x & 0xFFFF0000u);
+              s1 = __uint_as_float(w.y << 16), b1 = __uint_as_float(w.y & 0xFFFF0000u);
+            } else {
+              const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl) * 2]);
+              const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl + 8) * 2]);
+              const uint32_t sel0 = scales.sel(par0[mf][0] ^ sp), sel1 = scales.sel(par0[mf][1] ^ sp);
+              s0 = scales.value(sb_g.x, sel0), b0 = scales.value(sb_g.y, sel0);
+              s1 = scales.value(sb_g8.x, sel1), b1 = scales.value(sb_g8.y, sel1);
+            }
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
               float* c = acc[q][mf][nb];
@@ -534,15 +568,17 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (n_jobs < 1 || n_jobs > kMaxGemvJobs || rows < 1) return false;
   const int K = jobs[0].w.cols;
   int tiles = 0;
+  bool tiled = false;  // a Tiles16 job: only these kernels read it (no fallback to gemm.cu's)
   for (int j = 0; j < n_jobs; ++j) {
+    tiled = tiled || jobs[j].w.tiled();
     if (!expert_q4_ok(jobs[j].w) || jobs[j].w.cols != K) return false;
     // q4_tile_kernel reads 2-byte scales and biases out of aligned 4-byte words.
     if (reinterpret_cast<uintptr_t>(jobs[j].w.scales) % 4 || reinterpret_cast<uintptr_t>(jobs[j].w.biases) % 4) return false;
     tiles += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
   }
-  if (K < 256) return false;
   static const bool on = !env_is("CK_Q4_DENSE", "0");
-  if (!on) return false;
+  CK_REQUIRE(!tiled || (on && K >= 256), "gemm_q4: a matrix in 16-row tiles (K %d) with CK_Q4_DENSE=0 or K < 256", K);
+  if (K < 256 || !on) return false;
   // Hopper: chunks of at least q4_wg_min_rows() rows go to the warpgroup-MMA kernel (gemm_q4_wg.cu;
   // CK_Q4_WGMMA=0 keeps q4_tile_kernel): 64 tokens x 256 features per block, one block per SM.
   static const bool wg_ok = !env_is("CK_Q4_WGMMA", "0") && device_attribute(cudaDevAttrComputeCapabilityMajor) == 9 &&
@@ -566,7 +602,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   const int max_splits = std::min(16, groups / 8);
   for (int s = 2; fill(splits) < 0.85 && s <= max_splits; ++s)
     if (fill(s) > fill(splits)) splits = s;
-  if (!wg && blocks < sm_count() && splits < 2) return false;
+  if (!wg && blocks < sm_count() && splits < 2 && !tiled) return false;
   const int k_groups = static_cast<int>(ceil_div(groups, splits));
   splits = static_cast<int>(ceil_div(groups, k_groups));
   XFrag f = make_xfrag(x, ldx, rows, K, groups, stream, wg);

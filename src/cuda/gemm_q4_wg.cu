@@ -145,20 +145,30 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
     xf_dst[j] = static_cast<uint32_t>(offsetof(Stage, xb) + (s * PARTS + p) * kBBytes + (r >> 3) * 256 + j1 * 128 +
                                       (r & 7) * 16);
   }
+  // A matrix in 16-row tiles (dmatrix.h, WLayout::Tiles16; block-uniform): the block's 16 tiles of a
+  // group are 16 runs of 576 bytes; codes land in `codes` as [tile][lane] 16-byte pieces (a warp's
+  // m16 slice is one tile), the scale words in `sb` as [tile][g][row g, row g + 8].
+  const bool tiled = w0.tiled();
+  const int n_tiles = (w0.rows + kTileRows - 1) / kTileRows;
+  auto tile_base = [&](int tl) {  // tile tl of the block at group 0, clamped to the matrix
+    return w0.data + static_cast<size_t>(min(block_f0 / kTileRows + tl, n_tiles - 1)) * (K / 64) * kTileGroupBytes;
+  };
   const uint8_t* code_src[2];  // code copy j: 16 bytes of block feature (i / 2) at group 0
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int i = tid + j * kWgThreads;
     const size_t row = static_cast<size_t>(min(block_f0 + (i >> 1), w0.rows - 1));
-    code_src[j] = w0.data + row * row_bytes + (i & 1) * 16;
+    code_src[j] = tiled ? tile_base(i >> 5) + 16 * (i & 31) : w0.data + row * row_bytes + (i & 1) * 16;
   }
+  const size_t code_step = tiled ? kTileGroupBytes : 32;  // bytes from one group's codes to the next's
   const size_t gsum_src = static_cast<size_t>(srow[tid % TN]) * a.groups;
   const uint8_t* sb_src[2];  // scale/bias word j: its feature row's first scale group
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int i = tid + j * kWgThreads;
     const size_t row = static_cast<size_t>(min(block_f0 + (i >> 1), w0.rows - 1));
-    sb_src[j] = ((i & 1) ? w0.biases : w0.scales) + row * n_sg * es;
+    sb_src[j] = tiled ? tile_base(tid >> 2) + 512 + 16 * (tid & 3)  // tiled: threads < 64, one 16-byte copy
+                      : ((i & 1) ? w0.biases : w0.scales) + row * n_sg * es;
   }
   auto stage_group = [&](int G, Stage& st) {
     uint8_t* base = reinterpret_cast<uint8_t*>(&st);
@@ -167,8 +177,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
       cp_async16(base + xf_dst[j], a.xf + xf_src[j] + static_cast<size_t>(G) * kWgGroupU2);
 #pragma unroll
     for (int j = 0; j < 2; ++j)
-      cp_async16(&st.codes[0][0] + 2 * (tid + j * kWgThreads), code_src[j] + static_cast<size_t>(G) * 32);
+      cp_async16(&st.codes[0][0] + 2 * (tid + j * kWgThreads), code_src[j] + static_cast<size_t>(G) * code_step);
     if (tid < TN) cp_async4(&st.gsum[tid], a.gsum + gsum_src + G);
+    if (tiled) {
+      if (tid < 4 * kTileRows) cp_async16(&st.sb[4 * tid], sb_src[0] + static_cast<size_t>(G) * kTileGroupBytes);
+      return;
+    }
     const size_t off = static_cast<size_t>(G >> gpg_shift) * es;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -185,7 +199,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
 #pragma unroll
     for (int mf = 0; mf < 2; ++mf) {
       const int fl = 128 * wg + 64 * mf + 16 * wq + g;
-      const uint2 c0 = st.codes[fl][t], c8 = st.codes[fl + 8][t];
+      uint2 c0, c8;
+      if (tiled) {
+        const uint4 c = reinterpret_cast<const uint4*>(&st.codes[0][0])[(8 * wg + 4 * mf + wq) * 32 + lane];
+        c0 = make_uint2(c.x, c.y);
+        c8 = make_uint2(c.z, c.w);
+      } else {
+        c0 = st.codes[fl][t];
+        c8 = st.codes[fl + 8][t];
+      }
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const uint32_t w_g = (s >> 1) ? c0.y : c0.x, w_g8 = (s >> 1) ? c8.y : c8.x;
@@ -217,11 +239,18 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
 #pragma unroll
     for (int mf = 0; mf < 2; ++mf) {
       const int fl = 128 * wg + 64 * mf + 16 * wq + g;
-      const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[fl * 2]);
-      const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(fl + 8) * 2]);
-      const uint32_t sel0 = scales.sel(par0[mf][0] ^ sp), sel1 = scales.sel(par0[mf][1] ^ sp);
-      const float s0 = scales.value(sb_g.x, sel0), b0 = scales.value(sb_g.y, sel0);
-      const float s1 = scales.value(sb_g8.x, sel1), b1 = scales.value(sb_g8.y, sel1);
+      float s0, b0, s1, b1;
+      if (tiled) {  // [tile][g]: (scale, bias) of row g, then of row g + 8, bf16
+        const uint2 w = *reinterpret_cast<const uint2*>(&st.sb[((8 * wg + 4 * mf + wq) * 8 + g) * 2]);
+        s0 = __uint_as_float(w.x << 16), b0 = __uint_as_float(w.x & 0xFFFF0000u);
+        s1 = __uint_as_float(w.y << 16), b1 = __uint_as_float(w.y & 0xFFFF0000u);
+      } else {
+        const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[fl * 2]);
+        const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(fl + 8) * 2]);
+        const uint32_t sel0 = scales.sel(par0[mf][0] ^ sp), sel1 = scales.sel(par0[mf][1] ^ sp);
+        s0 = scales.value(sb_g.x, sel0), b0 = scales.value(sb_g.y, sel0);
+        s1 = scales.value(sb_g8.x, sel1), b1 = scales.value(sb_g8.y, sel1);
+      }
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         float* c = &acc[mf][4 * j];

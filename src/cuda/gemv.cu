@@ -1194,7 +1194,11 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   int bits = 0;
   if (q_arith() != 4 || n_jobs < 1 || n_jobs > kMaxGemvJobs || !tc4_suits(jobs, n_jobs, &bf16s, &bits)) return false;
   int total_rows = 0;
-  for (int j = 0; j < n_jobs; ++j) total_rows += jobs[j].w.rows;
+  bool tiled = false;  // only the v4 kernels read Tiles16 matrices: no size threshold then
+  for (int j = 0; j < n_jobs; ++j) {
+    total_rows += jobs[j].w.rows;
+    tiled = tiled || jobs[j].w.tiled();
+  }
   if (!conv && rows == 1 && bits == 4 && gemv_stream(jobs, n_jobs, x, bf16s, stream)) return true;
   if (!conv && rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, bits, stream)) return true;
   if (bits != 4) return false;
@@ -1203,7 +1207,7 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
     const char* e = std::getenv("CK_GEMV_TC_ONE_ROW");
     return e ? std::max(1, std::atoi(e)) : kTcMinRowsOneRow;
   }();
-  if (total_rows < (rows == 1 ? one_row_min : kTcMinRows) || jobs[0].w.cols < kTcMinCols) return false;
+  if (!tiled && (total_rows < (rows == 1 ? one_row_min : kTcMinRows) || jobs[0].w.cols < kTcMinCols)) return false;
   TcLaunch L = tc_launch_of(jobs, n_jobs);
   const int tiles = L.first_tile[n_jobs];
   // Split each tile's groups over more warps while there are too few warps to keep every SM's memory
@@ -1335,6 +1339,11 @@ void launch_gemv_m(int m, const GemvLaunch& L, int blocks, int threads, const fl
 
 }  // namespace
 
+bool weight_tiles_on() {
+  static const bool on = !env_is("CK_WEIGHT_TILES", "0") && !env_is("CK_Q4_DENSE", "0");
+  return on && gemv_version() == 2 && q_arith() == 4;
+}
+
 void set_gemv_version(int v) { g_gemv_version = v == 1 ? 1 : 2; }
 
 void init_gemv() {
@@ -1387,6 +1396,9 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
                "gemv: job %d: %d x %d matrix, output %p (job 0 has %d cols)", j, jobs[j].w.rows, jobs[j].w.cols,
                static_cast<void*>(jobs[j].y), jobs[0].w.cols);
   if (gemv_version() == 2 && gemv_tc4(jobs, n_jobs, x, ldx, rows, stream, pre)) return;
+  for (int j = 0; j < n_jobs; ++j)
+    CK_REQUIRE(!jobs[j].w.tiled(), "gemv: job %d's matrix is in 16-row tiles, which only the v4 kernels read "
+               "(CK_GEMV asks for another; CK_WEIGHT_TILES=0 uploads row layouts)", j);
   if (gemv_version() == 2 && x_aligned && gemv_v2(jobs, n_jobs, x, ldx, rows, stream)) return;
   GemvLaunch L{};
   L.n_jobs = n_jobs;

@@ -253,8 +253,9 @@ bool gemv_stream(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cu
   int tiles = 0;
   for (int j = 0; j < n_jobs; ++j) {
     const DMatrix& w = jobs[j].w;
-    // 4-bit codes in groups of 64, 16-byte aligned (a tensor map's base and row pitch must be).
-    if (!w.quantized() || w.fmt.bits != 4 || w.fmt.group != 64 || w.cols != cols || w.rows < 1 ||
+    // 4-bit codes in groups of 64, 16-byte aligned (a tensor map's base and row pitch must be), in
+    // the row layout (the tensor maps' boxes are rows).
+    if (!w.quantized() || w.fmt.bits != 4 || w.fmt.group != 64 || w.cols != cols || w.rows < 1 || w.tiled() ||
         !aligned16(w.data) || !aligned16(w.scales) || !aligned16(w.biases))
       return false;
     L.job[j] = jobs[j];

@@ -122,9 +122,10 @@ __device__ __forceinline__ float load_scale_elem(const uint8_t* base, size_t i, 
 // Rows g and g+8 of a 16-row tile of a 4-bit matrix as the v4 kernels read them per 64-code group:
 // the lane's 8 code bytes of each row, and each row's scale and bias (a scale group spans 2^gshift
 // 64-code groups; the launches check the group is 64 times a power of two). BF16S: bf16 scales (the
-// checkpoints' form) are read without the per-load kind switch. Per group this is 2 code loads and
-// 4 scale loads with 32-bit indices: the loop is instruction-bound at one activation row (Nsight
-// Compute: ~190 instructions per warp and group with a division and 64-bit index math per group).
+// checkpoints' form) are read without the per-load kind switch. In the row layout this is 2 code
+// loads and 4 scale loads per group over ~48 cache lines a warp; a Tiles16 matrix (dmatrix.h) gives
+// the same values in one 16-byte and one 8-byte load per lane (the branch is warp-uniform: a tile
+// belongs to one matrix).
 template <bool BF16S, int BITS = 4>
 struct Tc4Rows {
   static constexpr int kGroupBytes = 8 * BITS;  // one row's 64 codes
@@ -135,9 +136,17 @@ struct Tc4Rows {
   uint32_t sa0, sb0;  // element index of group 0's scale and bias for each row
   int gshift;
   uint8_t sk;
+  bool tiled;         // Tiles16: pa is the lane's 16 bytes of group 0, pb its scale word pair's
   __device__ __forceinline__ void init(const DMatrix& w, int ra, int rb, int t) {
     const size_t row_bytes = static_cast<size_t>(w.cols) * BITS / 8;
     const uint32_t n_groups = static_cast<uint32_t>(w.cols / w.fmt.group);
+    tiled = BITS == 4 && w.tiled();
+    if (tiled) {  // ra = 16 T + g (rb = ra + 8: the same tile)
+      const uint8_t* tile = w.data + static_cast<size_t>(ra >> 4) * n_groups * kTileGroupBytes;
+      pa = tile + 16 * (4 * (ra & 7) + t);
+      pb = tile + 512 + 8 * (ra & 7);
+      return;
+    }
     pa = w.data + ra * row_bytes + 2 * BITS * t;  // lane t's 16 codes: 8 bytes at 4 bits, 16 at 8
     pb = w.data + rb * row_bytes + 2 * BITS * t;
     scales = w.scales;
@@ -148,10 +157,18 @@ struct Tc4Rows {
     sk = w.fmt.scale_kind;
   }
   // Asks L2 for groups [G0, G1) of both rows' codes and the lines of their scales and biases (lanes
-  // t == 0). For a kernel's prologue before pdl_begin(): weights never change, so this overlaps the
-  // kernel before (docs/roofline-cuda.md, "Fifth session").
+  // t == 0; Tiles16: the warp's one contiguous range, by lane 0). For a kernel's prologue before
+  // pdl_begin(): weights never change, so this overlaps the kernel before (docs/roofline-cuda.md,
+  // "Fifth session").
   __device__ __forceinline__ void prefetch(int G0, int G1, int t) const {
     if (t != 0 || G1 <= G0) return;
+    if (tiled) {
+      if ((threadIdx.x & 31) == 0) {
+        const uint8_t* at = pa + static_cast<size_t>(G0) * kTileGroupBytes;  // lane 0's bytes start the tile
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"((G1 - G0) * kTileGroupBytes) : "memory");
+      }
+      return;
+    }
     const uint32_t bytes = static_cast<uint32_t>(G1 - G0) * kGroupBytes;
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pa + G0 * kGroupBytes), "r"(bytes) : "memory");
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pb + G0 * kGroupBytes), "r"(bytes) : "memory");
@@ -174,6 +191,17 @@ struct Tc4Rows {
   }
   __device__ __forceinline__ void load(int G, uint2& wa, uint2& wb, float& sa, float& ba, float& sb, float& bb) const {
     static_assert(BITS == 4, "4-bit codes");
+    if (tiled) {
+      const uint4 c = __ldg(reinterpret_cast<const uint4*>(pa + static_cast<size_t>(G) * kTileGroupBytes));
+      const uint2 sw = __ldg(reinterpret_cast<const uint2*>(pb + static_cast<size_t>(G) * kTileGroupBytes));
+      wa = make_uint2(c.x, c.y);
+      wb = make_uint2(c.z, c.w);
+      sa = __uint_as_float(sw.x << 16);  // bf16 bits are the high half of the fp32
+      ba = __uint_as_float(sw.x & 0xFFFF0000u);
+      sb = __uint_as_float(sw.y << 16);
+      bb = __uint_as_float(sw.y & 0xFFFF0000u);
+      return;
+    }
     wa = __ldg(reinterpret_cast<const uint2*>(pa + G * kGroupBytes));
     wb = __ldg(reinterpret_cast<const uint2*>(pb + G * kGroupBytes));
     scales_of(G, sa, ba, sb, bb);

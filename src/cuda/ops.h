@@ -75,6 +75,10 @@ void set_q4_wg_min_rows(int rows);
 // format). CK_GEMV=v1 in the environment picks 1; CK_GEMV=v3 keeps 4-bit codes off the tensor cores.
 void set_gemv_version(int v);
 int gemv_version();
+// Whether the uploads may put dense 4-bit matrices in 16-row tiles (dmatrix.h WLayout::Tiles16): the
+// v4 GEMVs and gemm_q4 read them, and those are the paths taken (not with CK_GEMV=v1/v2/v3 or
+// CK_Q4_DENSE=0); CK_WEIGHT_TILES=0 keeps every matrix in the row layout (to compare).
+bool weight_tiles_on();
 // The smallest one-row job (16-row tiles x 64-code groups) that takes the streamed GEMV
 // (gemv_stream.h); a negative value restores the default (CK_GEMV_STREAM_MIN, else 100,000). For
 // tests and comparisons.

@@ -121,22 +121,25 @@ Status Model::upload_layer(DenseUploader& up, const LayerWeights& lw, DLayer* d)
   d->kind = lw.kind;
   TRY(upload_hc(up, lw.hc_attn, &d->hc_attn));
   TRY(upload_hc(up, lw.hc_mlp, &d->hc_mlp));
+  // The projections that only the v4 GEMVs and gemm_q4 read go up in 16-row tiles where they fit
+  // (dmatrix.h WLayout::Tiles16; CK_WEIGHT_TILES=0 keeps rows).
+  const WLayout proj = weight_tiles_on() ? WLayout::Tiles16 : WLayout::Rows;
   if (lw.kind == LayerKind::LinearAttention) {
-    ASSIGN_OR_RETURN(d->gdn.in_qkv, up.matrix(lw.gdn.in_qkv));
-    ASSIGN_OR_RETURN(d->gdn.in_z, up.matrix(lw.gdn.in_z));
-    ASSIGN_OR_RETURN(d->gdn.in_b, up.matrix(lw.gdn.in_b));
-    ASSIGN_OR_RETURN(d->gdn.in_a, up.matrix(lw.gdn.in_a));
-    ASSIGN_OR_RETURN(d->gdn.out, up.matrix(lw.gdn.out));
+    ASSIGN_OR_RETURN(d->gdn.in_qkv, up.matrix(lw.gdn.in_qkv, proj));
+    ASSIGN_OR_RETURN(d->gdn.in_z, up.matrix(lw.gdn.in_z, proj));
+    ASSIGN_OR_RETURN(d->gdn.in_b, up.matrix(lw.gdn.in_b, proj));
+    ASSIGN_OR_RETURN(d->gdn.in_a, up.matrix(lw.gdn.in_a, proj));
+    ASSIGN_OR_RETURN(d->gdn.out, up.matrix(lw.gdn.out, proj));
     d->gdn.conv = up.vector(lw.gdn.conv);
     d->gdn.a_log = up.vector(lw.gdn.a_log);
     d->gdn.dt_bias = up.vector(lw.gdn.dt_bias);
     d->gdn.norm = up.vector(lw.gdn.norm);
   } else {
-    ASSIGN_OR_RETURN(d->attn.q, up.matrix(lw.attn.q));
-    ASSIGN_OR_RETURN(d->attn.k, up.matrix(lw.attn.k));
-    ASSIGN_OR_RETURN(d->attn.v, up.matrix(lw.attn.v));
-    ASSIGN_OR_RETURN(d->attn.o, up.matrix(lw.attn.o));
-    ASSIGN_OR_RETURN(d->attn.index_qk, up.matrix(lw.attn.index_qk));
+    ASSIGN_OR_RETURN(d->attn.q, up.matrix(lw.attn.q, proj));
+    ASSIGN_OR_RETURN(d->attn.k, up.matrix(lw.attn.k, proj));
+    ASSIGN_OR_RETURN(d->attn.v, up.matrix(lw.attn.v, proj));
+    ASSIGN_OR_RETURN(d->attn.o, up.matrix(lw.attn.o, proj));
+    ASSIGN_OR_RETURN(d->attn.index_qk, up.matrix(lw.attn.index_qk, proj));
     d->attn.q_norm = up.vector(lw.attn.q_norm);
     d->attn.k_norm = up.vector(lw.attn.k_norm);
     d->attn.iq_norm = up.vector(lw.attn.index_q_norm);

@@ -55,23 +55,57 @@ Result<WFormat> device_format(const Matrix& m) {
   return f;
 }
 
-Result<DMatrix> DenseUploader::matrix(const Matrix& m) {
+bool tiles16_fit(const Matrix& m) {
+  return m.quantized() && m.bits == 4 && m.group_size == 64 && m.scale_dtype == DType::BF16 && m.rows > 0 &&
+         m.rows % kTileRows == 0 && m.cols >= 256 && m.cols % 64 == 0;
+}
+
+void pack_tiles16(const Matrix& m, uint8_t* out) {
+  CK_REQUIRE(tiles16_fit(m), "pack_tiles16: %s does not fit 16-row tiles", m.name.c_str());
+  const int64_t groups = m.cols / 64, tiles = m.rows / kTileRows;
+  const size_t row_bytes = m.row_code_bytes();
+  const auto* sc = reinterpret_cast<const uint16_t*>(m.scales);
+  const auto* bi = reinterpret_cast<const uint16_t*>(m.biases);
+  for (int64_t T = 0; T < tiles; ++T)
+    for (int64_t G = 0; G < groups; ++G) {
+      uint8_t* blk = out + (T * groups + G) * kTileGroupBytes;
+      for (int g = 0; g < 8; ++g) {
+        const int64_t ra = T * kTileRows + g, rb = ra + 8;
+        for (int t = 0; t < 4; ++t) {  // lane 4 g + t: its 8 code bytes of row g, then of row g + 8
+          std::memcpy(blk + 16 * (4 * g + t), m.data + ra * row_bytes + G * 32 + 8 * t, 8);
+          std::memcpy(blk + 16 * (4 * g + t) + 8, m.data + rb * row_bytes + G * 32 + 8 * t, 8);
+        }
+        const uint16_t words[4] = {sc[ra * groups + G], bi[ra * groups + G], sc[rb * groups + G], bi[rb * groups + G]};
+        std::memcpy(blk + 512 + 8 * g, words, sizeof(words));
+      }
+    }
+}
+
+Result<DMatrix> DenseUploader::matrix(const Matrix& m, WLayout layout) {
   if (m.empty()) return DMatrix{};
-  auto it = seen_.find(m.data);
+  if (layout == WLayout::Tiles16 && !tiles16_fit(m)) layout = WLayout::Rows;
+  auto it = seen_.find({m.data, layout});
   if (it != seen_.end() && it->second.rows == m.rows && it->second.cols == m.cols) return it->second;
   ASSIGN_OR_RETURN(WFormat f, device_format(m));
   DMatrix d;
   d.rows = static_cast<int32_t>(m.rows);
   d.cols = static_cast<int32_t>(m.cols);
   d.fmt = f;
-  d.data = static_cast<const uint8_t*>(arena_->upload(m.data, host_data_bytes(m)));
-  if (m.quantized()) {
-    d.scales = static_cast<const uint8_t*>(arena_->upload(m.scales, host_scale_bytes(m)));
-    d.biases = static_cast<const uint8_t*>(arena_->upload(m.biases, host_scale_bytes(m)));
+  if (layout == WLayout::Tiles16) {
+    d.fmt.layout = static_cast<uint8_t>(WLayout::Tiles16);
+    std::vector<uint8_t> packed(d.stored_bytes());
+    pack_tiles16(m, packed.data());
+    d.data = static_cast<const uint8_t*>(arena_->upload(packed.data(), packed.size()));
+  } else {
+    d.data = static_cast<const uint8_t*>(arena_->upload(m.data, host_data_bytes(m)));
+    if (m.quantized()) {
+      d.scales = static_cast<const uint8_t*>(arena_->upload(m.scales, host_scale_bytes(m)));
+      d.biases = static_cast<const uint8_t*>(arena_->upload(m.biases, host_scale_bytes(m)));
+    }
   }
   CHECK(d.data_bytes() == host_data_bytes(m) && d.scale_bytes() == host_scale_bytes(m));
   bytes_ += d.stored_bytes();
-  seen_[m.data] = d;
+  seen_[{m.data, layout}] = d;
   return d;
 }
 

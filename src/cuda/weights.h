@@ -5,6 +5,7 @@
 #pragma once
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "cuda/common.h"
@@ -16,17 +17,25 @@ namespace ck::cuda {
 // The device format of a host matrix, or an error naming it when the kernels cannot read it.
 Result<WFormat> device_format(const Matrix& m);
 
-// Dense weights on the device. Matrices with the same host bytes (a tied LM head) are uploaded once.
+// Whether a host matrix can be stored in 16-row tiles (dmatrix.h, WLayout::Tiles16): 4-bit codes in
+// groups of 64 with bf16 scales, rows a multiple of 16, at least 256 columns (gemm_q4's smallest K).
+bool tiles16_fit(const Matrix& m);
+// The Tiles16 bytes of a matrix that tiles16_fit (rows / 16 x cols / 64 blocks of 576 bytes), written
+// into out (its stored_bytes()); host code, so the CPU tests check the layout too.
+void pack_tiles16(const Matrix& m, uint8_t* out);
+
+// Dense weights on the device. Matrices with the same host bytes (a tied LM head) are uploaded once
+// per layout. Asked for Tiles16, a matrix that does not fit them (tiles16_fit) keeps the row layout.
 class DenseUploader {
  public:
   explicit DenseUploader(DeviceArena* arena) : arena_(arena) {}
-  Result<DMatrix> matrix(const Matrix& m);
+  Result<DMatrix> matrix(const Matrix& m, WLayout layout = WLayout::Rows);
   const float* vector(const std::vector<float>& v);
   size_t bytes() const { return bytes_; }
 
  private:
   DeviceArena* arena_;
-  std::map<const uint8_t*, DMatrix> seen_;
+  std::map<std::pair<const uint8_t*, WLayout>, DMatrix> seen_;
   size_t bytes_ = 0;
 };
 

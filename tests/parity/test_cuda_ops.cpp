@@ -332,6 +332,113 @@ TEST(CudaOps, GemvMultiJobWithEpilogues) {
   set_gemv_version(2);
 }
 
+// ------------------------------------------------------------------ 16-row weight tiles
+
+// The Tiles16 layout as cuda/dmatrix.h states it, read back element by element on the host (no GPU):
+// every code, scale and bias of a packed matrix sits where the comment says.
+TEST(CudaOps, TilesHoldEveryCodeScaleAndBiasWhereTheLayoutSays) {
+  std::mt19937_64 rng(4242);
+  const WeightForm q4{DType::U32, 4, 64, DType::BF16};
+  for (auto [rows, cols] : {std::pair{16, 256}, std::pair{48, 640}, std::pair{160, 2560}}) {
+    HostMatrix hm = make_matrix(rows, cols, q4, rng);
+    ASSERT_TRUE(tiles16_fit(hm.m));
+    std::vector<uint8_t> tiles(hm.m.stored_bytes());
+    pack_tiles16(hm.m, tiles.data());
+    const int groups = cols / 64;
+    const auto* sc = reinterpret_cast<const uint16_t*>(hm.m.scales);
+    const auto* bi = reinterpret_cast<const uint16_t*>(hm.m.biases);
+    int64_t bad = 0;
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c) {
+        const int T = r / 16, g = r % 8, hi = (r % 16) / 8, G = c / 64, byte = (c % 64) / 2, t = byte / 8;
+        const uint8_t* blk = tiles.data() + (static_cast<size_t>(T) * groups + G) * kTileGroupBytes;
+        const uint32_t want = get_code(hm.m.data + static_cast<size_t>(r) * cols / 2, c, 4);
+        const uint32_t got = get_code(blk + 16 * (4 * g + t) + 8 * hi, (c % 64) % 16, 4);
+        uint16_t s_got, b_got;
+        std::memcpy(&s_got, blk + 512 + 8 * g + 4 * hi, 2);
+        std::memcpy(&b_got, blk + 512 + 8 * g + 4 * hi + 2, 2);
+        bad += got != want || s_got != sc[r * groups + G] || b_got != bi[r * groups + G];
+      }
+    EXPECT_EQ(bad, 0) << rows << "x" << cols;
+  }
+  // What does not fit stays in rows: 8-bit codes, groups of 32, f16 scales, 24 rows, 128 columns.
+  const WeightForm no[] = {{DType::U32, 8, 64, DType::BF16}, {DType::U32, 4, 32, DType::BF16},
+                           {DType::U32, 4, 64, DType::F16}};
+  for (const WeightForm& f : no) EXPECT_FALSE(tiles16_fit(make_matrix(32, 512, f, rng).m));
+  EXPECT_FALSE(tiles16_fit(make_matrix(24, 512, q4, rng).m));
+  EXPECT_FALSE(tiles16_fit(make_matrix(32, 128, q4, rng).m));
+}
+
+// The same matrices in the row layout and in 16-row tiles through every kernel that reads tiles: the
+// v4 GEMVs at 1-8 rows (the one-row kernel with K over a cluster, the two-kernel form, the DeltaNet
+// conv epilogue's kernel) and both prefill kernels. Where the row layout takes the same kernel the
+// outputs must be the same bits (the same arithmetic in the same order); small shapes, which the row
+// layout sends to other kernels, are checked against the CPU.
+TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(99);
+  const WeightForm q4{DType::U32, 4, 64, DType::BF16};
+  struct Case {
+    int rows, cols;
+  };
+  const Case cases[] = {{4160, 2560}, {2560, 6144}, {1024, 1024}, {48, 256}, {320, 10240}};
+  // Whether the row layout takes the same kernel as the tiles (gemv.cu's gemv_tc4): at one row the
+  // in-warp kernel up to 16,384 tile-groups, else from 4,096 rows; at 2-8 rows from 1,024 x 1,024;
+  // over kMaxRows gemm_q4, where it has blocks enough (not at 48 rows).
+  auto same_path = [](const Case& c, int n) {
+    if (n == 1) return (c.rows / 16) * (c.cols / 64) <= 16384 || c.rows >= 4096;
+    if (n <= kMaxRows) return c.rows >= 1024 && c.cols >= 1024;
+    return c.rows >= 1024;
+  };
+  DeviceArena arena;
+  for (const Case& c : cases) {
+    HostMatrix hm = make_matrix(c.rows, c.cols, q4, rng);
+    DenseUploader up(&arena);
+    const DMatrix rows_m = *up.matrix(hm.m), tiled_m = *up.matrix(hm.m, WLayout::Tiles16);
+    ASSERT_FALSE(rows_m.tiled());
+    ASSERT_TRUE(tiled_m.tiled());
+    for (int n : {1, 2, 4, 5, 8, 70, 800}) {
+      const int ldx = c.cols + 4, ldy = c.rows + 3;
+      std::vector<float> x = randn(static_cast<size_t>(n) * ldx, rng);
+      DeviceBuffer<float> xd;
+      to_device(x, &xd);
+      // Prefill (n > 8): both kernels, each for both layouts.
+      for (int wg : {0, 1}) {
+        if (n <= kMaxRows && wg) continue;
+        set_q4_wg_min_rows(wg ? 1 : 1 << 30);
+        std::vector<float> out[2];
+        for (int lay = 0; lay < 2; ++lay) {
+          DeviceBuffer<float> yd(static_cast<size_t>(n) * ldy);
+          matvec(lay ? tiled_m : rows_m, xd.get(), ldx, yd.get(), ldy, n, nullptr);
+          out[lay] = to_host(yd.get(), static_cast<size_t>(n) * ldy);
+        }
+        const std::string what = "tiles " + std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " +
+                                 std::to_string(n) + (n > kMaxRows ? (wg ? " wgmma" : " q4_tile") : "");
+        if (same_path(c, n)) {
+          int64_t diff = 0;
+          for (int r = 0; r < n; ++r)
+            diff += std::memcmp(out[0].data() + static_cast<size_t>(r) * ldy, out[1].data() + static_cast<size_t>(r) * ldy,
+                                sizeof(float) * c.rows) != 0;
+          std::printf("  %-58s %s\n", what.c_str(), diff ? "DIFFERENT BITS" : "same bits");
+          EXPECT_EQ(diff, 0) << what;
+        } else {  // the tiles' kernels against the CPU (the rows took v3, or gemm.cu's)
+          std::vector<float> ref(static_cast<size_t>(n) * c.rows), got(ref.size());
+          for (int r = 0; r < n; ++r) {
+            ck::cpu::matvec(hm.m, x.data() + static_cast<size_t>(r) * ldx, ref.data() + static_cast<size_t>(r) * c.rows);
+            std::memcpy(got.data() + static_cast<size_t>(r) * c.rows, out[1].data() + static_cast<size_t>(r) * ldy,
+                        sizeof(float) * c.rows);
+          }
+          std::vector<double> tol = dot_tolerance(hm.m, x, n, ldx);
+          if (n > kMaxRows)  // prefill's x in two bf16 parts (~16 bits), as MatvecAllFormatsAndRowCounts
+            for (double& t : tol) t *= 32.0;
+          report(what, compare(got, ref, tol, 0, 0));
+        }
+      }
+    }
+  }
+  set_q4_wg_min_rows(-1);
+}
+
 // ------------------------------------------------------------------ experts through pair views
 
 // The CPU's expert product for one input row: h = silu(gate · x) * (up · x) (inter), y = down · h (H).
