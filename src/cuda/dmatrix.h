@@ -65,7 +65,8 @@ struct DMatrix {
 
 // One routed expert as a contiguous record in the device expert array: gate, up and down codes (or
 // floats), then their scales and biases; every section 256-byte aligned. gate/up are [I, H], down
-// [H, I]; all three share one format (the record's precision).
+// [H, I]; all three share one format (the record's precision). In 16-row tiles (WLayout::Tiles16)
+// each matrix is one section holding its codes, scales and biases (the *_s and *_b offsets unused).
 struct ExpertLayout {
   uint64_t gate = 0, up = 0, down = 0;
   uint64_t gate_s = 0, gate_b = 0, up_s = 0, up_b = 0, down_s = 0, down_b = 0;
@@ -80,6 +81,13 @@ CK_HD inline ExpertLayout expert_layout(WFormat f, int inter, int hidden) {
   dn.rows = hidden; dn.cols = inter; dn.fmt = f;
   ExpertLayout l;
   uint64_t o = 0;
+  if (f.layout == static_cast<uint8_t>(WLayout::Tiles16)) {
+    l.gate = o; o = align256(o + gu.stored_bytes());
+    l.up = o;   o = align256(o + gu.stored_bytes());
+    l.down = o; o = align256(o + dn.stored_bytes());
+    l.bytes = o;
+    return l;
+  }
   l.gate = o; o = align256(o + gu.data_bytes());
   l.up = o;   o = align256(o + gu.data_bytes());
   l.down = o; o = align256(o + dn.data_bytes());
@@ -99,7 +107,7 @@ CK_HD inline ExpertLayout expert_layout(WFormat f, int inter, int hidden) {
 CK_HD inline void expert_views(const uint8_t* base, WFormat f, int inter, int hidden, DMatrix* gate, DMatrix* up,
                                DMatrix* down) {
   const ExpertLayout l = expert_layout(f, inter, hidden);
-  const bool q = f.kind == static_cast<uint8_t>(WKind::Q);
+  const bool q = f.kind == static_cast<uint8_t>(WKind::Q) && f.layout == static_cast<uint8_t>(WLayout::Rows);
   gate->data = base + l.gate; up->data = base + l.up; down->data = base + l.down;
   gate->scales = q ? base + l.gate_s : nullptr; gate->biases = q ? base + l.gate_b : nullptr;
   up->scales = q ? base + l.up_s : nullptr;     up->biases = q ? base + l.up_b : nullptr;

@@ -239,13 +239,16 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     xf_src[j] = on ? static_cast<uint32_t>((srow[r] * a.groups) * kQ4GroupU2 + (s * 3 + p) * 4 + half * 2) : ~0u;
     xf_dst[j] = static_cast<uint32_t>(offsetof(Q4Stage, xb) + (((s * 3 + p) * 32 + r) * 4 + half * 2) * sizeof(uint2));
   }
-  // A dense job in 16-row tiles (dmatrix.h, WLayout::Tiles16): the block's 16 tiles of a group are 16
-  // runs of 576 bytes; codes land in `codes` as [tile][lane] 16-byte pieces, the scale words in `sb`
-  // as [tile][g][row g, row g + 8] (block-uniform).
-  const bool tiled = MODE == kQ4Dense && w0.tiled();
+  // Matrices in 16-row tiles (dmatrix.h, WLayout::Tiles16; a block's matrices are all tiled or all
+  // rows): the block's BF / 16 tiles of each matrix are runs of 576 bytes per group. Codes land in
+  // `codes` as [matrix][tile][lane] 16-byte pieces (a warp's m16 fragment is one tile), the scale
+  // words in `sb` as [matrix][tile][g][row g, row g + 8].
+  const bool tiled = w0.tiled();
+  constexpr int TB = BF / kTileRows;  // tiles per matrix in a block
   const int n_tiles = (w0.rows + kTileRows - 1) / kTileRows;
-  auto tile_base = [&](int tl) {  // tile tl of the block at group 0, clamped to the matrix
-    return w0.data + static_cast<size_t>(min(block_f0 / kTileRows + tl, n_tiles - 1)) * (K / 64) * kTileGroupBytes;
+  auto tile_base = [&](int q, int tl) {  // tile tl of matrix q in the block at group 0, clamped to the matrix
+    return (q == 0 ? w0 : w1).data +
+           static_cast<size_t>(min(block_f0 / kTileRows + tl, n_tiles - 1)) * (K / 64) * kTileGroupBytes;
   };
   const uint8_t* code_src[SC ? 2 : 1];  // code copy j (SC): 16 bytes of feature row (i / 2) at group 0
   if constexpr (SC) {
@@ -253,7 +256,8 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     for (int j = 0; j < 2; ++j) {
       const int i = tid + j * kQ4TileWarps * 32, q = (i >> 1) / BF, fl = (i >> 1) % BF;
       const size_t row = static_cast<size_t>(min(block_f0 + fl, w0.rows - 1));
-      code_src[j] = tiled ? tile_base(i >> 5) + 16 * (i & 31) : (q == 0 ? w0 : w1).data + row * row_bytes + (i & 1) * 16;
+      code_src[j] = tiled ? tile_base(q, (i >> 5) % TB) + 16 * (i & 31)
+                          : (q == 0 ? w0 : w1).data + row * row_bytes + (i & 1) * 16;
     }
   }
   const size_t gsum_src = static_cast<size_t>(srow[tid & 31]) * a.groups;
@@ -263,7 +267,8 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     const int i = tid + j * kQ4TileWarps * 32;
     const int q = i / (2 * BF), fl = (i % (2 * BF)) >> 1;
     const DMatrix& w = q == 0 ? w0 : w1;
-    sb_src[j] = tiled ? tile_base(tid >> 2) + 512 + 16 * (tid & 3)  // tiled: threads < 64, one 16-byte copy
+    // Tiled: threads < 4 NW TB (64) make one 16-byte copy each, of matrix tid / (4 TB).
+    sb_src[j] = tiled ? tile_base(tid / (4 * TB), (tid >> 2) % TB) + 512 + 16 * (tid & 3)
                       : ((i & 1) ? w.biases : w.scales) + static_cast<size_t>(min(block_f0 + fl, w0.rows - 1)) * n_sg * es;
   }
   auto stage_group = [&](int G, Q4Stage& st) {
@@ -279,7 +284,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     }
     if (tid < 32) cp_async4(&st.gsum[tid], a.gsum + gsum_src + G);
     if (tiled) {
-      if (tid < 4 * kTileRows) cp_async16(&st.sb[4 * tid], sb_src[0] + static_cast<size_t>(G) * kTileGroupBytes);
+      if (tid < 4 * NW * TB) cp_async16(&st.sb[4 * tid], sb_src[0] + static_cast<size_t>(G) * kTileGroupBytes);
       return;
     }
     const size_t off = static_cast<size_t>(G >> gpg_shift) * es;
@@ -289,6 +294,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
       cp_async4(&st.sb[tid + j * kQ4TileWarps * 32], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
     }
   };
+  static_assert(4 * NW * TB <= kQ4TileWarps * 32, "one scale copy per thread");
   const StagedScales scales(sk);  // a scale or bias from its staged 4-byte word
   auto load_codes = [&](int G, uint2 (&wq)[NW][MF][2]) {
 #pragma unroll
@@ -297,7 +303,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
         if (tiled) {
-          const uint4 c = __ldg(reinterpret_cast<const uint4*>(tile_base(warp * MF + mf) +
+          const uint4 c = __ldg(reinterpret_cast<const uint4*>(tile_base(q, warp * MF + mf) +
                                                                static_cast<size_t>(G) * kTileGroupBytes) + lane);
           wq[q][mf][0] = make_uint2(c.x, c.y);
           wq[q][mf][1] = make_uint2(c.z, c.w);
@@ -332,7 +338,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf)
             if (tiled) {
-              const uint4 c = reinterpret_cast<const uint4*>(&st.codes[0][0])[(warp * MF + mf) * 32 + lane];
+              const uint4 c = reinterpret_cast<const uint4*>(&st.codes[0][0])[(q * TB + warp * MF + mf) * 32 + lane];
               wq[q][mf][0] = make_uint2(c.x, c.y);
               wq[q][mf][1] = make_uint2(c.z, c.w);
             } else {
@@ -393,7 +399,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
             const int fl = warp * 16 * MF + mf * 16 + g;
             float s0, b0, s1, b1;
             if (tiled) {  // [tile][g]: (scale, bias) of row g, then of row g + 8, bf16
-              const uint2 w = *reinterpret_cast<const uint2*>(&st.sb[((warp * MF + mf) * 8 + g) * 2]);
+              const uint2 w = *reinterpret_cast<const uint2*>(&st.sb[(((q * TB + warp * MF + mf) * 8) + g) * 2]);
               s0 = __uint_as_float(w.x << 16), b0 = __uint_as_float(w.x & 0xFFFF0000u);
               s1 = __uint_as_float(w.y << 16), b1 = __uint_as_float(w.y & 0xFFFF0000u);
             } else {

@@ -157,17 +157,42 @@ Status Model::upload_layer(DenseUploader& up, const LayerWeights& lw, DLayer* d)
     d->ple = p;
   }
   ASSIGN_OR_RETURN(d->moe.router, up.matrix(lw.moe.router));
-  ASSIGN_OR_RETURN(d->moe.sh_gate, up.matrix(lw.moe.shared_gate));
-  ASSIGN_OR_RETURN(d->moe.sh_up, up.matrix(lw.moe.shared_up));
-  ASSIGN_OR_RETURN(d->moe.sh_down, up.matrix(lw.moe.shared_down));
+  const WLayout experts = expert_tiles_ ? WLayout::Tiles16 : WLayout::Rows;
+  ASSIGN_OR_RETURN(d->moe.sh_gate, up.matrix(lw.moe.shared_gate, experts));
+  ASSIGN_OR_RETURN(d->moe.sh_up, up.matrix(lw.moe.shared_up, experts));
+  ASSIGN_OR_RETURN(d->moe.sh_down, up.matrix(lw.moe.shared_down, experts));
   ASSIGN_OR_RETURN(d->moe.sh_expert_gate, up.matrix(lw.moe.shared_expert_gate));
   return {};
+}
+
+bool Model::expert_tiles_fit() const {
+  const ModelConfig& c = cfg();
+  const int max_inter = std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size);
+  // CK_Q4_EXPERTS=0 sends prefill's experts to gemm.cu, which reads rows; CK_EXPERT_TILES=0 keeps the
+  // experts in rows and the dense projections in tiles (to compare).
+  if (!weight_tiles_on() || !expert_tc4_enabled() || env_is("CK_Q4_EXPERTS", "0") || env_is("CK_EXPERT_TILES", "0") ||
+      c.hidden_size % 64 != 0 || max_inter % 64 != 0)
+    return false;
+  ExpertMatrices ex;
+  std::vector<uint8_t> scratch;
+  if (!experts_src_->get(0, 0, &ex, &scratch).ok() || !tiles16_fit(ex.gate) || !tiles16_fit(ex.down)) return false;
+  // The shared experts go with the routed ones into the same kernels (gemm_q4's expert modes need all
+  // of a layer's in 4-bit codes, groups of 64 x 2^k: cuda/ops.h expert_q4_ok).
+  auto q4 = [](const Matrix& m) {
+    const int gpg = m.group_size / 64;
+    return m.quantized() && m.bits == 4 && m.group_size % 64 == 0 && (gpg & (gpg - 1)) == 0 && m.cols % m.group_size == 0;
+  };
+  auto shared_ok = [&](const MoeWeights& mo) { return q4(mo.shared_gate) && q4(mo.shared_up) && q4(mo.shared_down); };
+  for (const LayerWeights& lw : w_.layers)
+    if (!shared_ok(lw.moe)) return false;
+  return !w_.mtp || shared_ok(w_.mtp->layer.moe);
 }
 
 Status Model::init() {
   const ModelConfig& c = cfg();
   LOG_INF("cuda", "device: {}", device_banner());
   init_kernels();
+  expert_tiles_ = expert_tiles_fit();
   DenseUploader up(&arena_);
   ASSIGN_OR_RETURN(embed_, up.matrix(w_.embed));
   ASSIGN_OR_RETURN(lm_head_, up.matrix(w_.lm_head));
@@ -186,6 +211,7 @@ Status Model::init() {
     mtp_ = std::move(d);
   }
   dense_bytes_ = up.bytes();
+  tiled_dense_ = up.tiled_matrices();
   auto codes48 = [](const DMatrix& m) { return m.quantized() && (m.fmt.bits == 4 || m.fmt.bits == 8) && m.cols % 32 == 0; };
   const std::vector<float> inv = rope_inv_freq(c.rotary_dim(), c.rope_theta);
   inv_freq_.resize(std::max<size_t>(1, inv.size()));
@@ -194,7 +220,8 @@ Status Model::init() {
   // Record layer num_hidden_layers is the MTP's (format/weights.h ExpertSource); its table entries
   // follow the trunk's, at table + num_hidden_layers * num_experts.
   const int record_layers = static_cast<int>(w_.layers.size()) + (mtp_ ? 1 : 0);
-  TRY(upload_experts(*experts_src_, record_layers, c.num_experts, c.moe_intermediate_size, c.hidden_size, &pool_));
+  TRY(upload_experts(*experts_src_, record_layers, c.num_experts, c.moe_intermediate_size, c.hidden_size, &pool_,
+                     expert_tiles_));
   DMatrix g, u, dn;
   expert_views(nullptr, pool_.fmt, c.moe_intermediate_size, c.hidden_size, &g, &u, &dn);
   // CK_Q4_EXPERTS=0 keeps prefill's experts on gemm.cu's dequantizing kernels (gemm_q4.cu; to compare).
@@ -206,8 +233,11 @@ Status Model::init() {
   };
   for (DLayer& d : layers_) set_codes48(d.moe);
   if (mtp_) set_codes48(mtp_->layer.moe);
-  LOG_INF("cuda", "model: {} layers{}, H {}, {} experts top-{}; dense {:.2f} GB on device", w_.layers.size(),
-          mtp_ ? " + MTP" : "", c.hidden_size, c.num_experts, c.num_experts_per_tok, dense_bytes_ / 1e9);
+  for (const DLayer& d : layers_)  // expert_tiles_fit promised the kernels that read tiles
+    CK_REQUIRE(!expert_tiles_ || d.moe.q4, "experts in 16-row tiles without the 4-bit expert kernels");
+  LOG_INF("cuda", "model: {} layers{}, H {}, {} experts top-{}; dense {:.2f} GB on device; {} matrices{} in 16-row tiles",
+          w_.layers.size(), mtp_ ? " + MTP" : "", c.hidden_size, c.num_experts, c.num_experts_per_tok,
+          dense_bytes_ / 1e9, tiled_dense_, tiled_experts() ? " and the routed experts" : "");
   return {};
 }
 

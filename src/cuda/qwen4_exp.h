@@ -100,6 +100,9 @@ class Model {
 
   // Sizes, for the banner and the benchmark ceilings.
   size_t dense_bytes() const { return dense_bytes_; }
+  // How many dense matrices went up in 16-row tiles, and whether the experts did (dmatrix.h Tiles16).
+  int tiled_dense_matrices() const { return tiled_dense_; }
+  bool tiled_experts() const { return pool_.fmt.layout == static_cast<uint8_t>(WLayout::Tiles16); }
   const ExpertPool& experts() const { return pool_; }
   // Weight bytes one decode token reads: dense matrices it touches (one embedding row) plus k experts
   // per layer. The trunk only: MTP draft steps are extra work a driver counts itself.
@@ -122,6 +125,9 @@ class Model {
   Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts, Deferred);  // no upload yet
   Status init();
   Status upload_layer(DenseUploader& up, const LayerWeights& lw, DLayer* d);
+  // Whether the experts (routed and shared) can go up in 16-row tiles: they fit them, and every row
+  // count takes the tensor-core expert kernels that read tiles (decode's v4, prefill's gemm_q4).
+  bool expert_tiles_fit() const;
 
   const ModelWeights& w_;
   std::shared_ptr<ExpertSource> experts_src_;
@@ -136,6 +142,8 @@ class Model {
   DeviceBuffer<float> inv_freq_;  // (rotary_dim / 2)
   int max_inter_ = 0;
   int n_ple_ = 0;
+  bool expert_tiles_ = false;  // the routed and shared experts in 16-row tiles (expert_tiles_fit)
+  int tiled_dense_ = 0;
 };
 
 class Session {

@@ -96,6 +96,7 @@ Result<DMatrix> DenseUploader::matrix(const Matrix& m, WLayout layout) {
     std::vector<uint8_t> packed(d.stored_bytes());
     pack_tiles16(m, packed.data());
     d.data = static_cast<const uint8_t*>(arena_->upload(packed.data(), packed.size()));
+    ++tiled_;
   } else {
     d.data = static_cast<const uint8_t*>(arena_->upload(m.data, host_data_bytes(m)));
     if (m.quantized()) {
@@ -137,13 +138,16 @@ Status check_device_room(int n_layers, int n_expert, uint64_t stride) {
       cap ? " as capped by CK_DEVICE_MEMORY_GB" : "");
 }
 
-Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, ExpertPool* pool) {
+Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, ExpertPool* pool,
+                      bool tiles) {
   pool->n_layers = n_layers;
   pool->n_expert = n_expert;
   std::vector<uint8_t> scratch;
   ExpertMatrices ex;
   TRY(src.get(0, 0, &ex, &scratch));
   ASSIGN_OR_RETURN(pool->fmt, device_format(ex.gate));
+  const bool tiled = tiles && tiles16_fit(ex.gate) && tiles16_fit(ex.down);
+  if (tiled) pool->fmt.layout = static_cast<uint8_t>(WLayout::Tiles16);
   const ExpertLayout lay = expert_layout(pool->fmt, inter, hidden);
   pool->stride = lay.bytes;
   const size_t n_slots = static_cast<size_t>(n_layers) * n_expert;
@@ -167,9 +171,14 @@ Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, 
   auto pack = [&](const Matrix& m, uint8_t* rec, uint64_t off_data, uint64_t off_s, uint64_t off_b, int rows,
                   int cols, const std::string& what) -> Status {
     ASSIGN_OR_RETURN(WFormat f, device_format(m));
+    f.layout = pool->fmt.layout;
     if (!(f == pool->fmt) || m.rows != rows || m.cols != cols)
       return error("{}: expert {} has format/shape [{}, {}] unlike expert (0, 0)'s; the CUDA pool needs one format",
                    m.name, what, m.rows, m.cols);
+    if (tiled) {
+      pack_tiles16(m, rec + off_data);
+      return {};
+    }
     std::memcpy(rec + off_data, m.data, host_data_bytes(m));
     if (m.quantized()) {
       std::memcpy(rec + off_s, m.scales, host_scale_bytes(m));

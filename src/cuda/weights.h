@@ -32,11 +32,13 @@ class DenseUploader {
   Result<DMatrix> matrix(const Matrix& m, WLayout layout = WLayout::Rows);
   const float* vector(const std::vector<float>& v);
   size_t bytes() const { return bytes_; }
+  int tiled_matrices() const { return tiled_; }
 
  private:
   DeviceArena* arena_;
   std::map<std::pair<const uint8_t*, WLayout>, DMatrix> seen_;
   size_t bytes_ = 0;
+  int tiled_ = 0;
 };
 
 // All routed experts of the trunk layers, resident: slot (layer * n_expert + expert).
@@ -55,7 +57,9 @@ struct ExpertPool {
 // (to leave room for other programs, and for the tests).
 Status check_device_room(int n_layers, int n_expert, uint64_t stride);
 // Reads every (layer < n_layers, expert) from `src` and uploads it. All experts must share one format.
-// Fails (check_device_room) before allocating when they cannot all be resident.
-Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, ExpertPool* pool);
+// Fails (check_device_room) before allocating when they cannot all be resident. With `tiles`, records
+// whose matrices fit (tiles16_fit) go up in 16-row tiles (pool->fmt.layout says which).
+Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, ExpertPool* pool,
+                      bool tiles = false);
 
 }  // namespace ck::cuda

@@ -924,8 +924,9 @@ std::vector<Geometry> geometries() {
   {
     // Every mix matrix 4-bit in groups of 64 with H and the low rank multiples of 64: one-row mixes take
     // the fused kernel (cuda/hc_mix.cu): 20 one-group chunks of the wide input, u in 5 groups, d in 3
-    // (the up projection loops over several groups).
-    Geometry g{"q4g64 H320 hc4 low rank 192 (fused one-row mix)", base_config(), {}};
+    // (the up projection loops over several groups). The projections and the experts (intermediate
+    // 256) fit 16-row tiles, so every kernel that reads tiles runs here (dmatrix.h WLayout::Tiles16).
+    Geometry g{"q4g64 H320 hc4 low rank 192 (fused one-row mix, tiles)", base_config(), {}};
     ModelConfig& c = g.cfg;
     c.vocab_size = 256; c.hidden_size = 320; c.hc_count = 4; c.hc_lowrank = 192;
     c.num_hidden_layers = 3;
@@ -936,7 +937,7 @@ std::vector<Geometry> geometries() {
     c.linear_conv_kernel_dim = 4; c.linear_key_head_dim = 32; c.linear_value_head_dim = 32;
     c.linear_num_key_heads = 2; c.linear_num_value_heads = 4; c.output_gate_type = "sigmoid";
     c.num_experts = 16; c.num_experts_per_tok = 4; c.norm_topk_prob = true;
-    c.moe_intermediate_size = 128; c.shared_expert_intermediate_size = 128;
+    c.moe_intermediate_size = 256; c.shared_expert_intermediate_size = 256;
     c.ple_layer_ids = {1}; c.ple_embed_dim = 64; c.ple_conv_kernel_size = 4; c.ngram_size = 3; c.heads_per_ngram = 2;
     c.ngram_vocab_size_base = 60; c.eos_token_ids = {3};
     g.opt.dense = WeightForm{DType::U32, 4, 64, DType::BF16};
@@ -1157,6 +1158,10 @@ TEST(CudaOps, LayerPiecesOnRandomModels) {
     ck::cpu::Model cm(rm->weights, rm->experts);
     auto dm = Model::create(rm->weights, rm->experts);
     ASSERT_TRUE(dm.ok()) << dm.status().message();
+    if (g.name.find("tiles") != std::string::npos) {  // the kernels that read tiles are what is tested
+      EXPECT_TRUE((*dm)->tiled_experts());
+      EXPECT_GE((*dm)->tiled_dense_matrices(), 8);
+    }
     const int T = 45;
     const std::vector<int32_t> tokens = random_tokens(T, g.cfg.vocab_size, g.cfg.ple_eos(), 42);
     std::map<std::string, std::vector<float>> ref, got;
