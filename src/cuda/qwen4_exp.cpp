@@ -106,11 +106,14 @@ bool gdn_chunked_enabled() {
   return on;
 }
 
-// One hyper-connection module (§4) on the device.
+// One hyper-connection module (§4) on the device; its low-rank pair in 16-row tiles where they fit
+// (weight_tiles_on(); CK_HC_TILES=0 keeps rows, to compare).
 Status upload_hc(DenseUploader& up, const HcWeights& h, DHc* d) {
+  static const bool tiles = !env_is("CK_HC_TILES", "0");
+  const WLayout lay = tiles && weight_tiles_on() ? WLayout::Tiles16 : WLayout::Rows;
   d->norm = up.vector(h.norm);
-  ASSIGN_OR_RETURN(d->down, up.matrix(h.down));
-  ASSIGN_OR_RETURN(d->up, up.matrix(h.up));
+  ASSIGN_OR_RETURN(d->down, up.matrix(h.down, lay));
+  ASSIGN_OR_RETURN(d->up, up.matrix(h.up, lay));
   ASSIGN_OR_RETURN(d->inject, up.matrix(h.inject));
   return {};
 }

@@ -923,12 +923,13 @@ std::vector<Geometry> geometries() {
   }
   {
     // Every mix matrix 4-bit in groups of 64 with H and the low rank multiples of 64: one-row mixes take
-    // the fused kernel (cuda/hc_mix.cu): 20 one-group chunks of the wide input, u in 5 groups, d in 3
-    // (the up projection loops over several groups). The projections and the experts (intermediate
-    // 256) fit 16-row tiles, so every kernel that reads tiles runs here (dmatrix.h WLayout::Tiles16).
-    Geometry g{"q4g64 H320 hc4 low rank 192 (fused one-row mix, tiles)", base_config(), {}};
+    // the fused kernel (cuda/hc_mix.cu): 20 one-group chunks of the wide input, u in 5 groups, d in 4
+    // (the up projection loops over several groups). The projections, the mixes' low-rank pairs and the
+    // experts (intermediate 256) fit 16-row tiles, so every kernel that reads tiles runs here
+    // (dmatrix.h WLayout::Tiles16).
+    Geometry g{"q4g64 H320 hc4 low rank 256 (fused one-row mix, tiles)", base_config(), {}};
     ModelConfig& c = g.cfg;
-    c.vocab_size = 256; c.hidden_size = 320; c.hc_count = 4; c.hc_lowrank = 192;
+    c.vocab_size = 256; c.hidden_size = 320; c.hc_count = 4; c.hc_lowrank = 256;
     c.num_hidden_layers = 3;
     c.layer_types = {LayerKind::LinearAttention, LayerKind::SparseAttention, LayerKind::LinearAttention};
     c.num_attention_heads = 4; c.num_key_value_heads = 2; c.head_dim = 64; c.partial_rotary_factor = 0.5;
