@@ -198,7 +198,14 @@ Status Model::init() {
   expert_tiles_ = expert_tiles_fit();
   DenseUploader up(&arena_);
   ASSIGN_OR_RETURN(embed_, up.matrix(w_.embed));
-  ASSIGN_OR_RETURN(lm_head_, up.matrix(w_.lm_head));
+  // The LM head stays in rows for the streamed GEMV: in tiles (CK_LM_HEAD_TILES=1, never when tied to
+  // the embedding, which is gathered by row) it takes the v4 two-kernel form, which on 2026-11-30 was
+  // slower at one row (511.5 against 522.6 tok/s, MTP draft 0.44 against 0.39 ms) and faster at four
+  // (984 against 964): docs/performance.md, sixteenth session.
+  static const bool head_tiles = env_is("CK_LM_HEAD_TILES", "1");
+  const bool tied = w_.lm_head.data == w_.embed.data;
+  ASSIGN_OR_RETURN(lm_head_,
+                   up.matrix(w_.lm_head, head_tiles && !tied && weight_tiles_on() ? WLayout::Tiles16 : WLayout::Rows));
   TRY(upload_hc(up, w_.final_mixer, &final_mixer_));
   layers_.resize(w_.layers.size());
   for (size_t L = 0; L < w_.layers.size(); ++L) TRY(upload_layer(up, w_.layers[L], &layers_[L]));
