@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../common/fixtures.h"
+#include "../common/temp_dir.h"
 #include "cpu/ops.h"
 #include "cpu/qwen4_exp.h"
 #include "format/weights.h"
@@ -43,8 +44,7 @@ std::vector<float> as_f32(const TensorInfo& t) {
 
 // A copy of a single-file HF fixture with an MTP head made of trunk tensors under `mtp_prefix`.
 std::string build_mtp_checkpoint(const std::string& src, const std::string& mtp_prefix, int* attn_layer) {
-  char tmpl[] = "/tmp/ck_mtp_XXXXXX";
-  std::string dir = mkdtemp(tmpl);
+  std::string dir = test::temp_dir("ck_mtp_");
   auto ck = open_checkpoint(src);
   EXPECT_TRUE(ck.ok());
   const ModelConfig& c = (*ck)->weights.cfg;

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "../common/fixtures.h"
+#include "../common/temp_dir.h"
 #include "cpu/qwen4_exp.h"
 #include "store/pack.h"
 #include "store/store.h"
@@ -36,8 +37,7 @@ TEST(SmallModel, TrunkAndMtpMatchTheTrainingReference) {
 TEST(SmallModel, PackedStoreMatchesTheTrainingReference) {
   auto fx = test::load_fixture(kFixture);
   ASSERT_TRUE(fx.ok()) << fx.status().message();
-  char tmpl[] = "/tmp/ck_small_store_XXXXXX";
-  std::string dir = std::string(mkdtemp(tmpl)) + "/store";
+  std::string dir = test::temp_dir("ck_small_store_") + "/store";
   store::PackOptions o;
   o.src = kModel;
   o.out = dir;

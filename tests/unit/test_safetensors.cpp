@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../common/fixtures.h"
+#include "../common/temp_dir.h"
 #include "format/safetensors.h"
 #include "format/weights.h"
 #include "util/file.h"
@@ -17,10 +18,7 @@ using nlohmann::json;
 
 namespace {
 
-std::string tmpdir() {
-  char tmpl[] = "/tmp/ck_st_XXXXXX";
-  return mkdtemp(tmpl);
-}
+std::string tmpdir() { return test::temp_dir("ck_st_"); }
 
 std::string make_file(const json& header, size_t data_bytes) {
   std::string h = header.dump();
