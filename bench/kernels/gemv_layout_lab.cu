@@ -38,6 +38,13 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t w, int i) {
   const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(128.0f, 128.0f));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
+// code_pair with the mask and the exponent in one LOP3 (mma_q4.cuh's code_pair_lop3).
+__device__ __forceinline__ uint32_t code_pair_lop3(uint32_t w, int i) {
+  uint32_t m;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(m) : "r"(w >> (4 * i)), "n"(0x000F000Fu), "r"(0x43004300u));
+  const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&m), __floats2bfloat162_rn(128.0f, 128.0f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -85,7 +92,11 @@ __device__ __forceinline__ void load_group(const Mat& m, int tile, int G, int g,
 
 // block 256 = 8 / ks tiles x ks warps splitting a tile's groups. MMA: the v4 arithmetic; otherwise the
 // loaded words are only folded into a sum (so the loads stay).
-template <int TILED, bool MMA>
+// VAR (with MMA): 0 the fragments as gemv_tc4_kernel<1> reads them ([G][step][32 lanes], 1 KB per
+// group, 5/8 of it the zero columns 3-7); 1 only the 12 lanes of columns 0-2 load, from a compact
+// [G][step][12] layout (384 bytes per group); 2 no fragment loads at all (what they cost, at most);
+// 3 as 0 with code_pair_lop3; 4 as 1 with code_pair_lop3.
+template <int TILED, bool MMA, int VAR = 0>
 __global__ void __launch_bounds__(256, 4) gemv_lab(Mat m, const uint2* __restrict__ frag, const float* __restrict__ gsum,
                                                    int ks, float* y) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -100,13 +111,21 @@ __global__ void __launch_bounds__(256, 4) gemv_lab(Mat m, const uint2* __restric
     load_group<TILED>(m, tile, G, g, t, wa, wb, sa, ba, sb, bb);
     if constexpr (MMA) {
       const uint2* fg = frag + size_t(G) * 4 * 32 + t * 8 + g;
+      const uint2* fc = frag + size_t(G) * 4 * 12 + t * 3 + g;
       float d[4] = {};
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
         const int i0 = 2 * (s & 1);
-        const uint2 b = __ldg(fg + s * 32);
-        mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b.x, b.y);
+        uint2 b;
+        if constexpr (VAR == 1 || VAR == 4) b = g < 3 ? __ldg(fc + s * 12) : make_uint2(0u, 0u);
+        else if constexpr (VAR == 2) b = make_uint2(uint32_t(lane), uint32_t(G));
+        else b = __ldg(fg + s * 32);
+        if constexpr (VAR >= 3)
+          mma_bf16(d, code_pair_lop3(xa, i0), code_pair_lop3(xb, i0), code_pair_lop3(xa, i0 + 1),
+                   code_pair_lop3(xb, i0 + 1), b.x, b.y);
+        else
+          mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b.x, b.y);
       }
       const float x0 = __ldg(gsum + G * 8 + 2 * t), x1 = __ldg(gsum + G * 8 + 2 * t + 1);
       acc[0] = fmaf(sa, d[0], fmaf(ba, x0, acc[0]));
@@ -248,7 +267,7 @@ int main() {
     auto run = [&](auto kernel, const char* name) {
       const double us = time_graph([&](int c, cudaStream_t s) { kernel<<<grid, 256, 0, s>>>(mats[c], frag, gsum, ks, y); },
                                    launches, st);
-      std::printf("layout-lab ks %d %-16s %7.2f us per launch, %5.0f GB/s\n", ks, name, us, bytes / us / 1e3);
+      std::printf("layout-lab ks %d %-24s %7.2f us per launch, %5.0f GB/s\n", ks, name, us, bytes / us / 1e3);
     };
     run(gemv_lab<0, false>, "rows loads");
     run(gemv_lab<3, false>, "tiled loads");
@@ -256,11 +275,15 @@ int main() {
     run(gemv_lab<1, true>, "codes-tiled mma");
     run(gemv_lab<2, true>, "scales-tiled mma");
     run(gemv_lab<3, true>, "tiled mma");
+    run(gemv_lab<3, true, 1>, "tiled mma compact frags");
+    run(gemv_lab<3, true, 2>, "tiled mma no frag loads");
+    run(gemv_lab<3, true, 3>, "tiled mma lop3");
+    run(gemv_lab<3, true, 4>, "tiled mma compact+lop3");
     const int per = (kGroups + ks - 1) / ks, smem = 8 * per * int(kTileGroupBytes);
     CHECK(cudaFuncSetAttribute(gemv_lab_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const double us = time_graph(
         [&](int c, cudaStream_t s) { gemv_lab_bulk<<<grid, 256, smem, s>>>(mats[c], frag, gsum, ks, y); }, launches, st);
-    std::printf("layout-lab ks %d %-16s %7.2f us per launch, %5.0f GB/s (%d KB shared per block)\n", ks, "tiled bulk mma", us,
+    std::printf("layout-lab ks %d %-24s %7.2f us per launch, %5.0f GB/s (%d KB shared per block)\n", ks, "tiled bulk mma", us,
                 bytes / us / 1e3, smem / 1024);
   }
   CHECK(cudaGetLastError());

@@ -753,8 +753,8 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
       for (int s = 0; s < 4; ++s) {
         const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
         const int i0 = 2 * (s & 1);
-        const uint32_t a0 = code_pair(xa, i0), a1 = code_pair(xb, i0), a2 = code_pair(xa, i0 + 1),
-                       a3 = code_pair(xb, i0 + 1);
+        const uint32_t a0 = code_pair_lop3(xa, i0), a1 = code_pair_lop3(xb, i0), a2 = code_pair_lop3(xa, i0 + 1),
+                       a3 = code_pair_lop3(xb, i0 + 1);
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
           const uint2 b = __ldg(fg + (s * NB + nb) * 32);
@@ -964,7 +964,7 @@ __device__ __forceinline__ void expert_tc4_groups(const DMatrix (&w)[NM], int ro
       for (int st = 0; st < 4; ++st) {
         const uint32_t xa = (st >> 1) ? wa.y : wa.x, xb = (st >> 1) ? wb.y : wb.x;
         const int i0 = 2 * (st & 1);
-        mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b[st].x,
+        mma_bf16(d, code_pair_lop3(xa, i0), code_pair_lop3(xb, i0), code_pair_lop3(xa, i0 + 1), code_pair_lop3(xb, i0 + 1), b[st].x,
                  b[st].y);
       }
       acc[m][0] = fmaf(sa, d[0], fmaf(ba, x0, acc[m][0]));

@@ -127,8 +127,8 @@ __device__ __forceinline__ void hc_tile_pair(const DMatrix& ma, int ra, const DM
     tb.load(G, wa1, wb1, s[4], s[5], s[6], s[7]);
     const uint2* fg = f + static_cast<size_t>(G - G0) * 128 + lane;
     const float xs = t == 0 ? xg[G - G0] : 0.0f;
-    tc4_one_mma(wa0, wb0, s[0], s[1], s[2], s[3], fg, xs, acc_a);
-    tc4_one_mma(wa1, wb1, s[4], s[5], s[6], s[7], fg, xs, acc_b);
+    tc4_one_mma<true>(wa0, wb0, s[0], s[1], s[2], s[3], fg, xs, acc_a);
+    tc4_one_mma<true>(wa1, wb1, s[4], s[5], s[6], s[7], fg, xs, acc_b);
   }
 }
 

@@ -49,11 +49,13 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
 }
 
 // code_pair with the mask and the exponent in one LOP3: a pair costs a shift, a LOP3 and a
-// subtraction instead of a shift, two LOP3 and a subtraction. For the one-row streamed GEMV
-// (gemv_stream.cu, where it makes the difference between no gain and +1.5% decode) and the prefill
-// 4-bit GEMMs (gemm_q4.cu: +5% prefill, eleventh session, once their staging plan and staged codes
-// had freed registers; before that, with 128 registers taken, the constant's register cost more
-// than it saved: 45.1 instead of 40.0 us per 8k-prefill token). Same bits as code_pair.
+// subtraction instead of a shift, two LOP3 and a subtraction. Every 4-bit tensor-core kernel uses it:
+// the one-row streamed GEMV (gemv_stream.cu, where it made the difference between no gain and +1.5%
+// decode), the prefill 4-bit GEMMs (gemm_q4.cu: +5% prefill, eleventh session, once their staging
+// plan and staged codes had freed registers; before that, with 128 registers taken, the constant's
+// register cost more than it saved), and since the weights are in tiles (sixteenth session) the v4
+// GEMVs, the one-row mix and the decode experts: decode +3.8% (539.5 against 519.4 tok/s, one call),
+// their loads no longer hiding the unpacking. Same bits as code_pair.
 __device__ __forceinline__ uint32_t code_pair_lop3(uint32_t w, int i) {
   const uint32_t m = and_or<0x000F000Fu>(w >> (4 * i), 0x43004300u);
   const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&m), __floats2bfloat162_rn(128.0f, 128.0f));
@@ -278,7 +280,7 @@ __device__ __forceinline__ void tc4_one_group(const Tc4Rows<BF16S, 4>& tr, int G
   float sa, ba, sb, bb;
   uint2 wa, wb;
   tr.load(G, wa, wb, sa, ba, sb, bb);
-  tc4_one_mma(wa, wb, sa, ba, sb, bb, f, xs, acc);
+  tc4_one_mma<true>(wa, wb, sa, ba, sb, bb, f, xs, acc);
 }
 
 }  // namespace ck::cuda
