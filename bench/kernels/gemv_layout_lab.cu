@@ -6,7 +6,9 @@
 // of scales per lane (5 lines). Each form runs with loads only and with the v4 arithmetic (codes as
 // bf16 MMA operands, one activation row, fragments from global memory as gemv_tc4_kernel<1>), over
 // ten copies of an in_proj-sized matrix (16,384 x 2,560, 23.6 MB; 236 MB in all, past L2) in a CUDA
-// graph of 40 launches, beside a plain read of the same bytes.
+// graph of 40 launches, beside a plain read of the same bytes. Variants of the tiled arithmetic: the
+// one row's B fragments in a compact layout (only MMA columns 0-2's lanes load), none loaded at all
+// (their cost), the LOP3 unpacking, and each warp's range bulk-copied to shared memory first.
 // Built by scripts/prepare_devcarry.sh (nvcc, sm_90, -Isrc); run on the GPU machine: ./gemv_layout_lab
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
