@@ -92,12 +92,42 @@ __device__ __forceinline__ void load_group(const Mat& m, int tile, int G, int g,
   }
 }
 
-// block 256 = 8 / ks tiles x ks warps splitting a tile's groups. MMA: the v4 arithmetic; otherwise the
-// loaded words are only folded into a sum (so the loads stay).
-// VAR (with MMA): 0 the fragments as gemv_tc4_kernel<1> reads them ([G][step][32 lanes], 1 KB per
-// group, 5/8 of it the zero columns 3-7); 1 only the 12 lanes of columns 0-2 load, from a compact
-// [G][step][12] layout (384 bytes per group); 2 no fragment loads at all (what they cost, at most);
-// 3 as 0 with code_pair_lop3; 4 as 1 with code_pair_lop3.
+// One (tile, group) of the v4 arithmetic for lane (g, t): acc += s Σ q x + b Σ x for rows g (acc[0..1])
+// and g + 8 (acc[2..3]). VAR (gemv_lab's): 0 the fragments as gemv_tc4_kernel<1> reads them ([G][step]
+// [32 lanes], 1 KB per group, 5/8 of it the zero columns 3-7); 1 only the 12 lanes of columns 0-2
+// load, from a compact [G][step][12] layout (384 bytes per group); 2 no fragment loads at all (what
+// they cost, at most); 3 as 0 with code_pair_lop3; 4 as 1 with code_pair_lop3.
+template <int VAR>
+__device__ __forceinline__ void group_mma(uint2 wa, uint2 wb, float sa, float ba, float sb, float bb,
+                                          const uint2* __restrict__ frag, const float* __restrict__ gsum, int G,
+                                          float (&acc)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint2* fg = frag + size_t(G) * 4 * 32 + t * 8 + g;
+  const uint2* fc = frag + size_t(G) * 4 * 12 + t * 3 + g;
+  float d[4] = {};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
+    const int i0 = 2 * (s & 1);
+    uint2 b;
+    if constexpr (VAR == 1 || VAR == 4) b = g < 3 ? __ldg(fc + s * 12) : make_uint2(0u, 0u);
+    else if constexpr (VAR == 2) b = make_uint2(uint32_t(lane), uint32_t(G));
+    else b = __ldg(fg + s * 32);
+    if constexpr (VAR >= 3)
+      mma_bf16(d, code_pair_lop3(xa, i0), code_pair_lop3(xb, i0), code_pair_lop3(xa, i0 + 1), code_pair_lop3(xb, i0 + 1),
+               b.x, b.y);
+    else
+      mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b.x, b.y);
+  }
+  const float x0 = __ldg(gsum + G * 8 + 2 * t), x1 = __ldg(gsum + G * 8 + 2 * t + 1);
+  acc[0] = fmaf(sa, d[0], fmaf(ba, x0, acc[0]));
+  acc[1] = fmaf(sa, d[1], fmaf(ba, x1, acc[1]));
+  acc[2] = fmaf(sb, d[2], fmaf(bb, x0, acc[2]));
+  acc[3] = fmaf(sb, d[3], fmaf(bb, x1, acc[3]));
+}
+
+// block 256 = 8 / ks tiles x ks warps splitting a tile's groups. MMA: the v4 arithmetic (group_mma, of
+// variant VAR); otherwise the loaded words are only folded into a sum (so the loads stay).
 template <int TILED, bool MMA, int VAR = 0>
 __global__ void __launch_bounds__(256, 4) gemv_lab(Mat m, const uint2* __restrict__ frag, const float* __restrict__ gsum,
                                                    int ks, float* y) {
@@ -112,28 +142,7 @@ __global__ void __launch_bounds__(256, 4) gemv_lab(Mat m, const uint2* __restric
     float sa, ba, sb, bb;
     load_group<TILED>(m, tile, G, g, t, wa, wb, sa, ba, sb, bb);
     if constexpr (MMA) {
-      const uint2* fg = frag + size_t(G) * 4 * 32 + t * 8 + g;
-      const uint2* fc = frag + size_t(G) * 4 * 12 + t * 3 + g;
-      float d[4] = {};
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
-        const int i0 = 2 * (s & 1);
-        uint2 b;
-        if constexpr (VAR == 1 || VAR == 4) b = g < 3 ? __ldg(fc + s * 12) : make_uint2(0u, 0u);
-        else if constexpr (VAR == 2) b = make_uint2(uint32_t(lane), uint32_t(G));
-        else b = __ldg(fg + s * 32);
-        if constexpr (VAR >= 3)
-          mma_bf16(d, code_pair_lop3(xa, i0), code_pair_lop3(xb, i0), code_pair_lop3(xa, i0 + 1),
-                   code_pair_lop3(xb, i0 + 1), b.x, b.y);
-        else
-          mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b.x, b.y);
-      }
-      const float x0 = __ldg(gsum + G * 8 + 2 * t), x1 = __ldg(gsum + G * 8 + 2 * t + 1);
-      acc[0] = fmaf(sa, d[0], fmaf(ba, x0, acc[0]));
-      acc[1] = fmaf(sa, d[1], fmaf(ba, x1, acc[1]));
-      acc[2] = fmaf(sb, d[2], fmaf(bb, x0, acc[2]));
-      acc[3] = fmaf(sb, d[3], fmaf(bb, x1, acc[3]));
+      group_mma<VAR>(wa, wb, sa, ba, sb, bb, frag, gsum, G, acc);
     } else {
       fold += wa.x ^ wa.y ^ wb.x ^ wb.y;
       acc[0] += sa + ba + sb + bb;
@@ -176,20 +185,7 @@ __global__ void __launch_bounds__(256, 4) gemv_lab_bulk(Mat m, const uint2* __re
     const uint2 wa = make_uint2(c.x, c.y), wb = make_uint2(c.z, c.w);
     const float sa = __uint_as_float(sw.x << 16), ba = __uint_as_float(sw.x & 0xFFFF0000u);
     const float sb = __uint_as_float(sw.y << 16), bb = __uint_as_float(sw.y & 0xFFFF0000u);
-    const uint2* fg = frag + size_t(G) * 4 * 32 + t * 8 + g;
-    float d[4] = {};
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
-      const int i0 = 2 * (s & 1);
-      const uint2 b = __ldg(fg + s * 32);
-      mma_bf16(d, code_pair(xa, i0), code_pair(xb, i0), code_pair(xa, i0 + 1), code_pair(xb, i0 + 1), b.x, b.y);
-    }
-    const float x0 = __ldg(gsum + G * 8 + 2 * t), x1 = __ldg(gsum + G * 8 + 2 * t + 1);
-    acc[0] = fmaf(sa, d[0], fmaf(ba, x0, acc[0]));
-    acc[1] = fmaf(sa, d[1], fmaf(ba, x1, acc[1]));
-    acc[2] = fmaf(sb, d[2], fmaf(bb, x0, acc[2]));
-    acc[3] = fmaf(sb, d[3], fmaf(bb, x1, acc[3]));
+    group_mma<0>(wa, wb, sa, ba, sb, bb, frag, gsum, G, acc);
   }
   const float v = acc[0] + acc[1] + acc[2] + acc[3];
   if (v == 12345.678f) y[tile * 16 + g] = v;
