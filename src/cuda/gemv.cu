@@ -1396,9 +1396,16 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
                "gemv: job %d: %d x %d matrix, output %p (job 0 has %d cols)", j, jobs[j].w.rows, jobs[j].w.cols,
                static_cast<void*>(jobs[j].y), jobs[0].w.cols);
   if (gemv_version() == 2 && gemv_tc4(jobs, n_jobs, x, ldx, rows, stream, pre)) return;
-  for (int j = 0; j < n_jobs; ++j)
-    CK_REQUIRE(!jobs[j].w.tiled(), "gemv: job %d's matrix is in 16-row tiles, which only the v4 kernels read "
-               "(CK_GEMV asks for another; CK_WEIGHT_TILES=0 uploads row layouts)", j);
+  // A tiled job beside jobs the v4 kernels do not take (a matrix left in bf16, other bits): one launch
+  // per job, so each goes its own way.
+  bool any_tiled = false;
+  for (int j = 0; j < n_jobs; ++j) any_tiled = any_tiled || jobs[j].w.tiled();
+  if (any_tiled && n_jobs > 1) {
+    for (int j = 0; j < n_jobs; ++j) gemv(&jobs[j], 1, x, ldx, rows, stream, pre);
+    return;
+  }
+  CK_REQUIRE(!any_tiled, "gemv: a matrix in 16-row tiles, which only the v4 kernels read (CK_GEMV asks for "
+             "another; CK_WEIGHT_TILES=0 uploads row layouts)");
   if (gemv_version() == 2 && x_aligned && gemv_v2(jobs, n_jobs, x, ldx, rows, stream)) return;
   GemvLaunch L{};
   L.n_jobs = n_jobs;

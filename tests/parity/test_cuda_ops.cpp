@@ -437,6 +437,38 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
     }
   }
   set_q4_wg_min_rows(-1);
+  // A tiled job in one call with jobs the tiles' kernels do not take (a bf16 matrix, 8-bit codes):
+  // gemv and gemm_tc split the call, each job against the CPU.
+  HostMatrix a = make_matrix(2048, 2560, q4, rng), b = make_matrix(5, 2560, WeightForm{DType::BF16}, rng),
+             c = make_matrix(64, 2560, WeightForm{DType::U32, 8, 64, DType::BF16}, rng);
+  DenseUploader up(&arena);
+  const HostMatrix* hm[3] = {&a, &b, &c};
+  GemvJob jobs[3];
+  jobs[0].w = *up.matrix(a.m, WLayout::Tiles16);
+  jobs[1].w = *up.matrix(b.m, WLayout::Tiles16);  // does not fit tiles: stays in rows
+  jobs[2].w = *up.matrix(c.m, WLayout::Tiles16);
+  ASSERT_TRUE(jobs[0].w.tiled() && !jobs[1].w.tiled() && !jobs[2].w.tiled());
+  for (int n : {1, 4, 70}) {
+    std::vector<float> x = randn(static_cast<size_t>(n) * 2560, rng);
+    DeviceBuffer<float> xd, yd[3];
+    for (int j = 0; j < 3; ++j) {
+      yd[j].resize(static_cast<size_t>(n) * hm[j]->m.rows);
+      jobs[j].y = yd[j].get();
+      jobs[j].ldy = static_cast<int>(hm[j]->m.rows);
+    }
+    gemv(jobs, 3, to_device(x, &xd), 2560, n, nullptr);
+    for (int j = 0; j < 3; ++j) {
+      const int rows_j = static_cast<int>(hm[j]->m.rows);
+      std::vector<float> ref(static_cast<size_t>(n) * rows_j), got = to_host(yd[j].get(), ref.size());
+      for (int r = 0; r < n; ++r)
+        ck::cpu::matvec(hm[j]->m, x.data() + static_cast<size_t>(r) * 2560, ref.data() + static_cast<size_t>(r) * rows_j);
+      std::vector<double> tol = dot_tolerance(hm[j]->m, x, n, 2560);
+      if (n > kMaxRows)
+        for (double& t : tol) t *= 32.0;
+      report("tiles beside other formats, job " + std::to_string(j) + " rows " + std::to_string(n),
+             compare(got, ref, tol, 0, 0));
+    }
+  }
 }
 
 // ------------------------------------------------------------------ experts through pair views
