@@ -66,6 +66,8 @@ void pack_tiles16(const Matrix& m, uint8_t* out) {
   const size_t row_bytes = m.row_code_bytes();
   const auto* sc = reinterpret_cast<const uint16_t*>(m.scales);
   const auto* bi = reinterpret_cast<const uint16_t*>(m.biases);
+  // Tiles in parallel: at ~4 GB/s a thread, a resident model's experts took seconds more to load.
+#pragma omp parallel for schedule(static) if (tiles * groups > 4096)
   for (int64_t T = 0; T < tiles; ++T)
     for (int64_t G = 0; G < groups; ++G) {
       uint8_t* blk = out + (T * groups + G) * kTileGroupBytes;
