@@ -1,6 +1,7 @@
 // Device-side weight views: DMatrix (the device twin of format/matrix.h's Matrix: float f32/bf16/f16
-// or MLX affine quantized codes + per-group scales and biases, bytes exactly as stored), and the routed
-// expert record layout that the expert table points into. Plain structs, usable on host and device.
+// or MLX affine quantized codes + per-group scales and biases, bytes as stored or, for the 4-bit
+// matrices the tensor-core kernels read, repacked into 16-row tiles: WLayout), and the routed expert
+// record layout that the expert table points into. Plain structs, usable on host and device.
 // Uploading a host Matrix lives in cuda/weights.h; the kernels that read these live in cuda/gemv.cu.
 #pragma once
 #include <cstddef>
@@ -41,8 +42,9 @@ CK_HD inline bool operator==(const WFormat& a, const WFormat& b) {
 }
 CK_HD inline int wkind_bytes(uint8_t kind) { return kind == static_cast<uint8_t>(WKind::F32) ? 4 : 2; }
 
-// A [rows, cols] weight matrix in device memory. Quantized: row r's codes are the little-endian bit
-// stream data[r * cols*bits/8 ...], scales/biases are [rows, cols/group]. Float: row-major elements.
+// A [rows, cols] weight matrix in device memory. Quantized in the row layout: row r's codes are the
+// little-endian bit stream data[r * cols*bits/8 ...], scales/biases are [rows, cols/group]; in tiles
+// (tiled()): see WLayout::Tiles16. Float: row-major elements.
 struct DMatrix {
   const uint8_t* data = nullptr;
   const uint8_t* scales = nullptr;
