@@ -370,8 +370,8 @@ TEST(CudaOps, TilesHoldEveryCodeScaleAndBiasWhereTheLayoutSays) {
 }
 
 // The same matrices in the row layout and in 16-row tiles through every kernel that reads tiles: the
-// v4 GEMVs at 1-8 rows (the one-row kernel with K over a cluster, the two-kernel form, the DeltaNet
-// conv epilogue's kernel) and both prefill kernels. Where the row layout takes the same kernel the
+// v4 GEMVs at 1-8 rows (the one-row kernel with K over a cluster; the two-kernel form, whose epilogue
+// also runs the DeltaNet conv) and both prefill kernels. Where the row layout takes the same kernel the
 // outputs must be the same bits (the same arithmetic in the same order); small shapes, which the row
 // layout sends to other kernels, are checked against the CPU.
 TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
