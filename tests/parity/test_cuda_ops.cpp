@@ -339,7 +339,8 @@ TEST(CudaOps, GemvMultiJobWithEpilogues) {
 TEST(CudaOps, TilesHoldEveryCodeScaleAndBiasWhereTheLayoutSays) {
   std::mt19937_64 rng(4242);
   const WeightForm q4{DType::U32, 4, 64, DType::BF16};
-  for (auto [rows, cols] : {std::pair{16, 256}, std::pair{48, 640}, std::pair{160, 2560}}) {
+  // (The last is large enough for pack_tiles16's threads.)
+  for (auto [rows, cols] : {std::pair{16, 256}, std::pair{48, 640}, std::pair{160, 2560}, std::pair{2048, 2560}}) {
     HostMatrix hm = make_matrix(rows, cols, q4, rng);
     ASSERT_TRUE(tiles16_fit(hm.m));
     std::vector<uint8_t> tiles(hm.m.stored_bytes());
