@@ -54,6 +54,10 @@ struct DMatrix {
 
   CK_HD bool quantized() const { return fmt.kind == static_cast<uint8_t>(WKind::Q); }
   CK_HD bool tiled() const { return fmt.layout == static_cast<uint8_t>(WLayout::Tiles16); }
+  // Tiles16: the 576 bytes of 16-row tile `tile` and 64-code group G.
+  CK_HD const uint8_t* tile_group(size_t tile, size_t G) const {
+    return data + (tile * static_cast<size_t>(cols / 64) + G) * kTileGroupBytes;
+  }
   CK_HD size_t data_bytes() const {
     return quantized() ? static_cast<size_t>(rows) * cols * fmt.bits / 8
                        : static_cast<size_t>(rows) * cols * wkind_bytes(fmt.kind);

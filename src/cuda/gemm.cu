@@ -437,13 +437,12 @@ void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   CK_REQUIRE(n_jobs >= 1 && n_jobs <= kMaxGemvJobs && rows >= 1, "invariant");
   if (gemm_q4(jobs, n_jobs, x, ldx, rows, stream)) return;
   // Only gemm_q4 reads 16-row tiles: a tiled job beside jobs it does not take goes alone.
-  bool any_tiled = false;
-  for (int j = 0; j < n_jobs; ++j) any_tiled = any_tiled || jobs[j].w.tiled();
-  if (any_tiled && n_jobs > 1) {
+  const bool tiled = any_tiled(jobs, n_jobs);
+  if (tiled && n_jobs > 1) {
     for (int j = 0; j < n_jobs; ++j) gemm_tc(&jobs[j], 1, x, ldx, rows, stream);
     return;
   }
-  CK_REQUIRE(!any_tiled, "gemm_tc: a matrix in 16-row tiles that gemm_q4 did not take (K %d)", jobs[0].w.cols);
+  CK_REQUIRE(!tiled, "gemm_tc: a matrix in 16-row tiles that gemm_q4 did not take (K %d)", jobs[0].w.cols);
   TcArgs a;
   a.n_jobs = n_jobs;
   a.rows = rows;

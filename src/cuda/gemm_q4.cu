@@ -399,9 +399,8 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
             const int fl = warp * 16 * MF + mf * 16 + g;
             float s0, b0, s1, b1;
             if (tiled) {  // [tile][g]: (scale, bias) of row g, then of row g + 8, bf16
-              const uint2 w = *reinterpret_cast<const uint2*>(&st.sb[(((q * TB + warp * MF + mf) * 8) + g) * 2]);
-              s0 = __uint_as_float(w.x << 16), b0 = __uint_as_float(w.x & 0xFFFF0000u);
-              s1 = __uint_as_float(w.y << 16), b1 = __uint_as_float(w.y & 0xFFFF0000u);
+              tile_scales(*reinterpret_cast<const uint2*>(&st.sb[(((q * TB + warp * MF + mf) * 8) + g) * 2]), s0, b0, s1,
+                          b1);
             } else {
               const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl) * 2]);
               const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(q * BF + fl + 8) * 2]);
@@ -574,9 +573,8 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (n_jobs < 1 || n_jobs > kMaxGemvJobs || rows < 1) return false;
   const int K = jobs[0].w.cols;
   int tiles = 0;
-  bool tiled = false;  // a Tiles16 job: only these kernels read it (no fallback to gemm.cu's)
+  const bool tiled = any_tiled(jobs, n_jobs);  // only these kernels read them (no fallback to gemm.cu's)
   for (int j = 0; j < n_jobs; ++j) {
-    tiled = tiled || jobs[j].w.tiled();
     if (!expert_q4_ok(jobs[j].w) || jobs[j].w.cols != K) return false;
     // q4_tile_kernel reads 2-byte scales and biases out of aligned 4-byte words.
     if (reinterpret_cast<uintptr_t>(jobs[j].w.scales) % 4 || reinterpret_cast<uintptr_t>(jobs[j].w.biases) % 4) return false;

@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
   const bool tiled = w0.tiled();
   const int n_tiles = (w0.rows + kTileRows - 1) / kTileRows;
   auto tile_base = [&](int tl) {  // tile tl of the block at group 0, clamped to the matrix
-    return w0.data + static_cast<size_t>(min(block_f0 / kTileRows + tl, n_tiles - 1)) * (K / 64) * kTileGroupBytes;
+    return w0.tile_group(min(block_f0 / kTileRows + tl, n_tiles - 1), 0);
   };
   const uint8_t* code_src[2];  // code copy j: 16 bytes of block feature (i / 2) at group 0
 #pragma unroll
@@ -241,9 +241,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
       const int fl = 128 * wg + 64 * mf + 16 * wq + g;
       float s0, b0, s1, b1;
       if (tiled) {  // [tile][g]: (scale, bias) of row g, then of row g + 8, bf16
-        const uint2 w = *reinterpret_cast<const uint2*>(&st.sb[((8 * wg + 4 * mf + wq) * 8 + g) * 2]);
-        s0 = __uint_as_float(w.x << 16), b0 = __uint_as_float(w.x & 0xFFFF0000u);
-        s1 = __uint_as_float(w.y << 16), b1 = __uint_as_float(w.y & 0xFFFF0000u);
+        tile_scales(*reinterpret_cast<const uint2*>(&st.sb[((8 * wg + 4 * mf + wq) * 8 + g) * 2]), s0, b0, s1, b1);
       } else {
         const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[fl * 2]);
         const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(fl + 8) * 2]);

@@ -1194,11 +1194,8 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   int bits = 0;
   if (q_arith() != 4 || n_jobs < 1 || n_jobs > kMaxGemvJobs || !tc4_suits(jobs, n_jobs, &bf16s, &bits)) return false;
   int total_rows = 0;
-  bool tiled = false;  // only the v4 kernels read Tiles16 matrices: no size threshold then
-  for (int j = 0; j < n_jobs; ++j) {
-    total_rows += jobs[j].w.rows;
-    tiled = tiled || jobs[j].w.tiled();
-  }
+  for (int j = 0; j < n_jobs; ++j) total_rows += jobs[j].w.rows;
+  const bool tiled = any_tiled(jobs, n_jobs);  // only the v4 kernels read them: no size threshold then
   if (!conv && rows == 1 && bits == 4 && gemv_stream(jobs, n_jobs, x, bf16s, stream)) return true;
   if (!conv && rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, bits, stream)) return true;
   if (bits != 4) return false;
@@ -1398,13 +1395,12 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
   if (gemv_version() == 2 && gemv_tc4(jobs, n_jobs, x, ldx, rows, stream, pre)) return;
   // A tiled job beside jobs the v4 kernels do not take (a matrix left in bf16, other bits): one launch
   // per job, so each goes its own way.
-  bool any_tiled = false;
-  for (int j = 0; j < n_jobs; ++j) any_tiled = any_tiled || jobs[j].w.tiled();
-  if (any_tiled && n_jobs > 1) {
+  const bool tiled = any_tiled(jobs, n_jobs);
+  if (tiled && n_jobs > 1) {
     for (int j = 0; j < n_jobs; ++j) gemv(&jobs[j], 1, x, ldx, rows, stream, pre);
     return;
   }
-  CK_REQUIRE(!any_tiled, "gemv: a matrix in 16-row tiles, which only the v4 kernels read (CK_GEMV asks for "
+  CK_REQUIRE(!tiled, "gemv: a matrix in 16-row tiles, which only the v4 kernels read (CK_GEMV asks for "
              "another; CK_WEIGHT_TILES=0 uploads row layouts)");
   if (gemv_version() == 2 && x_aligned && gemv_v2(jobs, n_jobs, x, ldx, rows, stream)) return;
   GemvLaunch L{};

@@ -182,8 +182,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     const int first = a.down.tiled() ? a.down.rows : 0;  // tiled: a thread per tile, its groups contiguous
     if (a.down.tiled())
       for (int tl = tid; tl < a.down.rows / kTileRows; tl += kHcThreads)
-        prefetch_l2(a.down.data + (static_cast<size_t>(tl) * (a.down.cols / 64) + G0) * kTileGroupBytes,
-                    cg * kTileGroupBytes);
+        prefetch_l2(a.down.tile_group(tl, G0), cg * kTileGroupBytes);
     for (int r = first + tid; r < a.down.rows + a.inject.rows; r += kHcThreads) {
       const DMatrix& m = r < a.down.rows ? a.down : a.inject;
       const int row = r < a.down.rows ? r : r - a.down.rows;
@@ -201,8 +200,8 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       const size_t r0 = static_cast<size_t>(s) * H + 64 * blockIdx.x;
       // (Tiled: the rows' 4 tiles are 4 x groups x 576 contiguous bytes, codes, scales and biases.)
       const size_t code_bytes = m.tiled() ? 4 * (m.cols / 64) * kTileGroupBytes : 64 * m.cols / 2;
-      const size_t start = m.tiled() ? r0 / kTileRows * (m.cols / 64) * kTileGroupBytes : r0 * (m.cols / 2);
-      for (int off = 128 * lane; off < static_cast<int>(code_bytes); off += 32 * 128) prefetch_l2(m.data + start + off, 1);
+      const uint8_t* start = m.tiled() ? m.tile_group(r0 / kTileRows, 0) : m.data + r0 * (m.cols / 2);
+      for (int off = 128 * lane; off < static_cast<int>(code_bytes); off += 32 * 128) prefetch_l2(start + off, 1);
       if (m.tiled()) continue;
       for (int off = 128 * lane; off < 64 * gpr * es; off += 32 * 128) {
         prefetch_l2(m.scales + r0 * gpr * es + off, 1);

@@ -121,6 +121,15 @@ __device__ __forceinline__ float load_scale_elem(const uint8_t* base, size_t i, 
   return kind == static_cast<uint8_t>(WKind::BF16) ? bf16_bits_to_float(h) : f16_bits_to_float(h);
 }
 
+// The scale and bias of rows g and g + 8 from a Tiles16 word pair (dmatrix.h: bf16 scale, bias of
+// row g in w.x, of row g + 8 in w.y; a bf16 is the high half of its fp32).
+__device__ __forceinline__ void tile_scales(uint2 w, float& sa, float& ba, float& sb, float& bb) {
+  sa = __uint_as_float(w.x << 16);
+  ba = __uint_as_float(w.x & 0xFFFF0000u);
+  sb = __uint_as_float(w.y << 16);
+  bb = __uint_as_float(w.y & 0xFFFF0000u);
+}
+
 // Rows g and g+8 of a 16-row tile of a 4-bit matrix as the v4 kernels read them per 64-code group:
 // the lane's 8 code bytes of each row, and each row's scale and bias (a scale group spans 2^gshift
 // 64-code groups; the launches check the group is 64 times a power of two). BF16S: bf16 scales (the
@@ -198,10 +207,7 @@ struct Tc4Rows {
       const uint2 sw = __ldg(reinterpret_cast<const uint2*>(pb + static_cast<size_t>(G) * kTileGroupBytes));
       wa = make_uint2(c.x, c.y);
       wb = make_uint2(c.z, c.w);
-      sa = __uint_as_float(sw.x << 16);  // bf16 bits are the high half of the fp32
-      ba = __uint_as_float(sw.x & 0xFFFF0000u);
-      sb = __uint_as_float(sw.y << 16);
-      bb = __uint_as_float(sw.y & 0xFFFF0000u);
+      tile_scales(sw, sa, ba, sb, bb);
       return;
     }
     wa = __ldg(reinterpret_cast<const uint2*>(pa + G * kGroupBytes));

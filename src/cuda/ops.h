@@ -30,6 +30,13 @@ struct GemvJob {
   float epi_arg = 1.0f;
 };
 constexpr int kMaxGemvJobs = 4;
+// Whether a launch has a matrix in 16-row tiles (dmatrix.h WLayout::Tiles16), which only the
+// tensor-core kernels read.
+inline bool any_tiled(const GemvJob* jobs, int n_jobs) {
+  for (int j = 0; j < n_jobs; ++j)
+    if (jobs[j].w.tiled()) return true;
+  return false;
+}
 
 // y (rows, w.rows) = x (rows, w.cols) · wᵀ for up to kMaxGemvJobs matrices that read the same x, in
 // one launch. Preconditions: every job's w.cols equals the x width; x is 16-byte aligned and ldx % 4

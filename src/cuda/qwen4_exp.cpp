@@ -180,10 +180,15 @@ bool Model::expert_tiles_fit() const {
   std::vector<uint8_t> scratch;
   if (!experts_src_->get(0, 0, &ex, &scratch).ok() || !tiles16_fit(ex.gate) || !tiles16_fit(ex.down)) return false;
   // The shared experts go with the routed ones into the same kernels (gemm_q4's expert modes need all
-  // of a layer's in 4-bit codes, groups of 64 x 2^k: cuda/ops.h expert_q4_ok).
+  // of a layer's in 4-bit codes, groups of 64 x 2^k: expert_q4_ok, asked of the matrix's device form).
   auto q4 = [](const Matrix& m) {
-    const int gpg = m.group_size / 64;
-    return m.quantized() && m.bits == 4 && m.group_size % 64 == 0 && (gpg & (gpg - 1)) == 0 && m.cols % m.group_size == 0;
+    Result<WFormat> f = device_format(m);
+    if (!f.ok()) return false;
+    DMatrix d;
+    d.rows = static_cast<int32_t>(m.rows);
+    d.cols = static_cast<int32_t>(m.cols);
+    d.fmt = *f;
+    return expert_q4_ok(d);
   };
   auto shared_ok = [&](const MoeWeights& mo) { return q4(mo.shared_gate) && q4(mo.shared_up) && q4(mo.shared_down); };
   for (const LayerWeights& lw : w_.layers)
