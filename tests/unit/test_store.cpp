@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/temp_dir.h"
 #include "cpu/qwen4_exp.h"
 #include "format/matrix.h"
 #include "format/weights.h"
@@ -29,10 +30,7 @@ const std::string kSrc = CK_SOURCE_DIR;
 const std::string kMlxFixture = kSrc + "/tests/fixtures/oracle/mlx_q4g64_nested_hc4_e32k4";
 const std::string kPair = kSrc + "/tests/fixtures/store_pair";
 
-std::string tmpdir() {
-  char tmpl[] = "/tmp/ck_store_XXXXXX";
-  return mkdtemp(tmpl);
-}
+std::string tmpdir() { return test::temp_dir("ck_store_"); }
 
 void rm_rf(const std::string& d) { std::system(("rm -rf '" + d + "'").c_str()); }
 

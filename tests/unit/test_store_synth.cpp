@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 
+#include "../common/temp_dir.h"
 #include "cpu/qwen4_exp.h"
 #include "format/weights.h"
 #include "store/pack.h"
@@ -23,10 +24,7 @@ using namespace ck;
 
 namespace {
 
-std::string tmpdir() {
-  char tmpl[] = "/tmp/ck_synth_XXXXXX";
-  return mkdtemp(tmpl);
-}
+std::string tmpdir() { return test::temp_dir("ck_synth_"); }
 void rm_rf(const std::string& d) { std::system(("rm -rf '" + d + "'").c_str()); }
 std::string slurp(const std::string& p) {
   std::ifstream f(p, std::ios::binary);
