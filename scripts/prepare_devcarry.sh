@@ -51,9 +51,14 @@ for f in $S/lib/libicudata.so.*; do
 done
 # CK_PREV_BENCH=FILE: an older build's bench_cuda travels too, as bench_cuda_prev, so one call can
 # compare two builds (scripts/gpu_ab.sh: a case with CK_BENCH_BIN=bench_cuda_prev).
+# CK_PREV_BENCH2=FILE: a third build, as bench_cuda_prev2.
 if [ -n "${CK_PREV_BENCH:-}" ]; then
   cp "$CK_PREV_BENCH" $S/bench_cuda_prev
   strip --strip-debug $S/bench_cuda_prev
+fi
+if [ -n "${CK_PREV_BENCH2:-}" ]; then
+  cp "$CK_PREV_BENCH2" $S/bench_cuda_prev2
+  strip --strip-debug $S/bench_cuda_prev2
 fi
 git rev-parse HEAD > $S/COMMIT
 if git status --porcelain --untracked-files=all -- src/cuda src/engine/session.h src/cli/model_loader.h src/cli/model_loader.cpp src/cli/cmd_generate.cpp tests/parity/test_cuda_ops.cpp tests/parity/test_cuda_model.cpp bench/e2e bench/kernels scripts/gpu_check.sh scripts/prepare_devcarry.sh | grep -q .; then

@@ -24,6 +24,9 @@ enum class WKind : uint8_t { F32 = 0, BF16 = 1, F16 = 2, Q = 3 };
 //    where the row layout takes 6 loads over ~48 lines: docs/design-notes.md ("CUDA weight tiles").
 enum class WLayout : uint8_t { Rows = 0, Tiles16 = 1 };
 constexpr int kTileRows = 16, kTileGroupBytes = 576;
+// Words (uint2) of one activation row's compact B fragments per 64-code group (cuda/mma_q4.cuh
+// tc4_one_frag_elem; cuda/ops.h Tc4Frags): 4 MMA steps x 12 lanes.
+constexpr int kOneFragWords = 48;
 
 // How a matrix is stored. For Q: `bits` per code (2, 3, 4, 8), `group` columns per scale/bias
 // (32, 64, 128), `scale_kind` the float kind of scales and biases, `layout` a WLayout.

@@ -647,7 +647,8 @@ __global__ void __launch_bounds__(256, V3 ? 3 : 1) expert_down_q_kernel(const Ex
 // (hi + mid + lo, 24 significant bits: fp32's), which go in three columns of the B operand, so one MMA
 // serves up to two activation rows (3 columns each). Per 64-code group, as in the v3 arithmetic,
 // y += s * Σ q x + b * Σ x, with Σ q x from the MMAs (fresh accumulators per group) and Σ x per group
-// computed once. Per code this costs ~0.7 instructions (a SHF + LOP3 + HADD2 per pair) instead of ~3.
+// computed once. Per code this costs ~0.5 instructions (a SHF + LOP3 per pair: the codes come out as
+// 128 + q, and the 128 goes into the bias, mma_q4.cuh code_pair_128) instead of ~3.
 //
 // K order: any permutation of k inside an MMA is fine as long as A and B use the same one. Lane
 // (g = lane/4, t = lane%4) reads 8 bytes (two u32 words, 16 codes) of its rows g and g+8 per group:
@@ -686,8 +687,8 @@ struct TcLaunch {
   int32_t n_jobs;
   int32_t groups;                        // K / 64
   int32_t ks;                            // warps that split one tile's groups (1, 2, 4, 8)
-  const uint2* frag;                     // [groups][4 steps][NB][32 lanes]
-  const float* gsum;                     // [groups][8 NB]: Σ x of the group on each row's hi column
+  const uint2* frag;                     // [groups][4 steps][NB][32 lanes]; one row: compact, [groups][48]
+  const float* gsum;                     // [groups][8 NB]: Σ x of the group on each row's hi column; one row: [groups]
   int32_t prefetch;                      // ask L2 for the warp's weights before pdl_begin (CK_GEMV_PREFETCH)
   GdnConvArgs conv;                      // gemv_tc4_kernel with conv.y: job 0's rows are conv channels
   const StepParams* conv_sp;             // (its x is not written: the conv output is)
@@ -696,7 +697,8 @@ struct TcLaunch {
 // grid (groups, vectors), block 128: group blockIdx.x's B fragments for R activation rows (nx real;
 // the other columns zero), and its Σ x per column (one warp per column, a fixed shuffle order). With
 // several vectors (gridDim.y > 1, R = 1: the decode experts' inputs), vector v's rows start at
-// x + v * vec_x and its fragments and sums at frag + v * vec_frag, gsum + v * vec_gsum.
+// x + v * vec_x and its fragments and sums at frag + v * vec_frag, gsum + v * vec_gsum. R = 1 writes
+// the compact one-row layout (mma_q4.cuh tc4_one_frag_elem) and one Σ x per group.
 template <int R>
 __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__ x, int ldx, int nx, uint2* frag,
                                                        float* gsum, int64_t vec_x = 0, int64_t vec_frag = 0,
@@ -707,14 +709,23 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
   x += blockIdx.y * vec_x;
   frag += blockIdx.y * vec_frag;
   gsum += blockIdx.y * vec_gsum;
-  for (int e = threadIdx.x; e < 4 * NB * 32; e += blockDim.x)
-    frag[static_cast<size_t>(G) * 4 * NB * 32 + e] = tc4_frag_elem<NB>(x + G * 64, ldx, nx, e);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int n = warp; n < NC; n += blockDim.x >> 5) {
-    const int r = n / 3;
-    float v = 0.0f;
-    if (n % 3 == 0 && r < nx) v = tc4_group_sum(x + static_cast<size_t>(r) * ldx + G * 64);  // on the hi column
-    if (lane == 0) gsum[G * NC + n] = v;
+  if constexpr (R == 1) {  // the compact one-row layout (mma_q4.cuh kOneFragWords), one Σ x per group
+    for (int e = threadIdx.x; e < kOneFragWords; e += blockDim.x)
+      frag[static_cast<size_t>(G) * kOneFragWords + e] = tc4_one_frag_elem(x + G * 64, e);
+    if (warp == 0) {
+      const float v = tc4_group_sum(x + G * 64);
+      if (lane == 0) gsum[G] = v;
+    }
+  } else {
+    for (int e = threadIdx.x; e < 4 * NB * 32; e += blockDim.x)
+      frag[static_cast<size_t>(G) * 4 * NB * 32 + e] = tc4_frag_elem<NB>(x + G * 64, ldx, nx, e);
+    for (int n = warp; n < NC; n += blockDim.x >> 5) {
+      const int r = n / 3;
+      float v = 0.0f;
+      if (n % 3 == 0 && r < nx) v = tc4_group_sum(x + static_cast<size_t>(r) * ldx + G * 64);  // on the hi column
+      if (lane == 0) gsum[G * NC + n] = v;
+    }
   }
 }
 
@@ -747,27 +758,39 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
       uint2 wa, wb;
       float sa, ba, sb, bb;
       tr.load(G, wa, wb, sa, ba, sb, bb);
-      const uint2* fg = L.frag + static_cast<size_t>(G) * 4 * NB * 32 + t * 8 + g;
-      float d[NB][4] = {};  // the group's Σ q x, fresh per group
+      // One row: the compact fragments (mma_q4.cuh kOneFragWords) and one Σ x per group, on column 0.
+      const uint2* fg = R == 1 ? L.frag + static_cast<size_t>(G) * kOneFragWords + tc4_one_frag_lane(g, t)
+                               : L.frag + static_cast<size_t>(G) * 4 * NB * 32 + t * 8 + g;
+      float d[NB][4] = {};  // the group's Σ (128 + q) x, fresh per group
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
         const int i0 = 2 * (s & 1);
-        const uint32_t a0 = code_pair_lop3(xa, i0), a1 = code_pair_lop3(xb, i0), a2 = code_pair_lop3(xa, i0 + 1),
-                       a3 = code_pair_lop3(xb, i0 + 1);
+        const uint32_t a0 = code_pair_128(xa, i0), a1 = code_pair_128(xb, i0), a2 = code_pair_128(xa, i0 + 1),
+                       a3 = code_pair_128(xb, i0 + 1);
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
-          const uint2 b = __ldg(fg + (s * NB + nb) * 32);
+          const uint2 b = R == 1 ? tc4_one_frag_ld(fg, s) : __ldg(fg + (s * NB + nb) * 32);
           mma_bf16(d[nb], a0, a1, a2, a3, b.x, b.y);
         }
       }
+      ba = bias_128(ba, sa);  // the codes are 128 + q (code_pair_128)
+      bb = bias_128(bb, sb);
+      if constexpr (R == 1) {
+        const float x0 = t == 0 ? __ldg(L.gsum + G) : 0.0f;
+        acc[0][0] = fmaf(sa, d[0][0], fmaf(ba, x0, acc[0][0]));
+        acc[0][1] = fmaf(sa, d[0][1], acc[0][1]);
+        acc[0][2] = fmaf(sb, d[0][2], fmaf(bb, x0, acc[0][2]));
+        acc[0][3] = fmaf(sb, d[0][3], acc[0][3]);
+      } else {
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        const float x0 = __ldg(L.gsum + G * NC + nb * 8 + 2 * t), x1 = __ldg(L.gsum + G * NC + nb * 8 + 2 * t + 1);
-        acc[nb][0] = fmaf(sa, d[nb][0], fmaf(ba, x0, acc[nb][0]));
-        acc[nb][1] = fmaf(sa, d[nb][1], fmaf(ba, x1, acc[nb][1]));
-        acc[nb][2] = fmaf(sb, d[nb][2], fmaf(bb, x0, acc[nb][2]));
-        acc[nb][3] = fmaf(sb, d[nb][3], fmaf(bb, x1, acc[nb][3]));
+        for (int nb = 0; nb < NB; ++nb) {
+          const float x0 = __ldg(L.gsum + G * NC + nb * 8 + 2 * t), x1 = __ldg(L.gsum + G * NC + nb * 8 + 2 * t + 1);
+          acc[nb][0] = fmaf(sa, d[nb][0], fmaf(ba, x0, acc[nb][0]));
+          acc[nb][1] = fmaf(sa, d[nb][1], fmaf(ba, x1, acc[nb][1]));
+          acc[nb][2] = fmaf(sb, d[nb][2], fmaf(bb, x0, acc[nb][2]));
+          acc[nb][3] = fmaf(sb, d[nb][3], fmaf(bb, x1, acc[nb][3]));
+        }
       }
     }
   }
@@ -950,27 +973,29 @@ __device__ __forceinline__ void expert_tc4_groups(const DMatrix (&w)[NM], int ro
   for (int m = 0; m < NM; ++m) tr[m].init(w[m], min(row0 + g, w[m].rows - 1), min(row0 + g + 8, w[m].rows - 1), t);
 #pragma unroll UNROLL
   for (int G = G0; G < G1; ++G) {
-    const float x0 = __ldg(gv + G * 8 + 2 * t), x1 = __ldg(gv + G * 8 + 2 * t + 1);
+    const float x0 = t == 0 ? __ldg(gv + G) : 0.0f;
     uint2 b[4];
 #pragma unroll
-    for (int st = 0; st < 4; ++st) b[st] = __ldg(fv + (static_cast<size_t>(G) * 4 + st) * 32);
+    for (int st = 0; st < 4; ++st) b[st] = tc4_one_frag_ld(fv + static_cast<size_t>(G) * kOneFragWords, st);
 #pragma unroll
     for (int m = 0; m < NM; ++m) {
       uint2 wa, wb;
       float sa, ba, sb, bb;
       tr[m].load(G, wa, wb, sa, ba, sb, bb);
-      float d[4] = {};  // the group's Σ q x, fresh per group
+      float d[4] = {};  // the group's Σ (128 + q) x, fresh per group
 #pragma unroll
       for (int st = 0; st < 4; ++st) {
         const uint32_t xa = (st >> 1) ? wa.y : wa.x, xb = (st >> 1) ? wb.y : wb.x;
         const int i0 = 2 * (st & 1);
-        mma_bf16(d, code_pair_lop3(xa, i0), code_pair_lop3(xb, i0), code_pair_lop3(xa, i0 + 1), code_pair_lop3(xb, i0 + 1), b[st].x,
+        mma_bf16(d, code_pair_128(xa, i0), code_pair_128(xb, i0), code_pair_128(xa, i0 + 1), code_pair_128(xb, i0 + 1), b[st].x,
                  b[st].y);
       }
+      ba = bias_128(ba, sa);  // the codes are 128 + q (code_pair_128)
+      bb = bias_128(bb, sb);
       acc[m][0] = fmaf(sa, d[0], fmaf(ba, x0, acc[m][0]));
-      acc[m][1] = fmaf(sa, d[1], fmaf(ba, x1, acc[m][1]));
+      acc[m][1] = fmaf(sa, d[1], acc[m][1]);
       acc[m][2] = fmaf(sb, d[2], fmaf(bb, x0, acc[m][2]));
-      acc[m][3] = fmaf(sb, d[3], fmaf(bb, x1, acc[m][3]));
+      acc[m][3] = fmaf(sb, d[3], acc[m][3]);
     }
   }
 }
@@ -1006,8 +1031,8 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
   if (valid) {
     const int groups = w[0].cols / 64, per = (groups + ks - 1) / ks;
     const int G0 = min(groups, part * per), G1 = min(groups, G0 + per);
-    const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * 4 * 32 + t * 8 + g;
-    const float* gv = gsum + static_cast<size_t>(vec) * vec_groups * 8;
+    const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * kOneFragWords + tc4_one_frag_lane(g, t);
+    const float* gv = gsum + static_cast<size_t>(vec) * vec_groups;
     const uint8_t bf = static_cast<uint8_t>(WKind::BF16);
     if (w[0].fmt.scale_kind == bf && w[NM - 1].fmt.scale_kind == bf)
       expert_tc4_groups<NM, true, UNROLL>(w, row0, G0, G1, fv, gv, acc);
@@ -1498,7 +1523,7 @@ int expert_k_split(bool gate_up, int tiles, int groups, int resident_blocks) {
 template <bool GATE_UP>
 void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int groups, const float* x, int ldx,
                        int n_vec, float* out, int ldo, cudaStream_t s, const Tc4Frags* pre) {
-  const size_t frag_elems = static_cast<size_t>(groups) * 4 * 32;
+  const size_t frag_elems = static_cast<size_t>(groups) * kOneFragWords;  // the compact one-row layout
   uint8_t* scratch = nullptr;
   const uint2* frag = nullptr;
   const float* gsum = nullptr;
@@ -1507,11 +1532,11 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
     gsum = pre->gsum;
   } else {
     CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch),
-                               n_vec * (frag_elems * sizeof(uint2) + sizeof(float) * groups * 8), s));
+                               n_vec * (frag_elems * sizeof(uint2) + sizeof(float) * groups), s));
     uint2* f = reinterpret_cast<uint2*>(scratch);
     float* gs = reinterpret_cast<float*>(scratch + n_vec * frag_elems * sizeof(uint2));
     launch(tc4_frag_kernel<1>, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(n_vec)), 128, 0, s, x, ldx,
-           1, f, gs, static_cast<int64_t>(ldx), static_cast<int64_t>(frag_elems), static_cast<int64_t>(groups) * 8);
+           1, f, gs, static_cast<int64_t>(ldx), static_cast<int64_t>(frag_elems), static_cast<int64_t>(groups));
     CUDA_CHECK_LAUNCH();
     frag = f;
     gsum = gs;

@@ -12,8 +12,8 @@
 // History (H200, same-call comparisons, docs/performance.md): the first form filled a stage with 48
 // per-row cp.async.bulk copies: LM head 187 us (1.94 TB/s) against ~214 for the two kernels, decode
 // 461-463 against 456 tok/s. The tensor-map copies (2026-11-30 10:30Z): decode 477.4 against 460-463
-// tok/s, the MTP draft step 0.398 against 0.469-0.489 ms. Its codes are unpacked with code_pair_lop3
-// (without it the per-row form gained nothing).
+// tok/s, the MTP draft step 0.398 against 0.469-0.489 ms. Its codes were unpacked with code_pair_lop3
+// (without it the per-row form gained nothing), since 2026-12-01 through tc4_one_mma's code_pair_128.
 //
 // Arithmetic: the v4 one-row arithmetic of gemv_tc4_one_kernel (mma_q4.cuh: tc4_one_frag builds the
 // B fragments of x in shared memory once per block, tc4_one_mma per group). A warp owns whole 16-row
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __gri
       const float sb = stage_scale<BF16S>(sc + (g + 8) * 8 * es, i, sk);
       const float ba = stage_scale<BF16S>(sc + 512 + g * 8 * es, i, sk);
       const float bb = stage_scale<BF16S>(sc + 512 + (g + 8) * 8 * es, i, sk);
-      tc4_one_mma<true>(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 128 + lane, t == 0 ? sgs[G] : 0.0f, acc);
+      tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 128 + lane, t == 0 ? sgs[G] : 0.0f, acc);
     }
     __syncwarp();  // every lane has read the stage: it can be refilled
     if (u + kStages < n_units) issue(L, u + kStages, gw, W, ring + s * kStageBytes, &bars[s]);

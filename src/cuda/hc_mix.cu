@@ -127,8 +127,8 @@ __device__ __forceinline__ void hc_tile_pair(const DMatrix& ma, int ra, const DM
     tb.load(G, wa1, wb1, s[4], s[5], s[6], s[7]);
     const uint2* fg = f + static_cast<size_t>(G - G0) * 128 + lane;
     const float xs = t == 0 ? xg[G - G0] : 0.0f;
-    tc4_one_mma<true>(wa0, wb0, s[0], s[1], s[2], s[3], fg, xs, acc_a);
-    tc4_one_mma<true>(wa1, wb1, s[4], s[5], s[6], s[7], fg, xs, acc_b);
+    tc4_one_mma(wa0, wb0, s[0], s[1], s[2], s[3], fg, xs, acc_a);
+    tc4_one_mma(wa1, wb1, s[4], s[5], s[6], s[7], fg, xs, acc_b);
   }
 }
 
@@ -331,12 +331,13 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       a.u[i] = v;
       su[tid] = v;
     }
-    if (a.frag) {  // u's v4 fragments and group sum (hc_gate_mean_kernel<true>'s layout and rounding)
+    if (a.frag) {  // u's compact v4 fragments and group sum (hc_gate_mean_kernel<true>'s layout and rounding)
       __syncthreads();
-      for (int e = tid; e < 128; e += kHcThreads) a.frag[static_cast<size_t>(b) * 128 + e] = tc4_frag_elem<1>(su, 64, 1, e);
+      for (int e = tid; e < kOneFragWords; e += kHcThreads)
+        a.frag[static_cast<size_t>(b) * kOneFragWords + e] = tc4_one_frag_elem(su, e);
       if (warp == 0) {
         const float s = tc4_group_sum(su);
-        if (lane < 8) a.gsum[b * 8 + lane] = lane == 0 ? s : 0.0f;
+        if (lane == 0) a.gsum[b] = s;
       }
     }
     __syncthreads();  // gl and su are reused by the next group

@@ -70,13 +70,14 @@ __global__ void hc_gate_mean_kernel(const float* g, const float* X, int ldgx, in
     su[threadIdx.x] = v;
     __syncthreads();
     const int groups = H / 64, g0 = blockIdx.x * 4, ng = min(4, groups - g0);
-    uint2* fr = frag + (static_cast<size_t>(blockIdx.y) * groups + g0) * 128;
-    for (int e = threadIdx.x; e < ng * 128; e += blockDim.x) fr[e] = tc4_frag_elem<1>(su + (e >> 7) * 64, 64, 1, e & 127);
-    // Σ x per group on column 0 (the others zero), as tc4_frag_kernel.
+    uint2* fr = frag + (static_cast<size_t>(blockIdx.y) * groups + g0) * kOneFragWords;  // the compact layout
+    for (int e = threadIdx.x; e < ng * kOneFragWords; e += blockDim.x)
+      fr[e] = tc4_one_frag_elem(su + (e / kOneFragWords) * 64, e % kOneFragWords);
+    // Σ x per group, as tc4_frag_kernel<1>.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp < ng) {
       const float t = tc4_group_sum(su + warp * 64);
-      if (lane < 8) gsum[(static_cast<size_t>(blockIdx.y) * groups + g0 + warp) * 8 + lane] = lane == 0 ? t : 0.0f;
+      if (lane == 0) gsum[static_cast<size_t>(blockIdx.y) * groups + g0 + warp] = t;
     }
   }
 }

@@ -55,12 +55,27 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
 // plan and staged codes had freed registers; before that, with 128 registers taken, the constant's
 // register cost more than it saved), and since the weights are in tiles (sixteenth session) the v4
 // GEMVs, the one-row mix and the decode experts: decode +3.8% (539.5 against 519.4 tok/s, one call),
-// their loads no longer hiding the unpacking. Same bits as code_pair.
+// their loads no longer hiding the unpacking. Same bits as code_pair. Since 2026-12-01 the one-row
+// and decode kernels take code_pair_128 instead (no subtraction at all); the prefill GEMMs keep this.
 __device__ __forceinline__ uint32_t code_pair_lop3(uint32_t w, int i) {
   const uint32_t m = and_or<0x000F000Fu>(w >> (4 * i), 0x43004300u);
   const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&m), __floats2bfloat162_rn(128.0f, 128.0f));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
+
+// Codes i and i+4 of a 4-bit word as a bf16x2 of 128 + code (exact): code_pair_lop3 without its
+// subtraction, one instruction in three of the unpacking. The one-row and decode kernels (tc4_one_mma,
+// gemv_tc4_kernel, the decode experts) take it and fold the 128 into the group's bias term:
+// s Σ (128 + q) x + (b - 128 s) Σ x = s Σ q x + b Σ x. b - 128 s is exact in fp32 (two bf16 values a
+// few binades apart). The price is precision: the MMA sums terms ~17x larger than Σ q x before the
+// bias term cancels them, so these kernels' results move ~5x further from the prefill kernels' than
+// before (tests/parity/test_cuda_model.cpp kSelfTol), still far inside the tolerance against the
+// oracle (1e-4). Decode +1.6% at one row (docs/performance.md, 2026-12-01).
+__device__ __forceinline__ uint32_t code_pair_128(uint32_t w, int i) {
+  return and_or<0x000F000Fu>(w >> (4 * i), 0x43004300u);
+}
+// The bias that goes with code_pair_128's products: b - 128 s.
+__device__ __forceinline__ float bias_128(float b, float s) { return fmaf(-128.0f, s, b); }
 
 // A scale or bias of a 4-bit matrix from the aligned 4-byte word that holds it: the prefill GEMMs
 // (gemm_q4.cu, gemm_q4_wg.cu) stage those words with cp.async whatever the element's alignment.
@@ -107,6 +122,34 @@ __device__ __forceinline__ uint2 tc4_frag_elem(const float* xg, int ldx, int nx,
   return make_uint2(bf16_pair(bf16_part(xr[0], p), bf16_part(xr[4], p)),
                     bf16_pair(bf16_part(xr[1], p), bf16_part(xr[5], p)));
 }
+
+// One activation row's B fragments in global memory, compact (cuda/ops.h Tc4Frags, kOneFragWords in
+// cuda/dmatrix.h): of the MMA's 8 columns only 0-2 (hi, mid, lo) are non-zero, so only they are
+// stored: per group 4 steps x 12 words, step s's word for lane (g < 3, t) at [s][3t + g] (384 bytes a
+// group, where tc4_frag_elem<1>'s full layout takes 1,024 and 5/8 of them zeros). The lanes of
+// columns 3-7 load copies of column 0-2 words (tc4_one_frag_ld): those columns' products are never
+// read (the one-row kernels take columns 0-2 of d only), and an unpredicated load of the same lines
+// costs no select.
+// Why: at one row the fragments' loads were more L1 lines per group than the weights' tiles (the
+// weight-layout lab, 2026-11-30 22:51Z: 11.2 -> 10.0 us on an in_proj-sized GEMV, as fast as no loads
+// at all). In the engine the gain did not show alone (decode within 1% of the full layout, 2026-12-01
+// 00:06Z-00:13Z); with code_pair_128 it keeps the 4-row step level, where code_pair_128 without it
+// lost 1.4% (00:19Z: the decode experts read one such vector per pair).
+// Word e (< kOneFragWords) of a group's compact fragments, xg its 64 floats: tc4_frag_elem<1>'s word
+// for the same step, lane and column, the same bits.
+__device__ __forceinline__ uint2 tc4_one_frag_elem(const float* xg, int e) {
+  const int s = e / 12, t = (e % 12) / 3, p = e % 3;
+  const float* xr = xg + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
+  return make_uint2(bf16_pair(bf16_part(xr[0], p), bf16_part(xr[4], p)),
+                    bf16_pair(bf16_part(xr[1], p), bf16_part(xr[5], p)));
+}
+// Step s's B fragment of lane (g, t) from a group's compact fragments fg (the group's base plus
+// tc4_one_frag_lane). Columns 3-7 (g >= 3) get column 0's word: their products are not used.
+__device__ __forceinline__ uint2 tc4_one_frag_ld(const uint2* __restrict__ fg, int s) {
+  return __ldg(fg + 12 * s);
+}
+// The lane's offset inside a group's compact fragments.
+__device__ __forceinline__ int tc4_one_frag_lane(int g, int t) { return 3 * t + (g < 3 ? g : 0); }
 
 // Σ x of a group's 64 floats (the bias term's factor), in the one order every v4 path uses: lane l
 // adds x[l] + x[l + 32], then the warp's butterfly. Every lane of the warp calls it.
@@ -260,22 +303,21 @@ __device__ __forceinline__ float tc4_one_frag(const float4 (&q)[4], uint2* f) {
 // One 64-code group of a one-row tile against fragments from tc4_one_frag, its codes and scales
 // already loaded (Tc4Rows::load; f: the group's base plus the lane; xs: the group's Σ x on lanes
 // t == 0, zero on the others): acc += s Σ q x + b Σ x for rows g (acc[0..1]) and g + 8 (acc[2..3]),
-// columns 2t and 2t + 1. LOP3: unpack with code_pair_lop3.
-template <bool LOP3 = false>
+// columns 2t and 2t + 1, the 128 of code_pair_128 folded into the bias.
 __device__ __forceinline__ void tc4_one_mma(const uint2& wa, const uint2& wb, float sa, float ba, float sb, float bb,
                                             const uint2* f, float xs, float (&acc)[4]) {
-  float d[4] = {};  // the group's Σ q x, fresh per group
-  auto cp = [](uint32_t w, int i) { return LOP3 ? code_pair_lop3(w, i) : code_pair(w, i); };
+  float d[4] = {};  // the group's Σ (128 + q) x, fresh per group
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
     const int i0 = 2 * (s & 1);
     const uint2 bf = f[32 * s];
-    mma_bf16(d, cp(xa, i0), cp(xb, i0), cp(xa, i0 + 1), cp(xb, i0 + 1), bf.x, bf.y);
+    mma_bf16(d, code_pair_128(xa, i0), code_pair_128(xb, i0), code_pair_128(xa, i0 + 1), code_pair_128(xb, i0 + 1),
+             bf.x, bf.y);
   }
-  acc[0] = fmaf(sa, d[0], fmaf(ba, xs, acc[0]));
+  acc[0] = fmaf(sa, d[0], fmaf(bias_128(ba, sa), xs, acc[0]));
   acc[1] = fmaf(sa, d[1], acc[1]);
-  acc[2] = fmaf(sb, d[2], fmaf(bb, xs, acc[2]));
+  acc[2] = fmaf(sb, d[2], fmaf(bias_128(bb, sb), xs, acc[2]));
   acc[3] = fmaf(sb, d[3], acc[3]);
 }
 
@@ -286,7 +328,7 @@ __device__ __forceinline__ void tc4_one_group(const Tc4Rows<BF16S, 4>& tr, int G
   float sa, ba, sb, bb;
   uint2 wa, wb;
   tr.load(G, wa, wb, sa, ba, sb, bb);
-  tc4_one_mma<true>(wa, wb, sa, ba, sb, bb, f, xs, acc);
+  tc4_one_mma(wa, wb, sa, ba, sb, bb, f, xs, acc);
 }
 
 }  // namespace ck::cuda

@@ -48,8 +48,8 @@ inline bool any_tiled(const GemvJob* jobs, int n_jobs) {
 struct Tc4Frags {
   const float* x = nullptr;
   int ldx = 0, rows = 0, groups = 0;
-  const uint2* frag = nullptr;  // [rows][groups][4 steps][32 lanes]
-  const float* gsum = nullptr;  // [rows][groups][8 columns]
+  const uint2* frag = nullptr;  // [rows][groups][kOneFragWords]: the compact one-row layout (mma_q4.cuh)
+  const float* gsum = nullptr;  // [rows][groups]
   bool covers(const float* x_, int ldx_, int rows_, int groups_) const {
     return x && x == x_ && (rows_ == 1 || ldx == ldx_) && rows >= rows_ && groups == groups_;
   }

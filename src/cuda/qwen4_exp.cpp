@@ -392,8 +392,8 @@ Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
   b.u = fbuf(R * b.ldH); b.w = fbuf(R * b.ldS); b.o = fbuf(R * b.ldH);
   if (H % 64 == 0) {
     const int64_t groups = H / 64;
-    b.ufrag = reinterpret_cast<uint2*>(fbuf(kMaxRows * groups * 128 * 2));
-    b.ugsum = fbuf(kMaxRows * groups * 8);
+    b.ufrag = reinterpret_cast<uint2*>(fbuf(kMaxRows * groups * kOneFragWords * 2));  // Tc4Frags' layout
+    b.ugsum = fbuf(kMaxRows * groups);
     b.hc_scratch_n = hc_mix_scratch_floats(S, H, c.hc_lowrank);
     b.hc_scratch = fbuf(static_cast<int64_t>(b.hc_scratch_n));
     b.hc_barrier = reinterpret_cast<unsigned*>(fbuf(64));  // zeroed by fbuf
