@@ -55,4 +55,13 @@ __device__ __forceinline__ void tma_copy_2d(void* dst, const void* tmap, int x, 
       : "memory");
 }
 
+// `bytes` contiguous bytes (a multiple of 16; both addresses 16-byte aligned) from global to shared
+// memory in one bulk copy; the barrier's transaction count drops by them when they have landed.
+__device__ __forceinline__ void bulk_copy_1d(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
 }  // namespace ck::cuda

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <string>
 
+#include "cuda/bulk_copy.cuh"
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/gdn_conv.cuh"
@@ -1066,6 +1067,102 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
   out[static_cast<size_t>(p) * ldo + row0 + lane] = GATE_UP ? siluf_(v[0]) * v[NM - 1] : v[0];
 }
 
+// Decode experts' gate and up products when the experts are in 16-row tiles (Model::tiled_experts):
+// block (pair p, tile T) takes tile T of the pair's gate and up matrices, each all of its groups as
+// one contiguous run of groups x 576 bytes, into shared memory with one bulk copy per matrix; then its
+// 8 warps split the groups (warp w: [w per, (w + 1) per)), read codes and scales from shared memory
+// and the vector's compact fragments (Tc4Frags) from global, and add their parts in warp order.
+// Why: expert_tc4_kernel's warps load their tile groups one 576-byte group per warp at a time, two
+// groups in flight, so a kernel of 20 MB (11 pairs of the full geometry) is a chain of memory round
+// trips per warp; here a block asks for its 46 KB at once and every block of the kernel is resident
+// (4 per SM), so the whole kernel's bytes are in flight from its start. Decode +3.4% at one row,
+// +8.6% at 4 rows (564.4 against 546.1 and 1,052.4 against 968.5 tok/s, 2026-12-01 00:36Z, one call).
+// grid (n_pairs * tiles_per_pair), block 256, dynamic shared memory 2 * groups * kTileGroupBytes.
+__global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const ExpertPair* __restrict__ pairs,
+                                                                    int tiles_per_pair, const uint2* __restrict__ frag,
+                                                                    const float* __restrict__ gsum, int vec_groups,
+                                                                    float* __restrict__ out, int ldo) {
+  extern __shared__ __align__(128) uint8_t stile[];  // [gate, up][groups][576]
+  __shared__ uint64_t bar;
+  __shared__ float red[8][2][16][3];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int p = blockIdx.x / tiles_per_pair, tile = blockIdx.x % tiles_per_pair, row0 = tile * kTileRows;
+  if (threadIdx.x == 0) {
+    mbar_init(&bar);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  pdl_begin();  // the pairs (route) and the fragments (the mix) come from the kernels before
+  const DMatrix gate = pairs[p].gate, up = pairs[p].up;
+  const int vec = pairs[p].x_row;
+  if (row0 >= gate.rows) return;  // block-uniform: this pair has fewer tiles (the shared expert's size)
+  if (!gate.tiled() || !up.tiled() || gate.cols != vec_groups * 64 || up.cols != gate.cols) __trap();  // launch promise
+  const int groups = vec_groups;
+  const uint32_t bytes = static_cast<uint32_t>(groups) * kTileGroupBytes;
+  if (threadIdx.x == 0) {
+    mbar_arrive_expect(&bar, 2 * bytes);
+    bulk_copy_1d(stile, gate.tile_group(tile, 0), bytes, &bar);
+    bulk_copy_1d(stile + bytes, up.tile_group(tile, 0), bytes, &bar);
+  }
+  const int per = (groups + 7) / 8, G0 = min(groups, warp * per), G1 = min(groups, G0 + per);
+  const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * kOneFragWords + tc4_one_frag_lane(g, t);
+  const float* gv = gsum + static_cast<size_t>(vec) * vec_groups;
+  float acc[2][4] = {};
+  mbar_wait(&bar, 0);
+#pragma unroll 2
+  for (int G = G0; G < G1; ++G) {
+    const float x0 = t == 0 ? __ldg(gv + G) : 0.0f;
+    uint2 b[4];
+#pragma unroll
+    for (int st = 0; st < 4; ++st) b[st] = tc4_one_frag_ld(fv + static_cast<size_t>(G) * kOneFragWords, st);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const uint8_t* tg = stile + m * bytes + static_cast<size_t>(G) * kTileGroupBytes;
+      const uint4 c = *reinterpret_cast<const uint4*>(tg + 16 * lane);
+      float sa, ba, sb, bb;
+      tile_scales(*reinterpret_cast<const uint2*>(tg + 512 + 8 * g), sa, ba, sb, bb);
+      const uint2 wa = make_uint2(c.x, c.y), wb = make_uint2(c.z, c.w);
+      float d[4] = {};  // the group's Σ (128 + q) x, fresh per group
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        const uint32_t xa = (st >> 1) ? wa.y : wa.x, xb = (st >> 1) ? wb.y : wb.x;
+        const int i0 = 2 * (st & 1);
+        mma_bf16(d, code_pair_128(xa, i0), code_pair_128(xb, i0), code_pair_128(xa, i0 + 1), code_pair_128(xb, i0 + 1),
+                 b[st].x, b[st].y);
+      }
+      acc[m][0] = fmaf(sa, d[0], fmaf(bias_128(ba, sa), x0, acc[m][0]));
+      acc[m][1] = fmaf(sa, d[1], acc[m][1]);
+      acc[m][2] = fmaf(sb, d[2], fmaf(bias_128(bb, sb), x0, acc[m][2]));
+      acc[m][3] = fmaf(sb, d[3], acc[m][3]);
+    }
+  }
+  // Columns 0-2 (hi, mid, lo) of rows g and g + 8 live in lanes t = 0 (0, 1) and t = 1 (2).
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+    if (t < 2) {
+      red[warp][m][g][2 * t] = acc[m][0];
+      red[warp][m][g + 8][2 * t] = acc[m][2];
+      if (t == 0) {
+        red[warp][m][g][1] = acc[m][1];
+        red[warp][m][g + 8][1] = acc[m][3];
+      }
+    }
+  __syncthreads();
+  if (warp != 0 || lane >= 16 || row0 + lane >= gate.rows) return;
+  float v[2];
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    float c[3];
+    for (int q = 0; q < 3; ++q) {
+      float sum = 0.0f;
+      for (int k = 0; k < 8; ++k) sum += red[k][m][lane][q];
+      c[q] = sum;
+    }
+    v[m] = (c[0] + c[1]) + c[2];
+  }
+  out[static_cast<size_t>(p) * ldo + row0 + lane] = siluf_(v[0]) * v[1];
+}
+
 // Decode experts' down products with each pair's h turned into fragments in the block (tc4_one_frag,
 // as gemv_tc4_one_kernel does with x): no fragment kernel between gate/up and down (16 launches of
 // ~3 us per step in Nsight Compute). Block b takes 8 tiles of 16 output rows of pair b / bpp (bpp =
@@ -1520,9 +1617,11 @@ int expert_k_split(bool gate_up, int tiles, int groups, int resident_blocks) {
 
 // Fragments of n_vec vectors of K = 64 * groups floats (rows of x at ldx), then expert_tc4_kernel over
 // n_pairs pairs of at most max_rows rows, each tile's groups split over expert_k_split's warps.
+constexpr size_t kBulkMaxSmem = 100 * 1024;  // expert_gate_up_bulk_kernel: K up to 44 groups of 64
+
 template <bool GATE_UP>
 void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int groups, const float* x, int ldx,
-                       int n_vec, float* out, int ldo, cudaStream_t s, const Tc4Frags* pre) {
+                       int n_vec, float* out, int ldo, cudaStream_t s, const Tc4Frags* pre, bool all_tiled) {
   const size_t frag_elems = static_cast<size_t>(groups) * kOneFragWords;  // the compact one-row layout
   uint8_t* scratch = nullptr;
   const uint2* frag = nullptr;
@@ -1542,6 +1641,22 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
     gsum = gs;
   }
   const int tiles_per_pair = static_cast<int>(ceil_div(max_rows, 16)), tiles = n_pairs * tiles_per_pair;
+  // Tiled experts: gate and up through bulk copies (CK_EXPERT_BULK=0: expert_tc4_kernel, to compare).
+  static const bool bulk = !env_is("CK_EXPERT_BULK", "0");
+  const size_t bulk_smem = 2 * static_cast<size_t>(groups) * kTileGroupBytes;
+  if (GATE_UP && all_tiled && bulk && bulk_smem <= kBulkMaxSmem) {
+    static const bool attr = [] {
+      CUDA_CHECK(cudaFuncSetAttribute(expert_gate_up_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kBulkMaxSmem));
+      return true;
+    }();
+    (void)attr;
+    launch(expert_gate_up_bulk_kernel, static_cast<unsigned>(tiles), 256, bulk_smem, s, pairs, tiles_per_pair, frag,
+           gsum, groups, out, ldo);
+    CUDA_CHECK_LAUNCH();
+    if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
+    return;
+  }
   static const int occ = blocks_per_sm(expert_tc4_kernel<GATE_UP, 2>);
   const int ks = expert_k_split(GATE_UP, tiles, groups, sm_count() * occ);
   // Group loop unrolled twice: four times measured 422 against 429 tok/s (2026-11-30), and again
@@ -1555,9 +1670,9 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
 }  // namespace
 
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
-                        int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre) {
+                        int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre, bool all_tiled) {
   CK_REQUIRE(n_pairs >= 1 && x_rows >= 1 && hidden % 64 == 0 && max_inter >= 1, "invariant");
-  launch_expert_tc4<true>(pairs, n_pairs, max_inter, hidden / 64, x, ldx, x_rows, h, ldh, stream, pre);
+  launch_expert_tc4<true>(pairs, n_pairs, max_inter, hidden / 64, x, ldx, x_rows, h, ldh, stream, pre, all_tiled);
 }
 
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
@@ -1575,7 +1690,7 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
     CUDA_CHECK_LAUNCH();
     return;
   }
-  launch_expert_tc4<false>(pairs, n_pairs, hidden, max_inter / 64, h, ldh, n_pairs, y, ldy, stream, nullptr);
+  launch_expert_tc4<false>(pairs, n_pairs, hidden, max_inter / 64, h, ldh, n_pairs, y, ldy, stream, nullptr, false);
 }
 
 void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,

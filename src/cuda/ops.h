@@ -110,8 +110,11 @@ void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden
 // max_inter multiples of 64; x has x_rows rows (the pairs' x_row values). expert_tc4_enabled():
 // the GEMV arithmetic is v4 and CK_EXPERT_TC4 is not 0.
 bool expert_tc4_enabled();
+// all_tiled: every pair's gate and up are Tiles16 (Model::tiled_experts): gate/up by bulk copies of
+// whole tiles (the kernel traps on a matrix that is not).
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
-                        int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre = nullptr);
+                        int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre = nullptr,
+                        bool all_tiled = false);
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
                      int ldy, cudaStream_t stream);
 

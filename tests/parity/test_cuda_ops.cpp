@@ -490,9 +490,10 @@ void cpu_expert(const Matrix& gate, const Matrix& up, const Matrix& down, const 
 TEST(CudaOps, ExpertProductsThroughPairViews) {
   REQUIRE_GPU();
   // Mixed formats; then 4/8-bit codes only, v2 and v1; then 4-bit codes only (groups of 64 and 128,
-  // bf16/f16/f32 scales) through the tensor-core decode kernels (expert_*_tc4), at 3 activation rows.
-  for (int variant = 0; variant < 4; ++variant) {
-  const bool codes48 = variant > 0, tc4 = variant == 3;
+  // bf16/f16/f32 scales) through the tensor-core decode kernels (expert_*_tc4), at 3 activation rows;
+  // then the same in 16-row tiles (group 64, bf16 scales), gate/up through the bulk-copy kernel.
+  for (int variant = 0; variant < 5; ++variant) {
+  const bool codes48 = variant > 0, tc4 = variant >= 3, tiled = variant == 4;
   set_gemv_version(variant == 2 ? 1 : 2);
   std::mt19937_64 rng(99 + variant);
   // Every intermediate size is a multiple of every group below (the 2026-11-29 GPU run had SI = 320
@@ -504,7 +505,10 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
                               codes48 ? WeightForm{DType::U32, 4, 128, DType::F32} : WeightForm{DType::F32}};
   const WeightForm q4only[] = {WeightForm{DType::U32, 4, 64, DType::BF16}, WeightForm{DType::U32, 4, 128, DType::BF16},
                                WeightForm{DType::U32, 4, 64, DType::F16}, WeightForm{DType::U32, 4, 128, DType::F32}};
-  const WeightForm* forms = tc4 ? q4only : mixed;
+  const WeightForm q4tiles[] = {WeightForm{DType::U32, 4, 64, DType::BF16}, WeightForm{DType::U32, 4, 64, DType::BF16},
+                                WeightForm{DType::U32, 4, 64, DType::BF16}, WeightForm{DType::U32, 4, 64, DType::BF16}};
+  const WeightForm* forms = tiled ? q4tiles : tc4 ? q4only : mixed;
+  const WLayout layout = tiled ? WLayout::Tiles16 : WLayout::Rows;
   DeviceArena arena;
   DenseUploader up(&arena);
   struct Ex { HostMatrix g, u, d; };
@@ -516,8 +520,9 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
       const WeightForm& f = forms[(r * (k + 1) + t) % 4];
       ex.push_back({make_matrix(inter, H, f, rng), make_matrix(inter, H, f, rng), make_matrix(H, inter, f, rng)});
       ExpertPair p;
-      auto g = up.matrix(ex.back().g.m), u = up.matrix(ex.back().u.m), d = up.matrix(ex.back().d.m);
+      auto g = up.matrix(ex.back().g.m, layout), u = up.matrix(ex.back().u.m, layout), d = up.matrix(ex.back().d.m, layout);
       ASSERT_TRUE(g.ok() && u.ok() && d.ok()) << "pair " << pairs.size() << ": a matrix the kernels cannot read";
+      ASSERT_EQ(g->tiled(), tiled);
       p.gate = *g;
       p.up = *u;
       p.down = *d;
@@ -532,7 +537,7 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
   DeviceBuffer<ExpertPair> pd;
   if (tc4) {
     expert_gate_up_tc4(to_device(pairs, &pd), n_pairs, std::max(I, SI), H, to_device(x, &xd), H, rows, hd.get(), ldh,
-                       nullptr);
+                       nullptr, nullptr, tiled);
     expert_down_tc4(pd.get(), n_pairs, std::max(I, SI), H, hd.get(), ldh, yd.get(), ldy, nullptr);
   } else {
     expert_gate_up(to_device(pairs, &pd), n_pairs, std::max(I, SI), H, to_device(x, &xd), H, hd.get(), ldh, codes48,
