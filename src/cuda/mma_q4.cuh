@@ -173,6 +173,16 @@ __device__ __forceinline__ void tile_scales(uint2 w, float& sa, float& ba, float
   bb = __uint_as_float(w.y & 0xFFFF0000u);
 }
 
+// Lane (g, t)'s words of one Tiles16 (tile, group) block `tg` in shared memory, as Tc4Rows::load gives
+// them from global (the kernels that bulk-copy whole tiles: gemv.cu expert_*_bulk_kernel).
+__device__ __forceinline__ void tile_group_lds(const uint8_t* tg, int lane, uint2& wa, uint2& wb, float& sa, float& ba,
+                                               float& sb, float& bb) {
+  const uint4 c = *reinterpret_cast<const uint4*>(tg + 16 * lane);
+  wa = make_uint2(c.x, c.y);
+  wb = make_uint2(c.z, c.w);
+  tile_scales(*reinterpret_cast<const uint2*>(tg + 512 + 8 * (lane >> 2)), sa, ba, sb, bb);
+}
+
 // Rows g and g+8 of a 16-row tile of a 4-bit matrix as the v4 kernels read them per 64-code group:
 // the lane's 8 code bytes of each row, and each row's scale and bias (a scale group spans 2^gshift
 // 64-code groups; the launches check the group is 64 times a power of two). BF16S: bf16 scales (the

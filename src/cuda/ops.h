@@ -116,7 +116,7 @@ void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int
                         int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre = nullptr,
                         bool all_tiled = false);
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
-                     int ldy, cudaStream_t stream);
+                     int ldy, cudaStream_t stream, bool all_tiled = false);
 
 // The same expert products for a prefill chunk, grouped per expert (gemm.cu): group_pairs sorts the
 // pairs by ExpertPair::group (n_groups = n_experts + 1, the shared expert last) into `order` and cuts

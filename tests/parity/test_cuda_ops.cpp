@@ -491,7 +491,7 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
   REQUIRE_GPU();
   // Mixed formats; then 4/8-bit codes only, v2 and v1; then 4-bit codes only (groups of 64 and 128,
   // bf16/f16/f32 scales) through the tensor-core decode kernels (expert_*_tc4), at 3 activation rows;
-  // then the same in 16-row tiles (group 64, bf16 scales), gate/up through the bulk-copy kernel.
+  // then the same in 16-row tiles (group 64, bf16 scales), through the bulk-copy kernels.
   for (int variant = 0; variant < 5; ++variant) {
   const bool codes48 = variant > 0, tc4 = variant >= 3, tiled = variant == 4;
   set_gemv_version(variant == 2 ? 1 : 2);
@@ -538,7 +538,7 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
   if (tc4) {
     expert_gate_up_tc4(to_device(pairs, &pd), n_pairs, std::max(I, SI), H, to_device(x, &xd), H, rows, hd.get(), ldh,
                        nullptr, nullptr, tiled);
-    expert_down_tc4(pd.get(), n_pairs, std::max(I, SI), H, hd.get(), ldh, yd.get(), ldy, nullptr);
+    expert_down_tc4(pd.get(), n_pairs, std::max(I, SI), H, hd.get(), ldh, yd.get(), ldy, nullptr, tiled);
   } else {
     expert_gate_up(to_device(pairs, &pd), n_pairs, std::max(I, SI), H, to_device(x, &xd), H, hd.get(), ldh, codes48,
                    nullptr);
