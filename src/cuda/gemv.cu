@@ -962,6 +962,32 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   if (kb > 1) cluster.sync();  // the other blocks' shared memory stays until rank 0 has read it
 }
 
+// The decode experts' partial tiles in shared memory (one activation row): part k's rows g and g + 8,
+// columns 0-2 (hi, mid, lo), which lanes t = 0 (columns 0, 1) and t = 1 (column 2) hold in acc.
+__device__ __forceinline__ void one_row_stash(float (&r)[16][4], const float (&acc)[4], int g, int t) {
+  if (t < 2) {
+    r[g][2 * t] = acc[0];
+    r[g + 8][2 * t] = acc[2];
+    if (t == 0) {
+      r[g][1] = acc[1];
+      r[g + 8][1] = acc[3];
+    }
+  }
+}
+
+// Row `row` of matrix m's tile from parts [0, n) of one_row_stash: each column summed over the parts in
+// index order, then (hi + mid) + lo.
+template <int NM>
+__device__ __forceinline__ float one_row_value(const float (*red)[NM][16][4], int n, int m, int row) {
+  float c[3];
+  for (int q = 0; q < 3; ++q) {
+    float sum = 0.0f;
+    for (int k = 0; k < n; ++k) sum += red[k][m][row][q];
+    c[q] = sum;
+  }
+  return (c[0] + c[1]) + c[2];
+}
+
 // The group loop of expert_tc4_kernel: NM matrices (gate and up, or down) of one pair, rows row0 + g
 // and row0 + g + 8, groups [G0, G1), against the vector's fragments fv and group sums gv.
 template <int NM, bool BF16S, int UNROLL>
@@ -1040,30 +1066,13 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
     else
       expert_tc4_groups<NM, false, UNROLL>(w, row0, G0, G1, fv, gv, acc);
   }
-  // Columns 0-2 (hi, mid, lo of the one vector) live in lanes t = 0 (0, 1) and t = 1 (2).
 #pragma unroll
-  for (int m = 0; m < NM; ++m)
-    if (t < 2) {
-      red[warp][m][g][2 * t] = acc[m][0];
-      red[warp][m][g + 8][2 * t] = acc[m][2];
-      if (t == 0) {
-        red[warp][m][g][1] = acc[m][1];
-        red[warp][m][g + 8][1] = acc[m][3];
-      }
-    }
+  for (int m = 0; m < NM; ++m) one_row_stash(red[warp][m], acc[m], g, t);
   __syncthreads();
   if (part != 0 || !valid || lane >= 16 || row0 + lane >= w[0].rows) return;
   float v[NM];
 #pragma unroll
-  for (int m = 0; m < NM; ++m) {
-    float c[3];
-    for (int q = 0; q < 3; ++q) {
-      float sum = 0.0f;
-      for (int k = 0; k < ks; ++k) sum += red[warp + k][m][lane][q];
-      c[q] = sum;
-    }
-    v[m] = (c[0] + c[1]) + c[2];
-  }
+  for (int m = 0; m < NM; ++m) v[m] = one_row_value<NM>(red + warp, ks, m, lane);
   out[static_cast<size_t>(p) * ldo + row0 + lane] = GATE_UP ? siluf_(v[0]) * v[NM - 1] : v[0];
 }
 
@@ -1084,7 +1093,7 @@ __global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const Exper
                                                                     float* __restrict__ out, int ldo) {
   extern __shared__ __align__(128) uint8_t stile[];  // [gate, up][groups][576]
   __shared__ uint64_t bar;
-  __shared__ float red[8][2][16][3];
+  __shared__ float red[8][2][16][4];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int p = blockIdx.x / tiles_per_pair, tile = blockIdx.x % tiles_per_pair, row0 = tile * kTileRows;
   if (threadIdx.x == 0) {
@@ -1134,31 +1143,12 @@ __global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const Exper
       acc[m][3] = fmaf(sb, d[3], acc[m][3]);
     }
   }
-  // Columns 0-2 (hi, mid, lo) of rows g and g + 8 live in lanes t = 0 (0, 1) and t = 1 (2).
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
-    if (t < 2) {
-      red[warp][m][g][2 * t] = acc[m][0];
-      red[warp][m][g + 8][2 * t] = acc[m][2];
-      if (t == 0) {
-        red[warp][m][g][1] = acc[m][1];
-        red[warp][m][g + 8][1] = acc[m][3];
-      }
-    }
+  for (int m = 0; m < 2; ++m) one_row_stash(red[warp][m], acc[m], g, t);
   __syncthreads();
   if (warp != 0 || lane >= 16 || row0 + lane >= gate.rows) return;
-  float v[2];
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    float c[3];
-    for (int q = 0; q < 3; ++q) {
-      float sum = 0.0f;
-      for (int k = 0; k < 8; ++k) sum += red[k][m][lane][q];
-      c[q] = sum;
-    }
-    v[m] = (c[0] + c[1]) + c[2];
-  }
-  out[static_cast<size_t>(p) * ldo + row0 + lane] = siluf_(v[0]) * v[1];
+  const float v0 = one_row_value<2>(red, 8, 0, lane), v1 = one_row_value<2>(red, 8, 1, lane);
+  out[static_cast<size_t>(p) * ldo + row0 + lane] = siluf_(v0) * v1;
 }
 
 // Where expert_down_bulk_kernel's tiles start in its dynamic shared memory (after the fragments and
@@ -1222,7 +1212,7 @@ __global__ void __launch_bounds__(256, 3) expert_down_one_kernel(const ExpertPai
 // down matrix are one contiguous run (8 x groups x 576 bytes), asked for by one bulk copy before the
 // block turns h into fragments, so the copy and the fragments overlap; then each warp takes its tile
 // from shared memory in the same order and arithmetic as expert_down_one_tile (the same bits).
-// Decode +1.0% at one row, +1.4% at 4 rows against gate/up by bulk copies alone (2026-12-01 00:39Z).
+// Decode +1.0% at one row, +1.4% at 4 rows against gate/up by bulk copies alone (2026-12-01 ~00:39Z).
 // grid (n_pairs * bpp), block 256, dynamic shared memory: the fragments (max_groups * (4 * 32 uint2 +
 // 1 float)), then the tiles (8 * max_groups * kTileGroupBytes, at a 128-byte boundary).
 __global__ void __launch_bounds__(256, 3) expert_down_bulk_kernel(const ExpertPair* __restrict__ pairs, int bpp,
@@ -1682,7 +1672,8 @@ int expert_k_split(bool gate_up, int tiles, int groups, int resident_blocks) {
 
 // Fragments of n_vec vectors of K = 64 * groups floats (rows of x at ldx), then expert_tc4_kernel over
 // n_pairs pairs of at most max_rows rows, each tile's groups split over expert_k_split's warps.
-constexpr size_t kBulkMaxSmem = 100 * 1024;  // expert_gate_up_bulk_kernel: K up to 44 groups of 64
+// Dynamic shared memory the bulk-copy expert kernels may ask for: gate/up tiles of K up to 44 groups.
+constexpr size_t kBulkMaxSmem = 100 * 1024;
 
 template <bool GATE_UP>
 void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int groups, const float* x, int ldx,
