@@ -845,6 +845,30 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
 constexpr int kTcInWarpMax = 16384;
 constexpr int kTcBlockGroups = 40;    // groups of x a block holds as fragments (1,028 bytes each)
 
+// Groups [G0, G1) of one activation row x as B fragments in shared memory (tc4_one_frag's layout:
+// group G at sfrag + (G - G0) * 128) and their sums at sgs[G - G0]; warp w of a 256-thread block
+// takes groups G0 + w, G0 + w + 8, ... The caller syncs the block before reading them.
+__device__ __forceinline__ void one_row_frags_in_block(const float* x, int G0, int G1, uint2* sfrag, float* sgs) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  for (int G = G0 + warp; G < G1; G += 8) {
+    const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
+    const float4 q[4] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2), __ldg(xp + 3)};
+    const float gs = tc4_one_frag(q, sfrag + static_cast<size_t>(G - G0) * 4 * 32);
+    if (lane == 0) sgs[G - G0] = gs;
+  }
+}
+
+// Rows g and g + 8 of a one-row tile (tc4_one_mma's acc: columns 0-2 on lanes t = 0 and 1), summed
+// (hi + mid) + lo, into y[row0 + g] and y[row0 + g + 8] below `rows`.
+__device__ __forceinline__ void one_row_tile_store(const float (&acc)[4], float* y, int row0, int rows) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const float lo_g = __shfl_down_sync(0xffffffffu, acc[0], 1), lo_g8 = __shfl_down_sync(0xffffffffu, acc[2], 1);
+  if (t == 0) {
+    if (row0 + g < rows) y[row0 + g] = (acc[0] + acc[1]) + lo_g;
+    if (row0 + g + 8 < rows) y[row0 + g + 8] = (acc[2] + acc[3]) + lo_g8;
+  }
+}
+
 // Dynamic shared memory: [range groups][4 steps][32 lanes] uint2 fragments, then [range groups] Σ x.
 template <bool BF16S, int BITS>
 __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_constant__ TcLaunch L,
@@ -870,12 +894,7 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
     if (L.prefetch) tr.prefetch(G0, G1, t);
   }
   pdl_begin();  // x comes from the kernel before
-  for (int G = B0 + warp; G < B1; G += 8) {
-    const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
-    const float4 q[4] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2), __ldg(xp + 3)};
-    const float gs = tc4_one_frag(q, sfrag + static_cast<size_t>(G - B0) * 4 * 32);
-    if (lane == 0) sgs[G - B0] = gs;
-  }
+  one_row_frags_in_block(x, B0, B1, sfrag, sgs);
   __syncthreads();
   if (tile < n_tiles) {
 #pragma unroll 2
@@ -1009,20 +1028,7 @@ __device__ __forceinline__ void expert_tc4_groups(const DMatrix (&w)[NM], int ro
       uint2 wa, wb;
       float sa, ba, sb, bb;
       tr[m].load(G, wa, wb, sa, ba, sb, bb);
-      float d[4] = {};  // the group's Σ (128 + q) x, fresh per group
-#pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        const uint32_t xa = (st >> 1) ? wa.y : wa.x, xb = (st >> 1) ? wb.y : wb.x;
-        const int i0 = 2 * (st & 1);
-        mma_bf16(d, code_pair_128(xa, i0), code_pair_128(xb, i0), code_pair_128(xa, i0 + 1), code_pair_128(xb, i0 + 1), b[st].x,
-                 b[st].y);
-      }
-      ba = bias_128(ba, sa);  // the codes are 128 + q (code_pair_128)
-      bb = bias_128(bb, sb);
-      acc[m][0] = fmaf(sa, d[0], fmaf(ba, x0, acc[m][0]));
-      acc[m][1] = fmaf(sa, d[1], acc[m][1]);
-      acc[m][2] = fmaf(sb, d[2], fmaf(bb, x0, acc[m][2]));
-      acc[m][3] = fmaf(sb, d[3], acc[m][3]);
+      tc4_one_mma_regs(wa, wb, sa, ba, sb, bb, b, x0, acc[m]);
     }
   }
 }
@@ -1129,18 +1135,7 @@ __global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const Exper
       uint2 wa, wb;
       float sa, ba, sb, bb;
       tile_group_lds(stile + m * bytes + static_cast<size_t>(G) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
-      float d[4] = {};  // the group's Σ (128 + q) x, fresh per group
-#pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        const uint32_t xa = (st >> 1) ? wa.y : wa.x, xb = (st >> 1) ? wb.y : wb.x;
-        const int i0 = 2 * (st & 1);
-        mma_bf16(d, code_pair_128(xa, i0), code_pair_128(xb, i0), code_pair_128(xa, i0 + 1), code_pair_128(xb, i0 + 1),
-                 b[st].x, b[st].y);
-      }
-      acc[m][0] = fmaf(sa, d[0], fmaf(bias_128(ba, sa), x0, acc[m][0]));
-      acc[m][1] = fmaf(sa, d[1], acc[m][1]);
-      acc[m][2] = fmaf(sb, d[2], fmaf(bias_128(bb, sb), x0, acc[m][2]));
-      acc[m][3] = fmaf(sb, d[3], acc[m][3]);
+      tc4_one_mma_regs(wa, wb, sa, ba, sb, bb, b, x0, acc[m]);
     }
   }
 #pragma unroll
@@ -1182,30 +1177,18 @@ __global__ void __launch_bounds__(256, 3) expert_down_one_kernel(const ExpertPai
                                                                  float* __restrict__ y, int ldy) {
   extern __shared__ uint2 sfrag[];
   pdl_begin();  // the pairs (route) and h (gate/up) come from the kernels before
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5;
   const int p = blockIdx.x / bpp, row0 = ((blockIdx.x % bpp) * 8 + warp) * 16;
   const DMatrix w = pairs[p].down;
   const int groups = w.cols / 64;
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(max_groups) * 4 * 32);
-  const float* x = h + static_cast<size_t>(p) * ldh;
-  for (int G = warp; G < groups; G += 8) {
-    const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
-    const float4 q[4] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2), __ldg(xp + 3)};
-    const float gs = tc4_one_frag(q, sfrag + static_cast<size_t>(G) * 4 * 32);
-    if (lane == 0) sgs[G] = gs;
-  }
+  one_row_frags_in_block(h + static_cast<size_t>(p) * ldh, 0, groups, sfrag, sgs);
   __syncthreads();
   if (row0 >= w.rows) return;  // warp-uniform; no barrier below
   float acc[4] = {};
   if (w.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16)) expert_down_one_tile<true>(w, row0, groups, sfrag, sgs, acc);
   else expert_down_one_tile<false>(w, row0, groups, sfrag, sgs, acc);
-  // Columns 0-2 (hi, mid, lo): lane t = 0 holds 0 and 1, lane t = 1 holds 2, of rows g and g + 8.
-  const float lo_g = __shfl_down_sync(0xffffffffu, acc[0], 1), lo_g8 = __shfl_down_sync(0xffffffffu, acc[2], 1);
-  if (t == 0) {
-    float* yp = y + static_cast<size_t>(p) * ldy;
-    if (row0 + g < w.rows) yp[row0 + g] = (acc[0] + acc[1]) + lo_g;
-    if (row0 + g + 8 < w.rows) yp[row0 + g + 8] = (acc[2] + acc[3]) + lo_g8;
-  }
+  one_row_tile_store(acc, y + static_cast<size_t>(p) * ldy, row0, w.rows);
 }
 
 // expert_down_one_kernel for tiled experts (Model::tiled_experts): the block's 8 tiles of the pair's
@@ -1220,7 +1203,7 @@ __global__ void __launch_bounds__(256, 3) expert_down_bulk_kernel(const ExpertPa
                                                                   float* __restrict__ y, int ldy) {
   extern __shared__ __align__(128) uint2 sfrag[];
   __shared__ uint64_t bar;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   const int p = blockIdx.x / bpp, T0 = (blockIdx.x % bpp) * 8, row0 = (T0 + warp) * kTileRows;
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(max_groups) * 4 * 32);
   uint8_t* stile = reinterpret_cast<uint8_t*>(sfrag) + bulk_down_tiles_offset(max_groups);
@@ -1239,13 +1222,7 @@ __global__ void __launch_bounds__(256, 3) expert_down_bulk_kernel(const ExpertPa
     mbar_arrive_expect(&bar, bytes);
     bulk_copy_1d(stile, w.tile_group(T0, 0), bytes, &bar);
   }
-  const float* x = h + static_cast<size_t>(p) * ldh;
-  for (int G = warp; G < groups; G += 8) {
-    const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
-    const float4 q[4] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2), __ldg(xp + 3)};
-    const float gs = tc4_one_frag(q, sfrag + static_cast<size_t>(G) * 4 * 32);
-    if (lane == 0) sgs[G] = gs;
-  }
+  one_row_frags_in_block(h + static_cast<size_t>(p) * ldh, 0, groups, sfrag, sgs);
   __syncthreads();
   mbar_wait(&bar, 0);
   if (warp >= n_tiles) return;  // warp-uniform; no barrier below
@@ -1258,12 +1235,7 @@ __global__ void __launch_bounds__(256, 3) expert_down_bulk_kernel(const ExpertPa
     tile_group_lds(tile + static_cast<size_t>(G) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
     tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 4 * 32 + lane, t == 0 ? sgs[G] : 0.0f, acc);
   }
-  const float lo_g = __shfl_down_sync(0xffffffffu, acc[0], 1), lo_g8 = __shfl_down_sync(0xffffffffu, acc[2], 1);
-  if (t == 0) {
-    float* yp = y + static_cast<size_t>(p) * ldy;
-    yp[row0 + g] = (acc[0] + acc[1]) + lo_g;
-    yp[row0 + g + 8] = (acc[2] + acc[3]) + lo_g8;
-  }
+  one_row_tile_store(acc, y + static_cast<size_t>(p) * ldy, row0, w.rows);
 }
 
 int g_gemv_version = 0;  // 0: not yet read from the environment

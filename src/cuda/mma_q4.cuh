@@ -314,21 +314,27 @@ __device__ __forceinline__ float tc4_one_frag(const float4 (&q)[4], uint2* f) {
 // already loaded (Tc4Rows::load; f: the group's base plus the lane; xs: the group's Σ x on lanes
 // t == 0, zero on the others): acc += s Σ q x + b Σ x for rows g (acc[0..1]) and g + 8 (acc[2..3]),
 // columns 2t and 2t + 1, the 128 of code_pair_128 folded into the bias.
-__device__ __forceinline__ void tc4_one_mma(const uint2& wa, const uint2& wb, float sa, float ba, float sb, float bb,
-                                            const uint2* f, float xs, float (&acc)[4]) {
+// tc4_one_mma_regs takes the group's 4 steps' B fragments in registers (the decode experts load them
+// once for gate and up).
+__device__ __forceinline__ void tc4_one_mma_regs(const uint2& wa, const uint2& wb, float sa, float ba, float sb,
+                                                 float bb, const uint2 (&bf)[4], float xs, float (&acc)[4]) {
   float d[4] = {};  // the group's Σ (128 + q) x, fresh per group
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
     const int i0 = 2 * (s & 1);
-    const uint2 bf = f[32 * s];
     mma_bf16(d, code_pair_128(xa, i0), code_pair_128(xb, i0), code_pair_128(xa, i0 + 1), code_pair_128(xb, i0 + 1),
-             bf.x, bf.y);
+             bf[s].x, bf[s].y);
   }
   acc[0] = fmaf(sa, d[0], fmaf(bias_128(ba, sa), xs, acc[0]));
   acc[1] = fmaf(sa, d[1], acc[1]);
   acc[2] = fmaf(sb, d[2], fmaf(bias_128(bb, sb), xs, acc[2]));
   acc[3] = fmaf(sb, d[3], acc[3]);
+}
+__device__ __forceinline__ void tc4_one_mma(const uint2& wa, const uint2& wb, float sa, float ba, float sb, float bb,
+                                            const uint2* f, float xs, float (&acc)[4]) {
+  const uint2 bf[4] = {f[0], f[32], f[64], f[96]};
+  tc4_one_mma_regs(wa, wb, sa, ba, sb, bb, bf, xs, acc);
 }
 
 // tc4_one_mma with the group's loads.
