@@ -1019,10 +1019,8 @@ __device__ __forceinline__ void expert_tc4_groups(const DMatrix (&w)[NM], int ro
   for (int m = 0; m < NM; ++m) tr[m].init(w[m], min(row0 + g, w[m].rows - 1), min(row0 + g + 8, w[m].rows - 1), t);
 #pragma unroll UNROLL
   for (int G = G0; G < G1; ++G) {
-    const float x0 = t == 0 ? __ldg(gv + G) : 0.0f;
     uint2 b[4];
-#pragma unroll
-    for (int st = 0; st < 4; ++st) b[st] = tc4_one_frag_ld(fv + static_cast<size_t>(G) * kOneFragWords, st);
+    const float x0 = tc4_one_frags_group(fv, gv, G, t, b);
 #pragma unroll
     for (int m = 0; m < NM; ++m) {
       uint2 wa, wb;
@@ -1126,10 +1124,8 @@ __global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const Exper
   mbar_wait(&bar, 0);
 #pragma unroll 2
   for (int G = G0; G < G1; ++G) {
-    const float x0 = t == 0 ? __ldg(gv + G) : 0.0f;
     uint2 b[4];
-#pragma unroll
-    for (int st = 0; st < 4; ++st) b[st] = tc4_one_frag_ld(fv + static_cast<size_t>(G) * kOneFragWords, st);
+    const float x0 = tc4_one_frags_group(fv, gv, G, t, b);
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       uint2 wa, wb;

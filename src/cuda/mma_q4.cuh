@@ -150,6 +150,15 @@ __device__ __forceinline__ uint2 tc4_one_frag_ld(const uint2* __restrict__ fg, i
 }
 // The lane's offset inside a group's compact fragments.
 __device__ __forceinline__ int tc4_one_frag_lane(int g, int t) { return 3 * t + (g < 3 ? g : 0); }
+// Group G's 4 steps of compact fragments into b, from a vector's fragments fv (plus tc4_one_frag_lane)
+// and group sums gv; returns the group's Σ x on lanes t == 0, zero on the others (tc4_one_mma's xs).
+__device__ __forceinline__ float tc4_one_frags_group(const uint2* __restrict__ fv, const float* __restrict__ gv, int G,
+                                                     int t, uint2 (&b)[4]) {
+  const float xs = t == 0 ? __ldg(gv + G) : 0.0f;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) b[s] = tc4_one_frag_ld(fv + static_cast<size_t>(G) * kOneFragWords, s);
+  return xs;
+}
 
 // Σ x of a group's 64 floats (the bias term's factor), in the one order every v4 path uses: lane l
 // adds x[l] + x[l + 32], then the warp's butterfly. Every lane of the warp calls it.
