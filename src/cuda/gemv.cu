@@ -1642,6 +1642,11 @@ int expert_k_split(bool gate_up, int tiles, int groups, int resident_blocks) {
 // n_pairs pairs of at most max_rows rows, each tile's groups split over expert_k_split's warps.
 // Dynamic shared memory the bulk-copy expert kernels may ask for: gate/up tiles of K up to 44 groups.
 constexpr size_t kBulkMaxSmem = 100 * 1024;
+// Whether tiled decode experts take the bulk-copy kernels (CK_EXPERT_BULK=0: the direct loads, to compare).
+bool expert_bulk_on() {
+  static const bool on = !env_is("CK_EXPERT_BULK", "0");
+  return on;
+}
 
 template <bool GATE_UP>
 void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int groups, const float* x, int ldx,
@@ -1665,10 +1670,9 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
     gsum = gs;
   }
   const int tiles_per_pair = static_cast<int>(ceil_div(max_rows, 16)), tiles = n_pairs * tiles_per_pair;
-  // Tiled experts: gate and up through bulk copies (CK_EXPERT_BULK=0: expert_tc4_kernel, to compare).
-  static const bool bulk = !env_is("CK_EXPERT_BULK", "0");
+  // Tiled experts: gate and up through bulk copies.
   const size_t bulk_smem = 2 * static_cast<size_t>(groups) * kTileGroupBytes;
-  if (GATE_UP && all_tiled && bulk && bulk_smem <= kBulkMaxSmem) {
+  if (GATE_UP && all_tiled && expert_bulk_on() && bulk_smem <= kBulkMaxSmem) {
     static const bool attr = [] {
       CUDA_CHECK(cudaFuncSetAttribute(expert_gate_up_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       kBulkMaxSmem));
@@ -1706,9 +1710,8 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
   // CK_EXPERT_DOWN_ONE=0: the fragment kernel and expert_tc4_kernel, to compare).
   static const bool one = !env_is("CK_EXPERT_DOWN_ONE", "0");
   const int max_groups = max_inter / 64;
-  // Tiled experts: the block's tiles by one bulk copy (CK_EXPERT_BULK=0: expert_down_one_kernel).
-  static const bool bulk = !env_is("CK_EXPERT_BULK", "0");
-  if (one && bulk && all_tiled && max_groups <= kTcBlockGroups && bulk_down_smem(max_groups) <= kBulkMaxSmem &&
+  // Tiled experts: the block's tiles by one bulk copy.
+  if (one && expert_bulk_on() && all_tiled && max_groups <= kTcBlockGroups && bulk_down_smem(max_groups) <= kBulkMaxSmem &&
       hidden % 16 == 0 && reinterpret_cast<uintptr_t>(h) % 16 == 0 && ldh % 4 == 0) {
     static const bool attr = [] {
       CUDA_CHECK(cudaFuncSetAttribute(expert_down_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkMaxSmem));

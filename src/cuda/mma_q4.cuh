@@ -182,14 +182,21 @@ __device__ __forceinline__ void tile_scales(uint2 w, float& sa, float& ba, float
   bb = __uint_as_float(w.y & 0xFFFF0000u);
 }
 
+// A lane's words of one Tiles16 (tile, group) block: its 16 code bytes c (row g's 8, then row g + 8's)
+// and its scale word pair sw, as the v4 arithmetic takes them.
+__device__ __forceinline__ void tile_words(const uint4& c, uint2 sw, uint2& wa, uint2& wb, float& sa, float& ba,
+                                           float& sb, float& bb) {
+  wa = make_uint2(c.x, c.y);
+  wb = make_uint2(c.z, c.w);
+  tile_scales(sw, sa, ba, sb, bb);
+}
+
 // Lane (g, t)'s words of one Tiles16 (tile, group) block `tg` in shared memory, as Tc4Rows::load gives
 // them from global (the kernels that bulk-copy whole tiles: gemv.cu expert_*_bulk_kernel).
 __device__ __forceinline__ void tile_group_lds(const uint8_t* tg, int lane, uint2& wa, uint2& wb, float& sa, float& ba,
                                                float& sb, float& bb) {
-  const uint4 c = *reinterpret_cast<const uint4*>(tg + 16 * lane);
-  wa = make_uint2(c.x, c.y);
-  wb = make_uint2(c.z, c.w);
-  tile_scales(*reinterpret_cast<const uint2*>(tg + 512 + 8 * (lane >> 2)), sa, ba, sb, bb);
+  tile_words(*reinterpret_cast<const uint4*>(tg + 16 * lane), *reinterpret_cast<const uint2*>(tg + 512 + 8 * (lane >> 2)),
+             wa, wb, sa, ba, sb, bb);
 }
 
 // Rows g and g+8 of a 16-row tile of a 4-bit matrix as the v4 kernels read them per 64-code group:
@@ -265,11 +272,9 @@ struct Tc4Rows {
   __device__ __forceinline__ void load(int G, uint2& wa, uint2& wb, float& sa, float& ba, float& sb, float& bb) const {
     static_assert(BITS == 4, "4-bit codes");
     if (tiled) {
-      const uint4 c = __ldg(reinterpret_cast<const uint4*>(pa + static_cast<size_t>(G) * kTileGroupBytes));
-      const uint2 sw = __ldg(reinterpret_cast<const uint2*>(pb + static_cast<size_t>(G) * kTileGroupBytes));
-      wa = make_uint2(c.x, c.y);
-      wb = make_uint2(c.z, c.w);
-      tile_scales(sw, sa, ba, sb, bb);
+      tile_words(__ldg(reinterpret_cast<const uint4*>(pa + static_cast<size_t>(G) * kTileGroupBytes)),
+                 __ldg(reinterpret_cast<const uint2*>(pb + static_cast<size_t>(G) * kTileGroupBytes)), wa, wb, sa, ba, sb,
+                 bb);
       return;
     }
     wa = __ldg(reinterpret_cast<const uint2*>(pa + G * kGroupBytes));
@@ -319,12 +324,10 @@ __device__ __forceinline__ float tc4_one_frag(const float4 (&q)[4], uint2* f) {
   return gs;
 }
 
-// One 64-code group of a one-row tile against fragments from tc4_one_frag, its codes and scales
-// already loaded (Tc4Rows::load; f: the group's base plus the lane; xs: the group's Σ x on lanes
-// t == 0, zero on the others): acc += s Σ q x + b Σ x for rows g (acc[0..1]) and g + 8 (acc[2..3]),
-// columns 2t and 2t + 1, the 128 of code_pair_128 folded into the bias.
-// tc4_one_mma_regs takes the group's 4 steps' B fragments in registers (the decode experts load them
-// once for gate and up).
+// One 64-code group of a one-row tile, its codes and scales already loaded (Tc4Rows::load or
+// tile_group_lds), against the group's 4 steps of B fragments bf (xs: the group's Σ x on lanes t == 0,
+// zero on the others): acc += s Σ q x + b Σ x for rows g (acc[0..1]) and g + 8 (acc[2..3]), columns 2t
+// and 2t + 1, the 128 of code_pair_128 folded into the bias.
 __device__ __forceinline__ void tc4_one_mma_regs(const uint2& wa, const uint2& wb, float sa, float ba, float sb,
                                                  float bb, const uint2 (&bf)[4], float xs, float (&acc)[4]) {
   float d[4] = {};  // the group's Σ (128 + q) x, fresh per group
@@ -340,6 +343,8 @@ __device__ __forceinline__ void tc4_one_mma_regs(const uint2& wa, const uint2& w
   acc[2] = fmaf(sb, d[2], fmaf(bias_128(bb, sb), xs, acc[2]));
   acc[3] = fmaf(sb, d[3], acc[3]);
 }
+// tc4_one_mma_regs with the fragments tc4_one_frag laid out in shared memory (f: the group's base
+// plus the lane).
 __device__ __forceinline__ void tc4_one_mma(const uint2& wa, const uint2& wb, float sa, float ba, float sb, float bb,
                                             const uint2* f, float xs, float (&acc)[4]) {
   const uint2 bf[4] = {f[0], f[32], f[64], f[96]};

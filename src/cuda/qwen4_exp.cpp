@@ -179,18 +179,12 @@ bool Model::expert_tiles_fit() const {
   ExpertMatrices ex;
   std::vector<uint8_t> scratch;
   if (!experts_src_->get(0, 0, &ex, &scratch).ok() || !tiles16_fit(ex.gate) || !tiles16_fit(ex.down)) return false;
-  // The shared experts go with the routed ones into the same kernels (gemm_q4's expert modes need all
-  // of a layer's in 4-bit codes, groups of 64 x 2^k: expert_q4_ok, asked of the matrix's device form).
-  auto q4 = [](const Matrix& m) {
-    Result<WFormat> f = device_format(m);
-    if (!f.ok()) return false;
-    DMatrix d;
-    d.rows = static_cast<int32_t>(m.rows);
-    d.cols = static_cast<int32_t>(m.cols);
-    d.fmt = *f;
-    return expert_q4_ok(d);
+  // The shared experts go with the routed ones into the same kernels, so they must fit tiles too: the
+  // decode experts' bulk-copy kernels take every pair of a tiled model in tiles (Model::tiled_experts)
+  // and gemm_q4's expert modes need all of a layer's in one 4-bit form.
+  auto shared_ok = [](const MoeWeights& mo) {
+    return tiles16_fit(mo.shared_gate) && tiles16_fit(mo.shared_up) && tiles16_fit(mo.shared_down);
   };
-  auto shared_ok = [&](const MoeWeights& mo) { return q4(mo.shared_gate) && q4(mo.shared_up) && q4(mo.shared_down); };
   for (const LayerWeights& lw : w_.layers)
     if (!shared_ok(lw.moe)) return false;
   return !w_.mtp || shared_ok(w_.mtp->layer.moe);

@@ -125,8 +125,9 @@ class Model {
   Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts, Deferred);  // no upload yet
   Status init();
   Status upload_layer(DenseUploader& up, const LayerWeights& lw, DLayer* d);
-  // Whether the experts (routed and shared) can go up in 16-row tiles: they fit them, and every row
-  // count takes the tensor-core expert kernels that read tiles (decode's v4, prefill's gemm_q4).
+  // Whether the experts (routed and shared, all of them) can go up in 16-row tiles: they fit them, and
+  // every row count takes the tensor-core expert kernels that read tiles (decode's v4, prefill's
+  // gemm_q4). tiled_experts() then promises the decode kernels that every pair is tiled.
   bool expert_tiles_fit() const;
 
   const ModelWeights& w_;
