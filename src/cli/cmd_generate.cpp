@@ -38,6 +38,7 @@ int run_generate(int argc, char** argv) {
   CLI::App app{"Greedy generation from token ids; prints the generated ids comma-separated on one line."};
   std::string model_dir, prompt, logits_out, backend = "auto";
   int max_tokens = 16;
+  int prefill_chunk = ck::engine::kDefaultPrefillChunk;
   bool check = false;
   app.add_option("--model", model_dir, "checkpoint or store directory")->required();
   app.add_option("--prompt-ids", prompt, "prompt token ids, comma-separated (e.g. 1,2,3)")->required();
@@ -45,6 +46,10 @@ int run_generate(int argc, char** argv) {
   app.add_option("--logits-out", logits_out, "write float32 logits of every prompt position, [T, vocab], as .npy");
   app.add_option("--backend", backend, "cpu (the reference), cuda, or auto (cuda when a GPU is visible)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  app.add_option("--prefill-chunk", prefill_chunk,
+                 "CUDA: prompt rows per tensor-core chunk; its per-row GPU buffers are sized by it")
+      ->check(CLI::Range(1, ck::engine::kDefaultPrefillChunk))
+      ->capture_default_str();
   ck::cli::LoadOptions load_opts;
   app.add_option("--experts", load_opts.expert_bits, "store only: expert records of 4 (experts.bin), 3 or 2 bits")
       ->check(CLI::IsMember({2, 3, 4}));
@@ -76,7 +81,7 @@ int run_generate(int argc, char** argv) {
       return 2;
     }
   const int64_t max_ctx = static_cast<int64_t>(ids.size()) + max_tokens + 1;
-  auto session = lm->engine->new_session(max_ctx);
+  auto session = lm->engine->new_session(max_ctx, prefill_chunk);
   std::unique_ptr<ck::engine::Session> ref;  // --check: the CPU reference on the same tokens
   if (check) ref = ck::engine::CpuModel(*lm->model).new_session(max_ctx);
   ck::engine::StepResult res, ref_res;

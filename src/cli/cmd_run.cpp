@@ -91,7 +91,7 @@ struct Chat {
     if (extends) {
       feed.assign(ids.begin() + static_cast<long>(fed.size()), ids.end());
     } else {
-      session = model.new_session(static_cast<int64_t>(ids.size()) + opt.max_tokens + 16);
+      session = model.new_session(static_cast<int64_t>(ids.size()) + opt.max_tokens + 16, opt.prefill_chunk);
       gen = std::make_unique<ck::engine::Generator>(*session, model.cfg());
       fed.clear();
       feed = ids;
@@ -146,6 +146,11 @@ int run_run(int argc, char** argv) {
   app.add_option("--enable-thinking", thinking, "pass enable_thinking to the template")->check(CLI::IsMember({"true", "false"}));
   app.add_flag("--raw", raw, "no chat template: the prompt is fed as is");
   app.add_option("--backend", backend, "cpu, cuda or auto")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  app.add_option("--prefill-chunk", opt.prefill_chunk,
+                 "prompt rows per prefill step; CUDA sizes its per-row GPU buffers by it (~0.8 MB a row at the "
+                 "released geometry): fewer rows, less memory, slower prefill")
+      ->check(CLI::Range(1, ck::engine::kDefaultPrefillChunk))
+      ->capture_default_str();
   ck::cli::LoadOptions load_opts;
   app.add_option("--experts", load_opts.expert_bits, "store only: expert records of 4 (experts.bin), 3 or 2 bits")
       ->check(CLI::IsMember({2, 3, 4}));

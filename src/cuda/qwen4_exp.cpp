@@ -1,7 +1,8 @@
 // The CUDA forward of qwen4_exp (cuda/qwen4_exp.h). enqueue_step() reads top to bottom like the CPU's
 // token_forward/layer_token and puts a whole step on one stream with no host synchronisation; the
 // same function is captured into a graph per (rows, want_logits) and replayed. Every buffer is fp32;
-// activation buffers hold kChunkRows rows (a prefill chunk; a row-path step uses kMaxRows of them) at a leading dimension rounded up to 4 floats (16 bytes).
+// activation buffers hold one prefill chunk's rows (the session's chunk_rows, at most kChunkRows; a
+// row-path step uses kMaxRows of them) at a leading dimension rounded up to 4 floats (16 bytes).
 #include "cuda/qwen4_exp.h"
 
 #include <algorithm>
@@ -229,8 +230,9 @@ Status Model::init() {
   // Record layer num_hidden_layers is the MTP's (format/weights.h ExpertSource); its table entries
   // follow the trunk's, at table + num_hidden_layers * num_experts.
   const int record_layers = static_cast<int>(w_.layers.size()) + (mtp_ ? 1 : 0);
-  TRY(upload_experts(*experts_src_, record_layers, c.num_experts, c.moe_intermediate_size, c.hidden_size, &pool_,
-                     expert_tiles_));
+  const uint64_t session_bytes = Session::buffer_bytes(c, max_inter_, 4096, kChunkRows);
+  TRY(upload_experts(*experts_src_, record_layers, c.num_experts, c.moe_intermediate_size, c.hidden_size, session_bytes,
+                     &pool_, expert_tiles_));
   DMatrix g, u, dn;
   expert_views(nullptr, pool_.fmt, c.moe_intermediate_size, c.hidden_size, &g, &u, &dn);
   // CK_Q4_EXPERTS=0 keeps prefill's experts on gemm.cu's dequantizing kernels (gemm_q4.cu; to compare).
@@ -250,8 +252,8 @@ Status Model::init() {
   return {};
 }
 
-std::unique_ptr<Session> Model::new_session(int64_t max_ctx) const {
-  return std::make_unique<Session>(*this, max_ctx);
+std::unique_ptr<Session> Model::new_session(int64_t max_ctx, int chunk_rows) const {
+  return std::make_unique<Session>(*this, max_ctx, chunk_rows);
 }
 
 double Model::active_bytes_per_token() const {
@@ -357,11 +359,28 @@ struct Session::Buffers {
         *mtp_ones = nullptr;
 };
 
-Session::Session(const Model& m, int64_t max_ctx) : m_(m), max_ctx_(max_ctx) {
+// A session's per-row buffers at `rows` rows (the constructor below; the model's fit check keeps this
+// much free beside the experts). An estimate: the per-layer states, snapshots and the MTP's buffers are
+// left out (at the released geometry they are ~2% of it at 2,048 rows).
+uint64_t Session::buffer_bytes(const ModelConfig& c, int max_inter, int64_t max_ctx, int rows) {
+  const int64_t H = c.hidden_size, W = c.wide(), k1 = c.num_experts_per_tok + 1;
+  const int64_t kvw = static_cast<int64_t>(c.num_key_value_heads) * c.head_dim;
+  const int64_t nb = c.indexer_compress_ratio > 0 ? std::max<int64_t>(1, max_ctx / c.indexer_compress_ratio) : 1;
+  const int64_t per_row =
+      8 * W + 5 * H + c.hc_lowrank + c.hc_count + 2 * c.gdn_conv_dim() + 2 * c.gdn_value_dim() +
+      2 * c.linear_num_value_heads + static_cast<int64_t>(c.num_attention_heads) * c.head_dim * 4 + 2 * kvw +
+      static_cast<int64_t>(2 * c.indexer_n_heads + 1) * c.indexer_head_dim + nb + std::max(1, c.ple_embed_dim) +
+      c.num_experts + 4 + k1 * (max_inter + H + 1);
+  return static_cast<uint64_t>(rows) * (sizeof(float) * per_row + nb) +
+         sizeof(float) * static_cast<uint64_t>(kLmRows) * c.vocab_size;
+}
+
+Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
+    : m_(m), max_ctx_(max_ctx), chunk_rows_(std::clamp(chunk_rows, kMaxRows, kChunkRows)), prefill_chunk_(chunk_rows_) {
   const ModelConfig& c = m.cfg();
   CHECK(max_ctx_ >= 1);
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  const int H = c.hidden_size, S = c.hc_count, W = c.wide(), R = kChunkRows;
+  const int H = c.hidden_size, S = c.hc_count, W = c.wide(), R = chunk_rows_;
   b_ = std::make_unique<Buffers>();
   Buffers& b = *b_;
   auto fbuf = [&](int64_t n) {
@@ -559,6 +578,7 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
     flush_combine();
     rmsnorm_grouped(b.R, W, H, hc.norm, eps, b.X, rows, b.ldW, stream_);
   }
+  mark("hc mix: norm");  // (profiling: the prefill mix's pieces; "hc mix" is then its gate mean)
   GemvJob jobs[2];
   jobs[0].w = hc.down;  // divide by S before the activation (trap 4)
   jobs[0].y = b.hc_d;
@@ -575,7 +595,9 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
     n = 2;
   }
   gemv(jobs, n, b.X, b.ldW, rows, stream_);
+  mark("hc mix: down");
   matvec(hc.up, b.hc_d, b.ldLR, b.hc_g, b.ldW, rows, stream_);
+  mark("hc mix: up");
   if (u == b.u && b.ufrag && rows <= kMaxRows) {
     hc_gate_mean(b.hc_g, b.X, b.ldW, S, H, u, b.ldH, rows, stream_, b.ufrag, b.ugsum);
     b.ufr = Tc4Frags{b.u, static_cast<int>(b.ldH), rows, H / 64, b.ufrag, b.ugsum};
@@ -598,7 +620,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     flush_combine();  // the PLE reads R
     const DPle& p = *d.ple;
     const int E = c.ple_embed_dim;
-    CUDA_CHECK(cudaMemcpyAsync(b.emb, ple_emb_h_.get() + static_cast<size_t>(p.index) * kChunkRows * b.ldE,
+    CUDA_CHECK(cudaMemcpyAsync(b.emb, ple_emb_h_.get() + static_cast<size_t>(p.index) * chunk_rows_ * b.ldE,
                                sizeof(float) * rows * b.ldE, cudaMemcpyHostToDevice, stream_));
     GemvJob jobs[2];
     jobs[0].w = p.key; jobs[0].y = b.pkey; jobs[0].ldy = b.ldW;
@@ -694,19 +716,22 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     jobs[0].w = mo.router; jobs[0].y = b.mlog; jobs[0].ldy = b.ldEx;
     jobs[1].w = mo.sh_expert_gate; jobs[1].y = b.mgl; jobs[1].ldy = 4;
     gemv(jobs, 2, b.u, b.ldH, rows, stream_);
+    mark("moe router");
     MoeRouteArgs ra;
     ra.logits = b.mlog; ra.ld = b.ldEx; ra.E = c.num_experts; ra.k = k; ra.norm_topk = c.norm_topk_prob ? 1 : 0;
     ra.table = table;
     ra.inter = c.moe_intermediate_size; ra.hidden = H;
     ra.sh_gate = mo.sh_gate; ra.sh_up = mo.sh_up; ra.sh_down = mo.sh_down; ra.pairs = b.pairs;
     moe_route(ra, rows, stream_);
-    mark("moe router");
+    mark("moe route (top-k)");
     const int n_pairs = rows * (k + 1);
     if (rows > kMaxRows) {  // prefill chunk: each expert's weights once for all the rows that chose it
       group_pairs(b.pairs, n_pairs, c.num_experts + 1, b.order, b.tiles, b.n_tiles, stream_);
+      mark("moe group pairs");
       if (mo.q4) {
         expert_gate_up_q4(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, m_.max_inter_, b.u, b.ldH, rows, H, b.mh,
                           b.ldMI, stream_);
+        mark("moe experts gate/up");  // (then "moe experts" is the down product)
         expert_down_q4(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, H, m_.max_inter_, b.mh, b.ldMI, n_pairs,
                        b.my, b.ldH, stream_);
       } else {
@@ -838,7 +863,7 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
         const int pi = m_.layers_[L].ple->index;
         const PleWeights& pw = *w.layers[L].ple;
         const std::vector<int64_t> ids = m_.ref_.ngram_rows(pw, ngram_ctx_[pi], tokens[r]);
-        float* dst = ple_emb_h_.get() + (static_cast<size_t>(pi) * kChunkRows + r) * b.ldE;
+        float* dst = ple_emb_h_.get() + (static_cast<size_t>(pi) * chunk_rows_ + r) * b.ldE;
         for (size_t j = 0; j < ids.size(); ++j) pw.table_row(ids[j], dst + j * rd);  // head-major
       }
       if (snap && r + 1 < rows) ngram_snaps_.push_back(ngram_ctx_);

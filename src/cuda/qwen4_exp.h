@@ -96,7 +96,9 @@ class Model {
     return !layers_.empty();
   }
   // max_ctx: positions the session's caches hold (attention KV, indexer keys).
-  std::unique_ptr<Session> new_session(int64_t max_ctx = 4096) const;
+  // chunk_rows: the rows of one prefill chunk, kMaxRows..kChunkRows (clamped); the session's
+  // per-row buffers hold that many rows (~0.8 MB of GPU memory per row at the released geometry).
+  std::unique_ptr<Session> new_session(int64_t max_ctx = 4096, int chunk_rows = kChunkRows) const;
 
   // Sizes, for the banner and the benchmark ceilings.
   size_t dense_bytes() const { return dense_bytes_; }
@@ -149,7 +151,10 @@ class Model {
 
 class Session {
  public:
-  Session(const Model& m, int64_t max_ctx);
+  Session(const Model& m, int64_t max_ctx, int chunk_rows = kChunkRows);
+  // GPU memory of a session's per-row buffers at `rows` rows per chunk (an estimate; Model::create
+  // keeps it free beside the experts).
+  static uint64_t buffer_bytes(const ModelConfig& c, int max_inter, int64_t max_ctx, int rows);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -174,9 +179,10 @@ class Session {
   // Graphs on (default) or off (every kernel launched directly, same kernels, same results).
   void set_use_graphs(bool on) { use_graphs_ = on; }
   // Rows per prefill chunk (the tensor-core path for inputs longer than kMaxRows, taken when a step
-  // needs no snapshots), at most kChunkRows; <= kMaxRows turns it off (every row through the GEMV
-  // path: bit-for-bit independent of how rows are grouped, which the tests compare).
-  void set_prefill_chunk(int rows) { prefill_chunk_ = std::min(rows, kChunkRows); }
+  // needs no snapshots), at most the session's chunk_rows; <= kMaxRows turns it off (every row through
+  // the GEMV path: bit-for-bit independent of how rows are grouped, which the tests compare).
+  void set_prefill_chunk(int rows) { prefill_chunk_ = std::min(rows, chunk_rows_); }
+  int chunk_rows() const { return chunk_rows_; }
   // Profiling of prefill chunks: GPU time per piece of the forward ("gdn recurrent", "moe experts",
   // ...; events between the pieces), summed over layers and chunks until take_profile(), which returns
   // the sums in ms, largest first, and clears them. Off by default (events cost a little).
@@ -238,7 +244,8 @@ class Session {
   int pending_rows_ = 0;
   bool pending_snap_ = false;
   bool use_graphs_ = true;
-  int prefill_chunk_ = kChunkRows;
+  int chunk_rows_;     // rows the per-row buffers hold
+  int prefill_chunk_;  // rows per prefill chunk, <= chunk_rows_
   bool profile_ = false, marking_ = false;
   std::vector<std::pair<std::string, cudaEvent_t>> marks_;
   std::map<std::string, double> prof_ms_;

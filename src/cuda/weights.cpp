@@ -117,7 +117,7 @@ const float* DenseUploader::vector(const std::vector<float>& v) {
   return static_cast<const float*>(arena_->upload(v.data(), v.size() * sizeof(float)));
 }
 
-Status check_device_room(int n_layers, int n_expert, uint64_t stride) {
+Status check_device_room(int n_layers, int n_expert, uint64_t stride, uint64_t session_bytes) {
   const size_t need = static_cast<size_t>(n_layers) * n_expert * stride;
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
@@ -129,19 +129,20 @@ Status check_device_room(int n_layers, int n_expert, uint64_t stride) {
       return error("CK_DEVICE_MEMORY_GB={}: expected a number of GB, 0 or more", cap);
     if (gb < 1e9) free_b = std::min(free_b, static_cast<size_t>(gb * 1e9));  // (inf: no cap)
   }
-  constexpr size_t kHeadroom = size_t{512} << 20;  // a session's buffers and the kernels' scratch
-  if (need + kHeadroom <= free_b) return {};
+  // A session's buffers, and 256 MiB for the kernels' scratch and the CUDA context's own allocations.
+  const size_t headroom = session_bytes + (size_t{256} << 20);
+  if (need + headroom <= free_b) return {};
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   return error(
       "CUDA engine: the routed experts need {:.2f} GiB of GPU memory ({} layers x {} experts x {:.2f} MiB) and "
-      "{:.2f} GiB of the GPU's {:.2f} GiB are free{} (0.5 GiB is kept for sessions). This version keeps every "
-      "expert on the GPU; use --backend cpu, or a smaller model",
+      "{:.2f} GiB of the GPU's {:.2f} GiB are free{} ({:.2f} GiB is kept for a session and scratch). This version "
+      "keeps every expert on the GPU; use --backend cpu, or a smaller model",
       need / kGiB, n_layers, n_expert, stride / (1024.0 * 1024.0), free_b / kGiB, total_b / kGiB,
-      cap ? " as capped by CK_DEVICE_MEMORY_GB" : "");
+      cap ? " as capped by CK_DEVICE_MEMORY_GB" : "", headroom / kGiB);
 }
 
-Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, ExpertPool* pool,
-                      bool tiles) {
+Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, uint64_t session_bytes,
+                      ExpertPool* pool, bool tiles) {
   pool->n_layers = n_layers;
   pool->n_expert = n_expert;
   std::vector<uint8_t> scratch;
@@ -155,7 +156,7 @@ Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, 
   const size_t n_slots = static_cast<size_t>(n_layers) * n_expert;
   // Every expert is resident until the streaming expert pool lands: say so plainly when they cannot
   // fit (the released model's experts are ~100 GB), instead of failing inside cudaMalloc.
-  TRY(check_device_room(n_layers, n_expert, pool->stride));
+  TRY(check_device_room(n_layers, n_expert, pool->stride, session_bytes));
   pool->slots.resize(n_slots * pool->stride);
   pool->table_h.resize(n_slots);
 

@@ -52,14 +52,14 @@ struct ExpertPool {
   int n_layers = 0, n_expert = 0;
 };
 
-// An error naming the sizes when the experts (n_layers x n_expert records of `stride` bytes) and 0.5
-// GiB for sessions do not fit the GPU's free memory; CK_DEVICE_MEMORY_GB=N caps what counts as free
-// (to leave room for other programs, and for the tests).
-Status check_device_room(int n_layers, int n_expert, uint64_t stride);
+// An error naming the sizes when the experts (n_layers x n_expert records of `stride` bytes) and
+// `session_bytes` (one session's buffers) do not fit the GPU's free memory; CK_DEVICE_MEMORY_GB=N caps
+// what counts as free (to leave room for other programs, and for the tests).
+Status check_device_room(int n_layers, int n_expert, uint64_t stride, uint64_t session_bytes);
 // Reads every (layer < n_layers, expert) from `src` and uploads it. All experts must share one format.
 // Fails (check_device_room) before allocating when they cannot all be resident. With `tiles`, records
 // whose matrices fit (tiles16_fit) go up in 16-row tiles (pool->fmt.layout says which).
-Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, ExpertPool* pool,
-                      bool tiles = false);
+Status upload_experts(ExpertSource& src, int n_layers, int n_expert, int inter, int hidden, uint64_t session_bytes,
+                      ExpertPool* pool, bool tiles = false);
 
 }  // namespace ck::cuda

@@ -17,8 +17,9 @@ struct GenerateOptions {
   std::vector<int32_t> stop_ids;      // generation ends after emitting one of these (not included)
   text::SamplingParams sampling;
   // Rows per step_rows call during prefill. Only the last row produces outputs, so a call's memory does
-  // not grow with it; the CUDA session splits a call into tensor-core chunks of up to 1,024 rows.
-  int prefill_chunk = 1024;
+  // not grow with it. Give the session the same number (Model::new_session's prefill_chunk): the CUDA
+  // session runs at most that many rows per tensor-core chunk.
+  int prefill_chunk = kDefaultPrefillChunk;
 };
 
 struct GenerateStats {

@@ -19,6 +19,10 @@ namespace ck::engine {
 using StepResult = cpu::StepResult;
 using RowOutputs = cpu::RowOutputs;
 
+// Prompt rows per prefill step unless a front end asks otherwise (--prefill-chunk): cuda::kChunkRows,
+// the CUDA engine's largest and fastest chunk.
+constexpr int kDefaultPrefillChunk = 2048;
+
 // One sequence. Same contract as cpu::Session: step_rows runs rows at pos().., commit(n) accepts the
 // first n (rolling the recurrent state back when n < rows, which needs snap).
 class Session {
@@ -39,7 +43,10 @@ class Model {
   virtual const ModelConfig& cfg() const = 0;
   virtual const char* backend() const = 0;  // "cpu" or "cuda"
   // max_ctx: the positions the session must hold (the CPU grows its caches and ignores it).
-  virtual std::unique_ptr<Session> new_session(int64_t max_ctx) const = 0;
+  // prefill_chunk: the most prompt rows one step runs at once; the CUDA engine sizes its per-row GPU
+  // buffers by it (clamped to cuda::kChunkRows), the CPU ignores it.
+  virtual std::unique_ptr<Session> new_session(int64_t max_ctx, int prefill_chunk) const = 0;
+  std::unique_ptr<Session> new_session(int64_t max_ctx) const { return new_session(max_ctx, kDefaultPrefillChunk); }
 };
 
 template <class S>
@@ -65,7 +72,8 @@ class CpuModel final : public Model {
   explicit CpuModel(const cpu::Model& m) : m_(m) {}
   const ModelConfig& cfg() const override { return m_.cfg(); }
   const char* backend() const override { return "cpu"; }
-  std::unique_ptr<Session> new_session(int64_t) const override {
+  using Model::new_session;
+  std::unique_ptr<Session> new_session(int64_t, int) const override {
     return std::make_unique<SessionAdapter<cpu::Session>>(m_.new_session());
   }
 
@@ -74,14 +82,17 @@ class CpuModel final : public Model {
 };
 
 #if CHERENKOV_HAVE_CUDA
+static_assert(kDefaultPrefillChunk == cuda::kChunkRows, "the default chunk is the CUDA engine's largest");
+
 // The CUDA engine (owns the device model).
 class CudaModel final : public Model {
  public:
   explicit CudaModel(std::unique_ptr<cuda::Model> m) : m_(std::move(m)) {}
   const ModelConfig& cfg() const override { return m_->cfg(); }
   const char* backend() const override { return "cuda"; }
-  std::unique_ptr<Session> new_session(int64_t max_ctx) const override {
-    return std::make_unique<SessionAdapter<cuda::Session>>(m_->new_session(max_ctx));
+  using Model::new_session;
+  std::unique_ptr<Session> new_session(int64_t max_ctx, int prefill_chunk) const override {
+    return std::make_unique<SessionAdapter<cuda::Session>>(m_->new_session(max_ctx, prefill_chunk));
   }
   const cuda::Model& impl() const { return *m_; }
 

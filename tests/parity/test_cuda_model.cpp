@@ -151,6 +151,36 @@ TEST_P(CudaOracle, PrefillChunksMatchRowPath) {
   EXPECT_LE(test::rel_l2(b.logits.data(), a.logits.data(), V), kChunkTol);
 }
 
+// A prompt longer than one full chunk (kChunkRows + 37 rows: the fixture's prompt repeated with
+// shifted ids): one kChunkRows chunk and a tail against chunks of 256 rows, whose dense products take
+// the other prefill GEMM (the warpgroup kernel runs calls of >= 768 rows), with far fewer rows per
+// expert. Every kernel of the chunk path at its largest size: grouping ~22k expert pairs, attention
+// over 2k queries, the mixes' and the delta rule's chunks.
+TEST_P(CudaOracle, FullChunkMatchesSmallerChunks) {
+  SETUP();
+  const int T = cuda::kChunkRows + 37;
+  std::vector<int32_t> prompt(T);
+  for (int i = 0; i < T; ++i)
+    prompt[i] = static_cast<int32_t>((fx->prompt[i % fx->prompt.size()] + i / fx->prompt.size()) % V);
+  auto full = l.model->new_session(T + 8);
+  auto small = l.model->new_session(T + 8, 256);
+  ASSERT_EQ(full->chunk_rows(), cuda::kChunkRows);
+  ASSERT_EQ(small->chunk_rows(), 256);
+  cuda::StepResult a, b;
+  ASSERT_TRUE(full->step_rows(prompt, false, true, &a).ok());
+  ASSERT_TRUE(small->step_rows(prompt, false, true, &b).ok());
+  ASSERT_EQ(a.logits.size(), static_cast<size_t>(T) * V);
+  double worst = 0;
+  int argmax_diff = 0;
+  for (int t = 0; t < T; ++t) {
+    worst = std::max(worst, test::rel_l2(a.logits.data() + t * V, b.logits.data() + t * V, V));
+    argmax_diff += a.argmax[t] != b.argmax[t];
+  }
+  std::printf("  %s: one %d-row chunk vs chunks of 256, worst rel L2 %.3g over %d positions, argmax differs at %d\n",
+              fixture_name({GetParam(), 0}).c_str(), cuda::kChunkRows, worst, T, argmax_diff);
+  EXPECT_LE(worst, kChunkTol);
+}
+
 // RowOutputs::kLast (the LM head skips every row but the last): the same last row as a full step and
 // the same state afterwards. On the row path, bit for bit; over chunks of 16 the full step's LM head
 // runs on the tensor cores (16 rows) and the last row's alone as a GEMV: within kChunkTol.
