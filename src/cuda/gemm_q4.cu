@@ -590,6 +590,12 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   static_assert(kQ4WgFeatures == q4_block_features<kQ4Dense>(), "the two dense kernels tile alike");
   static const int wg_tokens = env_is("CK_Q4_WG_TOKENS", "32") ? 32 : 64;  // 32: to compare
   const bool wg = wg_ok && rows >= q4_wg_min_rows();
+  Q4WgArgs w;
+  if (wg) {
+    w.n_jobs = n_jobs;
+    for (int j = 0; j < n_jobs; ++j) w.job[j] = jobs[j];
+    tiles = q4_wg_units(w);  // jobs of one format share blocks (128-feature units)
+  }
   // Split K when the grid fills its last wave poorly (two q4_tile_kernel blocks per SM, or one wgmma
   // block): the hyper-connection down projection (3 feature tiles over K = 10,240: 96 blocks for 1,024
   // rows) and the DeltaNet out projection (320 blocks: 1.2 waves). The fewest splits whose waves are
@@ -629,8 +635,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     d.split = split;
   };
   if (wg) {
-    Q4WgArgs w;
-    dense_args(w);
+    dense_args(w);  // (keeps w.first_unit)
     launch_q4_wg_dense(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, prefill_parts(), wg_tokens,
                        stream);
   } else {

@@ -101,12 +101,23 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
   using Stage = WgStage<TN>;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup; warp within it (its 16 rows of each m64 tile)
-  int job = 0;
-  while (job + 1 < a.n_jobs && static_cast<int>(blockIdx.x) >= a.first_tile[job + 1]) ++job;
-  const DMatrix w0 = a.job[job].w;
-  const int block_f0 = (static_cast<int>(blockIdx.x) - a.first_tile[job]) * kQ4WgFeatures;
+  // The block's two units (q4_wg_units): unit u's job, and its first feature row in that job's matrix
+  // (every job has the same K; a unit past the last job's is idle).
+  int ujob[2], uf0[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int unit = 2 * static_cast<int>(blockIdx.x) + u;
+    int j = 0;
+    while (j + 1 < a.n_jobs && unit >= a.first_unit[j + 1]) ++j;
+    ujob[u] = j;
+    uf0[u] = unit < a.first_unit[a.n_jobs] ? (unit - a.first_unit[j]) * kQ4WgUnitFeatures : a.job[j].w.rows;
+  }
+  // (Arrays of two read by a select, not an index: an indexed read puts the array on the stack.)
+  auto pick = [](const auto (&v)[2], int u) { return u ? v[1] : v[0]; };
+  const int job = pick(ujob, wg);
+  const DMatrix w0 = a.job[job].w;  // this warpgroup's matrix
   const int m0 = static_cast<int>(blockIdx.y) * TN;
-  const int f_wg = block_f0 + 128 * wg;
+  const int f_wg = pick(uf0, wg);
   const bool active = f_wg < w0.rows;  // warpgroup-uniform; idle warpgroups still stage and meet the barriers
   __shared__ int drow[TN];
   __shared__ int srow[TN];
@@ -121,7 +132,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
   const int g_end = min(K / 64, g_begin + a.k_groups);
   const size_t row_bytes = static_cast<size_t>(K) / 2, n_sg = K / w0.fmt.group;
   const uint8_t sk = w0.fmt.scale_kind;
-  const int es = sk == static_cast<uint8_t>(WKind::F32) ? 4 : 2;
   // This lane's feature rows g, g + 8 of each m64 tile's 16-row slice, and their scales' word parity.
   int par0[2][2];
 #pragma unroll
@@ -145,31 +155,47 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
     xf_dst[j] = static_cast<uint32_t>(offsetof(Stage, xb) + (s * PARTS + p) * kBBytes + (r >> 3) * 256 + j1 * 128 +
                                       (r & 7) * 16);
   }
-  // A matrix in 16-row tiles (dmatrix.h, WLayout::Tiles16; block-uniform): the block's 16 tiles of a
-  // group are 16 runs of 576 bytes; codes land in `codes` as [tile][lane] 16-byte pieces (a warp's
-  // m16 slice is one tile), the scale words in `sb` as [tile][g][row g, row g + 8].
+  // A matrix in 16-row tiles (dmatrix.h, WLayout::Tiles16): a unit's 8 tiles of a group are 8 runs of
+  // 576 bytes; codes land in `codes` as [tile][lane] 16-byte pieces (a warp's m16 slice is one tile),
+  // the scale words in `sb` from word 256 u as [tile][g][row g, row g + 8]. A matrix in rows: codes as
+  // [feature][lane t], scale and bias words as [feature][2]. Unit u's codes are uint2 [512 u, 512 u +
+  // 512) and its scale words [256 u, 256 u + 256) in either layout, so the two units of a block may
+  // differ in layout and scale type (each warpgroup reads its own unit's).
   const bool tiled = w0.tiled();
-  const int n_tiles = (w0.rows + kTileRows - 1) / kTileRows;
-  auto tile_base = [&](int tl) {  // tile tl of the block at group 0, clamped to the matrix
-    return w0.tile_group(min(block_f0 / kTileRows + tl, n_tiles - 1), 0);
+  bool utiled[2];
+  int ushift[2], ues[2];
+  size_t un_sg[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const DMatrix& m = a.job[ujob[u]].w;
+    utiled[u] = m.tiled();
+    ushift[u] = __ffs(m.fmt.group / 64) - 1;
+    ues[u] = m.fmt.scale_kind == static_cast<uint8_t>(WKind::F32) ? 4 : 2;
+    un_sg[u] = K / m.fmt.group;
+  }
+  auto tile_base = [&](int tl) {  // tile tl of the block (unit tl / 8's tile tl % 8) at group 0, clamped
+    const DMatrix& m = a.job[pick(ujob, tl >> 3)].w;
+    const int n_tiles = (m.rows + kTileRows - 1) / kTileRows;
+    return m.tile_group(min(pick(uf0, tl >> 3) / kTileRows + (tl & 7), n_tiles - 1), 0);
   };
-  const uint8_t* code_src[2];  // code copy j: 16 bytes of block feature (i / 2) at group 0
+  // Copy j of the codes and of the row layout's scale words belongs to unit j (block feature i / 2).
+  const uint8_t* code_src[2];
+  const uint8_t* sb_src[2];
+  size_t code_step[2];  // bytes from one group's codes to the next's
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int i = tid + j * kWgThreads;
-    const size_t row = static_cast<size_t>(min(block_f0 + (i >> 1), w0.rows - 1));
-    code_src[j] = tiled ? tile_base(i >> 5) + 16 * (i & 31) : w0.data + row * row_bytes + (i & 1) * 16;
+    const DMatrix& m = a.job[ujob[j]].w;
+    const size_t row = static_cast<size_t>(min(uf0[j] + ((i >> 1) & 127), m.rows - 1));
+    code_src[j] = utiled[j] ? tile_base(i >> 5) + 16 * (i & 31) : m.data + row * row_bytes + (i & 1) * 16;
+    code_step[j] = utiled[j] ? kTileGroupBytes : 32;
+    sb_src[j] = utiled[j] ? nullptr : ((i & 1) ? m.biases : m.scales) + row * un_sg[j] * ues[j];
   }
-  const size_t code_step = tiled ? kTileGroupBytes : 32;  // bytes from one group's codes to the next's
+  // Tiled units' scale words: threads 32 u .. 32 u + 31 copy unit u's, 16 bytes each.
+  const bool sb_tile = tid < 64 && pick(utiled, (tid >> 5) & 1);
+  const uint8_t* sb_tile_src = tile_base((tid >> 2) & 15) + 512 + 16 * (tid & 3);
+  const int sb_tile_dst = 256 * ((tid >> 5) & 1) + 4 * (tid & 31);
   const size_t gsum_src = static_cast<size_t>(srow[tid % TN]) * a.groups;
-  const uint8_t* sb_src[2];  // scale/bias word j: its feature row's first scale group
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int i = tid + j * kWgThreads;
-    const size_t row = static_cast<size_t>(min(block_f0 + (i >> 1), w0.rows - 1));
-    sb_src[j] = tiled ? tile_base(tid >> 2) + 512 + 16 * (tid & 3)  // tiled: threads < 64, one 16-byte copy
-                      : ((i & 1) ? w0.biases : w0.scales) + row * n_sg * es;
-  }
   auto stage_group = [&](int G, Stage& st) {
     uint8_t* base = reinterpret_cast<uint8_t*>(&st);
 #pragma unroll
@@ -177,16 +203,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
       cp_async16(base + xf_dst[j], a.xf + xf_src[j] + static_cast<size_t>(G) * kWgGroupU2);
 #pragma unroll
     for (int j = 0; j < 2; ++j)
-      cp_async16(&st.codes[0][0] + 2 * (tid + j * kWgThreads), code_src[j] + static_cast<size_t>(G) * code_step);
+      cp_async16(&st.codes[0][0] + 2 * (tid + j * kWgThreads), code_src[j] + static_cast<size_t>(G) * code_step[j]);
     if (tid < TN) cp_async4(&st.gsum[tid], a.gsum + gsum_src + G);
-    if (tiled) {
-      if (tid < 4 * kTileRows) cp_async16(&st.sb[4 * tid], sb_src[0] + static_cast<size_t>(G) * kTileGroupBytes);
-      return;
-    }
-    const size_t off = static_cast<size_t>(G >> gpg_shift) * es;
+    if (sb_tile) cp_async16(&st.sb[sb_tile_dst], sb_tile_src + static_cast<size_t>(G) * kTileGroupBytes);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const uintptr_t at = reinterpret_cast<uintptr_t>(sb_src[j] + off);
+      if (utiled[j]) continue;
+      const uintptr_t at = reinterpret_cast<uintptr_t>(sb_src[j] + static_cast<size_t>(G >> ushift[j]) * ues[j]);
       cp_async4(&st.sb[tid + j * kWgThreads], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
     }
   };
@@ -241,7 +264,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
       const int fl = 128 * wg + 64 * mf + 16 * wq + g;
       float s0, b0, s1, b1;
       if (tiled) {  // [tile][g]: (scale, bias) of row g, then of row g + 8, bf16
-        tile_scales(*reinterpret_cast<const uint2*>(&st.sb[((8 * wg + 4 * mf + wq) * 8 + g) * 2]), s0, b0, s1, b1);
+        tile_scales(*reinterpret_cast<const uint2*>(&st.sb[256 * wg + ((4 * mf + wq) * 8 + g) * 2]), s0, b0, s1, b1);
       } else {
         const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[fl * 2]);
         const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(fl + 8) * 2]);
@@ -329,6 +352,16 @@ WgKernel wg_kernel(int parts, int tokens, int* smem) {
 }
 
 }  // namespace
+
+int q4_wg_units(Q4WgArgs& a) {
+  int u = 0;
+  for (int j = 0; j < a.n_jobs; ++j) {
+    a.first_unit[j] = u;
+    u += (a.job[j].w.rows + kQ4WgUnitFeatures - 1) / kQ4WgUnitFeatures;
+  }
+  a.first_unit[a.n_jobs] = u;
+  return (u + 1) / 2;
+}
 
 bool q4_wg_ready() {
   static const bool ready = [] {

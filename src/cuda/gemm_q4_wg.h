@@ -15,13 +15,16 @@
 
 namespace ck::cuda {
 
-// Output features per block: 2 warpgroups x 2 m64 tiles (q4_tile_kernel's dense block is as wide, so
-// gemm_q4's tiling and split-K choice apply unchanged).
+// Output features per block: 2 warpgroups x 2 m64 tiles (q4_tile_kernel's dense block is as wide).
 constexpr int kQ4WgFeatures = 256;
+// Output features per warpgroup: a block's unit of work. Block b's warpgroups take units 2 b and
+// 2 b + 1, which may belong to different jobs (q4_wg_units).
+constexpr int kQ4WgUnitFeatures = 128;
 
 struct Q4WgArgs {
   GemvJob job[kMaxGemvJobs];  // up to kMaxGemvJobs matrices over the same x rows [0, rows)
-  int32_t first_tile[kMaxGemvJobs + 1];
+  int32_t first_tile[kMaxGemvJobs + 1];  // (q4_tile_kernel's; unused here)
+  int32_t first_unit[kMaxGemvJobs + 1];  // job j's 128-feature units: [first_unit[j], first_unit[j + 1])
   int32_t n_jobs = 0;
   int32_t rows = 0;
   const uint2* xf = nullptr;  // q4_xfrag_kernel's output in its wgmma layout (see gemm_q4.cu)
@@ -31,6 +34,11 @@ struct Q4WgArgs {
   SplitK split;
 };
 
+// Lays the jobs' 128-feature units out for q4_wg_dense_kernel (a.first_unit) and returns the blocks
+// they take: consecutive units share a block whatever their jobs (layouts and scale types may differ),
+// so the hyper-connection down projection (320 rows, tiles) and its injection head (4 rows, row
+// layout) take 2 blocks per token tile, not 3.
+int q4_wg_units(Q4WgArgs& a);
 // The kernel image loads on this device and its shared-memory limit is raised (call once, before any
 // graph capture). False: use q4_tile_kernel.
 bool q4_wg_ready();

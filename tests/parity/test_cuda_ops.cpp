@@ -472,6 +472,61 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
   }
 }
 
+// Prefill jobs of assorted heights in one warpgroup-MMA call (gemm_q4_wg.cu): consecutive 128-feature
+// units share a block whatever their jobs (the mix's 320-row down projection and its 4-row injection
+// head take two blocks), so one block's two warpgroups may read matrices of different layouts (tiles
+// beside rows: the 4-, 200- and 130-row matrices do not fit tiles) and scale types (f16 beside bf16).
+// Every job against the CPU, in the row layout and with tiles where they fit, with and without the
+// f16-scaled job in the call.
+TEST(CudaOps, PrefillJobsShareWarpgroupBlocks) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(123);
+  const WeightForm q4{DType::U32, 4, 64, DType::BF16}, q4f16{DType::U32, 4, 64, DType::F16};
+  const int K = 2560, n = 800;
+  static_assert(kMaxGemvJobs >= 4, "four jobs per call below");
+  std::vector<HostMatrix> hm;
+  for (int h : {320, 4, 48, 200, 130}) hm.push_back(make_matrix(h, K, q4, rng));
+  hm.push_back(make_matrix(96, K, q4f16, rng));
+  const std::vector<int> calls[] = {{0, 1, 2, 3}, {0, 1, 5, 4}, {1, 4, 0}};  // (the second with the f16 job)
+  std::vector<float> x = randn(static_cast<size_t>(n) * K, rng);
+  DeviceBuffer<float> xd;
+  to_device(x, &xd);
+  DeviceArena arena;
+  set_q4_wg_min_rows(1);
+  for (int lay = 0; lay < 2; ++lay)
+    for (const std::vector<int>& call : calls) {
+      DenseUploader up(&arena);
+      const int n_jobs = static_cast<int>(call.size());
+      GemvJob jobs[kMaxGemvJobs];
+      DeviceBuffer<float> yd[kMaxGemvJobs];
+      for (int j = 0; j < n_jobs; ++j) {
+        const Matrix& m = hm[call[j]].m;
+        jobs[j].w = *up.matrix(m, lay ? WLayout::Tiles16 : WLayout::Rows);
+        yd[j].resize(static_cast<size_t>(n) * (m.rows + 1));
+        jobs[j].y = yd[j].get();
+        jobs[j].ldy = static_cast<int>(m.rows) + 1;
+      }
+      gemv(jobs, n_jobs, xd.get(), K, n, nullptr);
+      for (int j = 0; j < n_jobs; ++j) {
+        const Matrix& m = hm[call[j]].m;
+        const int rows_j = static_cast<int>(m.rows);
+        std::vector<float> ref(static_cast<size_t>(n) * rows_j), got(ref.size());
+        const std::vector<float> out = to_host(yd[j].get(), static_cast<size_t>(n) * (rows_j + 1));
+        for (int r = 0; r < n; ++r) {
+          ck::cpu::matvec(m, x.data() + static_cast<size_t>(r) * K, ref.data() + static_cast<size_t>(r) * rows_j);
+          std::memcpy(got.data() + static_cast<size_t>(r) * rows_j, out.data() + static_cast<size_t>(r) * (rows_j + 1),
+                      sizeof(float) * rows_j);
+        }
+        std::vector<double> tol = dot_tolerance(m, x, n, K);
+        for (double& t : tol) t *= 32.0;  // x in two bf16 parts (~16 bits), as above
+        report(std::string(lay ? "tiles" : "rows") + ", job " + std::to_string(j) + " of " + std::to_string(n_jobs) +
+                   " (" + std::to_string(rows_j) + " rows" + (m.scale_dtype == DType::F16 ? ", f16 scales)" : ")"),
+               compare(got, ref, tol, 0, 0));
+      }
+    }
+  set_q4_wg_min_rows(-1);
+}
+
 // ------------------------------------------------------------------ experts through pair views
 
 // The CPU's expert product for one input row: h = silu(gate · x) * (up · x) (inter), y = down · h (H).
