@@ -473,13 +473,13 @@ struct XFrag {
   float* gsum = nullptr;
 };
 
-XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, cudaStream_t stream, bool wg = false) {
+XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts, cudaStream_t stream, bool wg = false) {
   XFrag f;
   const size_t xf_bytes = static_cast<size_t>(rows) * groups * kQ4GroupU2 * sizeof(uint2);
   CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + sizeof(float) * rows * groups, stream));
   f.xf = reinterpret_cast<uint2*>(f.mem);
   f.gsum = reinterpret_cast<float*>(f.mem + xf_bytes);
-  q4_xfrag_kernel<<<static_cast<unsigned>(rows), kQ4Threads, 0, stream>>>(x, ldx, K, groups, prefill_parts(), wg ? 1 : 0,
+  q4_xfrag_kernel<<<static_cast<unsigned>(rows), kQ4Threads, 0, stream>>>(x, ldx, K, groups, parts, wg ? 1 : 0,
                                                                           f.xf, f.gsum);
   CUDA_CHECK_LAUNCH();
   return f;
@@ -503,7 +503,7 @@ constexpr int kQ4Smem = kQ4Stages * static_cast<int>(sizeof(Q4Stage));  // 67 KB
 // CK_Q4_STAGE_CODES=0)>, empty fragments skipped unless CK_Q4_SKIP_EMPTY=0; the first launch of each
 // form raises its dynamic shared-memory limit.
 template <int MODE>
-void launch_q4_tile(const dim3& grid, Q4Args a, cudaStream_t stream) {
+void launch_q4_tile(const dim3& grid, Q4Args a, int parts, cudaStream_t stream) {
   static const bool sc = !env_is("CK_Q4_STAGE_CODES", "0");
   static const bool all_fragments = env_is("CK_Q4_SKIP_EMPTY", "0");
   a.all_fragments = all_fragments;
@@ -514,7 +514,6 @@ void launch_q4_tile(const dim3& grid, Q4Args a, cudaStream_t stream) {
     return true;
   }();
   (void)ready;
-  const int parts = prefill_parts();
   auto k = parts == 2 ? (sc ? q4_tile_kernel<MODE, 2, true> : q4_tile_kernel<MODE, 2, false>)
                       : (sc ? q4_tile_kernel<MODE, 3, true> : q4_tile_kernel<MODE, 3, false>);
   k<<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
@@ -529,12 +528,12 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
                        cudaStream_t stream) {
   CK_REQUIRE(K % 64 == 0 && x_rows >= 1, "experts q4: K %d, rows %d", K, x_rows);
   const int groups = K / 64;
-  XFrag f = make_xfrag(x, ldx, x_rows, K, groups, stream);
+  XFrag f = make_xfrag(x, ldx, x_rows, K, groups, prefill_parts(), stream);
   Q4Args a{};
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
   const dim3 grid(static_cast<unsigned>(ceil_div(features, q4_block_features<MODE>())), static_cast<unsigned>(max_tiles));
-  launch_q4_tile<MODE>(grid, a, stream);
+  launch_q4_tile<MODE>(grid, a, prefill_parts(), stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
 }
 
@@ -569,8 +568,10 @@ void expert_down_q4(const ExpertPair* pairs, const int32_t* order, const int2* t
                              stream);
 }
 
-bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
+bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream, int parts) {
   if (n_jobs < 1 || n_jobs > kMaxGemvJobs || rows < 1) return false;
+  if (parts == 0) parts = prefill_parts();
+  CK_REQUIRE(parts == 2 || parts == 3, "gemm_q4: %d bf16 parts of x (2 or 3)", parts);
   const int K = jobs[0].w.cols;
   int tiles = 0;
   const bool tiled = any_tiled(jobs, n_jobs);  // only these kernels read them (no fallback to gemm.cu's)
@@ -615,7 +616,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (!wg && blocks < sm_count() && splits < 2 && !tiled) return false;
   const int k_groups = static_cast<int>(ceil_div(groups, splits));
   splits = static_cast<int>(ceil_div(groups, k_groups));
-  XFrag f = make_xfrag(x, ldx, rows, K, groups, stream, wg);
+  XFrag f = make_xfrag(x, ldx, rows, K, groups, parts, stream, wg);
   const SplitK split = splits > 1 ? split_k_start(jobs, n_jobs, rows, splits, stream) : SplitK{};
   // The dense launch's arguments, the same fields in either kernel's struct.
   auto dense_args = [&](auto& d) {
@@ -636,13 +637,14 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   };
   if (wg) {
     dense_args(w);  // (keeps w.first_unit)
-    launch_q4_wg_dense(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, prefill_parts(), wg_tokens,
+    launch_q4_wg_dense(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, wg_tokens,
                        stream);
   } else {
     Q4Args a{};
     dense_args(a);
     launch_q4_tile<kQ4Dense>(
-        dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits)), a, stream);
+        dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits)), a, parts,
+        stream);
   }
   if (splits > 1) split_k_finish(split, jobs, n_jobs, splits, stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));

@@ -1531,12 +1531,14 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
   uint8_t* flags = reinterpret_cast<uint8_t*>(prob + a.E);
   const int r = blockIdx.x;
   const float* lg = a.logits + static_cast<size_t>(r) * a.ld;
+  const float* lg2 = a.logits2 ? a.logits2 + static_cast<size_t>(r) * a.ld : nullptr;
+  auto logit = [&](int e) { return lg2 ? lg[e] + lg2[e] : lg[e]; };
   float mx = -INFINITY;
-  for (int e = threadIdx.x; e < a.E; e += blockDim.x) mx = fmaxf(mx, lg[e]);
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) mx = fmaxf(mx, logit(e));
   mx = block_max(mx, scratch);
   float sum = 0.0f;
   for (int e = threadIdx.x; e < a.E; e += blockDim.x) {
-    const float v = expf(lg[e] - mx);
+    const float v = expf(logit(e) - mx);
     prob[e] = v;
     sum += v;
   }
@@ -1571,10 +1573,15 @@ __global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs 
   const int lane = threadIdx.x & 31, r = static_cast<int>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   if (r >= rows) return;
   const float* lg = a.logits + static_cast<size_t>(r) * a.ld;
+  const float* lg2 = a.logits2 ? a.logits2 + static_cast<size_t>(r) * a.ld : nullptr;
   const int e0 = VPL * lane;
   float p[VPL];
 #pragma unroll
   for (int j = 0; j < VPL; ++j) p[j] = e0 + j < a.E ? lg[e0 + j] : -INFINITY;
+  if (lg2)
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (e0 + j < a.E) p[j] += lg2[e0 + j];
   float mx = p[0];
 #pragma unroll
   for (int j = 1; j < VPL; ++j) mx = fmaxf(mx, p[j]);

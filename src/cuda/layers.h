@@ -178,6 +178,7 @@ void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t
 // then its shared-expert pair: pairs[r*(k+1) + t].
 struct MoeRouteArgs {
   const float* logits = nullptr; int ld = 0;  // (rows, E)
+  const float* logits2 = nullptr;             // (rows, E) at ld, added to logits when set (a split router)
   int E = 0, k = 0, norm_topk = 1;
   const ExpertSlot* table = nullptr;          // (E) this block's entries of the expert table
   int inter = 0, hidden = 0;

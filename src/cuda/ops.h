@@ -66,8 +66,8 @@ void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // gemm_tc's first choice (gemm_q4.cu): when every job is 4-bit codes in groups of 64 x 2^k with 4-byte
 // aligned scales and biases, and K >= 256, the factored tensor-core form (x in two bf16 parts by
 // default, see set_prefill_parts), K split over blocks where the grid would fill its last wave poorly;
-// false otherwise, or with CK_Q4_DENSE=0.
-bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
+// false otherwise, or with CK_Q4_DENSE=0. parts: 2 or 3 bf16 parts of x for this call (0: the default).
+bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream, int parts = 0);
 // The bf16 parts of the activations the factored 4-bit kernels multiply (gemm_q4, expert_*_q4): 2 (the
 // default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
 void set_prefill_parts(int parts);

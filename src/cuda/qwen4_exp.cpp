@@ -161,6 +161,13 @@ Status Model::upload_layer(DenseUploader& up, const LayerWeights& lw, DLayer* d)
     d->ple = p;
   }
   ASSIGN_OR_RETURN(d->moe.router, up.matrix(lw.moe.router));
+  // CK_ROUTER_SPLIT=0: prefill's router stays on gemm.cu's tf32x3 kernel (to compare).
+  static const bool split_router = !env_is("CK_ROUTER_SPLIT", "0");
+  NibbleSplit ns;
+  if (split_router && lw.moe.router.cols >= 256 && lw.moe.router.cols % 64 == 0 && nibble_split(lw.moe.router, &ns)) {
+    ASSIGN_OR_RETURN(d->moe.router_hi, up.transient_matrix(ns.hi, proj));
+    ASSIGN_OR_RETURN(d->moe.router_lo, up.transient_matrix(ns.lo, proj));
+  }
   const WLayout experts = expert_tiles_ ? WLayout::Tiles16 : WLayout::Rows;
   ASSIGN_OR_RETURN(d->moe.sh_gate, up.matrix(lw.moe.shared_gate, experts));
   ASSIGN_OR_RETURN(d->moe.sh_up, up.matrix(lw.moe.shared_up, experts));
@@ -335,7 +342,7 @@ struct Session::Buffers {
         *ao = nullptr;
   uint8_t* sel = nullptr;
   float *emb = nullptr, *pkey = nullptr, *pkn = nullptr, *pval = nullptr, *pqn = nullptr, *pG = nullptr, *pGn = nullptr;
-  float *mlog = nullptr, *mgl = nullptr, *mh = nullptr, *my = nullptr, *mo = nullptr;
+  float *mlog = nullptr, *mlog2 = nullptr, *mgl = nullptr, *mh = nullptr, *my = nullptr, *mo = nullptr;
   ExpertPair* pairs = nullptr;
   int32_t* order = nullptr;  // prefill chunks: pairs grouped per expert (group_pairs)
   int2* tiles = nullptr;
@@ -370,7 +377,7 @@ uint64_t Session::buffer_bytes(const ModelConfig& c, int max_inter, int64_t max_
       8 * W + 5 * H + c.hc_lowrank + c.hc_count + 2 * c.gdn_conv_dim() + 2 * c.gdn_value_dim() +
       2 * c.linear_num_value_heads + static_cast<int64_t>(c.num_attention_heads) * c.head_dim * 4 + 2 * kvw +
       static_cast<int64_t>(2 * c.indexer_n_heads + 1) * c.indexer_head_dim + nb + std::max(1, c.ple_embed_dim) +
-      c.num_experts + 4 + k1 * (max_inter + H + 1);
+      2 * c.num_experts + 4 + k1 * (max_inter + H + 1);
   return static_cast<uint64_t>(rows) * (sizeof(float) * per_row + nb) +
          sizeof(float) * static_cast<uint64_t>(kLmRows) * c.vocab_size;
 }
@@ -422,7 +429,7 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
   b.emb = fbuf(R * b.ldE); b.pkey = fbuf(R * b.ldW); b.pkn = fbuf(R * b.ldW); b.pval = fbuf(R * b.ldH);
   b.pqn = fbuf(R * b.ldW); b.pG = fbuf(R * b.ldW); b.pGn = fbuf(R * b.ldW);
   const int n_pairs = R * (c.num_experts_per_tok + 1);
-  b.mlog = fbuf(R * b.ldEx); b.mgl = fbuf(R * 4);
+  b.mlog = fbuf(R * b.ldEx); b.mlog2 = fbuf(R * b.ldEx); b.mgl = fbuf(R * 4);
   b.pairs = static_cast<ExpertPair*>(arena_.alloc(sizeof(ExpertPair) * n_pairs));
   b.mh = fbuf(static_cast<int64_t>(n_pairs) * b.ldMI); b.my = fbuf(static_cast<int64_t>(n_pairs) * b.ldH);
   b.mo = fbuf(R * b.ldH);
@@ -715,10 +722,18 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     GemvJob jobs[2];
     jobs[0].w = mo.router; jobs[0].y = b.mlog; jobs[0].ldy = b.ldEx;
     jobs[1].w = mo.sh_expert_gate; jobs[1].y = b.mgl; jobs[1].ldy = 4;
-    gemv(jobs, 2, b.u, b.ldH, rows, stream_);
+    // A prefill chunk with the router's nibble split: logits = hi + lo on the 4-bit tensor-core
+    // kernels with all three parts of x (exact products, fp32 sums; moe_route adds the two).
+    // (gemm_q4 may decline a short chunk of matrices in rows: then the 8-bit router as on the row path.)
+    GemvJob rj[2];
+    rj[0].w = mo.router_hi; rj[0].y = b.mlog; rj[0].ldy = b.ldEx;
+    rj[1].w = mo.router_lo; rj[1].y = b.mlog2; rj[1].ldy = b.ldEx;
+    const bool split = rows > kMaxRows && mo.router_hi.data && gemm_q4(rj, 2, b.u, b.ldH, rows, stream_, 3);
+    gemv(split ? &jobs[1] : jobs, split ? 1 : 2, b.u, b.ldH, rows, stream_);
     mark("moe router");
     MoeRouteArgs ra;
     ra.logits = b.mlog; ra.ld = b.ldEx; ra.E = c.num_experts; ra.k = k; ra.norm_topk = c.norm_topk_prob ? 1 : 0;
+    ra.logits2 = split ? b.mlog2 : nullptr;
     ra.table = table;
     ra.inter = c.moe_intermediate_size; ra.hidden = H;
     ra.sh_gate = mo.sh_gate; ra.sh_up = mo.sh_up; ra.sh_down = mo.sh_down; ra.pairs = b.pairs;

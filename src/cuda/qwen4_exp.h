@@ -53,6 +53,10 @@ struct DPle {
 };
 struct DMoe {
   DMatrix router, sh_gate, sh_up, sh_down, sh_expert_gate;
+  // An 8-bit router as two 4-bit matrices (weights.h nibble_split) for prefill chunks, whose logits are
+  // the sum of the two products (the 4-bit tensor-core kernels, all three parts of x: exact products);
+  // empty otherwise. The row path keeps `router`.
+  DMatrix router_hi, router_lo;
   bool codes48 = false;  // routed and shared experts all 4/8-bit codes: the faster expert kernels apply
   bool q4 = false;       // ... all 4-bit codes in groups of 64k: prefill's factored tensor-core experts
 };

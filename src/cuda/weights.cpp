@@ -3,6 +3,7 @@
 #include "cuda/weights.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -30,6 +31,46 @@ size_t host_scale_bytes(const Matrix& m) {
   return m.quantized() ? static_cast<size_t>(m.rows * (m.cols / m.group_size)) * dtype_size(m.scale_dtype) : 0;
 }
 }  // namespace
+
+bool nibble_split(const Matrix& w, NibbleSplit* out) {
+  const int64_t gpg = w.group_size / 64;
+  if (!w.quantized() || w.bits != 8 || w.group_size % 64 != 0 || (gpg & (gpg - 1)) != 0 || w.cols % w.group_size != 0 ||
+      (w.scale_dtype != DType::BF16 && w.scale_dtype != DType::F16) || w.rows < 1)
+    return false;
+  const int64_t n = w.rows * w.cols, n_sc = w.rows * (w.cols / w.group_size);
+  const size_t code_bytes = static_cast<size_t>(n) / 2, sc_bytes = static_cast<size_t>(n_sc) * 2;
+  std::vector<uint8_t> st(2 * code_bytes + 2 * sc_bytes, 0);  // hi codes, lo codes, hi scales, hi biases (0)
+  uint8_t* hi = st.data();
+  uint8_t* lo = hi + code_bytes;
+  uint8_t* hs = lo + code_bytes;
+  for (int64_t i = 0; i < n_sc; ++i) {
+    const float v = 16.0f * load_float(w.scale_dtype, w.scales, i);
+    if (!std::isfinite(v)) return false;  // (f16 scales beyond 4,095)
+    store_float(w.scale_dtype, hs, i, v);  // exact: a power of two times a finite value
+  }
+  for (int64_t r = 0; r < w.rows; ++r) {
+    const uint8_t* row = w.data + static_cast<size_t>(r) * w.row_code_bytes();
+    for (int64_t c = 0; c < w.cols; c += 2) {  // codes 2j and 2j + 1 share one byte of each 4-bit stream
+      const uint8_t q0 = row[c], q1 = row[c + 1];
+      const size_t at = static_cast<size_t>(r * w.cols + c) / 2;
+      hi[at] = static_cast<uint8_t>((q0 >> 4) | (q1 & 0xF0));
+      lo[at] = static_cast<uint8_t>((q0 & 0x0F) | (q1 << 4));
+    }
+  }
+  out->storage = std::move(st);
+  uint8_t* base = out->storage.data();
+  Matrix h = w, l = w;
+  h.bits = l.bits = 4;
+  h.data = base;
+  l.data = base + code_bytes;
+  h.scales = base + 2 * code_bytes;
+  h.biases = h.scales + sc_bytes;
+  h.name = w.name + " (high nibbles)";
+  l.name = w.name + " (low nibbles)";
+  out->hi = h;
+  out->lo = l;
+  return true;
+}
 
 Result<WFormat> device_format(const Matrix& m) {
   WFormat f;
@@ -88,6 +129,14 @@ Result<DMatrix> DenseUploader::matrix(const Matrix& m, WLayout layout) {
   if (layout == WLayout::Tiles16 && !tiles16_fit(m)) layout = WLayout::Rows;
   auto it = seen_.find({m.data, layout});
   if (it != seen_.end() && it->second.rows == m.rows && it->second.cols == m.cols) return it->second;
+  ASSIGN_OR_RETURN(DMatrix d, transient_matrix(m, layout));
+  seen_[{m.data, layout}] = d;
+  return d;
+}
+
+Result<DMatrix> DenseUploader::transient_matrix(const Matrix& m, WLayout layout) {
+  if (m.empty()) return DMatrix{};
+  if (layout == WLayout::Tiles16 && !tiles16_fit(m)) layout = WLayout::Rows;
   ASSIGN_OR_RETURN(WFormat f, device_format(m));
   DMatrix d;
   d.rows = static_cast<int32_t>(m.rows);
@@ -108,7 +157,6 @@ Result<DMatrix> DenseUploader::matrix(const Matrix& m, WLayout layout) {
   }
   CHECK(d.data_bytes() == host_data_bytes(m) && d.scale_bytes() == host_scale_bytes(m));
   bytes_ += d.stored_bytes();
-  seen_[{m.data, layout}] = d;
   return d;
 }
 

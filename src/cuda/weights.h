@@ -24,12 +24,26 @@ bool tiles16_fit(const Matrix& m);
 // into out (its stored_bytes()); host code, so the CPU tests check the layout too.
 void pack_tiles16(const Matrix& m, uint8_t* out);
 
+// An 8-bit affine matrix as two 4-bit ones over the same columns, for the 4-bit prefill kernels: with
+// q = 16 h + l, s q + b = (16 s) h + (s l + b), so W x = Hi x + Lo x, where Hi has codes h, scales
+// 16 s (exact: a power of two) and biases 0, and Lo codes l with W's own scales and biases. False
+// (nothing written) unless W has 8-bit codes in groups of 64 x 2^k with bf16 or f16 scales whose 16 s
+// stays finite. The matrices point into *storage (and Lo at W's scales and biases).
+struct NibbleSplit {
+  Matrix hi, lo;
+  std::vector<uint8_t> storage;
+};
+bool nibble_split(const Matrix& w, NibbleSplit* out);
+
 // Dense weights on the device. Matrices with the same host bytes (a tied LM head) are uploaded once
 // per layout. Asked for Tiles16, a matrix that does not fit them (tiles16_fit) keeps the row layout.
 class DenseUploader {
  public:
   explicit DenseUploader(DeviceArena* arena) : arena_(arena) {}
   Result<DMatrix> matrix(const Matrix& m, WLayout layout = WLayout::Rows);
+  // The same for a host matrix that dies after the upload (its address may come back for another):
+  // never shared with a later matrix.
+  Result<DMatrix> transient_matrix(const Matrix& m, WLayout layout = WLayout::Rows);
   const float* vector(const std::vector<float>& v);
   size_t bytes() const { return bytes_; }
   int tiled_matrices() const { return tiled_; }

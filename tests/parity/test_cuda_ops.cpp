@@ -336,6 +336,37 @@ TEST(CudaOps, GemvMultiJobWithEpilogues) {
 
 // The Tiles16 layout as cuda/dmatrix.h states it, read back element by element on the host (no GPU):
 // every code, scale and bias of a packed matrix sits where the comment says.
+// The 8-bit router as two 4-bit matrices for the prefill kernels (cuda/weights.h nibble_split): on the
+// CPU, Hi x + Lo x equals W x to fp32 rounding, in both scale types; other forms are refused. Host
+// code: runs without a GPU.
+TEST(CudaOps, NibbleSplitOfEightBitCodesIsExact) {
+  std::mt19937_64 rng(808);
+  for (DType sd : {DType::BF16, DType::F16})
+    for (int group : {64, 128}) {
+      HostMatrix w = make_matrix(48, 640, WeightForm{DType::U32, 8, group, sd}, rng);
+      NibbleSplit ns;
+      ASSERT_TRUE(nibble_split(w.m, &ns));
+      ASSERT_EQ(ns.hi.bits, 4);
+      ASSERT_EQ(ns.lo.bits, 4);
+      std::vector<float> x = randn(640, rng), y(48), yh(48), yl(48);
+      ck::cpu::matvec(w.m, x.data(), y.data());
+      ck::cpu::matvec(ns.hi, x.data(), yh.data());
+      ck::cpu::matvec(ns.lo, x.data(), yl.data());
+      double worst = 0, scale = 0;
+      for (int r = 0; r < 48; ++r) {
+        worst = std::max(worst, std::fabs(static_cast<double>(yh[r]) + yl[r] - y[r]));
+        scale = std::max(scale, std::fabs(static_cast<double>(y[r])));
+      }
+      EXPECT_LE(worst, 1e-5 * scale) << "group " << group;
+      // Every code survives: the high and low nibbles put back together.
+      for (int64_t i = 0; i < 48 * 640; ++i)
+        ASSERT_EQ(get_code(w.m.data, i, 8), 16 * get_code(ns.hi.data, i, 4) + get_code(ns.lo.data, i, 4)) << i;
+    }
+  NibbleSplit ns;
+  EXPECT_FALSE(nibble_split(make_matrix(16, 256, WeightForm{DType::U32, 4, 64, DType::BF16}, rng).m, &ns));
+  EXPECT_FALSE(nibble_split(make_matrix(16, 256, WeightForm{DType::BF16}, rng).m, &ns));
+}
+
 TEST(CudaOps, TilesHoldEveryCodeScaleAndBiasWhereTheLayoutSays) {
   std::mt19937_64 rng(4242);
   const WeightForm q4{DType::U32, 4, 64, DType::BF16};
