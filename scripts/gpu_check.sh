@@ -43,7 +43,9 @@ FX=$(ls -d tests/fixtures/oracle/*/ 2>/dev/null | head -1)
 if [ -n "$FX" ]; then
   IDS=$(python3 -c "import numpy as np,sys; print(','.join(str(int(v)) for v in np.load(sys.argv[1])[:24]))" "$FX/prompt_ids.npy" 2>/dev/null)
   if [ -n "$IDS" ]; then
+    # (--prefill-chunk 16: a 16-row tensor-core chunk, then the row path, each step against the CPU.)
     timeout 60 stdbuf -oL "$D/cherenkov" generate --model "$FX" --prompt-ids "$IDS" --max-tokens 8 --backend cuda --check \
+      --prefill-chunk 16 \
       > "$OUT/generate.log" 2>&1
     echo "generate rc=$? (fixture $FX)" >> "$OUT/generate.log"
     # A model that does not fit the GPU (CK_DEVICE_MEMORY_GB caps the free memory counted): --backend
