@@ -552,7 +552,12 @@ int q4_wg_min_rows() {
   }
   return g_q4_wg_min_rows;
 }
-void set_q4_wg_min_rows(int rows) { g_q4_wg_min_rows = rows < 0 ? -1 : std::max(1, rows); }
+// Set by set_q4_wg_min_rows: the tests choose the kernel by rows alone (no K threshold).
+static bool g_q4_wg_rows_only = false;
+void set_q4_wg_min_rows(int rows) {
+  g_q4_wg_min_rows = rows < 0 ? -1 : std::max(1, rows);
+  g_q4_wg_rows_only = rows >= 0;
+}
 
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
@@ -590,16 +595,23 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
                             device_attribute(cudaDevAttrComputeCapabilityMinor) == 0 && q4_wg_ready();
   static_assert(kQ4WgFeatures == q4_block_features<kQ4Dense>(), "the two dense kernels tile alike");
   static const int wg_tokens = env_is("CK_Q4_WG_TOKENS", "32") ? 32 : 64;  // 32: to compare
-  const bool wg = wg_ok && rows >= q4_wg_min_rows();
+  // Calls with K < 512 (CK_Q4_WG_MIN_K) stay on q4_tile_kernel: with a few groups per block (the mix's
+  // up projection, K = 320: five) the warpgroup kernel's one block per SM waits on its copies, where
+  // q4_tile_kernel runs two (mix up 3.13 -> 2.41 us per 8k prefill token, 2026-12-01 02:23Z).
+  static const int wg_min_k = [] {
+    const char* e = std::getenv("CK_Q4_WG_MIN_K");
+    return e ? std::max(0, std::atoi(e)) : 512;
+  }();
+  const bool wg = wg_ok && rows >= q4_wg_min_rows() && (g_q4_wg_rows_only || K >= wg_min_k);
   Q4WgArgs w;
   if (wg) {
     w.n_jobs = n_jobs;
     for (int j = 0; j < n_jobs; ++j) w.job[j] = jobs[j];
-    tiles = q4_wg_units(w);  // jobs of one format share blocks (128-feature units)
+    tiles = q4_wg_units(w);  // the jobs' 128-feature units, two to a block
   }
   // Split K when the grid fills its last wave poorly (two q4_tile_kernel blocks per SM, or one wgmma
-  // block): the hyper-connection down projection (3 feature tiles over K = 10,240: 96 blocks for 1,024
-  // rows) and the DeltaNet out projection (320 blocks: 1.2 waves). The fewest splits whose waves are
+  // block): the hyper-connection down projection (2 blocks per 64 tokens over K = 10,240: 64 blocks
+  // for 2,048 rows) and the DeltaNet out projection (320 blocks: 1.2 waves). The fewest splits whose waves are
   // >= 85% full, each split at least 8 groups long; the partial sums cost a write and a read of the
   // output per split. K < 256 stays on gemm.cu.
   const int row_tiles = static_cast<int>(ceil_div(rows, wg ? wg_tokens : 32)), groups = K / 64;

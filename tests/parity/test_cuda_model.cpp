@@ -152,10 +152,10 @@ TEST_P(CudaOracle, PrefillChunksMatchRowPath) {
 }
 
 // A prompt longer than one full chunk (kChunkRows + 37 rows: the fixture's prompt repeated with
-// shifted ids): one kChunkRows chunk and a tail against chunks of 256 rows, whose dense products take
-// the other prefill GEMM (the warpgroup kernel runs calls of >= 768 rows), with far fewer rows per
+// shifted ids): one kChunkRows chunk and a tail against chunks of 256 rows, with far fewer rows per
 // expert. Every kernel of the chunk path at its largest size: grouping ~22k expert pairs, attention
-// over 2k queries, the mixes' and the delta rule's chunks.
+// over 2k queries, the mixes' and the delta rule's chunks. (The fixtures' K are under 512, so their
+// dense products stay on q4_tile_kernel at any size; test_cuda_ops runs the warpgroup kernel.)
 TEST_P(CudaOracle, FullChunkMatchesSmallerChunks) {
   SETUP();
   const int T = cuda::kChunkRows + 37;
