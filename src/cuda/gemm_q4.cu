@@ -541,7 +541,7 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
 
 void set_prefill_parts(int parts) { g_prefill_parts = parts; }
 
-// Rows from which the dense products take the wgmma kernel: 768 (CK_Q4_WG_MIN_ROWS), so 1,024-row
+// Rows from which the dense products take the wgmma kernel: 768 (CK_Q4_WG_MIN_ROWS), so 2,048-row
 // prefill chunks do and short prompts do not (at 496 rows it lost 5-7% of prefill, 2026-11-30 18:43Z:
 // half the row tiles of q4_tile_kernel, one block per SM). set_q4_wg_min_rows: tests and comparisons.
 static int g_q4_wg_min_rows = -1;
