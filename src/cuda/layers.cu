@@ -1659,9 +1659,9 @@ void init_kernels() {
   init_gemv();
   hc_mix_init();
   // Kernels take their scratch with cudaMallocAsync (split-K partials, activation fragments, the chunked
-  // delta rule's records: ~110 MB per 1,024 rows of a prefill chunk at the released geometry, ~220 MB at 2,048). By default the
-  // pool hands memory back to the driver at every synchronisation, so each prefill chunk would map it
-  // again; keep up to 512 MB pooled instead.
+  // delta rule's records: ~220 MB per 2,048-row prefill chunk at the released geometry). By default
+  // the pool hands memory back to the driver at every synchronisation, so each prefill chunk would map
+  // it again; keep up to 512 MB pooled instead.
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
   cudaMemPool_t pool;
