@@ -607,7 +607,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (wg) {
     w.n_jobs = n_jobs;
     for (int j = 0; j < n_jobs; ++j) w.job[j] = jobs[j];
-    tiles = q4_wg_units(w);  // the jobs' 128-feature units, two to a block
+    tiles = q4_wg_units(w);  // the jobs' 128-feature units, two to a block (dense_args fills the rest)
   }
   // Split K when the grid fills its last wave poorly (two q4_tile_kernel blocks per SM, or one wgmma
   // block): the hyper-connection down projection (2 blocks per 64 tokens over K = 10,240: 64 blocks
@@ -630,30 +630,31 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   splits = static_cast<int>(ceil_div(groups, k_groups));
   XFrag f = make_xfrag(x, ldx, rows, K, groups, parts, stream, wg);
   const SplitK split = splits > 1 ? split_k_start(jobs, n_jobs, rows, splits, stream) : SplitK{};
-  // The dense launch's arguments, the same fields in either kernel's struct.
+  // The dense launch's arguments, the same fields in either kernel's struct (the jobs' blocks: w's
+  // first_unit from q4_wg_units, or a's first_tile below).
   auto dense_args = [&](auto& d) {
     d.n_jobs = n_jobs;
     d.rows = rows;
     d.k_groups = k_groups;
-    int t = 0;
-    for (int j = 0; j < n_jobs; ++j) {
-      d.job[j] = jobs[j];
-      d.first_tile[j] = t;
-      t += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
-    }
-    d.first_tile[n_jobs] = t;
+    for (int j = 0; j < n_jobs; ++j) d.job[j] = jobs[j];
     d.xf = f.xf;
     d.gsum = f.gsum;
     d.groups = groups;
     d.split = split;
   };
   if (wg) {
-    dense_args(w);  // (keeps w.first_unit)
+    dense_args(w);
     launch_q4_wg_dense(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, wg_tokens,
                        stream);
   } else {
     Q4Args a{};
     dense_args(a);
+    int t = 0;
+    for (int j = 0; j < n_jobs; ++j) {
+      a.first_tile[j] = t;
+      t += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
+    }
+    a.first_tile[n_jobs] = t;
     launch_q4_tile<kQ4Dense>(
         dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits)), a, parts,
         stream);

@@ -23,7 +23,6 @@ constexpr int kQ4WgUnitFeatures = 128;
 
 struct Q4WgArgs {
   GemvJob job[kMaxGemvJobs];  // up to kMaxGemvJobs matrices over the same x rows [0, rows)
-  int32_t first_tile[kMaxGemvJobs + 1];  // (q4_tile_kernel's; unused here)
   int32_t first_unit[kMaxGemvJobs + 1];  // job j's 128-feature units: [first_unit[j], first_unit[j + 1])
   int32_t n_jobs = 0;
   int32_t rows = 0;

@@ -164,7 +164,8 @@ Status Model::upload_layer(DenseUploader& up, const LayerWeights& lw, DLayer* d)
   // CK_ROUTER_SPLIT=0: prefill's router stays on gemm.cu's tf32x3 kernel (to compare).
   static const bool split_router = !env_is("CK_ROUTER_SPLIT", "0");
   NibbleSplit ns;
-  if (split_router && lw.moe.router.cols >= 256 && lw.moe.router.cols % 64 == 0 && nibble_split(lw.moe.router, &ns)) {
+  // (K >= 256: gemm_q4 takes no less.)
+  if (split_router && lw.moe.router.cols >= 256 && nibble_split(lw.moe.router, &ns)) {
     ASSIGN_OR_RETURN(d->moe.router_hi, up.transient_matrix(ns.hi, proj));
     ASSIGN_OR_RETURN(d->moe.router_lo, up.transient_matrix(ns.lo, proj));
   }

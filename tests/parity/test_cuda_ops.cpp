@@ -401,6 +401,24 @@ TEST(CudaOps, TilesHoldEveryCodeScaleAndBiasWhereTheLayoutSays) {
   EXPECT_FALSE(tiles16_fit(make_matrix(32, 128, q4, rng).m));
 }
 
+// One job's output (n rows of x, at ldy on the device) against the CPU's matvec of its matrix, with the
+// prefill products' tolerance when n > kMaxRows (x in two bf16 parts, ~16 bits).
+void report_job_vs_cpu(const std::string& what, const Matrix& m, const std::vector<float>& x, int K, int n,
+                       const float* y, int ldy) {
+  const int rows = static_cast<int>(m.rows);
+  const std::vector<float> out = to_host(y, static_cast<size_t>(n) * ldy);
+  std::vector<float> ref(static_cast<size_t>(n) * rows), got(ref.size());
+  for (int r = 0; r < n; ++r) {
+    ck::cpu::matvec(m, x.data() + static_cast<size_t>(r) * K, ref.data() + static_cast<size_t>(r) * rows);
+    std::memcpy(got.data() + static_cast<size_t>(r) * rows, out.data() + static_cast<size_t>(r) * ldy,
+                sizeof(float) * rows);
+  }
+  std::vector<double> tol = dot_tolerance(m, x, n, K);
+  if (n > kMaxRows)
+    for (double& t : tol) t *= 32.0;
+  report(what, compare(got, ref, tol, 0, 0));
+}
+
 // The same matrices in the row layout and in 16-row tiles through every kernel that reads tiles: the
 // v4 GEMVs at 1-8 rows (the one-row kernel with K over a cluster; the two-kernel form, whose epilogue
 // also runs the DeltaNet conv) and both prefill kernels. Where the row layout takes the same kernel the
@@ -489,17 +507,9 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
       jobs[j].ldy = static_cast<int>(hm[j]->m.rows);
     }
     gemv(jobs, 3, to_device(x, &xd), 2560, n, nullptr);
-    for (int j = 0; j < 3; ++j) {
-      const int rows_j = static_cast<int>(hm[j]->m.rows);
-      std::vector<float> ref(static_cast<size_t>(n) * rows_j), got = to_host(yd[j].get(), ref.size());
-      for (int r = 0; r < n; ++r)
-        ck::cpu::matvec(hm[j]->m, x.data() + static_cast<size_t>(r) * 2560, ref.data() + static_cast<size_t>(r) * rows_j);
-      std::vector<double> tol = dot_tolerance(hm[j]->m, x, n, 2560);
-      if (n > kMaxRows)
-        for (double& t : tol) t *= 32.0;
-      report("tiles beside other formats, job " + std::to_string(j) + " rows " + std::to_string(n),
-             compare(got, ref, tol, 0, 0));
-    }
+    for (int j = 0; j < 3; ++j)
+      report_job_vs_cpu("tiles beside other formats, job " + std::to_string(j) + " rows " + std::to_string(n),
+                        hm[j]->m, x, 2560, n, yd[j].get(), jobs[j].ldy);
   }
 }
 
@@ -540,19 +550,10 @@ TEST(CudaOps, PrefillJobsShareWarpgroupBlocks) {
       gemv(jobs, n_jobs, xd.get(), K, n, nullptr);
       for (int j = 0; j < n_jobs; ++j) {
         const Matrix& m = hm[call[j]].m;
-        const int rows_j = static_cast<int>(m.rows);
-        std::vector<float> ref(static_cast<size_t>(n) * rows_j), got(ref.size());
-        const std::vector<float> out = to_host(yd[j].get(), static_cast<size_t>(n) * (rows_j + 1));
-        for (int r = 0; r < n; ++r) {
-          ck::cpu::matvec(m, x.data() + static_cast<size_t>(r) * K, ref.data() + static_cast<size_t>(r) * rows_j);
-          std::memcpy(got.data() + static_cast<size_t>(r) * rows_j, out.data() + static_cast<size_t>(r) * (rows_j + 1),
-                      sizeof(float) * rows_j);
-        }
-        std::vector<double> tol = dot_tolerance(m, x, n, K);
-        for (double& t : tol) t *= 32.0;  // x in two bf16 parts (~16 bits), as above
-        report(std::string(lay ? "tiles" : "rows") + ", job " + std::to_string(j) + " of " + std::to_string(n_jobs) +
-                   " (" + std::to_string(rows_j) + " rows" + (m.scale_dtype == DType::F16 ? ", f16 scales)" : ")"),
-               compare(got, ref, tol, 0, 0));
+        report_job_vs_cpu(std::string(lay ? "tiles" : "rows") + ", job " + std::to_string(j) + " of " +
+                              std::to_string(n_jobs) + " (" + std::to_string(m.rows) + " rows" +
+                              (m.scale_dtype == DType::F16 ? ", f16 scales)" : ")"),
+                          m, x, K, n, yd[j].get(), jobs[j].ldy);
       }
     }
   set_q4_wg_min_rows(-1);
