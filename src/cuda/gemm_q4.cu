@@ -67,12 +67,19 @@ int prefill_parts() {
 // mma_q4.cuh's K order, the B fragment (b0, b1) of the MMA column that carries this row; then Σ x per
 // group; only the first `parts` parts (the kernels multiply no others). With wg (the wgmma kernel,
 // gemm_q4_wg.cu), each (step, part) holds the four lanes' pair A words, then their pair B words: the
-// row's k values 0..7 and 8..15 of the step, one core-matrix row each. grid (rows), block 128.
-__global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __restrict__ x, int ldx, int K, int groups,
-                                                              int parts, int wg, uint2* xf, float* gsum) {
+// row's k values 0..7 and 8..15 of the step, one core-matrix row each. With wg == 2 (the tile layout
+// of gemm_q4_wg.h's bulk kernel) each (64-row tile, group) is one block of q4_wg_act_block_bytes(parts):
+// (step, part) at (s parts + p) kQ4WgBBytes, the row's two 16-byte halves at 256 (r / 8) + 16 (r % 8) and
+// 128 bytes further (r = row % 64: the core-matrix order the kernel's wgmmas read), then the tile's 64
+// Σ x; the grid then covers whole tiles and rows past x_rows are zeros. grid (rows), block 128.
+__global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __restrict__ x, int ldx, int x_rows, int K,
+                                                              int groups, int parts, int wg, uint2* xf, float* gsum) {
   const int row = blockIdx.x;
-  const float* xr = x + static_cast<size_t>(row) * ldx;
+  const bool real = row < x_rows;
+  const float* xr = x + static_cast<size_t>(real ? row : 0) * ldx;
   uint2* out = xf + static_cast<size_t>(row) * groups * kQ4GroupU2;
+  const int tile_bytes = wg == 2 ? q4_wg_act_block_bytes(parts) : 0, r64 = row % 64;
+  uint8_t* tile = reinterpret_cast<uint8_t*>(xf) + static_cast<size_t>(row / 64) * groups * tile_bytes;
   // Unrolled so that several iterations' loads are in flight at once (one round trip each, in order,
   // made this kernel ~60 us per 1,024-row chunk of the 10,240-wide mix input).
 #pragma unroll 4
@@ -84,11 +91,16 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
     for (int p = 0; p < 3; ++p) {
       if (p >= parts) break;
       uint2 v = make_uint2(0u, 0u);
-      if (c < K) {  // K % 64 == 0 for the groups that exist; rows of a shorter matrix read zeros
+      if (c < K && real) {  // K % 64 == 0 for the groups that exist; rows of a shorter matrix read zeros
         v.x = bf16_pair(bf16_part(xr[c], p), bf16_part(xr[c + 4], p));
         v.y = bf16_pair(bf16_part(xr[c + 1], p), bf16_part(xr[c + 5], p));
       }
-      if (wg) {
+      if (wg == 2) {
+        uint8_t* b = tile + static_cast<size_t>(G) * tile_bytes + (s * parts + p) * kQ4WgBBytes + 256 * (r64 >> 3) +
+                     16 * (r64 & 7) + 4 * t;
+        *reinterpret_cast<uint32_t*>(b) = v.x;
+        *reinterpret_cast<uint32_t*>(b + 128) = v.y;
+      } else if (wg) {
         uint32_t* ow = reinterpret_cast<uint32_t*>(out + static_cast<size_t>(G) * kQ4GroupU2 + s * 12 + p * 4);
         ow[t] = v.x;
         ow[4 + t] = v.y;
@@ -100,8 +112,11 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll 4
   for (int G = warp; G < groups; G += blockDim.x >> 5) {
-    const float v = G * 64 < K ? tc4_group_sum(xr + G * 64) : 0.0f;
-    if (lane == 0) gsum[static_cast<size_t>(row) * groups + G] = v;
+    const float v = G * 64 < K && real ? tc4_group_sum(xr + G * 64) : 0.0f;
+    if (lane == 0 && wg == 2)
+      reinterpret_cast<float*>(tile + static_cast<size_t>(G) * tile_bytes + parts * 4 * kQ4WgBBytes)[r64] = v;
+    else if (lane == 0)
+      gsum[static_cast<size_t>(row) * groups + G] = v;
   }
 }
 
@@ -473,14 +488,18 @@ struct XFrag {
   float* gsum = nullptr;
 };
 
-XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts, cudaStream_t stream, bool wg = false) {
+// wg: 0 (q4_tile_kernel's layout), 1 (q4_wg_dense_kernel's) or 2 (q4_wg_bulk_kernel's tiles, Σ x inside).
+XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts, cudaStream_t stream, int wg = 0) {
   XFrag f;
-  const size_t xf_bytes = static_cast<size_t>(rows) * groups * kQ4GroupU2 * sizeof(uint2);
-  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + sizeof(float) * rows * groups, stream));
+  const int grid_rows = wg == 2 ? static_cast<int>(round_up(rows, 64)) : rows;
+  const size_t xf_bytes = wg == 2 ? static_cast<size_t>(grid_rows / 64) * groups * q4_wg_act_block_bytes(parts)
+                                  : static_cast<size_t>(rows) * groups * kQ4GroupU2 * sizeof(uint2);
+  const size_t gsum_bytes = wg == 2 ? 0 : sizeof(float) * rows * groups;
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + gsum_bytes, stream));
   f.xf = reinterpret_cast<uint2*>(f.mem);
-  f.gsum = reinterpret_cast<float*>(f.mem + xf_bytes);
-  q4_xfrag_kernel<<<static_cast<unsigned>(rows), kQ4Threads, 0, stream>>>(x, ldx, K, groups, parts, wg ? 1 : 0,
-                                                                          f.xf, f.gsum);
+  f.gsum = wg == 2 ? nullptr : reinterpret_cast<float*>(f.mem + xf_bytes);
+  q4_xfrag_kernel<<<static_cast<unsigned>(grid_rows), kQ4Threads, 0, stream>>>(x, ldx, rows, K, groups, parts, wg,
+                                                                               f.xf, f.gsum);
   CUDA_CHECK_LAUNCH();
   return f;
 }
@@ -603,6 +622,12 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     return e ? std::max(0, std::atoi(e)) : 512;
   }();
   const bool wg = wg_ok && rows >= q4_wg_min_rows() && (g_q4_wg_rows_only || K >= wg_min_k);
+  // Every matrix in 16-row tiles, 64 tokens per block: the bulk-copy form of the warpgroup kernel
+  // (CK_Q4_WG_BULK=0 keeps q4_wg_dense_kernel, to compare).
+  static const bool bulk_on = !env_is("CK_Q4_WG_BULK", "0");
+  bool all_tiled = true;
+  for (int j = 0; j < n_jobs; ++j) all_tiled = all_tiled && jobs[j].w.tiled();
+  const bool bulk = wg && bulk_on && all_tiled && wg_tokens == 64;
   Q4WgArgs w;
   if (wg) {
     w.n_jobs = n_jobs;
@@ -628,7 +653,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (!wg && blocks < sm_count() && splits < 2 && !tiled) return false;
   const int k_groups = static_cast<int>(ceil_div(groups, splits));
   splits = static_cast<int>(ceil_div(groups, k_groups));
-  XFrag f = make_xfrag(x, ldx, rows, K, groups, parts, stream, wg);
+  XFrag f = make_xfrag(x, ldx, rows, K, groups, parts, stream, bulk ? 2 : wg ? 1 : 0);
   const SplitK split = splits > 1 ? split_k_start(jobs, n_jobs, rows, splits, stream) : SplitK{};
   // The dense launch's arguments, the same fields in either kernel's struct (the jobs' blocks: w's
   // first_unit from q4_wg_units, or a's first_tile below).
@@ -644,8 +669,8 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   };
   if (wg) {
     dense_args(w);
-    launch_q4_wg_dense(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, wg_tokens,
-                       stream);
+    if (bulk) launch_q4_wg_bulk(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, stream);
+    else launch_q4_wg_dense(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, wg_tokens, stream);
   } else {
     Q4Args a{};
     dense_args(a);

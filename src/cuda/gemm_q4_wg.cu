@@ -24,7 +24,9 @@
 #include "cuda/gemm_q4_wg.h"
 
 #include <cstddef>
+#include <utility>
 
+#include "cuda/bulk_copy.cuh"
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/mma_q4.cuh"
@@ -87,7 +89,101 @@ __device__ __forceinline__ void wg_mma(float (&d)[32], const uint32_t (&a)[4], u
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
 }
+
+// The group's 4 steps x 2 tiles x PARTS wgmmas into d (the first of each tile overwrites it); B of
+// (step s, part p) at xb + (s PARTS + p) b_bytes.
+template <int PARTS, int ND>
+__device__ __forceinline__ void wg_issue(uint32_t xb, uint32_t b_bytes, const uint32_t (&af)[4][2][4],
+                                         float (&d)[2][ND]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+      for (int p = PARTS - 1; p >= 0; --p)  // small parts first
+        wg_mma(d[mf], af[s][mf], wg_desc(xb + (s * PARTS + p) * b_bytes, kWgLbo, kWgSbo), s > 0 || p < PARTS - 1);
+}
 #endif
+
+// The block's two 128-feature units (q4_wg_units): unit u's job, and its first feature row in that
+// job's matrix (every job has the same K; a unit past the last job's is idle: its first row is its
+// job's row count).
+__device__ __forceinline__ void wg_block_units(const Q4WgArgs& a, int (&ujob)[2], int (&uf0)[2]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int unit = 2 * static_cast<int>(blockIdx.x) + u;
+    int j = 0;
+    while (j + 1 < a.n_jobs && unit >= a.first_unit[j + 1]) ++j;
+    ujob[u] = j;
+    uf0[u] = unit < a.first_unit[a.n_jobs] ? (unit - a.first_unit[j]) * kQ4WgUnitFeatures : a.job[j].w.rows;
+  }
+}
+
+// Arrays of two read by a select, not an index: an indexed read puts the array on the stack.
+template <class T>
+__device__ __forceinline__ T wg_pick(const T (&v)[2], int u) { return u ? v[1] : v[0]; }
+
+// One m64 tile's A fragments (this warp's 16-row slice) for a group's 4 k16 steps, in
+// q4_tile_kernel's code_pair_lop3 order, from the 8 code bytes of row g (c0) and of row g + 8 (c8).
+__device__ __forceinline__ void wg_a_frags(uint2 c0, uint2 c8, int mf, uint32_t (&af)[4][2][4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t w_g = (s >> 1) ? c0.y : c0.x, w_g8 = (s >> 1) ? c8.y : c8.x;
+    const int i0 = 2 * (s & 1);
+    af[s][mf][0] = code_pair_lop3(w_g, i0);
+    af[s][mf][1] = code_pair_lop3(w_g8, i0);
+    af[s][mf][2] = code_pair_lop3(w_g, i0 + 1);
+    af[s][mf][3] = code_pair_lop3(w_g8, i0 + 1);
+  }
+}
+
+// acc += s Σ q x + b Σ x for one tile's group sums d: rows g (s0, b0) and g + 8 (s1, b1); tokens
+// 8 j + 2 t and + 1, whose Σ x are sx[j].
+template <int NJ, int ND>
+__device__ __forceinline__ void wg_add_group(float (&acc)[ND], const float (&d)[ND], float s0, float b0, float s1,
+                                             float b1, const float2 (&sx)[NJ]) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    float* c = &acc[4 * j];
+    const float* e = &d[4 * j];
+    c[0] = fmaf(s0, e[0], fmaf(b0, sx[j].x, c[0]));
+    c[1] = fmaf(s0, e[1], fmaf(b0, sx[j].y, c[1]));
+    c[2] = fmaf(s1, e[2], fmaf(b1, sx[j].x, c[2]));
+    c[3] = fmaf(s1, e[3], fmaf(b1, sx[j].y, c[3]));
+  }
+}
+
+// The warpgroup's outputs: features f_wg + [0, 128) of its job (those below the matrix's rows), tokens
+// drow[] (-1: past the chunk), through the job's epilogue, or into its split-K partial sums.
+template <int NJ, int ND>
+__device__ __forceinline__ void wg_store(const Q4WgArgs& a, int job, int f_wg, const float (&acc)[2][ND],
+                                         const int* drow) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, wq = (threadIdx.x >> 5) & 3;
+  const int w_rows = a.job[job].w.rows;
+  float* const y = a.job[job].y;
+  const int ldy = a.job[job].ldy;
+  const Epilogue epi = a.job[job].epi;
+  const float epi_arg = a.job[job].epi_arg;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int row = drow[8 * j + 2 * t + c];
+      if (row < 0) continue;
+      float* yr = y + static_cast<size_t>(row) * ldy;
+      if (a.split.partial)
+        yr = a.split.partial + blockIdx.z * a.split.stride + a.split.off[job] + static_cast<int64_t>(row) * w_rows;
+#pragma unroll
+      for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int f = f_wg + 64 * mf + 16 * wq + 8 * h + g;
+          if (f >= w_rows) continue;
+          const float v = acc[mf][4 * j + 2 * h + c];
+          yr[f] = a.split.partial ? v : apply_epilogue(v, epi, epi_arg);
+        }
+    }
+}
 
 // y_job[row] = epi(w_job · x[row]) for the dense jobs; grid (feature tiles, rows / TN, K splits). TN: 64
 // tokens per block (32 with CK_Q4_WG_TOKENS=32, to compare).
@@ -101,19 +197,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
   using Stage = WgStage<TN>;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup; warp within it (its 16 rows of each m64 tile)
-  // The block's two units (q4_wg_units): unit u's job, and its first feature row in that job's matrix
-  // (every job has the same K; a unit past the last job's is idle).
-  int ujob[2], uf0[2];
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    const int unit = 2 * static_cast<int>(blockIdx.x) + u;
-    int j = 0;
-    while (j + 1 < a.n_jobs && unit >= a.first_unit[j + 1]) ++j;
-    ujob[u] = j;
-    uf0[u] = unit < a.first_unit[a.n_jobs] ? (unit - a.first_unit[j]) * kQ4WgUnitFeatures : a.job[j].w.rows;
-  }
-  // (Arrays of two read by a select, not an index: an indexed read puts the array on the stack.)
-  auto pick = [](const auto (&v)[2], int u) { return u ? v[1] : v[0]; };
+  int ujob[2], uf0[2];  // the block's two units
+  wg_block_units(a, ujob, uf0);
+  auto pick = [](const auto (&v)[2], int u) { return wg_pick(v, u); };
   const int job = pick(ujob, wg);
   const DMatrix w0 = a.job[job].w;  // this warpgroup's matrix
   const int m0 = static_cast<int>(blockIdx.y) * TN;
@@ -231,27 +317,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
         c0 = st.codes[fl][t];
         c8 = st.codes[fl + 8][t];
       }
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint32_t w_g = (s >> 1) ? c0.y : c0.x, w_g8 = (s >> 1) ? c8.y : c8.x;
-        const int i0 = 2 * (s & 1);
-        af[s][mf][0] = code_pair_lop3(w_g, i0);
-        af[s][mf][1] = code_pair_lop3(w_g8, i0);
-        af[s][mf][2] = code_pair_lop3(w_g, i0 + 1);
-        af[s][mf][3] = code_pair_lop3(w_g8, i0 + 1);
-      }
+      wg_a_frags(c0, c8, mf, af);
     }
   };
-  // The group's 4 steps x 2 tiles x PARTS wgmmas into d (the first of each tile overwrites it).
   auto issue = [&](int sidx, const uint32_t (&af)[4][2][4], float (&d)[2][ND]) {
-    const uint32_t xb = smem_base + static_cast<uint32_t>(sidx * sizeof(Stage) + offsetof(Stage, xb));
-#pragma unroll
-    for (int s = 0; s < 4; ++s)
-#pragma unroll
-      for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-        for (int p = PARTS - 1; p >= 0; --p)  // small parts first
-          wg_mma(d[mf], af[s][mf], wg_desc(xb + (s * PARTS + p) * kBBytes, kWgLbo, kWgSbo), s > 0 || p < PARTS - 1);
+    wg_issue<PARTS>(smem_base + static_cast<uint32_t>(sidx * sizeof(Stage) + offsetof(Stage, xb)), kBBytes, af, d);
   };
   // y += s Σ q x + b Σ x for group G from its sums d: rows g, g + 8 of each tile; tokens 8 j + 2 t, + 1.
   auto epilogue = [&](int G, const Stage& st, const float (&d)[2][ND]) {
@@ -272,15 +342,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
         s0 = scales.value(sb_g.x, sel0), b0 = scales.value(sb_g.y, sel0);
         s1 = scales.value(sb_g8.x, sel1), b1 = scales.value(sb_g8.y, sel1);
       }
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        float* c = &acc[mf][4 * j];
-        const float* e = &d[mf][4 * j];
-        c[0] = fmaf(s0, e[0], fmaf(b0, sx[j].x, c[0]));
-        c[1] = fmaf(s0, e[1], fmaf(b0, sx[j].y, c[1]));
-        c[2] = fmaf(s1, e[2], fmaf(b1, sx[j].x, c[2]));
-        c[3] = fmaf(s1, e[3], fmaf(b1, sx[j].y, c[3]));
-      }
+      wg_add_group(acc[mf], d[mf], s0, b0, s1, b1, sx);
     }
   };
   stage_group(g_begin, stage[0]);
@@ -311,30 +373,136 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
     }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
-  if (!active) return;
-  float* const y = a.job[job].y;
-  const int ldy = a.job[job].ldy;
-  const Epilogue epi = a.job[job].epi;
-  const float epi_arg = a.job[job].epi_arg;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int row = drow[8 * j + 2 * t + c];
-      if (row < 0) continue;
-      float* yr = y + static_cast<size_t>(row) * ldy;
-      if (a.split.partial)
-        yr = a.split.partial + blockIdx.z * a.split.stride + a.split.off[job] + static_cast<int64_t>(row) * w0.rows;
-#pragma unroll
-      for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int f = f_wg + 64 * mf + 16 * wq + 8 * h + g;
-          if (f >= w0.rows) continue;
-          const float v = acc[mf][4 * j + 2 * h + c];
-          yr[f] = a.split.partial ? v : apply_epilogue(v, epi, epi_arg);
-        }
+  if (active) wg_store<NJ>(a, job, f_wg, acc, drow);
+#else
+  __trap();  // built for sm_90a only (CMakeLists.txt); q4_wg_ready() keeps other devices off this path
+#endif
+}
+
+// ---- The same product when every unit is in 16-row tiles, fed by bulk copies
+//
+// Why: Nsight Compute on q4_wg_dense_kernel (the DeltaNet in_proj at 2,048 rows, 2026-12-01 03:05Z:
+// 1.34 ms, ~26% of the bf16 MMA rate) put a third of its warps' stall samples on its copies: each
+// thread issues ~8 cp.async per group (2,048 per block), and the instructions after them wait for the
+// copy queue (long scoreboard 14%, LSU 7%, MIO 7%); another 16% waited at the per-group block barrier.
+// Here one warp asks for a group's whole stage with 17 bulk copies: the activations' block (laid out
+// by q4_xfrag_kernel exactly as shared memory holds it, Σ x included) and the 16 (tile, group) runs of
+// 576 bytes of the two units. Stages complete on mbarriers, and each warp says when it is done with a
+// stage (a second mbarrier), so the two warpgroups are no longer in lock step at every group: the
+// copy of group G + kWgAhead waits only until every warp is past group G + kWgAhead - kWgBulkStages.
+// The arithmetic is q4_wg_dense_kernel's (the same helpers, in the same order: the same bits).
+// Measured (2026-12-01 03:21Z, one call): that in_proj 1.34 -> 1.20 ms in Nsight Compute (its L2
+// throughput 47% -> 13%: a bulk copy is far fewer L2 requests), 8.03 -> 7.35 us per 8k prefill token
+// in the profile; the other products (out_proj, the router's halves, o_proj) level; prefill's totals
+// within the calls' spread. So the copies were not what bounds these products (the data waits remain,
+// now at the mbarriers); nor is L2 bandwidth: blocks in clusters of two that multicast the shared
+// activations (half the L2 reads) were slower (in_proj 1.48 ms: the cross-block releases cost a
+// cluster-scope fence per warp and group, and tie the pair's pace together).
+constexpr int kWgBulkStages = 5, kWgAhead = 3;
+constexpr int kWgUnitBytes = 8 * kTileGroupBytes;  // a unit's 8 tiles of one group
+// One stage: [the activations' tile-group block (q4_wg_act_block_bytes)][unit 0's 8 tiles][unit 1's 8
+// tiles].
+template <int PARTS>
+CK_HD constexpr int wg_bulk_stage_bytes() { return q4_wg_act_block_bytes(PARTS) + 2 * kWgUnitBytes; }
+template <int PARTS>
+constexpr int wg_bulk_smem() { return kWgBulkStages * wg_bulk_stage_bytes<PARTS>(); }
+static_assert(wg_bulk_stage_bytes<2>() % 128 == 0 && wg_bulk_stage_bytes<3>() % 128 == 0, "stage alignment");
+
+// y_job[row] = epi(w_job · x[row]) for dense jobs all in 16-row tiles, 64 tokens per block; grid
+// (feature tiles, rows / 64, K splits); x from q4_xfrag_kernel's tile layout (a.xf).
+template <int PARTS>
+__global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_constant__ Q4WgArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
+  constexpr int TN = 64, NJ = TN / 8, ND = TN / 2, kBBytes = kQ4WgBBytes;
+  constexpr int kStage = wg_bulk_stage_bytes<PARTS>(), kAct = q4_wg_act_block_bytes(PARTS);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;
+  int ujob[2], uf0[2];
+  wg_block_units(a, ujob, uf0);
+  const int job = wg_pick(ujob, wg), f_wg = wg_pick(uf0, wg);
+  const DMatrix w0 = a.job[job].w;
+  const bool active = f_wg < w0.rows;  // warpgroup-uniform; idle warpgroups still meet the barriers
+  const int m0 = static_cast<int>(blockIdx.y) * TN;
+  const int g_begin = static_cast<int>(blockIdx.z) * a.k_groups;
+  const int g_end = min(a.groups, g_begin + a.k_groups);
+  __shared__ int drow[TN];
+  __shared__ uint64_t full[kWgBulkStages], empty[kWgBulkStages];
+  if (tid < TN) drow[tid] = m0 + tid < a.rows ? m0 + tid : -1;
+  if (tid == 0) {
+    for (int i = 0; i < kWgBulkStages; ++i) {
+      mbar_init(&full[i]);
+      mbar_init(&empty[i], kWgThreads / 32);
     }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  extern __shared__ __align__(128) uint8_t wg_smem[];
+  // Warp 0's copies: lane l < 16 unit l / 8's tile l % 8 (clamped to the matrix's last tile: rows
+  // past it are computed, never stored), lane 16 the activations' block.
+  const uint8_t* src = nullptr;
+  uint32_t dst = 0, bytes = 0;
+  size_t step = 0;
+  if (warp == 0 && lane < 16) {
+    const DMatrix& m = a.job[wg_pick(ujob, lane >> 3)].w;
+    const int n_tiles = (m.rows + kTileRows - 1) / kTileRows;
+    src = m.tile_group(min(wg_pick(uf0, lane >> 3) / kTileRows + (lane & 7), n_tiles - 1), 0);
+    dst = static_cast<uint32_t>(kAct + lane * kTileGroupBytes);
+    bytes = kTileGroupBytes;
+    step = kTileGroupBytes;
+  } else if (warp == 0 && lane == 16) {
+    src = reinterpret_cast<const uint8_t*>(a.xf) + static_cast<size_t>(blockIdx.y) * a.groups * kAct;
+    bytes = kAct;
+    step = kAct;
+  }
+  auto produce = [&](int G) {  // warp 0: group G into its stage
+    const int i = G - g_begin, st = i % kWgBulkStages;
+    if (lane == 0) {
+      if (i >= kWgBulkStages) mbar_wait(&empty[st], (i / kWgBulkStages - 1) & 1);  // every warp is done with it
+      mbar_arrive_expect(&full[st], kStage);
+    }
+    __syncwarp();
+    if (bytes) bulk_copy_1d(wg_smem + st * kStage + dst, src + static_cast<size_t>(G) * step, bytes, &full[st]);
+  };
+  if (warp == 0)
+    for (int G = g_begin; G < min(g_end, g_begin + kWgAhead); ++G) produce(G);
+
+  float acc[2][ND] = {};
+  float d[2][ND];
+  uint32_t af[4][2][4];
+  const uint32_t smem_base = smem_u32(wg_smem);
+  for (int G = g_begin; G < g_end; ++G) {
+    const int i = G - g_begin, st = i % kWgBulkStages;
+    if (warp == 0 && G + kWgAhead < g_end) produce(G + kWgAhead);
+    mbar_wait(&full[st], (i / kWgBulkStages) & 1);
+    if (active) {
+      const uint8_t* stage = wg_smem + st * kStage;
+      const uint8_t* unit = stage + kAct + wg * kWgUnitBytes;
+#pragma unroll
+      for (int mf = 0; mf < 2; ++mf) {
+        const uint4 c = *reinterpret_cast<const uint4*>(unit + (4 * mf + wq) * kTileGroupBytes + 16 * lane);
+        wg_a_frags(make_uint2(c.x, c.y), make_uint2(c.z, c.w), mf, af);
+      }
+      wg_fence();
+      wg_issue<PARTS>(smem_base + static_cast<uint32_t>(st * kStage), kBBytes, af, d);
+      wg_commit();
+      wg_wait<0>();
+      float2 sx[NJ];
+      const float* gsum = reinterpret_cast<const float*>(stage + PARTS * 4 * kBBytes);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) sx[j] = *reinterpret_cast<const float2*>(&gsum[8 * j + 2 * t]);
+#pragma unroll
+      for (int mf = 0; mf < 2; ++mf) {
+        float s0, b0, s1, b1;
+        tile_scales(*reinterpret_cast<const uint2*>(unit + (4 * mf + wq) * kTileGroupBytes + 512 + 8 * g), s0, b0, s1,
+                    b1);
+        wg_add_group(acc[mf], d[mf], s0, b0, s1, b1, sx);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[st]);
+  }
+  if (active) wg_store<NJ>(a, job, f_wg, acc, drow);
 #else
   __trap();  // built for sm_90a only (CMakeLists.txt); q4_wg_ready() keeps other devices off this path
 #endif
@@ -366,6 +534,14 @@ int q4_wg_units(Q4WgArgs& a) {
 bool q4_wg_ready() {
   static const bool ready = [] {
     cudaFuncAttributes at{};
+    const std::pair<WgKernel, int> bulk[] = {{q4_wg_bulk_kernel<2>, wg_bulk_smem<2>()},
+                                             {q4_wg_bulk_kernel<3>, wg_bulk_smem<3>()}};
+    for (const auto& [k, smem] : bulk)
+      if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
+          cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+      }
     for (int parts : {2, 3})
       for (int tokens : {32, 64}) {
         int smem = 0;
@@ -387,6 +563,13 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
   const WgKernel k = wg_kernel(parts, tokens, &smem);
   const dim3 grid(feature_tiles, static_cast<unsigned>((a.rows + tokens - 1) / tokens), splits);
   k<<<grid, kWgThreads, smem, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, cudaStream_t stream) {
+  const dim3 grid(feature_tiles, static_cast<unsigned>((a.rows + 63) / 64), splits);
+  if (parts == 3) q4_wg_bulk_kernel<3><<<grid, kWgThreads, wg_bulk_smem<3>(), stream>>>(a);
+  else q4_wg_bulk_kernel<2><<<grid, kWgThreads, wg_bulk_smem<2>(), stream>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 

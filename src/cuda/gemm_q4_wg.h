@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "cuda/common.h"
 #include "cuda/ops.h"
 #include "cuda/split_k.h"
 
@@ -45,5 +46,15 @@ bool q4_wg_ready();
 // (or 32).
 void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens,
                         cudaStream_t stream);
+
+// The same product when every job's matrix is in 16-row tiles (DMatrix::tiled), fed by bulk copies
+// (gemm_q4_wg.cu says why), 64 tokens per block. a.xf holds the activations in q4_xfrag_kernel's tile
+// layout: per 64-row tile and group one block of q4_wg_act_block_bytes(parts) bytes, laid out as the
+// kernel's shared memory holds it (Σ x included; a.gsum is not read).
+void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, cudaStream_t stream);
+// One (64-row tile, group) block of the tile layout: (step s, part p) of B core matrices at
+// (s parts + p) kQ4WgBBytes (64 tokens x 16 k values of bf16), then the 64 tokens' Σ x (floats).
+constexpr int kQ4WgBBytes = 64 * 32;
+CK_HD constexpr int q4_wg_act_block_bytes(int parts) { return parts * 4 * kQ4WgBBytes + 64 * 4; }
 
 }  // namespace ck::cuda

@@ -452,10 +452,13 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
       std::vector<float> x = randn(static_cast<size_t>(n) * ldx, rng);
       DeviceBuffer<float> xd;
       to_device(x, &xd);
-      // Prefill (n > 8): both kernels, each for both layouts.
-      for (int wg : {0, 1}) {
-        if (n <= kMaxRows && wg) continue;
+      // Prefill (n > 8): both kernels, each for both layouts (with tiles, the warpgroup kernel's bulk-
+      // copy form: gemm_q4_wg.h); at 800 rows the warpgroup kernels with x in three parts too.
+      for (int form : {0, 1, 2}) {
+        const int wg = form > 0, parts = form == 2 ? 3 : 2;
+        if ((n <= kMaxRows && wg) || (parts == 3 && n != 800)) continue;
         set_q4_wg_min_rows(wg ? 1 : 1 << 30);
+        set_prefill_parts(parts);
         std::vector<float> out[2];
         for (int lay = 0; lay < 2; ++lay) {
           DeviceBuffer<float> yd(static_cast<size_t>(n) * ldy);
@@ -463,7 +466,8 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
           out[lay] = to_host(yd.get(), static_cast<size_t>(n) * ldy);
         }
         const std::string what = "tiles " + std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " +
-                                 std::to_string(n) + (n > kMaxRows ? (wg ? " wgmma" : " q4_tile") : "");
+                                 std::to_string(n) + (n > kMaxRows ? (wg ? " wgmma" : " q4_tile") : "") +
+                                 (parts == 3 ? " 3 parts" : "");
         if (same_path(c, n)) {
           int64_t diff = 0;
           for (int r = 0; r < n; ++r)
@@ -484,6 +488,7 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
           report(what, compare(got, ref, tol, 0, 0));
         }
       }
+      set_prefill_parts(-1);
     }
   }
   set_q4_wg_min_rows(-1);
