@@ -68,18 +68,21 @@ int prefill_parts() {
 // group; only the first `parts` parts (the kernels multiply no others). With wg (the wgmma kernel,
 // gemm_q4_wg.cu), each (step, part) holds the four lanes' pair A words, then their pair B words: the
 // row's k values 0..7 and 8..15 of the step, one core-matrix row each. With wg == 2 (the tile layout
-// of gemm_q4_wg.h's bulk kernel) each (64-row tile, group) is one block of q4_wg_act_block_bytes(parts):
-// (step, part) at (s parts + p) kQ4WgBBytes, the row's two 16-byte halves at 256 (r / 8) + 16 (r % 8) and
-// 128 bytes further (r = row % 64: the core-matrix order the kernel's wgmmas read), then the tile's 64
-// Σ x; the grid then covers whole tiles and rows past x_rows are zeros. grid (rows), block 128.
+// of gemm_q4_wg.h's bulk kernel) each (tile of tile_rows rows, group) is one block of
+// q4_wg_act_block_bytes(parts, tile_rows): (step, part) at (s parts + p) q4_wg_b_bytes(tile_rows), the
+// row's two 16-byte halves at 256 (r / 8) + 16 (r % 8) and 128 bytes further (r = row % tile_rows: the
+// core-matrix order the kernel's wgmmas read), then the tile's Σ x; the grid then covers whole tiles
+// and rows past x_rows are zeros. grid (rows), block 128.
 __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __restrict__ x, int ldx, int x_rows, int K,
-                                                              int groups, int parts, int wg, uint2* xf, float* gsum) {
+                                                              int groups, int parts, int wg, int tile_rows, uint2* xf,
+                                                              float* gsum) {
   const int row = blockIdx.x;
   const bool real = row < x_rows;
   const float* xr = x + static_cast<size_t>(real ? row : 0) * ldx;
   uint2* out = xf + static_cast<size_t>(row) * groups * kQ4GroupU2;
-  const int tile_bytes = wg == 2 ? q4_wg_act_block_bytes(parts) : 0, r64 = row % 64;
-  uint8_t* tile = reinterpret_cast<uint8_t*>(xf) + static_cast<size_t>(row / 64) * groups * tile_bytes;
+  const int tile_bytes = wg == 2 ? q4_wg_act_block_bytes(parts, tile_rows) : 0, b_bytes = q4_wg_b_bytes(tile_rows);
+  const int r_t = wg == 2 ? row % tile_rows : 0;
+  uint8_t* tile = reinterpret_cast<uint8_t*>(xf) + static_cast<size_t>(wg == 2 ? row / tile_rows : 0) * groups * tile_bytes;
   // Unrolled so that several iterations' loads are in flight at once (one round trip each, in order,
   // made this kernel ~60 us per 1,024-row chunk of the 10,240-wide mix input).
 #pragma unroll 4
@@ -96,8 +99,8 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
         v.y = bf16_pair(bf16_part(xr[c + 1], p), bf16_part(xr[c + 5], p));
       }
       if (wg == 2) {
-        uint8_t* b = tile + static_cast<size_t>(G) * tile_bytes + (s * parts + p) * kQ4WgBBytes + 256 * (r64 >> 3) +
-                     16 * (r64 & 7) + 4 * t;
+        uint8_t* b = tile + static_cast<size_t>(G) * tile_bytes + (s * parts + p) * b_bytes + 256 * (r_t >> 3) +
+                     16 * (r_t & 7) + 4 * t;
         *reinterpret_cast<uint32_t*>(b) = v.x;
         *reinterpret_cast<uint32_t*>(b + 128) = v.y;
       } else if (wg) {
@@ -114,7 +117,7 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
   for (int G = warp; G < groups; G += blockDim.x >> 5) {
     const float v = G * 64 < K && real ? tc4_group_sum(xr + G * 64) : 0.0f;
     if (lane == 0 && wg == 2)
-      reinterpret_cast<float*>(tile + static_cast<size_t>(G) * tile_bytes + parts * 4 * kQ4WgBBytes)[r64] = v;
+      reinterpret_cast<float*>(tile + static_cast<size_t>(G) * tile_bytes + parts * 4 * b_bytes)[r_t] = v;
     else if (lane == 0)
       gsum[static_cast<size_t>(row) * groups + G] = v;
   }
@@ -488,18 +491,21 @@ struct XFrag {
   float* gsum = nullptr;
 };
 
-// wg: 0 (q4_tile_kernel's layout), 1 (q4_wg_dense_kernel's) or 2 (q4_wg_bulk_kernel's tiles, Σ x inside).
-XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts, cudaStream_t stream, int wg = 0) {
+// wg: 0 (q4_tile_kernel's layout), 1 (q4_wg_dense_kernel's) or 2 (q4_wg_bulk_kernel's tiles of
+// tile_rows rows, Σ x inside).
+XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts, cudaStream_t stream, int wg = 0,
+                 int tile_rows = 64) {
   XFrag f;
-  const int grid_rows = wg == 2 ? static_cast<int>(round_up(rows, 64)) : rows;
-  const size_t xf_bytes = wg == 2 ? static_cast<size_t>(grid_rows / 64) * groups * q4_wg_act_block_bytes(parts)
+  const int grid_rows = wg == 2 ? static_cast<int>(round_up(rows, tile_rows)) : rows;
+  const size_t xf_bytes = wg == 2 ? static_cast<size_t>(grid_rows / tile_rows) * groups *
+                                        q4_wg_act_block_bytes(parts, tile_rows)
                                   : static_cast<size_t>(rows) * groups * kQ4GroupU2 * sizeof(uint2);
   const size_t gsum_bytes = wg == 2 ? 0 : sizeof(float) * rows * groups;
   CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + gsum_bytes, stream));
   f.xf = reinterpret_cast<uint2*>(f.mem);
   f.gsum = wg == 2 ? nullptr : reinterpret_cast<float*>(f.mem + xf_bytes);
   q4_xfrag_kernel<<<static_cast<unsigned>(grid_rows), kQ4Threads, 0, stream>>>(x, ldx, rows, K, groups, parts, wg,
-                                                                               f.xf, f.gsum);
+                                                                               tile_rows, f.xf, f.gsum);
   CUDA_CHECK_LAUNCH();
   return f;
 }
@@ -577,6 +583,8 @@ void set_q4_wg_min_rows(int rows) {
   g_q4_wg_min_rows = rows < 0 ? -1 : std::max(1, rows);
   g_q4_wg_rows_only = rows >= 0;
 }
+static int g_q4_wg_wide = -1;  // set_q4_wg_wide: -1, CK_Q4_WG_WIDE decides
+void set_q4_wg_wide(int on) { g_q4_wg_wide = on < 0 ? -1 : (on ? 1 : 0); }
 
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
@@ -628,18 +636,23 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   bool all_tiled = true;
   for (int j = 0; j < n_jobs; ++j) all_tiled = all_tiled && jobs[j].w.tiled();
   const bool bulk = wg && bulk_on && all_tiled && wg_tokens == 64;
+  // The bulk kernel with 128 tokens x 64 features per warpgroup (CK_Q4_WG_WIDE=1, set_q4_wg_wide).
+  static const bool wide_env = env_is("CK_Q4_WG_WIDE", "1");
+  const bool wide_on = g_q4_wg_wide < 0 ? wide_env : g_q4_wg_wide > 0;
+  const int block_tokens = bulk && wide_on ? 128 : wg_tokens;
   Q4WgArgs w;
   if (wg) {
     w.n_jobs = n_jobs;
     for (int j = 0; j < n_jobs; ++j) w.job[j] = jobs[j];
-    tiles = q4_wg_units(w);  // the jobs' 128-feature units, two to a block (dense_args fills the rest)
+    // The jobs' units (128 features, or 64 for 128 tokens), two to a block (dense_args fills the rest).
+    tiles = q4_wg_units(w, 8192 / block_tokens);
   }
   // Split K when the grid fills its last wave poorly (two q4_tile_kernel blocks per SM, or one wgmma
   // block): the hyper-connection down projection (2 blocks per 64 tokens over K = 10,240: 64 blocks
   // for 2,048 rows) and the DeltaNet out projection (320 blocks: 1.2 waves). The fewest splits whose waves are
   // >= 85% full, each split at least 8 groups long; the partial sums cost a write and a read of the
   // output per split. K < 256 stays on gemm.cu.
-  const int row_tiles = static_cast<int>(ceil_div(rows, wg ? wg_tokens : 32)), groups = K / 64;
+  const int row_tiles = static_cast<int>(ceil_div(rows, wg ? block_tokens : 32)), groups = K / 64;
   const int64_t blocks = static_cast<int64_t>(tiles) * row_tiles,
                 slots = (wg ? 1 : 2) * static_cast<int64_t>(sm_count());
   auto fill = [&](int s) {
@@ -653,7 +666,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (!wg && blocks < sm_count() && splits < 2 && !tiled) return false;
   const int k_groups = static_cast<int>(ceil_div(groups, splits));
   splits = static_cast<int>(ceil_div(groups, k_groups));
-  XFrag f = make_xfrag(x, ldx, rows, K, groups, parts, stream, bulk ? 2 : wg ? 1 : 0);
+  XFrag f = make_xfrag(x, ldx, rows, K, groups, parts, stream, bulk ? 2 : wg ? 1 : 0, block_tokens);
   const SplitK split = splits > 1 ? split_k_start(jobs, n_jobs, rows, splits, stream) : SplitK{};
   // The dense launch's arguments, the same fields in either kernel's struct (the jobs' blocks: w's
   // first_unit from q4_wg_units, or a's first_tile below).
@@ -669,7 +682,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   };
   if (wg) {
     dense_args(w);
-    if (bulk) launch_q4_wg_bulk(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, stream);
+    if (bulk) launch_q4_wg_bulk(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, block_tokens, stream);
     else launch_q4_wg_dense(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, wg_tokens, stream);
   } else {
     Q4Args a{};

@@ -72,7 +72,8 @@ __device__ __forceinline__ void wg_mma(float (&d)[16], const uint32_t (&a)[4], u
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, "
+      "p, 1, 1, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
@@ -89,16 +90,34 @@ __device__ __forceinline__ void wg_mma(float (&d)[32], const uint32_t (&a)[4], u
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
 }
+__device__ __forceinline__ void wg_mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
+      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
+      "%62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+}
 
-// The group's 4 steps x 2 tiles x PARTS wgmmas into d (the first of each tile overwrites it); B of
+// The group's 4 steps x MF tiles x PARTS wgmmas into d (the first of each tile overwrites it); B of
 // (step s, part p) at xb + (s PARTS + p) b_bytes.
-template <int PARTS, int ND>
-__device__ __forceinline__ void wg_issue(uint32_t xb, uint32_t b_bytes, const uint32_t (&af)[4][2][4],
-                                         float (&d)[2][ND]) {
+template <int PARTS, int MF, int ND>
+__device__ __forceinline__ void wg_issue(uint32_t xb, uint32_t b_bytes, const uint32_t (&af)[4][MF][4],
+                                         float (&d)[MF][ND]) {
 #pragma unroll
   for (int s = 0; s < 4; ++s)
 #pragma unroll
-    for (int mf = 0; mf < 2; ++mf)
+    for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
       for (int p = PARTS - 1; p >= 0; --p)  // small parts first
         wg_mma(d[mf], af[s][mf], wg_desc(xb + (s * PARTS + p) * b_bytes, kWgLbo, kWgSbo), s > 0 || p < PARTS - 1);
@@ -115,7 +134,7 @@ __device__ __forceinline__ void wg_block_units(const Q4WgArgs& a, int (&ujob)[2]
     int j = 0;
     while (j + 1 < a.n_jobs && unit >= a.first_unit[j + 1]) ++j;
     ujob[u] = j;
-    uf0[u] = unit < a.first_unit[a.n_jobs] ? (unit - a.first_unit[j]) * kQ4WgUnitFeatures : a.job[j].w.rows;
+    uf0[u] = unit < a.first_unit[a.n_jobs] ? (unit - a.first_unit[j]) * a.unit_features : a.job[j].w.rows;
   }
 }
 
@@ -125,7 +144,8 @@ __device__ __forceinline__ T wg_pick(const T (&v)[2], int u) { return u ? v[1] :
 
 // One m64 tile's A fragments (this warp's 16-row slice) for a group's 4 k16 steps, in
 // q4_tile_kernel's code_pair_lop3 order, from the 8 code bytes of row g (c0) and of row g + 8 (c8).
-__device__ __forceinline__ void wg_a_frags(uint2 c0, uint2 c8, int mf, uint32_t (&af)[4][2][4]) {
+template <int MF>
+__device__ __forceinline__ void wg_a_frags(uint2 c0, uint2 c8, int mf, uint32_t (&af)[4][MF][4]) {
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const uint32_t w_g = (s >> 1) ? c0.y : c0.x, w_g8 = (s >> 1) ? c8.y : c8.x;
@@ -153,10 +173,10 @@ __device__ __forceinline__ void wg_add_group(float (&acc)[ND], const float (&d)[
   }
 }
 
-// The warpgroup's outputs: features f_wg + [0, 128) of its job (those below the matrix's rows), tokens
-// drow[] (-1: past the chunk), through the job's epilogue, or into its split-K partial sums.
-template <int NJ, int ND>
-__device__ __forceinline__ void wg_store(const Q4WgArgs& a, int job, int f_wg, const float (&acc)[2][ND],
+// The warpgroup's outputs: features f_wg + [0, 64 MF) of its job (those below the matrix's rows),
+// tokens drow[] (-1: past the chunk), through the job's epilogue, or into its split-K partial sums.
+template <int NJ, int MF, int ND>
+__device__ __forceinline__ void wg_store(const Q4WgArgs& a, int job, int f_wg, const float (&acc)[MF][ND],
                                          const int* drow) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, wq = (threadIdx.x >> 5) & 3;
   const int w_rows = a.job[job].w.rows;
@@ -174,7 +194,7 @@ __device__ __forceinline__ void wg_store(const Q4WgArgs& a, int job, int f_wg, c
       if (a.split.partial)
         yr = a.split.partial + blockIdx.z * a.split.stride + a.split.off[job] + static_cast<int64_t>(row) * w_rows;
 #pragma unroll
-      for (int mf = 0; mf < 2; ++mf)
+      for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int f = f_wg + 64 * mf + 16 * wq + 8 * h + g;
@@ -389,7 +409,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
 // by q4_xfrag_kernel exactly as shared memory holds it, Σ x included) and the 16 (tile, group) runs of
 // 576 bytes of the two units. Stages complete on mbarriers, and each warp says when it is done with a
 // stage (a second mbarrier), so the two warpgroups are no longer in lock step at every group: the
-// copy of group G + kWgAhead waits only until every warp is past group G + kWgAhead - kWgBulkStages.
+// copy of group G + kWgAhead waits only until every warp is past group G + kWgAhead - (stages).
 // The arithmetic is q4_wg_dense_kernel's (the same helpers, in the same order: the same bits).
 // Measured (2026-12-01 03:21Z, one call): that in_proj 1.34 -> 1.20 ms in Nsight Compute (its L2
 // throughput 47% -> 13%: a bulk copy is far fewer L2 requests), 8.03 -> 7.35 us per 8k prefill token
@@ -398,24 +418,44 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
 // now at the mbarriers); nor is L2 bandwidth: blocks in clusters of two that multicast the shared
 // activations (half the L2 reads) were slower (in_proj 1.48 ms: the cross-block releases cost a
 // cluster-scope fence per warp and group, and tie the pair's pace together).
-constexpr int kWgBulkStages = 5, kWgAhead = 3;
-constexpr int kWgUnitBytes = 8 * kTileGroupBytes;  // a unit's 8 tiles of one group
-// One stage: [the activations' tile-group block (q4_wg_act_block_bytes)][unit 0's 8 tiles][unit 1's 8
-// tiles].
-template <int PARTS>
-CK_HD constexpr int wg_bulk_stage_bytes() { return q4_wg_act_block_bytes(PARTS) + 2 * kWgUnitBytes; }
-template <int PARTS>
-constexpr int wg_bulk_smem() { return kWgBulkStages * wg_bulk_stage_bytes<PARTS>(); }
-static_assert(wg_bulk_stage_bytes<2>() % 128 == 0 && wg_bulk_stage_bytes<3>() % 128 == 0, "stage alignment");
+//
+// TN = 128 (CK_Q4_WG_WIDE=1, set_q4_wg_wide; not the default yet): a warpgroup takes 64 features as one
+// m64n128k16 tile instead of 128 as two m64n64k16 tiles: the same outputs per block and group with
+// half the wgmmas and half the A unpacking. Measured (03:37Z, one call, profiles at 8k tokens): in_proj
+// 7.29 -> 6.26 us per token, out_proj 3.51 -> 3.11, the router's halves 1.64 -> 1.56, o_proj 1.16 ->
+// 1.03; prefill +2.4% / +3.5% at 2k / 8k. Its sums matched q4_wg_dense_kernel's bits where both chose
+// the same K split (2,560 x 6,144 at 70 rows) and differed exactly where the splits differ (its blocks
+// cover other row counts), but the device time ran out before its test against the CPU
+// (WideWarpgroupTilesMatchCpu) and the model tests ran with it: the next GPU run does that first.
+constexpr int kWgAhead = 3;
+// A unit's tiles of one group: 128 features (8 tiles) with 64 tokens per block, 64 (4) with 128.
+CK_HD constexpr int wg_unit_bytes(int tokens) { return (8192 / tokens / kTileRows) * kTileGroupBytes; }
+// One stage: [the activations' tile-group block (q4_wg_act_block_bytes)][unit 0's tiles][unit 1's].
+CK_HD constexpr int wg_bulk_stage_bytes(int parts, int tokens) {
+  return q4_wg_act_block_bytes(parts, tokens) + 2 * wg_unit_bytes(tokens);
+}
+// Stages: five, or as many as fit 220 KB (four at 128 tokens and three parts).
+CK_HD constexpr int wg_bulk_stages(int parts, int tokens) {
+  return 220 * 1024 / wg_bulk_stage_bytes(parts, tokens) < 5 ? 220 * 1024 / wg_bulk_stage_bytes(parts, tokens) : 5;
+}
+constexpr int wg_bulk_smem(int parts, int tokens) { return wg_bulk_stages(parts, tokens) * wg_bulk_stage_bytes(parts, tokens); }
+static_assert(wg_bulk_stage_bytes(2, 64) % 128 == 0 && wg_bulk_stage_bytes(3, 64) % 128 == 0 &&
+                  wg_bulk_stage_bytes(2, 128) % 128 == 0 && wg_bulk_stage_bytes(3, 128) % 128 == 0,
+              "stage alignment");
+static_assert(wg_bulk_stages(3, 128) > kWgAhead, "stages for the copies ahead");
 
-// y_job[row] = epi(w_job · x[row]) for dense jobs all in 16-row tiles, 64 tokens per block; grid
-// (feature tiles, rows / 64, K splits); x from q4_xfrag_kernel's tile layout (a.xf).
-template <int PARTS>
+// y_job[row] = epi(w_job · x[row]) for dense jobs all in 16-row tiles, TN tokens per block (64: a
+// warpgroup takes 128 features as two m64 tiles; 128: 64 features, one m64n128 tile); grid (feature
+// tiles, rows / TN, K splits); x from q4_xfrag_kernel's tile layout for TN rows (a.xf).
+template <int PARTS, int TN>
 __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_constant__ Q4WgArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
-  constexpr int TN = 64, NJ = TN / 8, ND = TN / 2, kBBytes = kQ4WgBBytes;
-  constexpr int kStage = wg_bulk_stage_bytes<PARTS>(), kAct = q4_wg_act_block_bytes(PARTS);
+  static_assert(TN == 64 || TN == 128, "the wgmma shapes");
+  constexpr int MF = 128 / TN, NJ = TN / 8, ND = TN / 2, kBBytes = q4_wg_b_bytes(TN);
+  constexpr int kStages = wg_bulk_stages(PARTS, TN), kUnitBytes = wg_unit_bytes(TN);
+  constexpr int kStage = wg_bulk_stage_bytes(PARTS, TN), kAct = q4_wg_act_block_bytes(PARTS, TN);
+  constexpr int kTileCopies = 2 * 4 * MF;  // the two units' tiles
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;
   int ujob[2], uf0[2];
@@ -427,10 +467,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
   const int g_begin = static_cast<int>(blockIdx.z) * a.k_groups;
   const int g_end = min(a.groups, g_begin + a.k_groups);
   __shared__ int drow[TN];
-  __shared__ uint64_t full[kWgBulkStages], empty[kWgBulkStages];
+  __shared__ uint64_t full[kStages], empty[kStages];
   if (tid < TN) drow[tid] = m0 + tid < a.rows ? m0 + tid : -1;
   if (tid == 0) {
-    for (int i = 0; i < kWgBulkStages; ++i) {
+    for (int i = 0; i < kStages; ++i) {
       mbar_init(&full[i]);
       mbar_init(&empty[i], kWgThreads / 32);
     }
@@ -438,27 +478,28 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
   }
   __syncthreads();
   extern __shared__ __align__(128) uint8_t wg_smem[];
-  // Warp 0's copies: lane l < 16 unit l / 8's tile l % 8 (clamped to the matrix's last tile: rows
-  // past it are computed, never stored), lane 16 the activations' block.
+  // Warp 0's copies: lane l < kTileCopies unit l / (4 MF)'s tile l % (4 MF) (clamped to the matrix's
+  // last tile: rows past it are computed, never stored), lane kTileCopies the activations' block.
   const uint8_t* src = nullptr;
   uint32_t dst = 0, bytes = 0;
   size_t step = 0;
-  if (warp == 0 && lane < 16) {
-    const DMatrix& m = a.job[wg_pick(ujob, lane >> 3)].w;
+  if (warp == 0 && lane < kTileCopies) {
+    const int u = lane / (4 * MF);
+    const DMatrix& m = a.job[wg_pick(ujob, u)].w;
     const int n_tiles = (m.rows + kTileRows - 1) / kTileRows;
-    src = m.tile_group(min(wg_pick(uf0, lane >> 3) / kTileRows + (lane & 7), n_tiles - 1), 0);
+    src = m.tile_group(min(wg_pick(uf0, u) / kTileRows + lane % (4 * MF), n_tiles - 1), 0);
     dst = static_cast<uint32_t>(kAct + lane * kTileGroupBytes);
     bytes = kTileGroupBytes;
     step = kTileGroupBytes;
-  } else if (warp == 0 && lane == 16) {
+  } else if (warp == 0 && lane == kTileCopies) {
     src = reinterpret_cast<const uint8_t*>(a.xf) + static_cast<size_t>(blockIdx.y) * a.groups * kAct;
     bytes = kAct;
     step = kAct;
   }
   auto produce = [&](int G) {  // warp 0: group G into its stage
-    const int i = G - g_begin, st = i % kWgBulkStages;
+    const int i = G - g_begin, st = i % kStages;
     if (lane == 0) {
-      if (i >= kWgBulkStages) mbar_wait(&empty[st], (i / kWgBulkStages - 1) & 1);  // every warp is done with it
+      if (i >= kStages) mbar_wait(&empty[st], (i / kStages - 1) & 1);  // every warp is done with it
       mbar_arrive_expect(&full[st], kStage);
     }
     __syncwarp();
@@ -467,19 +508,19 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
   if (warp == 0)
     for (int G = g_begin; G < min(g_end, g_begin + kWgAhead); ++G) produce(G);
 
-  float acc[2][ND] = {};
-  float d[2][ND];
-  uint32_t af[4][2][4];
+  float acc[MF][ND] = {};
+  float d[MF][ND];
+  uint32_t af[4][MF][4];
   const uint32_t smem_base = smem_u32(wg_smem);
   for (int G = g_begin; G < g_end; ++G) {
-    const int i = G - g_begin, st = i % kWgBulkStages;
+    const int i = G - g_begin, st = i % kStages;
     if (warp == 0 && G + kWgAhead < g_end) produce(G + kWgAhead);
-    mbar_wait(&full[st], (i / kWgBulkStages) & 1);
+    mbar_wait(&full[st], (i / kStages) & 1);
     if (active) {
       const uint8_t* stage = wg_smem + st * kStage;
-      const uint8_t* unit = stage + kAct + wg * kWgUnitBytes;
+      const uint8_t* unit = stage + kAct + wg * kUnitBytes;
 #pragma unroll
-      for (int mf = 0; mf < 2; ++mf) {
+      for (int mf = 0; mf < MF; ++mf) {
         const uint4 c = *reinterpret_cast<const uint4*>(unit + (4 * mf + wq) * kTileGroupBytes + 16 * lane);
         wg_a_frags(make_uint2(c.x, c.y), make_uint2(c.z, c.w), mf, af);
       }
@@ -492,7 +533,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
 #pragma unroll
       for (int j = 0; j < NJ; ++j) sx[j] = *reinterpret_cast<const float2*>(&gsum[8 * j + 2 * t]);
 #pragma unroll
-      for (int mf = 0; mf < 2; ++mf) {
+      for (int mf = 0; mf < MF; ++mf) {
         float s0, b0, s1, b1;
         tile_scales(*reinterpret_cast<const uint2*>(unit + (4 * mf + wq) * kTileGroupBytes + 512 + 8 * g), s0, b0, s1,
                     b1);
@@ -521,11 +562,12 @@ WgKernel wg_kernel(int parts, int tokens, int* smem) {
 
 }  // namespace
 
-int q4_wg_units(Q4WgArgs& a) {
+int q4_wg_units(Q4WgArgs& a, int unit_features) {
+  a.unit_features = unit_features;
   int u = 0;
   for (int j = 0; j < a.n_jobs; ++j) {
     a.first_unit[j] = u;
-    u += (a.job[j].w.rows + kQ4WgUnitFeatures - 1) / kQ4WgUnitFeatures;
+    u += (a.job[j].w.rows + unit_features - 1) / unit_features;
   }
   a.first_unit[a.n_jobs] = u;
   return (u + 1) / 2;
@@ -534,8 +576,9 @@ int q4_wg_units(Q4WgArgs& a) {
 bool q4_wg_ready() {
   static const bool ready = [] {
     cudaFuncAttributes at{};
-    const std::pair<WgKernel, int> bulk[] = {{q4_wg_bulk_kernel<2>, wg_bulk_smem<2>()},
-                                             {q4_wg_bulk_kernel<3>, wg_bulk_smem<3>()}};
+    const std::pair<WgKernel, int> bulk[] = {
+        {q4_wg_bulk_kernel<2, 64>, wg_bulk_smem(2, 64)}, {q4_wg_bulk_kernel<3, 64>, wg_bulk_smem(3, 64)},
+        {q4_wg_bulk_kernel<2, 128>, wg_bulk_smem(2, 128)}, {q4_wg_bulk_kernel<3, 128>, wg_bulk_smem(3, 128)}};
     for (const auto& [k, smem] : bulk)
       if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
           cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
@@ -566,10 +609,14 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
   CUDA_CHECK_LAUNCH();
 }
 
-void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, cudaStream_t stream) {
-  const dim3 grid(feature_tiles, static_cast<unsigned>((a.rows + 63) / 64), splits);
-  if (parts == 3) q4_wg_bulk_kernel<3><<<grid, kWgThreads, wg_bulk_smem<3>(), stream>>>(a);
-  else q4_wg_bulk_kernel<2><<<grid, kWgThreads, wg_bulk_smem<2>(), stream>>>(a);
+void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens,
+                       cudaStream_t stream) {
+  const dim3 grid(feature_tiles, static_cast<unsigned>((a.rows + tokens - 1) / tokens), splits);
+  const int smem = wg_bulk_smem(parts, tokens);
+  if (tokens == 128 && parts == 3) q4_wg_bulk_kernel<3, 128><<<grid, kWgThreads, smem, stream>>>(a);
+  else if (tokens == 128) q4_wg_bulk_kernel<2, 128><<<grid, kWgThreads, smem, stream>>>(a);
+  else if (parts == 3) q4_wg_bulk_kernel<3, 64><<<grid, kWgThreads, smem, stream>>>(a);
+  else q4_wg_bulk_kernel<2, 64><<<grid, kWgThreads, smem, stream>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 

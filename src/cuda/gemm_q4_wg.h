@@ -24,7 +24,8 @@ constexpr int kQ4WgUnitFeatures = 128;
 
 struct Q4WgArgs {
   GemvJob job[kMaxGemvJobs];  // up to kMaxGemvJobs matrices over the same x rows [0, rows)
-  int32_t first_unit[kMaxGemvJobs + 1];  // job j's 128-feature units: [first_unit[j], first_unit[j + 1])
+  int32_t first_unit[kMaxGemvJobs + 1];  // job j's units: [first_unit[j], first_unit[j + 1])
+  int32_t unit_features = kQ4WgUnitFeatures;  // features per unit (a warpgroup's share of a block)
   int32_t n_jobs = 0;
   int32_t rows = 0;
   const uint2* xf = nullptr;  // q4_xfrag_kernel's output in its wgmma layout (see gemm_q4.cu)
@@ -38,7 +39,7 @@ struct Q4WgArgs {
 // they take: consecutive units share a block whatever their jobs (layouts and scale types may differ),
 // so the hyper-connection down projection (320 rows, tiles) and its injection head (4 rows, row
 // layout) take 2 blocks per token tile, not 3.
-int q4_wg_units(Q4WgArgs& a);
+int q4_wg_units(Q4WgArgs& a, int unit_features = kQ4WgUnitFeatures);
 // The kernel image loads on this device and its shared-memory limit is raised (call once, before any
 // graph capture). False: use q4_tile_kernel.
 bool q4_wg_ready();
@@ -48,13 +49,16 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
                         cudaStream_t stream);
 
 // The same product when every job's matrix is in 16-row tiles (DMatrix::tiled), fed by bulk copies
-// (gemm_q4_wg.cu says why), 64 tokens per block. a.xf holds the activations in q4_xfrag_kernel's tile
-// layout: per 64-row tile and group one block of q4_wg_act_block_bytes(parts) bytes, laid out as the
-// kernel's shared memory holds it (Σ x included; a.gsum is not read).
-void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, cudaStream_t stream);
-// One (64-row tile, group) block of the tile layout: (step s, part p) of B core matrices at
-// (s parts + p) kQ4WgBBytes (64 tokens x 16 k values of bf16), then the 64 tokens' Σ x (floats).
-constexpr int kQ4WgBBytes = 64 * 32;
-CK_HD constexpr int q4_wg_act_block_bytes(int parts) { return parts * 4 * kQ4WgBBytes + 64 * 4; }
+// (gemm_q4_wg.cu says why): `tokens` per block, 64 (the units of 128 features: q4_wg_units(a)) or 128
+// (units of 64 features: q4_wg_units(a, 64); CK_Q4_WG_WIDE=1). a.xf holds the activations in
+// q4_xfrag_kernel's tile layout for tiles of `tokens` rows: per tile and group one block of
+// q4_wg_act_block_bytes(parts, tokens) bytes, laid out as the kernel's shared memory holds it (Σ x
+// included; a.gsum is not read).
+void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens,
+                       cudaStream_t stream);
+// One (tile of `rows` rows, group) block of the tile layout: (step s, part p) of B core matrices at
+// (s parts + p) q4_wg_b_bytes(rows) (the rows x 16 k values of bf16), then the rows' Σ x (floats).
+CK_HD constexpr int q4_wg_b_bytes(int rows) { return rows * 32; }
+CK_HD constexpr int q4_wg_act_block_bytes(int parts, int rows) { return parts * 4 * q4_wg_b_bytes(rows) + rows * 4; }
 
 }  // namespace ck::cuda

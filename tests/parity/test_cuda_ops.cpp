@@ -518,6 +518,56 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
   }
 }
 
+// The bulk-copy warpgroup kernel with 128 tokens x 64 features per warpgroup (set_q4_wg_wide): tiled
+// matrices of assorted heights (a 64-feature unit left idle, a partial one) and K (a split K), at 2
+// and 3 parts of x, against the CPU. (Its split-K choice may differ from the 64-token kernels', so its
+// sums need not have their bits.)
+TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(321);
+  const WeightForm q4{DType::U32, 4, 64, DType::BF16};
+  struct Case {
+    int rows, cols;
+  };
+  const Case cases[] = {{4160, 2560}, {2560, 6144}, {48, 256}, {320, 10240}};
+  DeviceArena arena;
+  set_q4_wg_min_rows(1);
+  set_q4_wg_wide(1);
+  for (const Case& c : cases) {
+    HostMatrix hm = make_matrix(c.rows, c.cols, q4, rng);
+    DenseUploader up(&arena);
+    const DMatrix tiled_m = *up.matrix(hm.m, WLayout::Tiles16);
+    ASSERT_TRUE(tiled_m.tiled());
+    for (int n : {70, 200}) {
+      const int ldx = c.cols + 4, ldy = c.rows + 3;
+      std::vector<float> x = randn(static_cast<size_t>(n) * ldx, rng);
+      DeviceBuffer<float> xd;
+      to_device(x, &xd);
+      std::vector<float> ref(static_cast<size_t>(n) * c.rows);
+      for (int r = 0; r < n; ++r)
+        ck::cpu::matvec(hm.m, x.data() + static_cast<size_t>(r) * ldx, ref.data() + static_cast<size_t>(r) * c.rows);
+      for (int parts : {2, 3}) {
+        set_prefill_parts(parts);
+        DeviceBuffer<float> yd(static_cast<size_t>(n) * ldy);
+        matvec(tiled_m, xd.get(), ldx, yd.get(), ldy, n, nullptr);
+        const std::vector<float> out = to_host(yd.get(), static_cast<size_t>(n) * ldy);
+        std::vector<float> got(ref.size());
+        for (int r = 0; r < n; ++r)
+          std::memcpy(got.data() + static_cast<size_t>(r) * c.rows, out.data() + static_cast<size_t>(r) * ldy,
+                      sizeof(float) * c.rows);
+        std::vector<double> tol = dot_tolerance(hm.m, x, n, ldx);
+        for (double& t : tol) t *= 32.0;  // x in two bf16 parts (~16 bits), as the test above
+        report("wide tiles " + std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " + std::to_string(n) +
+                   " parts " + std::to_string(parts),
+               compare(got, ref, tol, 0, 0));
+      }
+    }
+  }
+  set_prefill_parts(-1);
+  set_q4_wg_wide(-1);
+  set_q4_wg_min_rows(-1);
+}
+
 // Prefill jobs of assorted heights in one warpgroup-MMA call (gemm_q4_wg.cu): consecutive 128-feature
 // units share a block whatever their jobs (the mix's 320-row down projection and its 4-row injection
 // head take two blocks), so one block's two warpgroups may read matrices of different layouts (tiles
