@@ -453,7 +453,10 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
       DeviceBuffer<float> xd;
       to_device(x, &xd);
       // Prefill (n > 8): both kernels, each for both layouts (with tiles, the warpgroup kernel's bulk-
-      // copy form: gemm_q4_wg.h); at 800 rows the warpgroup kernels with x in three parts too.
+      // copy form: gemm_q4_wg.h, in its 64-token form, whose blocks and K split are the cp.async
+      // kernel's; WideWarpgroupTilesMatchCpu checks the other); at 800 rows the warpgroup kernels with
+      // x in three parts too.
+      set_q4_wg_wide(0);
       for (int form : {0, 1, 2}) {
         const int wg = form > 0, parts = form == 2 ? 3 : 2;
         if ((n <= kMaxRows && wg) || (parts == 3 && n != 800)) continue;
@@ -492,6 +495,7 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
     }
   }
   set_q4_wg_min_rows(-1);
+  set_q4_wg_wide(-1);
   // A tiled job in one call with jobs the tiles' kernels do not take (a bf16 matrix, 8-bit codes):
   // gemv and gemm_tc split the call, each job against the CPU.
   HostMatrix a = make_matrix(2048, 2560, q4, rng), b = make_matrix(5, 2560, WeightForm{DType::BF16}, rng),
@@ -1477,9 +1481,11 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
     std::map<std::string, std::vector<float>> ref;
     std::vector<float> ref_logits;
     cpu_taps(cm, tokens, &ref, &ref_logits);
-    // Both dense 4-bit kernels on Hopper: the warpgroup-MMA one (below its row threshold only here).
-    for (int wg_min_rows : {-1, 1}) {
-      set_q4_wg_min_rows(wg_min_rows);
+    // Both dense 4-bit kernels on Hopper: the warpgroup-MMA one (below its row threshold only here),
+    // where every matrix is in tiles in its 64- and its 128-token bulk-copy forms (set_q4_wg_wide).
+    for (int form : {0, 1, 2}) {
+      set_q4_wg_min_rows(form ? 1 : -1);
+      set_q4_wg_wide(form == 2 ? 1 : 0);
       auto s = (*dm)->new_session(128);
       s->set_prefill_chunk(40);
       StepResult res;
@@ -1487,10 +1493,11 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
       ASSERT_EQ(res.logits.size(), ref_logits.size());
       const double rl = rel_l2(res.logits.data(), ref_logits.data(), ref_logits.size());
       std::printf("  %s, prefill chunks of 40%s: logits rel_l2 %.3e\n", g.name.c_str(),
-                  wg_min_rows == 1 ? " (wgmma dense)" : "", rl);
+                  form == 1 ? " (wgmma dense)" : form == 2 ? " (wgmma dense, 128-token bulk form)" : "", rl);
       EXPECT_LE(rl, 1e-4);
     }
     set_q4_wg_min_rows(-1);
+    set_q4_wg_wide(-1);
   }
 }
 
