@@ -28,7 +28,7 @@ struct Q4WgArgs {
   int32_t unit_features = kQ4WgUnitFeatures;  // features per unit (a warpgroup's share of a block)
   int32_t n_jobs = 0;
   int32_t rows = 0;
-  const uint2* xf = nullptr;  // q4_xfrag_kernel's output in its wgmma layout (see gemm_q4.cu)
+  const uint2* xf = nullptr;  // q4_xfrag_kernel's output: its wgmma row layout, or its tile layout (bulk)
   const float* gsum = nullptr;
   int groups = 0;             // groups per x row in xf
   int k_groups = 0;           // groups per block (split-K: block z takes [z k_groups, (z + 1) k_groups))
