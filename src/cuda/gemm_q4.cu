@@ -633,9 +633,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   // Every matrix in 16-row tiles, 64 tokens per block: the bulk-copy form of the warpgroup kernel
   // (CK_Q4_WG_BULK=0 keeps q4_wg_dense_kernel, to compare).
   static const bool bulk_on = !env_is("CK_Q4_WG_BULK", "0");
-  bool all_tiled = true;
-  for (int j = 0; j < n_jobs; ++j) all_tiled = all_tiled && jobs[j].w.tiled();
-  const bool bulk = wg && bulk_on && all_tiled && wg_tokens == 64;
+  const bool bulk = wg && bulk_on && all_tiled(jobs, n_jobs) && wg_tokens == 64;
   // The bulk kernel with 128 tokens x 64 features per warpgroup (CK_Q4_WG_WIDE=1, set_q4_wg_wide).
   static const bool wide_env = env_is("CK_Q4_WG_WIDE", "1");
   const bool wide_on = g_q4_wg_wide < 0 ? wide_env : g_q4_wg_wide > 0;
@@ -645,7 +643,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     w.n_jobs = n_jobs;
     for (int j = 0; j < n_jobs; ++j) w.job[j] = jobs[j];
     // The jobs' units (128 features, or 64 for 128 tokens), two to a block (dense_args fills the rest).
-    tiles = q4_wg_units(w, 8192 / block_tokens);
+    tiles = q4_wg_units(w, q4_wg_unit_features(block_tokens));
   }
   // Split K when the grid fills its last wave poorly (two q4_tile_kernel blocks per SM, or one wgmma
   // block): the hyper-connection down projection (2 blocks per 64 tokens over K = 10,240: 64 blocks

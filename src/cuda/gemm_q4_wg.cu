@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
 // (WideWarpgroupTilesMatchCpu) and the model tests ran with it: the next GPU run does that first.
 constexpr int kWgAhead = 3;
 // A unit's tiles of one group: 128 features (8 tiles) with 64 tokens per block, 64 (4) with 128.
-CK_HD constexpr int wg_unit_bytes(int tokens) { return (8192 / tokens / kTileRows) * kTileGroupBytes; }
+CK_HD constexpr int wg_unit_bytes(int tokens) { return q4_wg_unit_features(tokens) / kTileRows * kTileGroupBytes; }
 // One stage: [the activations' tile-group block (q4_wg_act_block_bytes)][unit 0's tiles][unit 1's].
 CK_HD constexpr int wg_bulk_stage_bytes(int parts, int tokens) {
   return q4_wg_act_block_bytes(parts, tokens) + 2 * wg_unit_bytes(tokens);

@@ -21,6 +21,8 @@ constexpr int kQ4WgFeatures = 256;
 // Output features per warpgroup: a block's unit of work. Block b's warpgroups take units 2 b and
 // 2 b + 1, which may belong to different jobs (q4_wg_units).
 constexpr int kQ4WgUnitFeatures = 128;
+// A warpgroup's unit for blocks of `tokens` tokens (64 x 128 or 128 x 64 outputs per group).
+CK_HD constexpr int q4_wg_unit_features(int tokens) { return 64 * kQ4WgUnitFeatures / tokens; }
 
 struct Q4WgArgs {
   GemvJob job[kMaxGemvJobs];  // up to kMaxGemvJobs matrices over the same x rows [0, rows)

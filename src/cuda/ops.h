@@ -37,6 +37,11 @@ inline bool any_tiled(const GemvJob* jobs, int n_jobs) {
     if (jobs[j].w.tiled()) return true;
   return false;
 }
+inline bool all_tiled(const GemvJob* jobs, int n_jobs) {
+  for (int j = 0; j < n_jobs; ++j)
+    if (!jobs[j].w.tiled()) return false;
+  return true;
+}
 
 // y (rows, w.rows) = x (rows, w.cols) · wᵀ for up to kMaxGemvJobs matrices that read the same x, in
 // one launch. Preconditions: every job's w.cols equals the x width; x is 16-byte aligned and ldx % 4

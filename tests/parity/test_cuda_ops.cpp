@@ -401,22 +401,33 @@ TEST(CudaOps, TilesHoldEveryCodeScaleAndBiasWhereTheLayoutSays) {
   EXPECT_FALSE(tiles16_fit(make_matrix(32, 128, q4, rng).m));
 }
 
-// One job's output (n rows of x, at ldy on the device) against the CPU's matvec of its matrix, with the
-// prefill products' tolerance when n > kMaxRows (x in two bf16 parts, ~16 bits).
-void report_job_vs_cpu(const std::string& what, const Matrix& m, const std::vector<float>& x, int K, int n,
-                       const float* y, int ldy) {
+// The CPU's matvec of m over n rows of x (row stride ldx): n x m.rows.
+std::vector<float> cpu_rows(const Matrix& m, const std::vector<float>& x, int ldx, int n) {
+  std::vector<float> ref(static_cast<size_t>(n) * m.rows);
+  for (int r = 0; r < n; ++r)
+    ck::cpu::matvec(m, x.data() + static_cast<size_t>(r) * ldx, ref.data() + static_cast<size_t>(r) * m.rows);
+  return ref;
+}
+
+// n rows of an output (on the host, at ldy) against ref (cpu_rows), with the prefill products'
+// tolerance when n > kMaxRows (x in two bf16 parts, ~16 bits).
+void report_rows_vs_cpu(const std::string& what, const Matrix& m, const std::vector<float>& x, int ldx, int n,
+                        const std::vector<float>& ref, const std::vector<float>& out, int ldy) {
   const int rows = static_cast<int>(m.rows);
-  const std::vector<float> out = to_host(y, static_cast<size_t>(n) * ldy);
-  std::vector<float> ref(static_cast<size_t>(n) * rows), got(ref.size());
-  for (int r = 0; r < n; ++r) {
-    ck::cpu::matvec(m, x.data() + static_cast<size_t>(r) * K, ref.data() + static_cast<size_t>(r) * rows);
+  std::vector<float> got(ref.size());
+  for (int r = 0; r < n; ++r)
     std::memcpy(got.data() + static_cast<size_t>(r) * rows, out.data() + static_cast<size_t>(r) * ldy,
                 sizeof(float) * rows);
-  }
-  std::vector<double> tol = dot_tolerance(m, x, n, K);
+  std::vector<double> tol = dot_tolerance(m, x, n, ldx);
   if (n > kMaxRows)
     for (double& t : tol) t *= 32.0;
   report(what, compare(got, ref, tol, 0, 0));
+}
+
+// One job's output (n rows of x, at ldy on the device) against the CPU's matvec of its matrix.
+void report_job_vs_cpu(const std::string& what, const Matrix& m, const std::vector<float>& x, int K, int n,
+                       const float* y, int ldy) {
+  report_rows_vs_cpu(what, m, x, K, n, cpu_rows(m, x, K, n), to_host(y, static_cast<size_t>(n) * ldy), ldy);
 }
 
 // The same matrices in the row layout and in 16-row tiles through every kernel that reads tiles: the
@@ -479,16 +490,7 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
           std::printf("  %-58s %s\n", what.c_str(), diff ? "DIFFERENT BITS" : "same bits");
           EXPECT_EQ(diff, 0) << what;
         } else {  // the tiles' kernels against the CPU (the rows took v3, or gemm.cu's)
-          std::vector<float> ref(static_cast<size_t>(n) * c.rows), got(ref.size());
-          for (int r = 0; r < n; ++r) {
-            ck::cpu::matvec(hm.m, x.data() + static_cast<size_t>(r) * ldx, ref.data() + static_cast<size_t>(r) * c.rows);
-            std::memcpy(got.data() + static_cast<size_t>(r) * c.rows, out[1].data() + static_cast<size_t>(r) * ldy,
-                        sizeof(float) * c.rows);
-          }
-          std::vector<double> tol = dot_tolerance(hm.m, x, n, ldx);
-          if (n > kMaxRows)  // prefill's x in two bf16 parts (~16 bits), as MatvecAllFormatsAndRowCounts
-            for (double& t : tol) t *= 32.0;
-          report(what, compare(got, ref, tol, 0, 0));
+          report_rows_vs_cpu(what, hm.m, x, ldx, n, cpu_rows(hm.m, x, ldx, n), out[1], ldy);
         }
       }
       set_prefill_parts(-1);
@@ -547,23 +549,14 @@ TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
       std::vector<float> x = randn(static_cast<size_t>(n) * ldx, rng);
       DeviceBuffer<float> xd;
       to_device(x, &xd);
-      std::vector<float> ref(static_cast<size_t>(n) * c.rows);
-      for (int r = 0; r < n; ++r)
-        ck::cpu::matvec(hm.m, x.data() + static_cast<size_t>(r) * ldx, ref.data() + static_cast<size_t>(r) * c.rows);
+      const std::vector<float> ref = cpu_rows(hm.m, x, ldx, n);
       for (int parts : {2, 3}) {
         set_prefill_parts(parts);
         DeviceBuffer<float> yd(static_cast<size_t>(n) * ldy);
         matvec(tiled_m, xd.get(), ldx, yd.get(), ldy, n, nullptr);
-        const std::vector<float> out = to_host(yd.get(), static_cast<size_t>(n) * ldy);
-        std::vector<float> got(ref.size());
-        for (int r = 0; r < n; ++r)
-          std::memcpy(got.data() + static_cast<size_t>(r) * c.rows, out.data() + static_cast<size_t>(r) * ldy,
-                      sizeof(float) * c.rows);
-        std::vector<double> tol = dot_tolerance(hm.m, x, n, ldx);
-        for (double& t : tol) t *= 32.0;  // x in two bf16 parts (~16 bits), as the test above
-        report("wide tiles " + std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " + std::to_string(n) +
-                   " parts " + std::to_string(parts),
-               compare(got, ref, tol, 0, 0));
+        report_rows_vs_cpu("wide tiles " + std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " +
+                               std::to_string(n) + " parts " + std::to_string(parts),
+                           hm.m, x, ldx, n, ref, to_host(yd.get(), static_cast<size_t>(n) * ldy), ldy);
       }
     }
   }
