@@ -419,14 +419,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
 // activations (half the L2 reads) were slower (in_proj 1.48 ms: the cross-block releases cost a
 // cluster-scope fence per warp and group, and tie the pair's pace together).
 //
-// TN = 128 (CK_Q4_WG_WIDE=1, set_q4_wg_wide; not the default yet): a warpgroup takes 64 features as one
-// m64n128k16 tile instead of 128 as two m64n64k16 tiles: the same outputs per block and group with
-// half the wgmmas and half the A unpacking. Measured (03:37Z, one call, profiles at 8k tokens): in_proj
-// 7.29 -> 6.26 us per token, out_proj 3.51 -> 3.11, the router's halves 1.64 -> 1.56, o_proj 1.16 ->
-// 1.03; prefill +2.4% / +3.5% at 2k / 8k. Its sums matched q4_wg_dense_kernel's bits where both chose
-// the same K split (2,560 x 6,144 at 70 rows) and differed exactly where the splits differ (its blocks
-// cover other row counts), but the device time ran out before its test against the CPU
-// (WideWarpgroupTilesMatchCpu) and the model tests ran with it: the next GPU run does that first.
+// TN = 128 (the default; CK_Q4_WG_WIDE=0 or set_q4_wg_wide(0) keeps TN = 64): a warpgroup takes 64
+// features as one m64n128k16 tile instead of 128 as two m64n64k16 tiles: the same outputs per block and
+// group with half the wgmmas and half the A unpacking. Measured (03:37Z, one call, profiles at 8k
+// tokens): in_proj 7.29 -> 6.26 us per token, out_proj 3.51 -> 3.11, the router's halves 1.64 -> 1.56,
+// o_proj 1.16 -> 1.03; prefill +2.4% / +3.5% at 2k / 8k (+4.0% / +3.2% at 04:16Z, when its tests against
+// the CPU passed: WideWarpgroupTilesMatchCpu, the prefill chunk test and the model tests). Its sums
+// match q4_wg_dense_kernel's bits where both choose the same K split (2,560 x 6,144 at 70 rows) and
+// differ exactly where the splits differ (its blocks cover other row counts).
 constexpr int kWgAhead = 3;
 // A unit's tiles of one group: 128 features (8 tiles) with 64 tokens per block, 64 (4) with 128.
 CK_HD constexpr int wg_unit_bytes(int tokens) { return q4_wg_unit_features(tokens) / kTileRows * kTileGroupBytes; }

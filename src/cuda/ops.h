@@ -82,7 +82,8 @@ void set_prefill_parts(int parts);
 int q4_wg_min_rows();
 void set_q4_wg_min_rows(int rows);
 // Whether the warpgroup kernel's bulk-copy form (every matrix of the call in tiles) takes 128 tokens x
-// 64 features per warpgroup instead of 64 x 128: 1 or 0; -1 goes back to CK_Q4_WG_WIDE (tests).
+// 64 features per warpgroup (the default) instead of 64 x 128: 1 or 0; -1 goes back to CK_Q4_WG_WIDE
+// (on unless "0"; tests).
 void set_q4_wg_wide(int on);
 
 // Which GEMV schedule runs (gemv.cu): 2, the default (tensor cores for tall 4-bit matrices, a warp per
