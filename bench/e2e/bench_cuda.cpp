@@ -301,8 +301,9 @@ int main(int argc, char** argv) {
   };
   cuda::StepResult res;
 
-  // ---- decode, 1 and 4 rows per step, after a prompt of decode_context tokens
-  for (int rows : a.decode_rows) {
+  // ---- decode, 1 and 4 rows per step, after a prompt of decode_context tokens (--decode-steps 0: none)
+  if (a.decode_steps == 0) emit(out, "decode   not timed (--decode-steps 0)\n");
+  for (int rows : a.decode_steps > 0 ? a.decode_rows : std::vector<int>{}) {
     const int ctx = a.decode_context;
     auto s = m->new_session(std::max(4096, ctx + (a.decode_steps + 3) * rows + 16));
     std::vector<int32_t> prompt = rand_tokens(ctx);
@@ -336,7 +337,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- MTP draft step (direct launches: no graph yet), after a 64-token prompt
-  if (m->has_mtp()) {
+  if (m->has_mtp() && a.decode_steps > 0) {
     auto s = m->new_session(4096);
     std::vector<int32_t> prompt = rand_tokens(64);
     if (!s->step_rows(prompt, false, false, &res).ok()) return 1;
