@@ -72,18 +72,4 @@ __device__ __forceinline__ void bulk_copy_1d(void* dst, const void* src, uint32_
                : "memory");
 }
 
-// Asks L2 for [p, p + bytes) in bulk prefetches of up to 1 MiB (the range widened to 16-byte
-// boundaries): one instruction per MiB where prefetch.global.L2 needs one per 128-byte line. No
-// completion to wait for; a hint, never a dependency.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint64_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint64_t a0 = reinterpret_cast<uint64_t>(p) & ~uint64_t{15};
-  const uint64_t a1 = (reinterpret_cast<uint64_t>(p) + bytes + 15) & ~uint64_t{15};
-  for (uint64_t a = a0; a < a1; a += 1u << 20) {
-    const uint32_t n = static_cast<uint32_t>(a1 - a < (1u << 20) ? a1 - a : (1u << 20));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(n) : "memory");
-  }
-#endif
-}
-
 }  // namespace ck::cuda

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cuda/bulk_copy.cuh"
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/gdn_conv.cuh"
@@ -1517,23 +1516,6 @@ __device__ __forceinline__ void write_route_pair(const MoeRouteArgs& a, int r, i
     pr.group = a.E;
   }
   a.pairs[static_cast<size_t>(r) * (a.k + 1) + t] = pr;
-  if (a.prefetch_l2) {
-    // The record is one contiguous run (expert_layout); the shared expert's matrices are three.
-    if (t < a.k) {
-      const ExpertSlot slot = a.table[e];
-      const ExpertLayout l = expert_layout(slot.fmt, a.inter, a.hidden);
-      const uint64_t from = a.prefetch_l2 == 2 ? l.down : 0;  // 2: the down matrix only (to compare)
-      bulk_prefetch_l2(slot.addr + from, l.bytes - from);
-    } else if (a.prefetch_l2 == 1) {
-      for (const DMatrix* m : {&pr.gate, &pr.up, &pr.down}) {
-        bulk_prefetch_l2(m->data, m->tiled() ? m->stored_bytes() : m->data_bytes());
-        if (!m->tiled() && m->scales) {
-          bulk_prefetch_l2(m->scales, m->scale_bytes());
-          bulk_prefetch_l2(m->biases, m->scale_bytes());
-        }
-      }
-    }
-  }
 }
 
 // grid (rows), block 256, dynamic shared memory E floats + E bytes. Any E (moe_route_warp_kernel
@@ -1900,16 +1882,8 @@ void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_route(const MoeRouteArgs& args, int rows, cudaStream_t stream) {
-  CK_REQUIRE(args.k >= 1 && args.k <= 64 && args.k <= args.E && args.E <= 8192, "invariant");
-  // A step's few rows ask L2 for their experts' weights as they are chosen: the gate/up kernel's
-  // copies then meet bytes already on their way, and the down matrices arrive while gate/up runs
-  // (their addresses are known only here, so the experts' kernels cannot ask before their wait on the
-  // kernel before them, as the dense GEMVs do). Prefill chunks choose most experts: not there.
-  // (CK_ROUTE_PREFETCH=0: none, =down: the routed experts' down matrices only; to compare.)
-  static const int prefetch = env_is("CK_ROUTE_PREFETCH", "0") ? 0 : env_is("CK_ROUTE_PREFETCH", "down") ? 2 : 1;
-  MoeRouteArgs a = args;
-  a.prefetch_l2 = rows <= kMaxRows ? prefetch : 0;
+void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
+  CK_REQUIRE(a.k >= 1 && a.k <= 64 && a.k <= a.E && a.E <= 8192, "invariant");
   // A warp per row up to 1,024 experts (CK_ROUTE_WARP=0: the block kernel, to compare).
   static const bool warp = !env_is("CK_ROUTE_WARP", "0");
   const int vpl = static_cast<int>(ceil_div(a.E, 32));

@@ -184,9 +184,6 @@ struct MoeRouteArgs {
   int inter = 0, hidden = 0;
   DMatrix sh_gate, sh_up, sh_down;
   ExpertPair* pairs = nullptr;                // (rows * (k+1))
-  // Set by moe_route (steps of at most kMaxRows rows, unless CK_ROUTE_PREFETCH=0): each pair's weights
-  // are asked of L2 as soon as it is written, so the experts' kernels find them on their way.
-  int prefetch_l2 = 0;  // 0 none, 1 every pair's weights, 2 the routed experts' down matrices
 };
 void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream);
 // out (rows, H) = fp32(Σ_t fp64(y_t · w_t)) in slot order + sigmoid(gl) · y_shared.
