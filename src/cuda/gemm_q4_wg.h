@@ -51,8 +51,8 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
                         cudaStream_t stream);
 
 // The same product when every job's matrix is in 16-row tiles (DMatrix::tiled), fed by bulk copies
-// (gemm_q4_wg.cu says why): `tokens` per block, 64 (the units of 128 features: q4_wg_units(a)) or 128
-// (units of 64 features: q4_wg_units(a, 64); CK_Q4_WG_WIDE=1). a.xf holds the activations in
+// (gemm_q4_wg.cu says why): `tokens` per block, 128 (the default: units of 64 features, q4_wg_units(a,
+// 64)) or 64 (units of 128 features: q4_wg_units(a); CK_Q4_WG_WIDE=0). a.xf holds the activations in
 // q4_xfrag_kernel's tile layout for tiles of `tokens` rows: per tile and group one block of
 // q4_wg_act_block_bytes(parts, tokens) bytes, laid out as the kernel's shared memory holds it (Σ x
 // included; a.gsum is not read).
