@@ -101,6 +101,12 @@ class Model {
   Status moe_token(const MoeWeights& m, int rl, const float* u, float* out) const;
   // §5.1-5.3: the n-gram row ids of `token` given the context (updated).
   std::vector<int64_t> ngram_rows(const PleWeights& p, std::vector<int64_t>& ctx, int32_t token) const;
+  // §5.1-5.4 for a run of tokens, as the CUDA engine gathers a step's rows on the host: each token's row
+  // ids in order (ctx advances token by token; ctx_after, when given, gets the context after each
+  // token), then its table rows dequantized to out + r * ld, head-major (ple_token's embedding). Rows
+  // are read in parallel from 64 tokens on; the values do not depend on it.
+  void ple_gather(const PleWeights& p, std::vector<int64_t>& ctx, std::span<const int32_t> tokens, float* out,
+                  size_t ld, std::vector<std::vector<int64_t>>* ctx_after = nullptr) const;
   // One whole decoder layer (§2 a-c) on the wide residual R.
   Status layer_token(const LayerWeights& lw, int rl, LayerState& st, float* R, int32_t token, int64_t pos) const;
 

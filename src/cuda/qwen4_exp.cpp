@@ -869,20 +869,20 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
   p.snap = snap ? 1 : 0;
   for (int r = 0; r < rows; ++r) p.tokens[r] = tokens[r];
   std::memcpy(params_h_.get(), &p, sizeof(p));
-  // Host half of PLE (DESIGN §5): row ids from the tokens, rows dequantized into pinned memory.
+  // Host half of PLE (DESIGN §5): row ids from the tokens, rows dequantized into pinned memory (in
+  // parallel for a prefill chunk: cpu::Model::ple_gather). With snapshots, every PLE layer's context
+  // after each row but the last ([row][ple layer]), for restore_snapshot.
   if (m_.n_ple_ > 0) {
-    const int rd = c.ngram_row_dim();
     ngram_snaps_.clear();
-    for (int r = 0; r < rows; ++r) {
-      for (size_t L = 0; L < m_.layers_.size(); ++L) {
-        if (!m_.layers_[L].ple) continue;
-        const int pi = m_.layers_[L].ple->index;
-        const PleWeights& pw = *w.layers[L].ple;
-        const std::vector<int64_t> ids = m_.ref_.ngram_rows(pw, ngram_ctx_[pi], tokens[r]);
-        float* dst = ple_emb_h_.get() + (static_cast<size_t>(pi) * chunk_rows_ + r) * b.ldE;
-        for (size_t j = 0; j < ids.size(); ++j) pw.table_row(ids[j], dst + j * rd);  // head-major
-      }
-      if (snap && r + 1 < rows) ngram_snaps_.push_back(ngram_ctx_);
+    if (snap && rows > 1)
+      ngram_snaps_.assign(static_cast<size_t>(rows - 1), std::vector<std::vector<int64_t>>(ngram_ctx_.size()));
+    std::vector<std::vector<int64_t>> after;
+    for (size_t L = 0; L < m_.layers_.size(); ++L) {
+      if (!m_.layers_[L].ple) continue;
+      const int pi = m_.layers_[L].ple->index;
+      float* dst = ple_emb_h_.get() + static_cast<size_t>(pi) * chunk_rows_ * b.ldE;
+      m_.ref_.ple_gather(*w.layers[L].ple, ngram_ctx_[pi], tokens, dst, b.ldE, snap ? &after : nullptr);
+      for (int r = 0; snap && r + 1 < rows; ++r) ngram_snaps_[r][pi] = std::move(after[r]);
     }
   }
   const int64_t V = c.vocab_size, W = c.wide();

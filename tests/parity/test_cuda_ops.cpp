@@ -1336,6 +1336,48 @@ TEST(CudaOps, GdnClusterNormEqualsNormKernel) {
   }
 }
 
+// The host half of PLE as a CUDA step gathers it (cpu::Model::ple_gather: ids in order, table rows in
+// parallel from 64 tokens) against ple_token's own order, token by token: the same bits and the same
+// contexts after each token, for every PLE layer of the geometries (f32, q4g32 and bf16 tables,
+// n-gram 3 and 4, EOS in the stream). Host only: runs without a GPU.
+TEST(CudaOps, PleGatherEqualsTokenByToken) {
+  for (const Geometry& g : geometries()) {
+    SCOPED_TRACE(g.name);
+    auto rm = make_random_model(g.cfg, g.opt);
+    ck::cpu::Model cm(rm->weights, rm->experts);
+    const int rd = g.cfg.ngram_row_dim(), T = 300;
+    const std::vector<int32_t> tokens = random_tokens(T, g.cfg.vocab_size, g.cfg.ple_eos(), 77);
+    int n_ple = 0;
+    for (size_t L = 0; L < rm->weights.layers.size(); ++L) {
+      if (!rm->weights.layers[L].ple) continue;
+      ++n_ple;
+      const PleWeights& pw = *rm->weights.layers[L].ple;
+      const std::vector<int64_t> ctx0(static_cast<size_t>(g.cfg.ngram_size - 1), g.cfg.ple_eos());
+      std::vector<int64_t> ctx_ref = ctx0, ctx = ctx0;
+      const size_t ld = static_cast<size_t>(g.cfg.ple_embed_dim) + 5;
+      std::vector<float> ref(T * ld, 0.0f), got(T * ld, 0.0f);
+      std::vector<std::vector<int64_t>> ctx_refs;
+      for (int r = 0; r < T; ++r) {
+        const std::vector<int64_t> ids = cm.ngram_rows(pw, ctx_ref, tokens[r]);
+        for (size_t j = 0; j < ids.size(); ++j) pw.table_row(ids[j], ref.data() + r * ld + j * rd);
+        ctx_refs.push_back(ctx_ref);
+      }
+      std::vector<std::vector<int64_t>> after;
+      cm.ple_gather(pw, ctx, tokens, got.data(), ld, &after);
+      EXPECT_EQ(0, std::memcmp(ref.data(), got.data(), ref.size() * sizeof(float))) << "layer " << L;
+      EXPECT_EQ(ctx_refs, after) << "layer " << L;
+      EXPECT_EQ(ctx_ref, ctx) << "layer " << L;
+      // A decode step's few rows take the serial loop: the same.
+      std::vector<int64_t> c1 = ctx0, c2 = ctx0;
+      std::vector<float> a(3 * ld, 0.0f), b(3 * ld, 0.0f);
+      cm.ple_gather(pw, c1, std::span<const int32_t>(tokens.data(), 3), a.data(), ld);
+      std::memcpy(b.data(), got.data(), 3 * ld * sizeof(float));
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "layer " << L << ", 3 rows";
+    }
+    EXPECT_GT(n_ple, 0);
+  }
+}
+
 TEST(CudaOps, LayerPiecesOnRandomModels) {
   REQUIRE_GPU();
   for (const Geometry& g : geometries()) {
