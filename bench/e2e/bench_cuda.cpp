@@ -361,12 +361,12 @@ int main(int argc, char** argv) {
   }
 
   // ---- prefill
-  // One untimed prefill first (a chunk of up to 2,048 rows in a session of its own), so the first
+  // One untimed prefill first (up to one full chunk in a session of its own), so the first
   // size timed does not pay the process's one-time costs: the chunk kernels' first launches (lazy
   // module loading) and the scratch pool's growth to its kept size. Without it the first prefill of
   // a process showed e.g. the mix's down projection at 11.7 instead of ~5 us per token (2026-12-01).
   if (!a.prefill.empty()) {
-    const int T = std::min(*std::max_element(a.prefill.begin(), a.prefill.end()), 2048 + 2 * cuda::kMaxRows);
+    const int T = std::min(*std::max_element(a.prefill.begin(), a.prefill.end()), cuda::kChunkRows + 2 * cuda::kMaxRows);
     auto s = m->new_session(T + 16);
     std::vector<int32_t> prompt = rand_tokens(T);
     if (!s->step_rows(prompt, false, false, &res, cuda::RowOutputs::kLast).ok()) return 1;
