@@ -367,10 +367,13 @@ struct GdnChunkLayout {
   }
 };
 
+// Leading dimension of the prep kernel's transposed L (LT[s][t] = L[t][s]): rows of 16-byte multiples,
+// so the solve reads L[t0 .. t0 + 7][s] as two float4.
+constexpr int kGdnPrepLdt = kGdnChunk + 4;
 size_t gdn_prep_smem(int dk, int dv) {
   constexpr int C = kGdnChunk;
   const int ld = std::max(dk, dv) + 1;
-  return sizeof(float) * (2 * C * ld + 2 * C * (C + 1) + 3 * C);
+  return sizeof(float) * (2 * C * ld + C * kGdnPrepLdt + 3 * C);
 }
 // Leading dimension of a staged [C][dk] block in the scan: a multiple of 4 (16-byte copies) whose rows
 // fall in different banks for the four rows a warp reads at once.
@@ -382,16 +385,21 @@ size_t gdn_scan_smem(int dk) {
 }
 
 // grid (nv, chunks), block 256, dynamic shared memory gdn_prep_smem(dk, dv).
+// The q, k and v rows come in by cp.async (4-byte copies into odd-stride rows: the products below read
+// them without bank conflicts): with plain loads, each guarded load and its store were one round trip
+// in turn, ~30% of the kernel's time (Nsight Compute, twenty-first session). W and U are solved from
+// (I + L) X = B by forward substitution, each thread one column of B (W's with the warps 0-3, U's with
+// 4-7), without forming T = (I + L)⁻¹: T's substitution (64 steps, one block barrier each, 64 threads
+// busy) and the products T B were ~48% of the kernel's time.
 __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs a, int rows, float* records) {
   pdl_begin();
-  extern __shared__ float sh[];
-  constexpr int C = kGdnChunk, ldc = C + 1, kWarps = 8;
+  extern __shared__ float4 prep_sh4[];
+  constexpr int C = kGdnChunk, ldt = kGdnPrepLdt, kWarps = 8;
   const int h = blockIdx.x, c = blockIdx.y, dk = a.dk, dv = a.dv, ld = max(dk, dv) + 1;
-  float* qs = sh;             // [C][ld]  q̂ / sqrt(dk); later β v
-  float* ks = qs + C * ld;    // [C][ld]  k̂; later β e^G k̂
-  float* Lm = ks + C * ld;    // [C][ldc] L, strictly lower
-  float* Tm = Lm + C * ldc;   // [C][ldc] T = (I + L)⁻¹, unit lower
-  float* G = Tm + C * ldc;    // [C] cumulative log decay
+  float* qs = reinterpret_cast<float*>(prep_sh4);  // [C][ld]  q̂ / sqrt(dk); later β v, then U
+  float* ks = qs + C * ld;    // [C][ld]  k̂; later β e^G k̂, then W
+  float* LT = ks + C * ld;    // [C][ldt] LT[s][t] = L[t][s] (zero for s >= t); C ld is a multiple of 4
+  float* G = LT + C * ldt;    // [C] cumulative log decay
   float* beta = G + C;        // [C]
   float* coef = beta + C;     // [C] β e^G
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -399,7 +407,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
   const int kh = h / (a.nv / a.nk), Kd = a.nk * dk;  // repeat_interleave grouping (trap 12)
   const float q_scale = 1.0f / sqrtf(static_cast<float>(dk));
 
-  // Raw q and k rows (all loads issued before any is used), then one warp per row: L2 norms (N3), β, g.
+  // Raw q and k rows (zeros past the input), then one warp per row: L2 norms (N3), β, g.
 #pragma unroll
   for (int tt = 0; tt < C / kWarps; ++tt) {
     const int t = warp + kWarps * tt;
@@ -408,11 +416,17 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
     for (int ii = 0; ii < kGdnChunkMaxDim / 32; ++ii) {
       const int i = lane + 32 * ii;
       if (i < dk) {
-        qs[t * ld + i] = t < n ? yr[kh * dk + i] : 0.0f;
-        ks[t * ld + i] = t < n ? yr[Kd + kh * dk + i] : 0.0f;
+        if (t < n) {
+          cp_async4(&qs[t * ld + i], yr + kh * dk + i);
+          cp_async4(&ks[t * ld + i], yr + Kd + kh * dk + i);
+        } else {
+          qs[t * ld + i] = 0.0f;
+          ks[t * ld + i] = 0.0f;
+        }
       }
     }
   }
+  cp_async_commit();
   if (tid < C) {
     const int t = tid;
     float bt = 0.0f, gt = 0.0f;
@@ -423,6 +437,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
     beta[t] = bt;
     G[t] = gt;
   }
+  cp_async_wait<0>();
   __syncthreads();
   for (int t = warp; t < C; t += kWarps) {
     float ssq = 0.0f, ssk = 0.0f;
@@ -446,7 +461,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
   if (tid < C) coef[tid] = beta[tid] * expf(G[tid]);
 
   // k̂ k̂ᵀ and q̂ k̂ᵀ: thread (ty, tx) holds rows ty + 16m and columns tx + 16n (odd strides: no bank
-  // conflicts). L goes to shared memory, P to the record.
+  // conflicts). L goes to shared memory (transposed), P to the record.
   const GdnChunkLayout lay(dk, dv);
   float* rec = records + (static_cast<size_t>(c) * a.nv + h) * lay.size;
   {
@@ -475,7 +490,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
       for (int q = 0; q < 4; ++q) {
         const int t = ty + 16 * m, s = tx + 16 * q;
         const float d = s <= t ? expf(G[t] - G[s]) : 0.0f;
-        Lm[t * ldc + s] = s < t ? beta[t] * kk[m][q] * d : 0.0f;
+        LT[s * ldt + t] = s < t ? beta[t] * kk[m][q] * d : 0.0f;
         rec[lay.p + t * C + s] = qk[m][q] * d;
       }
   }
@@ -497,41 +512,57 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
 #pragma unroll
     for (int ii = 0; ii < kGdnChunkMaxDim / 32; ++ii) {
       const int j = lane + 32 * ii;
-      if (j < dv) qs[t * ld + j] = t < n ? beta[t] * vr[j] : 0.0f;
+      if (j < dv) {
+        if (t < n) cp_async4(&qs[t * ld + j], vr + j);
+        else qs[t * ld + j] = 0.0f;
+      }
       if (j < dk) ks[t * ld + j] *= coef[t];
     }
   }
-
-  // T = (I + L)⁻¹ by forward substitution: T[t][j] = -Σ_{j<=s<t} L[t][s] T[s][j] for j < t. Row t needs
-  // the rows before it; thread j owns column j.
-  for (int t = 0; t < C; ++t) {
-    if (tid < C) {
-      const int j = tid;
-      float v = j == t ? 1.0f : 0.0f;
-      for (int s = j; s < t; ++s) v -= Lm[t * ldc + s] * Tm[s * ldc + j];
-      Tm[t * ldc + j] = v;
+  cp_async_commit();
+  cp_async_wait<0>();  // this thread's own copies, which it scales: β v
+#pragma unroll
+  for (int tt = 0; tt < C / kWarps; ++tt) {
+    const int t = warp + kWarps * tt;
+#pragma unroll
+    for (int ii = 0; ii < kGdnChunkMaxDim / 32; ++ii) {
+      const int j = lane + 32 * ii;
+      if (j < dv && t < n) qs[t * ld + j] = beta[t] * qs[t * ld + j];
     }
-    __syncthreads();
   }
+  __syncthreads();
 
-  // W = T (β e^G k̂), U = T (β v): thread (warp, lane) computes rows warp + 8m at columns lane + 32ii.
-  for (int j0 = 0; j0 < max(dk, dv); j0 += 32) {
-    const int j = j0 + lane;
-    float w[C / kWarps] = {}, u[C / kWarps] = {};
-    for (int s = 0; s < C; ++s) {
-      const float kb = j < dk ? ks[s * ld + j] : 0.0f, vb = j < dv ? qs[s * ld + j] : 0.0f;
+  // (I + L) X = B for B = β e^G k̂ (X = W) and B = β v (X = U): X[t] = B[t] - Σ_{s<t} L[t][s] X[s], in
+  // place, 8 rows at a time (8 independent sums per thread; the rows before come from shared memory,
+  // written by this same thread), then the 8 rows' triangle among themselves. No thread reads another's
+  // column, so no barrier is needed.
+  const int col = tid & (kGdnChunkMaxDim - 1), which = tid / kGdnChunkMaxDim;  // 0: W, 1: U
+  const int ncols = which ? dv : dk;
+  if (col < ncols) {
+    float* X = (which ? qs : ks) + col;
+    float* out = rec + (which ? lay.u : lay.w) + col;
+#pragma unroll 1
+    for (int t0 = 0; t0 < C; t0 += 8) {
+      float acc[8];
 #pragma unroll
-      for (int m = 0; m < C / kWarps; ++m) {
-        const float tv = Tm[(warp + kWarps * m) * ldc + s];  // 0 above the diagonal
-        w[m] += tv * kb;
-        u[m] += tv * vb;
+      for (int i = 0; i < 8; ++i) acc[i] = X[(t0 + i) * ld];
+#pragma unroll 4
+      for (int s = 0; s < t0; ++s) {
+        const float x = X[s * ld];
+        const float4 l0 = *reinterpret_cast<const float4*>(&LT[s * ldt + t0]);
+        const float4 l1 = *reinterpret_cast<const float4*>(&LT[s * ldt + t0 + 4]);
+        acc[0] -= l0.x * x; acc[1] -= l0.y * x; acc[2] -= l0.z * x; acc[3] -= l0.w * x;
+        acc[4] -= l1.x * x; acc[5] -= l1.y * x; acc[6] -= l1.z * x; acc[7] -= l1.w * x;
       }
-    }
 #pragma unroll
-    for (int m = 0; m < C / kWarps; ++m) {
-      const int t = warp + kWarps * m;
-      if (j < dk) rec[lay.w + t * dk + j] = w[m];
-      if (j < dv) rec[lay.u + t * dv + j] = u[m];
+      for (int i = 1; i < 8; ++i)
+#pragma unroll
+        for (int i2 = 0; i2 < i; ++i2) acc[i] -= LT[(t0 + i2) * ldt + t0 + i] * acc[i2];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        X[(t0 + i) * ld] = acc[i];
+        out[(t0 + i) * ncols] = acc[i];
+      }
     }
   }
 }

@@ -151,8 +151,9 @@ Status Model::upload_layer(DenseUploader& up, const LayerWeights& lw, DLayer* d)
   }
   if (lw.ple) {
     DPle p;
-    ASSIGN_OR_RETURN(p.key, up.matrix(lw.ple->key));
-    ASSIGN_OR_RETURN(p.value, up.matrix(lw.ple->value));
+    // In tiles like the projections: prefill's key/value product then runs on the bulk-copy kernel.
+    ASSIGN_OR_RETURN(p.key, up.matrix(lw.ple->key, proj));
+    ASSIGN_OR_RETURN(p.value, up.matrix(lw.ple->value, proj));
     p.norm_key = up.vector(lw.ple->norm_key);
     p.norm_query = up.vector(lw.ple->norm_query);
     p.norm_conv = up.vector(lw.ple->norm_conv);
