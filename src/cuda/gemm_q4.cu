@@ -566,14 +566,16 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
 
 void set_prefill_parts(int parts) { g_prefill_parts = parts; }
 
-// Rows from which the dense products take the wgmma kernel: 768 (CK_Q4_WG_MIN_ROWS), so 2,048-row
-// prefill chunks do and short prompts do not (at 496 rows it lost 5-7% of prefill, 2026-11-30 18:43Z:
-// half the row tiles of q4_tile_kernel, one block per SM). set_q4_wg_min_rows: tests and comparisons.
+// Rows from which the dense products take the wgmma kernel: 256 (CK_Q4_WG_MIN_ROWS). It was 768 while
+// the kernel took 64 tokens a block (at 496 rows it lost 5-7% of prefill, 2026-11-30 18:43Z: half the
+// row tiles of q4_tile_kernel, one block per SM; 256 lost 2.3% at 512 tokens on 2026-12-01 02:15Z).
+// With the 128-token bulk form, 256 gained 3-4% at 512 tokens in two calls (2026-12-01 04:41Z and
+// 06:17Z) and left 2k and 8k level. set_q4_wg_min_rows: tests and comparisons.
 static int g_q4_wg_min_rows = -1;
 int q4_wg_min_rows() {
   if (g_q4_wg_min_rows < 0) {
     const char* e = std::getenv("CK_Q4_WG_MIN_ROWS");
-    g_q4_wg_min_rows = e ? std::max(1, std::atoi(e)) : 768;
+    g_q4_wg_min_rows = e ? std::max(1, std::atoi(e)) : 256;
   }
   return g_q4_wg_min_rows;
 }

@@ -77,7 +77,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
 void set_prefill_parts(int parts);
 // On Hopper, gemm_q4 calls of at least this many rows run the warpgroup-MMA kernel (gemm_q4_wg.h):
-// 768 by default (CK_Q4_WG_MIN_ROWS), if K >= 512 (CK_Q4_WG_MIN_K); set_q4_wg_min_rows(n) chooses by
+// 256 by default (CK_Q4_WG_MIN_ROWS), if K >= 512 (CK_Q4_WG_MIN_K); set_q4_wg_min_rows(n) chooses by
 // rows alone (set_q4_wg_min_rows(1) sends every call there: the tests), -1 goes back to the defaults.
 int q4_wg_min_rows();
 void set_q4_wg_min_rows(int rows);
