@@ -707,6 +707,225 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs
   }
 }
 
+// The same scan on the tensor cores (CK_GDN_SCAN=fp32 keeps gdn_chunk_scan_kernel): each product as
+// mma.sync.m16n8k8 in 3xTF32 (a = a_hi + a_lo, b likewise, a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi, each
+// part tf32: ~22 significant bits of each operand, accumulated in fp32), the state in fp32 as before.
+// Why: the fp32 kernel issued ~3 instructions per multiply-add (the FMA and its shared-memory operands)
+// and spent most of its time waiting at its barriers for its slowest warps; with 192 blocks on 132 SMs
+// it took ~754 us per layer and 2,048-row chunk, a third of the delta rule (twenty-first session).
+// Warp w: phases 1 and 2 (64 x 32 outputs) the m16 tile w % 4 and the n8 tiles 2 (w / 4), 2 (w / 4) + 1;
+// phase 3 (the dk x 32 state) the m16 tile w and all four n8 tiles, whose accumulators hold the
+// state between chunks (written to shared memory for the next chunk's B operands). Phase 1 and the
+// (e^G q̂) S half of phase 2 share their B fragments (S) in one pass.
+// Shared memory: the two [C][ldk] record buffers (ldk = 16 ceil(dk / 16) + 4, their columns past dk
+// zero, so k steps of 8 and m16 tiles past dk add zeros), P [C][68], S [dk16][32] and v_new [C][32],
+// the last two with their 8-column groups swizzled by row (conflict-free B fragment loads).
+__host__ __device__ constexpr int gdn_tc_dk16(int dk) { return (dk + 15) / 16 * 16; }
+__host__ __device__ constexpr int gdn_tc_ld(int dk) { return gdn_tc_dk16(dk) + 4; }
+size_t gdn_scan_tc_smem(int dk) {
+  constexpr int C = kGdnChunk;
+  return sizeof(float) * (2 * C * gdn_tc_ld(dk) + C * kGdnScanLdP + gdn_tc_dk16(dk) * kGdnScanCols + C * kGdnScanCols);
+}
+__device__ __forceinline__ uint32_t tf32_of(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
+  hi = tf32_of(x);
+  lo = tf32_of(x - __uint_as_float(hi));
+}
+// d += a b, m16n8k8, tf32 operands (PTX ISA fragment layouts: a0 (g, t), a1 (g + 8, t), a2 (g, t + 4),
+// a3 (g + 8, t + 4); b0 (k t, n g), b1 (k t + 4, n g); d0..d3 (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// An operand fragment in its two tf32 parts.
+template <int N>
+struct Tf32Frag {
+  uint32_t hi[N], lo[N];
+  __device__ __forceinline__ explicit Tf32Frag(const float (&v)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) tf32_split(v[i], hi[i], lo[i]);
+  }
+};
+// 3xTF32: the small parts' products first.
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32Frag<4>& a, const Tf32Frag<2>& b) {
+  mma_tf32(d, a.lo[0], a.lo[1], a.lo[2], a.lo[3], b.hi[0], b.hi[1]);
+  mma_tf32(d, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.lo[0], b.lo[1]);
+  mma_tf32(d, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.hi[0], b.hi[1]);
+}
+// Element (row i, column j < 32) of a swizzled [rows][32] block: 8-column groups XOR (i % 4).
+__device__ __forceinline__ int gdn_swz(int i, int j) { return i * 32 + (j ^ ((i & 3) << 3)); }
+
+// grid (nv, ceil(dv / 32)), block 256, dynamic shared memory gdn_scan_tc_smem(dk).
+__global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecArgs a, int rows, const float* records) {
+  pdl_begin();
+  extern __shared__ float4 sh4[];
+  constexpr int C = kGdnChunk, NC = kGdnScanCols, ldp = kGdnScanLdP;
+  const int h = blockIdx.x, c0 = blockIdx.y * NC, dk = a.dk, dv = a.dv, ld = gdn_tc_ld(dk), dk16 = gdn_tc_dk16(dk);
+  float* sh = reinterpret_cast<float*>(sh4);
+  float* Pm = sh + 2 * C * ld;   // [C][ldp]; the two [C][ld] buffers come first
+  float* Ss = Pm + C * ldp;      // [dk16][32] swizzled: this block's state columns
+  float* vn = Ss + dk16 * NC;    // [C][32] swizzled: v_new
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const GdnChunkLayout lay(dk, dv);
+  const int chunks = (rows + C - 1) / C;
+  auto record = [&](int c) { return records + (static_cast<size_t>(c) * a.nv + h) * lay.size; };
+  // Columns [dk, ld) of both buffers: zero once (the copies write only columns < dk).
+  for (int idx = tid; idx < 2 * C * (ld - dk); idx += blockDim.x) {
+    const int r = idx / (ld - dk);
+    sh[r * ld + dk + (idx - r * (ld - dk))] = 0.0f;
+  }
+  __syncthreads();  // before any copy lands in a row these stores touch
+  stage_async(sh, ld, record(0) + lay.w, C, dk);
+  stage_async(Pm, ldp, record(0) + lay.p, C, C);
+  stage_async(sh + C * ld, ld, record(0) + lay.qd, C, dk);
+  cp_async_commit();
+  // The state: warp w's m16 tile w, four n8 tiles, in registers; rows past dk and columns past dv zero.
+  float* S = a.state + static_cast<size_t>(h) * dk * dv;
+  const bool st_warp = 16 * warp < dk16;
+  float sacc[4][4];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * t + (e & 1);
+      sacc[nt][e] = st_warp && i < dk && c0 + j < dv ? S[static_cast<size_t>(i) * dv + c0 + j] : 0.0f;
+    }
+  auto store_state = [&]() {
+    if (!st_warp) return;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * t + (e & 1);
+        Ss[gdn_swz(i, j)] = sacc[nt][e];
+      }
+  };
+  store_state();
+  // Phases 1-2: m16 tile mt, n8 tiles n0 / 8 and n0 / 8 + 1.
+  const int mt = warp & 3, n0 = 16 * (warp >> 2);
+  for (int c = 0; c < chunks; ++c) {
+    const float* rec = record(c);
+    float* wb = sh + (c & 1) * C * ld;
+    float* qb = sh + ((c + 1) & 1) * C * ld;
+    const bool more = c + 1 < chunks;
+    float u[2][4];  // U at this thread's accumulator places, read early
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * mt + g + 8 * (e >> 1), col = c0 + n0 + 8 * nt + 2 * t + (e & 1);
+        u[nt][e] = col < dv ? rec[lay.u + row * dv + col] : 0.0f;
+      }
+    cp_async_wait<0>();  // W(c), P(c), e^G q̂(c)
+    __syncthreads();
+
+    // Phase 1 (W S) and the first half of phase 2 ((e^G q̂) S), over k = state rows.
+    float ws[2][4] = {}, o[2][4] = {};
+    for (int k0 = 0; k0 < dk16; k0 += 8) {
+      float aw[4], aq[4], b[2][2];
+      const int r0 = (16 * mt + g) * ld + k0 + t;
+      aw[0] = wb[r0]; aw[1] = wb[r0 + 8 * ld]; aw[2] = wb[r0 + 4]; aw[3] = wb[r0 + 8 * ld + 4];
+      aq[0] = qb[r0]; aq[1] = qb[r0 + 8 * ld]; aq[2] = qb[r0 + 4]; aq[3] = qb[r0 + 8 * ld + 4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        b[nt][0] = Ss[gdn_swz(k0 + t, n0 + 8 * nt + g)];
+        b[nt][1] = Ss[gdn_swz(k0 + t + 4, n0 + 8 * nt + g)];
+      }
+      const Tf32Frag<4> fw(aw), fq(aq);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const Tf32Frag<2> fb(b[nt]);
+        mma_3xtf32(ws[nt], fw, fb);
+        mma_3xtf32(o[nt], fq, fb);
+      }
+    }
+    // v_new = U - W S
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * mt + g + 8 * (e >> 1), col = n0 + 8 * nt + 2 * t + (e & 1);
+        vn[gdn_swz(row, col)] = u[nt][e] - ws[nt][e];
+      }
+    __syncthreads();  // v_new complete; W(c) and e^G q̂(c) read for the last time
+    stage_async(wb, ld, rec + lay.kd, C, dk);
+    if (more) stage_async(qb, ld, record(c + 1) + lay.w, C, dk);
+    cp_async_commit();
+
+    // Phase 2, second half: out += P v_new, over k = chunk rows.
+#pragma unroll 2
+    for (int k0 = 0; k0 < C; k0 += 8) {
+      float ap[4], b[2][2];
+      const int r0 = (16 * mt + g) * ldp + k0 + t;
+      ap[0] = Pm[r0]; ap[1] = Pm[r0 + 8 * ldp]; ap[2] = Pm[r0 + 4]; ap[3] = Pm[r0 + 8 * ldp + 4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        b[nt][0] = vn[gdn_swz(k0 + t, n0 + 8 * nt + g)];
+        b[nt][1] = vn[gdn_swz(k0 + t + 4, n0 + 8 * nt + g)];
+      }
+      const Tf32Frag<4> fp(ap);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) mma_3xtf32(o[nt], fp, Tf32Frag<2>(b[nt]));
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = c * C + 16 * mt + g + 8 * (e >> 1), col = c0 + n0 + 8 * nt + 2 * t + (e & 1);
+        if (row < rows && col < dv) a.out[static_cast<size_t>(row) * a.ldo + static_cast<size_t>(h) * dv + col] = o[nt][e];
+      }
+    const float dl = rec[lay.dl];
+    cp_async_wait<0>();  // e^(G_last-G) k̂(c) (and W(c+1))
+    __syncthreads();     // ... for every thread; P(c) read for the last time
+    if (more) stage_async(Pm, ldp, record(c + 1) + lay.p, C, C);
+    cp_async_commit();
+
+    // Phase 3: S = e^(G_last) S + (e^(G_last-G) k̂)ᵀ v_new, over k = chunk rows; A[i][k] = k̂d[k][i].
+    if (st_warp) {
+      float up[4][4] = {};
+#pragma unroll 2
+      for (int k0 = 0; k0 < C; k0 += 8) {
+        float ak[4], b[4][2];
+        const int r0 = (k0 + t) * ld + 16 * warp + g;
+        ak[0] = wb[r0]; ak[1] = wb[r0 + 8]; ak[2] = wb[r0 + 4 * ld]; ak[3] = wb[r0 + 4 * ld + 8];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          b[nt][0] = vn[gdn_swz(k0 + t, 8 * nt + g)];
+          b[nt][1] = vn[gdn_swz(k0 + t + 4, 8 * nt + g)];
+        }
+        const Tf32Frag<4> fk(ak);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) mma_3xtf32(up[nt], fk, Tf32Frag<2>(b[nt]));
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[nt][e] = dl * sacc[nt][e] + up[nt][e];
+    }
+    __syncthreads();  // every warp is done with S (phases 1-2), v_new and k̂d(c)
+    store_state();
+    if (more) stage_async(wb, ld, record(c + 1) + lay.qd, C, dk);
+    cp_async_commit();
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  if (st_warp)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * t + (e & 1);
+        if (i < dk && c0 + j < dv) S[static_cast<size_t>(i) * dv + c0 + j] = sacc[nt][e];
+      }
+}
+
 // ------------------------------------------------------------------ QSA attention
 
 // Dynamic shared memory the attention kernels may take (their limit, raised once in init_kernels).
@@ -1703,6 +1922,8 @@ void init_kernels() {
                                   static_cast<int>(gdn_prep_smem(kGdnChunkMaxDim, kGdnChunkMaxDim))));
   CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(gdn_scan_smem(kGdnChunkMaxDim))));
+  CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(gdn_scan_tc_smem(kGdnChunkMaxDim))));
   CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
@@ -1802,6 +2023,11 @@ bool gdn_chunked_fits(const GdnRecArgs& a) {
   return a.dk >= 1 && a.dk <= kGdnChunkMaxDim && a.dv >= 1 && a.dv <= kGdnChunkMaxDim && a.nk >= 1 && a.nv % a.nk == 0;
 }
 
+// Which scan the chunked delta rule runs: -1 not yet read (CK_GDN_SCAN=fp32: the fp32 kernel), 1 the
+// 3xTF32 tensor-core kernel, 0 the fp32 one.
+static int g_gdn_scan_tc = -1;
+void set_gdn_scan_tc(int on) { g_gdn_scan_tc = on < 0 ? -1 : (on ? 1 : 0); }
+
 void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream) {
   CK_REQUIRE(gdn_chunked_fits(a), "GDN dims dk %d dv %d nk %d nv %d (chunked form: dk, dv <= %d)", a.dk, a.dv, a.nk,
              a.nv, kGdnChunkMaxDim);
@@ -1812,7 +2038,10 @@ void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream) {
   CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&records), sizeof(float) * lay.size * chunks * a.nv, stream));
   launch(gdn_chunk_prep_kernel, dim3(a.nv, chunks), 256, gdn_prep_smem(a.dk, a.dv), stream, a, rows, records);
   CUDA_CHECK_LAUNCH();
-  launch(gdn_chunk_scan_kernel, dim3(a.nv, static_cast<unsigned>(ceil_div(a.dv, kGdnScanCols))), 256, gdn_scan_smem(a.dk), stream, a, rows, records);
+  const dim3 scan_grid(a.nv, static_cast<unsigned>(ceil_div(a.dv, kGdnScanCols)));
+  if (g_gdn_scan_tc < 0) g_gdn_scan_tc = env_is("CK_GDN_SCAN", "fp32") ? 0 : 1;
+  if (g_gdn_scan_tc) launch(gdn_chunk_scan_tc_kernel, scan_grid, 256, gdn_scan_tc_smem(a.dk), stream, a, rows, records);
+  else launch(gdn_chunk_scan_kernel, scan_grid, 256, gdn_scan_smem(a.dk), stream, a, rows, records);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(records, stream));
   launch(gdn_out_norm_rows_kernel, rows, 256, 0, stream, a);

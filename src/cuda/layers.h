@@ -127,6 +127,9 @@ void set_gdn_cluster_norm(bool on);
 // no snapshots (a.snaps is ignored): for prefill chunks only. Needs gdn_chunked_fits(a).
 bool gdn_chunked_fits(const GdnRecArgs& a);
 void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream);
+// The chunked form's scan over the chunks: 1 on the tensor cores (3xTF32 products, the default), 0 in
+// fp32 FMAs (CK_GDN_SCAN=fp32); -1 goes back to the environment (tests).
+void set_gdn_scan_tc(int on);
 
 // QSA attention decode for the rows of a step (spec §7): q/k norms and RoPE, cache writes at
 // pos+r, pooled block keys cached once per completed block, indexer block scores, top-k blocks (ties

@@ -1277,7 +1277,8 @@ struct GdnProblem {
   std::vector<float> state() const { return to_host(sd.get(), ref_state.size()); }
 };
 
-// Both device forms of the delta rule against the double-precision recurrence, from a nonzero state,
+// The device forms of the delta rule (the recurrence; chunks with the fp32 scan and with the tensor-core
+// scan) against the double-precision recurrence, from a nonzero state,
 // over row counts around the chunk size and head sizes that are not multiples of 32. Tolerance: relative
 // L2 <= 2e-5 over the outputs and the final state (fp32 through 64-step chunks; the whole-model bound
 // is 1e-4).
@@ -1286,24 +1287,32 @@ TEST(CudaOps, GdnChunkedAndRecurrentMatchDouble) {
   init_kernels();
   std::mt19937_64 rng(21);
   const GdnCase cases[] = {{2, 4, 12, 12, 1},   {2, 4, 32, 32, 63},  {1, 3, 40, 24, 64},     {2, 4, 32, 32, 65},
-                           {1, 2, 128, 100, 77}, {2, 2, 128, 128, 130}, {16, 48, 128, 128, 200}};
+                           {1, 2, 128, 100, 77}, {2, 2, 128, 128, 130}, {16, 48, 128, 128, 200},
+                           {1, 2, 72, 56, 300},  {2, 2, 10, 33, 70}};
   for (const GdnCase& g : cases) {
     GdnProblem p(g, rng);
     ASSERT_TRUE(gdn_chunked_fits(p.ra));
-    for (bool chunked : {false, true}) {
+    // form 0: the recurrence; 1: chunked, fp32 scan; 2: chunked, tensor-core scan (3xTF32).
+    for (int form : {0, 1, 2}) {
       p.reset_state();
-      if (chunked) gdn_chunked(p.ra, g.rows, nullptr);
-      else gdn_recurrent(p.ra, p.spd.get(), g.rows, nullptr);
+      if (form == 0) {
+        gdn_recurrent(p.ra, p.spd.get(), g.rows, nullptr);
+      } else {
+        set_gdn_scan_tc(form == 2);
+        gdn_chunked(p.ra, g.rows, nullptr);
+      }
       CUDA_CHECK(cudaDeviceSynchronize());
       const std::vector<float> out = p.out(), st = p.state();
       const double e_out = rel_l2(out.data(), p.ref_out.data(), out.size());
       const double e_st = rel_l2(st.data(), p.ref_state.data(), st.size());
-      std::printf("  gdn %-9s nk %2d nv %2d dk %3d dv %3d rows %3d: out rel_l2 %.3e, state rel_l2 %.3e\n",
-                  chunked ? "chunked" : "recurrent", g.nk, g.nv, g.dk, g.dv, g.rows, e_out, e_st);
+      std::printf("  gdn %-12s nk %2d nv %2d dk %3d dv %3d rows %3d: out rel_l2 %.3e, state rel_l2 %.3e\n",
+                  form == 0 ? "recurrent" : form == 1 ? "chunked fp32" : "chunked tc", g.nk, g.nv, g.dk, g.dv, g.rows,
+                  e_out, e_st);
       EXPECT_LE(e_out, 2e-5);
       EXPECT_LE(e_st, 2e-5);
     }
   }
+  set_gdn_scan_tc(-1);
 }
 
 // A decode step's split heads make their output norm as a thread-block cluster (set_gdn_cluster_norm):
