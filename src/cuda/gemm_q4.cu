@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -120,6 +121,56 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
       reinterpret_cast<float*>(tile + static_cast<size_t>(G) * tile_bytes + parts * 4 * b_bytes)[r_t] = v;
     else if (lane == 0)
       gsum[static_cast<size_t>(row) * groups + G] = v;
+  }
+}
+
+// The tile layout (wg == 2 above) with whole-line stores: a block takes 8 consecutive rows, whose
+// 16-byte pieces of each (tile, group, step, part, k half) are adjacent (128 bytes), and a warp one
+// group of them at a time, staged in shared memory. The same bytes as q4_xfrag_kernel's wg == 2 form
+// (the same elements through bf16_part and bf16_pair, Σ x in tc4_group_sum's order). Why: there each
+// thread stored 4-byte words of one row, 16 bytes at a time in 16 places, so every 32-byte sector was
+// written half by one block and half by another: 34 us for a 2,048-row chunk of the 2,560-wide in_proj
+// input, 112 us for the 6,144-wide out_proj input (Nsight Compute, twenty-first session).
+// grid (rows / 8, a multiple of tile_rows), block 256; x rows 16-byte aligned (ldx % 4 == 0).
+__global__ void __launch_bounds__(256) q4_xfrag_tiles8_kernel(const float* __restrict__ x, int ldx, int x_rows, int K,
+                                                              int groups, int parts, int tile_rows, uint2* xf) {
+  __shared__ float stage[8][8][68];  // [warp][row][the group's 64 values, padded]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = blockIdx.x * 8, r_t0 = row0 % tile_rows;  // tile_rows % 8 == 0
+  const int tile_bytes = q4_wg_act_block_bytes(parts, tile_rows), b_bytes = q4_wg_b_bytes(tile_rows);
+  uint8_t* tile = reinterpret_cast<uint8_t*>(xf) + static_cast<size_t>(row0 / tile_rows) * groups * tile_bytes;
+  float(*sx)[68] = stage[warp];
+  const int row = lane >> 2, t = lane & 3;  // staging: 16 values of `row` from 16 t; fragments: row, lane t
+  const bool real = row0 + row < x_rows;
+  for (int G = warp; G < groups; G += 8) {
+    const bool on = real && G * 64 < K;  // K % 64 == 0 for the groups that exist
+    const float* src = x + static_cast<size_t>(on ? row0 + row : 0) * ldx + static_cast<size_t>(G) * 64 + 16 * t;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      *reinterpret_cast<float4*>(&sx[row][16 * t + 4 * i]) =
+          on ? *reinterpret_cast<const float4*>(src + 4 * i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    __syncwarp();
+    uint8_t* gb = tile + static_cast<size_t>(G) * tile_bytes;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int c = (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
+      const float x0 = sx[row][c], x1 = sx[row][c + 1], x4 = sx[row][c + 4], x5 = sx[row][c + 5];
+#pragma unroll
+      for (int p = 0; p < 3; ++p) {
+        if (p >= parts) break;
+        uint8_t* b = gb + (s * parts + p) * b_bytes + 256 * (r_t0 >> 3) + 16 * row + 4 * t;
+        *reinterpret_cast<uint32_t*>(b) = bf16_pair(bf16_part(x0, p), bf16_part(x4, p));
+        *reinterpret_cast<uint32_t*>(b + 128) = bf16_pair(bf16_part(x1, p), bf16_part(x5, p));
+      }
+    }
+    float mine = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const float v = warp_sum(sx[r][lane] + sx[r][lane + 32]);  // tc4_group_sum's order
+      if (lane == r) mine = v;
+    }
+    if (lane < 8) reinterpret_cast<float*>(gb + parts * 4 * b_bytes)[r_t0 + lane] = mine;
+    __syncwarp();  // every lane is done with sx before the next group's staging
   }
 }
 
@@ -491,6 +542,14 @@ struct XFrag {
   float* gsum = nullptr;
 };
 
+// Whether the tile layout is written by q4_xfrag_tiles8_kernel (the default; CK_XFRAG_TILES8=0 or
+// set_xfrag_tiles8(0): q4_xfrag_kernel).
+int g_xfrag_tiles8 = -1;
+bool xfrag_tiles8_on() {
+  if (g_xfrag_tiles8 < 0) g_xfrag_tiles8 = env_is("CK_XFRAG_TILES8", "0") ? 0 : 1;
+  return g_xfrag_tiles8 == 1;
+}
+
 // wg: 0 (q4_tile_kernel's layout), 1 (q4_wg_dense_kernel's) or 2 (q4_wg_bulk_kernel's tiles of
 // tile_rows rows, Σ x inside).
 XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts, cudaStream_t stream, int wg = 0,
@@ -504,8 +563,12 @@ XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts
   CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + gsum_bytes, stream));
   f.xf = reinterpret_cast<uint2*>(f.mem);
   f.gsum = wg == 2 ? nullptr : reinterpret_cast<float*>(f.mem + xf_bytes);
-  q4_xfrag_kernel<<<static_cast<unsigned>(grid_rows), kQ4Threads, 0, stream>>>(x, ldx, rows, K, groups, parts, wg,
-                                                                               tile_rows, f.xf, f.gsum);
+  if (wg == 2 && xfrag_tiles8_on() && tile_rows % 8 == 0 && ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0)
+    q4_xfrag_tiles8_kernel<<<static_cast<unsigned>(grid_rows / 8), 256, 0, stream>>>(x, ldx, rows, K, groups, parts,
+                                                                                      tile_rows, f.xf);
+  else
+    q4_xfrag_kernel<<<static_cast<unsigned>(grid_rows), kQ4Threads, 0, stream>>>(x, ldx, rows, K, groups, parts, wg,
+                                                                                 tile_rows, f.xf, f.gsum);
   CUDA_CHECK_LAUNCH();
   return f;
 }
@@ -565,6 +628,7 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
 }  // namespace
 
 void set_prefill_parts(int parts) { g_prefill_parts = parts; }
+void set_xfrag_tiles8(int on) { g_xfrag_tiles8 = on < 0 ? -1 : (on ? 1 : 0); }
 
 // Rows from which the dense products take the wgmma kernel: 256 (CK_Q4_WG_MIN_ROWS). It was 768 while
 // the kernel took 64 tokens a block (at 496 rows it lost 5-7% of prefill, 2026-11-30 18:43Z: half the

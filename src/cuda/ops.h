@@ -76,6 +76,9 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // The bf16 parts of the activations the factored 4-bit kernels multiply (gemm_q4, expert_*_q4): 2 (the
 // default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
 void set_prefill_parts(int parts);
+// Whether the bulk kernel's activation tiles are split by the 8-row kernel with whole-line stores (1,
+// the default) or row by row (0, CK_XFRAG_TILES8=0); the same bytes. -1: the environment's (tests).
+void set_xfrag_tiles8(int on);
 // On Hopper, gemm_q4 calls of at least this many rows run the warpgroup-MMA kernel (gemm_q4_wg.h):
 // 256 by default (CK_Q4_WG_MIN_ROWS), if K >= 512 (CK_Q4_WG_MIN_K); set_q4_wg_min_rows(n) chooses by
 // rows alone (set_q4_wg_min_rows(1) sends every call there: the tests), -1 goes back to the defaults.

@@ -536,7 +536,8 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
 // The bulk-copy warpgroup kernel with 128 tokens x 64 features per warpgroup (set_q4_wg_wide): tiled
 // matrices of assorted heights (a 64-feature unit left idle, a partial one) and K (a split K), at 2
 // and 3 parts of x, against the CPU. (Its split-K choice may differ from the 64-token kernels', so its
-// sums need not have their bits.)
+// sums need not have their bits.) Its activations split by the 8-row kernel and row by row: the same
+// bits.
 TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
   REQUIRE_GPU();
   std::mt19937_64 rng(321);
@@ -561,15 +562,26 @@ TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
       const std::vector<float> ref = cpu_rows(hm.m, x, ldx, n);
       for (int parts : {2, 3}) {
         set_prefill_parts(parts);
-        DeviceBuffer<float> yd(static_cast<size_t>(n) * ldy);
-        matvec(tiled_m, xd.get(), ldx, yd.get(), ldy, n, nullptr);
-        report_rows_vs_cpu("wide tiles " + std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " +
-                               std::to_string(n) + " parts " + std::to_string(parts),
-                           hm.m, x, ldx, n, ref, to_host(yd.get(), static_cast<size_t>(n) * ldy), ldy);
+        const std::string what = "wide tiles " + std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " +
+                                 std::to_string(n) + " parts " + std::to_string(parts);
+        std::vector<float> out[2];
+        for (int tiles8 : {1, 0}) {  // the activations split by the 8-row kernel, then row by row
+          set_xfrag_tiles8(tiles8);
+          DeviceBuffer<float> yd(static_cast<size_t>(n) * ldy);
+          matvec(tiled_m, xd.get(), ldx, yd.get(), ldy, n, nullptr);
+          out[tiles8] = to_host(yd.get(), static_cast<size_t>(n) * ldy);
+        }
+        report_rows_vs_cpu(what, hm.m, x, ldx, n, ref, out[1], ldy);
+        int64_t diff = 0;
+        for (int r = 0; r < n; ++r)
+          diff += std::memcmp(out[0].data() + static_cast<size_t>(r) * ldy, out[1].data() + static_cast<size_t>(r) * ldy,
+                              sizeof(float) * c.rows) != 0;
+        EXPECT_EQ(diff, 0) << what << ": the two activation splits give different bits";
       }
     }
   }
   set_prefill_parts(-1);
+  set_xfrag_tiles8(-1);
   set_q4_wg_wide(-1);
   set_q4_wg_min_rows(-1);
 }
