@@ -116,6 +116,10 @@ Status upload_hc(DenseUploader& up, const HcWeights& h, DHc* d) {
   ASSIGN_OR_RETURN(d->down, up.matrix(h.down, lay));
   ASSIGN_OR_RETURN(d->up, up.matrix(h.up, lay));
   ASSIGN_OR_RETURN(d->inject, up.matrix(h.inject));
+  static const bool inject_tiles = !env_is("CK_HC_INJECT_TILES", "0");  // 0: prefill's inject in rows (compare)
+  if (inject_tiles && d->down.tiled() && h.inject.rows > 0 && h.inject.cols == h.down.cols) {
+    ASSIGN_OR_RETURN(d->inject_tiles, up.padded_tiles(h.inject));
+  }
   return {};
 }
 }  // namespace
@@ -596,7 +600,8 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   jobs[0].epi_arg = static_cast<float>(S);
   int n = 1;
   if (w && hc.inject.rows > 0) {
-    jobs[1].w = hc.inject;
+    // A prefill chunk takes the tiled copy, so that the call runs on the bulk-copy kernel.
+    jobs[1].w = rows > kMaxRows && hc.inject_tiles.data ? hc.inject_tiles : hc.inject;
     jobs[1].y = w;
     jobs[1].ldy = b.ldS;
     jobs[1].epi = Epilogue::TwoSigmoidDiv;

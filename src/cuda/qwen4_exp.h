@@ -34,6 +34,9 @@ struct StepParams;  // cuda/layers.h
 struct DHc {
   const float* norm = nullptr;  // (W)
   DMatrix down, up, inject;     // inject: rows == 0 on the final mixers
+  // inject padded to one 16-row tile (rows() is inject's) when down is in tiles: prefill chunks then
+  // run down and inject in one call of the bulk-copy warpgroup kernel. Empty otherwise.
+  DMatrix inject_tiles;
 };
 struct DGdn {
   DMatrix in_qkv, in_z, in_b, in_a, out;

@@ -134,6 +134,24 @@ Result<DMatrix> DenseUploader::matrix(const Matrix& m, WLayout layout) {
   return d;
 }
 
+Result<DMatrix> DenseUploader::padded_tiles(const Matrix& m) {
+  if (m.empty() || !m.quantized()) return DMatrix{};
+  Matrix pad = m;
+  pad.rows = (m.rows + kTileRows - 1) / kTileRows * kTileRows;
+  if (!tiles16_fit(pad)) return DMatrix{};
+  const size_t code_bytes = host_data_bytes(m), sc_bytes = host_scale_bytes(m);
+  std::vector<uint8_t> codes(host_data_bytes(pad), 0), scales(host_scale_bytes(pad), 0), biases(host_scale_bytes(pad), 0);
+  std::memcpy(codes.data(), m.data, code_bytes);  // the padding rows: codes, scales and biases zero
+  std::memcpy(scales.data(), m.scales, sc_bytes);
+  std::memcpy(biases.data(), m.biases, sc_bytes);
+  pad.data = codes.data();
+  pad.scales = scales.data();
+  pad.biases = biases.data();
+  ASSIGN_OR_RETURN(DMatrix d, transient_matrix(pad, WLayout::Tiles16));
+  d.rows = static_cast<int32_t>(m.rows);
+  return d;
+}
+
 Result<DMatrix> DenseUploader::transient_matrix(const Matrix& m, WLayout layout) {
   if (m.empty()) return DMatrix{};
   if (layout == WLayout::Tiles16 && !tiles16_fit(m)) layout = WLayout::Rows;

@@ -44,6 +44,10 @@ class DenseUploader {
   // The same for a host matrix that dies after the upload (its address may come back for another):
   // never shared with a later matrix.
   Result<DMatrix> transient_matrix(const Matrix& m, WLayout layout = WLayout::Rows);
+  // A 4-bit matrix of fewer rows than a tile multiple, padded with zero rows into 16-row tiles
+  // (Tiles16) for the prefill kernels, which compute the padding and never store it: rows() stays
+  // m.rows. An empty DMatrix when m does not fit tiles once padded (tiles16_fit).
+  Result<DMatrix> padded_tiles(const Matrix& m);
   const float* vector(const std::vector<float>& v);
   size_t bytes() const { return bytes_; }
   int tiled_matrices() const { return tiled_; }

@@ -590,8 +590,8 @@ TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
 // units share a block whatever their jobs (the mix's 320-row down projection and its 4-row injection
 // head take two blocks), so one block's two warpgroups may read matrices of different layouts (tiles
 // beside rows: the 4-, 200- and 130-row matrices do not fit tiles) and scale types (f16 beside bf16).
-// Every job against the CPU, in the row layout and with tiles where they fit, with and without the
-// f16-scaled job in the call.
+// Every job against the CPU, in the row layout, with tiles where they fit and with the short ones padded
+// into tiles, with and without the f16-scaled job in the call.
 TEST(CudaOps, PrefillJobsShareWarpgroupBlocks) {
   REQUIRE_GPU();
   std::mt19937_64 rng(123);
@@ -607,7 +607,9 @@ TEST(CudaOps, PrefillJobsShareWarpgroupBlocks) {
   to_device(x, &xd);
   DeviceArena arena;
   set_q4_wg_min_rows(1);
-  for (int lay = 0; lay < 2; ++lay)
+  // lay 0: rows; 1: tiles where they fit; 2: the others padded into tiles too (padded_tiles, as the
+  // mix's injection head: the call then runs on the bulk-copy kernel), but the f16-scaled job.
+  for (int lay = 0; lay < 3; ++lay)
     for (const std::vector<int>& call : calls) {
       DenseUploader up(&arena);
       const int n_jobs = static_cast<int>(call.size());
@@ -616,6 +618,13 @@ TEST(CudaOps, PrefillJobsShareWarpgroupBlocks) {
       for (int j = 0; j < n_jobs; ++j) {
         const Matrix& m = hm[call[j]].m;
         jobs[j].w = *up.matrix(m, lay ? WLayout::Tiles16 : WLayout::Rows);
+        if (lay == 2 && !jobs[j].w.tiled()) {
+          const DMatrix padded = *up.padded_tiles(m);
+          if (m.scale_dtype == DType::BF16) {
+            ASSERT_TRUE(padded.tiled() && padded.rows == m.rows);
+            jobs[j].w = padded;
+          }
+        }
         yd[j].resize(static_cast<size_t>(n) * (m.rows + 1));
         jobs[j].y = yd[j].get();
         jobs[j].ldy = static_cast<int>(m.rows) + 1;
@@ -623,7 +632,7 @@ TEST(CudaOps, PrefillJobsShareWarpgroupBlocks) {
       gemv(jobs, n_jobs, xd.get(), K, n, nullptr);
       for (int j = 0; j < n_jobs; ++j) {
         const Matrix& m = hm[call[j]].m;
-        report_job_vs_cpu(std::string(lay ? "tiles" : "rows") + ", job " + std::to_string(j) + " of " +
+        report_job_vs_cpu(std::string(lay == 2 ? "padded tiles" : lay ? "tiles" : "rows") + ", job " + std::to_string(j) + " of " +
                               std::to_string(n_jobs) + " (" + std::to_string(m.rows) + " rows" +
                               (m.scale_dtype == DType::F16 ? ", f16 scales)" : ")"),
                           m, x, K, n, yd[j].get(), jobs[j].ldy);
