@@ -762,6 +762,11 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32Frag<4>& a, 
 }
 // Element (row i, column j < 32) of a swizzled [rows][32] block: 8-column groups XOR (i % 4).
 __device__ __forceinline__ int gdn_swz(int i, int j) { return i * 32 + (j ^ ((i & 3) << 3)); }
+// A B fragment (rows k0 + t and k0 + t + 4, column col) of a swizzled block.
+__device__ __forceinline__ void gdn_b_frag(const float* m, int k0, int t, int col, float (&b)[2]) {
+  b[0] = m[gdn_swz(k0 + t, col)];
+  b[1] = m[gdn_swz(k0 + t + 4, col)];
+}
 
 // grid (nv, ceil(dv / 32)), block 256, dynamic shared memory gdn_scan_tc_smem(dk).
 __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecArgs a, int rows, const float* records) {
@@ -835,10 +840,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
       aw[0] = wb[r0]; aw[1] = wb[r0 + 8 * ld]; aw[2] = wb[r0 + 4]; aw[3] = wb[r0 + 8 * ld + 4];
       aq[0] = qb[r0]; aq[1] = qb[r0 + 8 * ld]; aq[2] = qb[r0 + 4]; aq[3] = qb[r0 + 8 * ld + 4];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        b[nt][0] = Ss[gdn_swz(k0 + t, n0 + 8 * nt + g)];
-        b[nt][1] = Ss[gdn_swz(k0 + t + 4, n0 + 8 * nt + g)];
-      }
+      for (int nt = 0; nt < 2; ++nt) gdn_b_frag(Ss, k0, t, n0 + 8 * nt + g, b[nt]);
       const Tf32Frag<4> fw(aw), fq(aq);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -867,10 +869,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
       const int r0 = (16 * mt + g) * ldp + k0 + t;
       ap[0] = Pm[r0]; ap[1] = Pm[r0 + 8 * ldp]; ap[2] = Pm[r0 + 4]; ap[3] = Pm[r0 + 8 * ldp + 4];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        b[nt][0] = vn[gdn_swz(k0 + t, n0 + 8 * nt + g)];
-        b[nt][1] = vn[gdn_swz(k0 + t + 4, n0 + 8 * nt + g)];
-      }
+      for (int nt = 0; nt < 2; ++nt) gdn_b_frag(vn, k0, t, n0 + 8 * nt + g, b[nt]);
       const Tf32Frag<4> fp(ap);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) mma_3xtf32(o[nt], fp, Tf32Frag<2>(b[nt]));
@@ -897,10 +896,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
         const int r0 = (k0 + t) * ld + 16 * warp + g;
         ak[0] = wb[r0]; ak[1] = wb[r0 + 8]; ak[2] = wb[r0 + 4 * ld]; ak[3] = wb[r0 + 4 * ld + 8];
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          b[nt][0] = vn[gdn_swz(k0 + t, 8 * nt + g)];
-          b[nt][1] = vn[gdn_swz(k0 + t + 4, 8 * nt + g)];
-        }
+        for (int nt = 0; nt < 4; ++nt) gdn_b_frag(vn, k0, t, 8 * nt + g, b[nt]);
         const Tf32Frag<4> fk(ak);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) mma_3xtf32(up[nt], fk, Tf32Frag<2>(b[nt]));
