@@ -762,10 +762,13 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32Frag<4>& a, 
 }
 // Element (row i, column j < 32) of a swizzled [rows][32] block: 8-column groups XOR (i % 4).
 __device__ __forceinline__ int gdn_swz(int i, int j) { return i * 32 + (j ^ ((i & 3) << 3)); }
-// A B fragment (rows k0 + t and k0 + t + 4, column col) of a swizzled block.
-__device__ __forceinline__ void gdn_b_frag(const float* m, int k0, int t, int col, float (&b)[2]) {
-  b[0] = m[gdn_swz(k0 + t, col)];
-  b[1] = m[gdn_swz(k0 + t + 4, col)];
+// A lane's B fragment (rows k0 + t and k0 + t + 4, column col) of a swizzled block: with k0 a multiple
+// of 8 both rows' swizzle is t's, so the lane's place is off + 32 k0 with off = gdn_b_off(t, col), and
+// the loops add to it (the indices computed afresh were most of the kernel's instructions).
+__device__ __forceinline__ int gdn_b_off(int t, int col) { return gdn_swz(t, col); }
+__device__ __forceinline__ void gdn_b_frag(const float* m, int off, float (&b)[2]) {
+  b[0] = m[off];
+  b[1] = m[off + 4 * 32];
 }
 
 // grid (nv, ceil(dv / 32)), block 256, dynamic shared memory gdn_scan_tc_smem(dk).
@@ -814,8 +817,15 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
       }
   };
   store_state();
-  // Phases 1-2: m16 tile mt, n8 tiles n0 / 8 and n0 / 8 + 1.
+  // Phases 1-2: m16 tile mt, n8 tiles n0 / 8 and n0 / 8 + 1. The lane's fragment places at k0 = 0:
+  // A of phases 1-2 (rows 16 mt + g, + 8; columns t, t + 4), A of phase 3 (k̂d transposed), B.
   const int mt = warp & 3, n0 = 16 * (warp >> 2);
+  const int a12 = (16 * mt + g) * ld + t, ap2 = (16 * mt + g) * ldp + t, a3 = t * ld + 16 * warp + g;
+  int b12[2], b3[4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) b12[nt] = gdn_b_off(t, n0 + 8 * nt + g);
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) b3[nt] = gdn_b_off(t, 8 * nt + g);
   for (int c = 0; c < chunks; ++c) {
     const float* rec = record(c);
     float* wb = sh + (c & 1) * C * ld;
@@ -834,13 +844,15 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
 
     // Phase 1 (W S) and the first half of phase 2 ((e^G q̂) S), over k = state rows.
     float ws[2][4] = {}, o[2][4] = {};
-    for (int k0 = 0; k0 < dk16; k0 += 8) {
+    const float* pw = wb + a12;
+    const float* pq = qb + a12;
+    const float* ps = Ss;
+    for (int k0 = 0; k0 < dk16; k0 += 8, pw += 8, pq += 8, ps += 8 * 32) {
       float aw[4], aq[4], b[2][2];
-      const int r0 = (16 * mt + g) * ld + k0 + t;
-      aw[0] = wb[r0]; aw[1] = wb[r0 + 8 * ld]; aw[2] = wb[r0 + 4]; aw[3] = wb[r0 + 8 * ld + 4];
-      aq[0] = qb[r0]; aq[1] = qb[r0 + 8 * ld]; aq[2] = qb[r0 + 4]; aq[3] = qb[r0 + 8 * ld + 4];
+      aw[0] = pw[0]; aw[1] = pw[8 * ld]; aw[2] = pw[4]; aw[3] = pw[8 * ld + 4];
+      aq[0] = pq[0]; aq[1] = pq[8 * ld]; aq[2] = pq[4]; aq[3] = pq[8 * ld + 4];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) gdn_b_frag(Ss, k0, t, n0 + 8 * nt + g, b[nt]);
+      for (int nt = 0; nt < 2; ++nt) gdn_b_frag(ps, b12[nt], b[nt]);
       const Tf32Frag<4> fw(aw), fq(aq);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -866,10 +878,10 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
 #pragma unroll 2
     for (int k0 = 0; k0 < C; k0 += 8) {
       float ap[4], b[2][2];
-      const int r0 = (16 * mt + g) * ldp + k0 + t;
-      ap[0] = Pm[r0]; ap[1] = Pm[r0 + 8 * ldp]; ap[2] = Pm[r0 + 4]; ap[3] = Pm[r0 + 8 * ldp + 4];
+      const float* pp = Pm + ap2 + k0;
+      ap[0] = pp[0]; ap[1] = pp[8 * ldp]; ap[2] = pp[4]; ap[3] = pp[8 * ldp + 4];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) gdn_b_frag(vn, k0, t, n0 + 8 * nt + g, b[nt]);
+      for (int nt = 0; nt < 2; ++nt) gdn_b_frag(vn + 32 * k0, b12[nt], b[nt]);
       const Tf32Frag<4> fp(ap);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) mma_3xtf32(o[nt], fp, Tf32Frag<2>(b[nt]));
@@ -893,10 +905,10 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
 #pragma unroll 2
       for (int k0 = 0; k0 < C; k0 += 8) {
         float ak[4], b[4][2];
-        const int r0 = (k0 + t) * ld + 16 * warp + g;
-        ak[0] = wb[r0]; ak[1] = wb[r0 + 8]; ak[2] = wb[r0 + 4 * ld]; ak[3] = wb[r0 + 4 * ld + 8];
+        const float* pk = wb + a3 + k0 * ld;
+        ak[0] = pk[0]; ak[1] = pk[8]; ak[2] = pk[4 * ld]; ak[3] = pk[4 * ld + 8];
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) gdn_b_frag(vn, k0, t, 8 * nt + g, b[nt]);
+        for (int nt = 0; nt < 4; ++nt) gdn_b_frag(vn + 32 * k0, b3[nt], b[nt]);
         const Tf32Frag<4> fk(ak);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) mma_3xtf32(up[nt], fk, Tf32Frag<2>(b[nt]));
