@@ -722,9 +722,9 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs
 // the last two with their 8-column groups swizzled by row (conflict-free B fragment loads).
 __host__ __device__ constexpr int gdn_tc_dk16(int dk) { return (dk + 15) / 16 * 16; }
 __host__ __device__ constexpr int gdn_tc_ld(int dk) { return gdn_tc_dk16(dk) + 4; }
-size_t gdn_scan_tc_smem(int dk) {
+size_t gdn_scan_tc_smem(int dk, int cols) {
   constexpr int C = kGdnChunk;
-  return sizeof(float) * (2 * C * gdn_tc_ld(dk) + C * kGdnScanLdP + gdn_tc_dk16(dk) * kGdnScanCols + C * kGdnScanCols);
+  return sizeof(float) * (2 * C * gdn_tc_ld(dk) + C * kGdnScanLdP + gdn_tc_dk16(dk) * cols + C * cols);
 }
 __device__ __forceinline__ uint32_t tf32_of(float x) {
   uint32_t r;
@@ -760,27 +760,32 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32Frag<4>& a, 
   mma_tf32(d, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.lo[0], b.lo[1]);
   mma_tf32(d, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.hi[0], b.hi[1]);
 }
-// Element (row i, column j < 32) of a swizzled [rows][32] block: 8-column groups XOR (i % 4).
-__device__ __forceinline__ int gdn_swz(int i, int j) { return i * 32 + (j ^ ((i & 3) << 3)); }
+// Element (row i, column j < NC) of a swizzled [rows][NC] block: 8-column groups XOR (i % 4).
+template <int NC>
+__device__ __forceinline__ int gdn_swz(int i, int j) { return i * NC + (j ^ ((i & 3) << 3)); }
 // A lane's B fragment (rows k0 + t and k0 + t + 4, column col) of a swizzled block: with k0 a multiple
-// of 8 both rows' swizzle is t's, so the lane's place is off + 32 k0 with off = gdn_b_off(t, col), and
-// the loops add to it (the indices computed afresh were most of the kernel's instructions).
-__device__ __forceinline__ int gdn_b_off(int t, int col) { return gdn_swz(t, col); }
+// of 8 both rows' swizzle is t's, so the lane's place is off + NC k0 with off = gdn_swz<NC>(t, col),
+// and the loops add to it (the indices computed afresh were most of the kernel's instructions).
+template <int NC>
 __device__ __forceinline__ void gdn_b_frag(const float* m, int off, float (&b)[2]) {
   b[0] = m[off];
-  b[1] = m[off + 4 * 32];
+  b[1] = m[off + 4 * NC];
 }
 
-// grid (nv, ceil(dv / 32)), block 256, dynamic shared memory gdn_scan_tc_smem(dk).
-__global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecArgs a, int rows, const float* records) {
+// grid (nv, ceil(dv / NC)), block 256, dynamic shared memory gdn_scan_tc_smem(dk, NC). NC: the value
+// columns of a block, 32 (two blocks per SM) or 64 (one block per SM, twice the products per barrier).
+template <int NC, int MINB>
+__global__ void __launch_bounds__(256, MINB) gdn_chunk_scan_tc_kernel(const GdnRecArgs a, int rows, const float* records) {
+  static_assert(NC == 32 || NC == 64, "32 or 64 columns a block");
+  constexpr int NT = NC / 8, NTW = NT / 2;  // n8 tiles of the block; of a warp in phases 1-2
   pdl_begin();
   extern __shared__ float4 sh4[];
-  constexpr int C = kGdnChunk, NC = kGdnScanCols, ldp = kGdnScanLdP;
+  constexpr int C = kGdnChunk, ldp = kGdnScanLdP;
   const int h = blockIdx.x, c0 = blockIdx.y * NC, dk = a.dk, dv = a.dv, ld = gdn_tc_ld(dk), dk16 = gdn_tc_dk16(dk);
   float* sh = reinterpret_cast<float*>(sh4);
   float* Pm = sh + 2 * C * ld;   // [C][ldp]; the two [C][ld] buffers come first
-  float* Ss = Pm + C * ldp;      // [dk16][32] swizzled: this block's state columns
-  float* vn = Ss + dk16 * NC;    // [C][32] swizzled: v_new
+  float* Ss = Pm + C * ldp;      // [dk16][NC] swizzled: this block's state columns
+  float* vn = Ss + dk16 * NC;    // [C][NC] swizzled: v_new
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const GdnChunkLayout lay(dk, dv);
   const int chunks = (rows + C - 1) / C;
@@ -795,12 +800,12 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
   stage_async(Pm, ldp, record(0) + lay.p, C, C);
   stage_async(sh + C * ld, ld, record(0) + lay.qd, C, dk);
   cp_async_commit();
-  // The state: warp w's m16 tile w, four n8 tiles, in registers; rows past dk and columns past dv zero.
+  // The state: warp w's m16 tile w, all NT n8 tiles, in registers; rows past dk and columns past dv zero.
   float* S = a.state + static_cast<size_t>(h) * dk * dv;
   const bool st_warp = 16 * warp < dk16;
-  float sacc[4][4];
+  float sacc[NT][4];
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * t + (e & 1);
@@ -809,31 +814,31 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
   auto store_state = [&]() {
     if (!st_warp) return;
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * t + (e & 1);
-        Ss[gdn_swz(i, j)] = sacc[nt][e];
+        Ss[gdn_swz<NC>(i, j)] = sacc[nt][e];
       }
   };
   store_state();
-  // Phases 1-2: m16 tile mt, n8 tiles n0 / 8 and n0 / 8 + 1. The lane's fragment places at k0 = 0:
+  // Phases 1-2: m16 tile mt, n8 tiles n0 / 8 .. n0 / 8 + NTW - 1. The lane's fragment places at k0 = 0:
   // A of phases 1-2 (rows 16 mt + g, + 8; columns t, t + 4), A of phase 3 (k̂d transposed), B.
-  const int mt = warp & 3, n0 = 16 * (warp >> 2);
+  const int mt = warp & 3, n0 = (warp >> 2) * (NC / 2);
   const int a12 = (16 * mt + g) * ld + t, ap2 = (16 * mt + g) * ldp + t, a3 = t * ld + 16 * warp + g;
-  int b12[2], b3[4];
+  int b12[NTW], b3[NT];
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) b12[nt] = gdn_b_off(t, n0 + 8 * nt + g);
+  for (int nt = 0; nt < NTW; ++nt) b12[nt] = gdn_swz<NC>(t, n0 + 8 * nt + g);
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) b3[nt] = gdn_b_off(t, 8 * nt + g);
+  for (int nt = 0; nt < NT; ++nt) b3[nt] = gdn_swz<NC>(t, 8 * nt + g);
   for (int c = 0; c < chunks; ++c) {
     const float* rec = record(c);
     float* wb = sh + (c & 1) * C * ld;
     float* qb = sh + ((c + 1) & 1) * C * ld;
     const bool more = c + 1 < chunks;
-    float u[2][4];  // U at this thread's accumulator places, read early
+    float u[NTW][4];  // U at this thread's accumulator places, read early
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = 16 * mt + g + 8 * (e >> 1), col = c0 + n0 + 8 * nt + 2 * t + (e & 1);
@@ -843,19 +848,19 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
     __syncthreads();
 
     // Phase 1 (W S) and the first half of phase 2 ((e^G q̂) S), over k = state rows.
-    float ws[2][4] = {}, o[2][4] = {};
+    float ws[NTW][4] = {}, o[NTW][4] = {};
     const float* pw = wb + a12;
     const float* pq = qb + a12;
     const float* ps = Ss;
-    for (int k0 = 0; k0 < dk16; k0 += 8, pw += 8, pq += 8, ps += 8 * 32) {
-      float aw[4], aq[4], b[2][2];
+    for (int k0 = 0; k0 < dk16; k0 += 8, pw += 8, pq += 8, ps += 8 * NC) {
+      float aw[4], aq[4], b[NTW][2];
       aw[0] = pw[0]; aw[1] = pw[8 * ld]; aw[2] = pw[4]; aw[3] = pw[8 * ld + 4];
       aq[0] = pq[0]; aq[1] = pq[8 * ld]; aq[2] = pq[4]; aq[3] = pq[8 * ld + 4];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) gdn_b_frag(ps, b12[nt], b[nt]);
+      for (int nt = 0; nt < NTW; ++nt) gdn_b_frag<NC>(ps, b12[nt], b[nt]);
       const Tf32Frag<4> fw(aw), fq(aq);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
+      for (int nt = 0; nt < NTW; ++nt) {
         const Tf32Frag<2> fb(b[nt]);
         mma_3xtf32(ws[nt], fw, fb);
         mma_3xtf32(o[nt], fq, fb);
@@ -863,11 +868,11 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
     }
     // v_new = U - W S
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = 16 * mt + g + 8 * (e >> 1), col = n0 + 8 * nt + 2 * t + (e & 1);
-        vn[gdn_swz(row, col)] = u[nt][e] - ws[nt][e];
+        vn[gdn_swz<NC>(row, col)] = u[nt][e] - ws[nt][e];
       }
     __syncthreads();  // v_new complete; W(c) and e^G q̂(c) read for the last time
     stage_async(wb, ld, rec + lay.kd, C, dk);
@@ -877,17 +882,17 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
     // Phase 2, second half: out += P v_new, over k = chunk rows.
 #pragma unroll 2
     for (int k0 = 0; k0 < C; k0 += 8) {
-      float ap[4], b[2][2];
+      float ap[4], b[NTW][2];
       const float* pp = Pm + ap2 + k0;
       ap[0] = pp[0]; ap[1] = pp[8 * ldp]; ap[2] = pp[4]; ap[3] = pp[8 * ldp + 4];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) gdn_b_frag(vn + 32 * k0, b12[nt], b[nt]);
+      for (int nt = 0; nt < NTW; ++nt) gdn_b_frag<NC>(vn + NC * k0, b12[nt], b[nt]);
       const Tf32Frag<4> fp(ap);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) mma_3xtf32(o[nt], fp, Tf32Frag<2>(b[nt]));
+      for (int nt = 0; nt < NTW; ++nt) mma_3xtf32(o[nt], fp, Tf32Frag<2>(b[nt]));
     }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = c * C + 16 * mt + g + 8 * (e >> 1), col = c0 + n0 + 8 * nt + 2 * t + (e & 1);
@@ -901,20 +906,20 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
 
     // Phase 3: S = e^(G_last) S + (e^(G_last-G) k̂)ᵀ v_new, over k = chunk rows; A[i][k] = k̂d[k][i].
     if (st_warp) {
-      float up[4][4] = {};
+      float up[NT][4] = {};
 #pragma unroll 2
       for (int k0 = 0; k0 < C; k0 += 8) {
-        float ak[4], b[4][2];
+        float ak[4], b[NT][2];
         const float* pk = wb + a3 + k0 * ld;
         ak[0] = pk[0]; ak[1] = pk[8]; ak[2] = pk[4 * ld]; ak[3] = pk[4 * ld + 8];
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) gdn_b_frag(vn + 32 * k0, b3[nt], b[nt]);
+        for (int nt = 0; nt < NT; ++nt) gdn_b_frag<NC>(vn + NC * k0, b3[nt], b[nt]);
         const Tf32Frag<4> fk(ak);
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) mma_3xtf32(up[nt], fk, Tf32Frag<2>(b[nt]));
+        for (int nt = 0; nt < NT; ++nt) mma_3xtf32(up[nt], fk, Tf32Frag<2>(b[nt]));
       }
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sacc[nt][e] = dl * sacc[nt][e] + up[nt][e];
     }
@@ -926,7 +931,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_tc_kernel(const GdnRecA
   asm volatile("cp.async.wait_all;\n" ::: "memory");
   if (st_warp)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * t + (e & 1);
@@ -1930,8 +1935,10 @@ void init_kernels() {
                                   static_cast<int>(gdn_prep_smem(kGdnChunkMaxDim, kGdnChunkMaxDim))));
   CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(gdn_scan_smem(kGdnChunkMaxDim))));
-  CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(gdn_scan_tc_smem(kGdnChunkMaxDim))));
+  CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_tc_kernel<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(gdn_scan_tc_smem(kGdnChunkMaxDim, 32))));
+  CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_tc_kernel<64, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(gdn_scan_tc_smem(kGdnChunkMaxDim, 64))));
   CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
@@ -2032,9 +2039,12 @@ bool gdn_chunked_fits(const GdnRecArgs& a) {
 }
 
 // Which scan the chunked delta rule runs: -1 not yet read (CK_GDN_SCAN=fp32: the fp32 kernel), 1 the
-// 3xTF32 tensor-core kernel, 0 the fp32 one.
+// 3xTF32 tensor-core kernel, 0 the fp32 one. The tensor-core kernel's value columns per block: 32 or 64
+// (CK_GDN_SCAN_COLS; -1: not yet read).
 static int g_gdn_scan_tc = -1;
+static int g_gdn_scan_cols = -1;
 void set_gdn_scan_tc(int on) { g_gdn_scan_tc = on < 0 ? -1 : (on ? 1 : 0); }
+void set_gdn_scan_cols(int cols) { g_gdn_scan_cols = cols == 32 || cols == 64 ? cols : -1; }
 
 void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream) {
   CK_REQUIRE(gdn_chunked_fits(a), "GDN dims dk %d dv %d nk %d nv %d (chunked form: dk, dv <= %d)", a.dk, a.dv, a.nk,
@@ -2046,10 +2056,16 @@ void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream) {
   CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&records), sizeof(float) * lay.size * chunks * a.nv, stream));
   launch(gdn_chunk_prep_kernel, dim3(a.nv, chunks), 256, gdn_prep_smem(a.dk, a.dv), stream, a, rows, records);
   CUDA_CHECK_LAUNCH();
-  const dim3 scan_grid(a.nv, static_cast<unsigned>(ceil_div(a.dv, kGdnScanCols)));
   if (g_gdn_scan_tc < 0) g_gdn_scan_tc = env_is("CK_GDN_SCAN", "fp32") ? 0 : 1;
-  if (g_gdn_scan_tc) launch(gdn_chunk_scan_tc_kernel, scan_grid, 256, gdn_scan_tc_smem(a.dk), stream, a, rows, records);
-  else launch(gdn_chunk_scan_kernel, scan_grid, 256, gdn_scan_smem(a.dk), stream, a, rows, records);
+  if (g_gdn_scan_cols < 0) g_gdn_scan_cols = env_is("CK_GDN_SCAN_COLS", "64") ? 64 : 32;
+  const int cols = g_gdn_scan_tc ? g_gdn_scan_cols : kGdnScanCols;
+  const dim3 scan_grid(a.nv, static_cast<unsigned>(ceil_div(a.dv, cols)));
+  if (!g_gdn_scan_tc)
+    launch(gdn_chunk_scan_kernel, scan_grid, 256, gdn_scan_smem(a.dk), stream, a, rows, records);
+  else if (cols == 64)
+    launch(gdn_chunk_scan_tc_kernel<64, 1>, scan_grid, 256, gdn_scan_tc_smem(a.dk, 64), stream, a, rows, records);
+  else
+    launch(gdn_chunk_scan_tc_kernel<32, 2>, scan_grid, 256, gdn_scan_tc_smem(a.dk, 32), stream, a, rows, records);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cudaFreeAsync(records, stream));
   launch(gdn_out_norm_rows_kernel, rows, 256, 0, stream, a);

@@ -1313,13 +1313,15 @@ TEST(CudaOps, GdnChunkedAndRecurrentMatchDouble) {
   for (const GdnCase& g : cases) {
     GdnProblem p(g, rng);
     ASSERT_TRUE(gdn_chunked_fits(p.ra));
-    // form 0: the recurrence; 1: chunked, fp32 scan; 2: chunked, tensor-core scan (3xTF32).
-    for (int form : {0, 1, 2}) {
+    // form 0: the recurrence; 1: chunked, fp32 scan; 2, 3: chunked, tensor-core scan (3xTF32), 32 and
+    // 64 value columns per block.
+    for (int form : {0, 1, 2, 3}) {
       p.reset_state();
       if (form == 0) {
         gdn_recurrent(p.ra, p.spd.get(), g.rows, nullptr);
       } else {
-        set_gdn_scan_tc(form == 2);
+        set_gdn_scan_tc(form >= 2);
+        set_gdn_scan_cols(form == 3 ? 64 : 32);
         gdn_chunked(p.ra, g.rows, nullptr);
       }
       CUDA_CHECK(cudaDeviceSynchronize());
@@ -1327,13 +1329,14 @@ TEST(CudaOps, GdnChunkedAndRecurrentMatchDouble) {
       const double e_out = rel_l2(out.data(), p.ref_out.data(), out.size());
       const double e_st = rel_l2(st.data(), p.ref_state.data(), st.size());
       std::printf("  gdn %-12s nk %2d nv %2d dk %3d dv %3d rows %3d: out rel_l2 %.3e, state rel_l2 %.3e\n",
-                  form == 0 ? "recurrent" : form == 1 ? "chunked fp32" : "chunked tc", g.nk, g.nv, g.dk, g.dv, g.rows,
-                  e_out, e_st);
+                  form == 0 ? "recurrent" : form == 1 ? "chunked fp32" : form == 2 ? "chunked tc" : "chunked tc64", g.nk,
+                  g.nv, g.dk, g.dv, g.rows, e_out, e_st);
       EXPECT_LE(e_out, 2e-5);
       EXPECT_LE(e_st, 2e-5);
     }
   }
   set_gdn_scan_tc(-1);
+  set_gdn_scan_cols(-1);
 }
 
 // A decode step's split heads make their output norm as a thread-block cluster (set_gdn_cluster_norm):
