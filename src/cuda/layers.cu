@@ -712,13 +712,15 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs
 // part tf32: ~22 significant bits of each operand, accumulated in fp32), the state in fp32 as before.
 // Why: the fp32 kernel issued ~3 instructions per multiply-add (the FMA and its shared-memory operands)
 // and spent most of its time waiting at its barriers for its slowest warps; with 192 blocks on 132 SMs
-// it took ~754 us per layer and 2,048-row chunk, a third of the delta rule (twenty-first session).
-// Warp w: phases 1 and 2 (64 x 32 outputs) the m16 tile w % 4 and the n8 tiles 2 (w / 4), 2 (w / 4) + 1;
-// phase 3 (the dk x 32 state) the m16 tile w and all four n8 tiles, whose accumulators hold the
-// state between chunks (written to shared memory for the next chunk's B operands). Phase 1 and the
-// (e^G q̂) S half of phase 2 share their B fragments (S) in one pass.
+// it took ~754 us per layer and 2,048-row chunk, more than half of the delta rule (twenty-first
+// session); this one ~560 us.
+// A block takes NC value columns (32, or 64 with CK_GDN_SCAN_COLS=64). Warp w: phases 1 and 2 (64 x NC
+// outputs) the m16 tile w % 4 and half the n8 tiles (w / 4 picks which half); phase 3 (the dk x NC
+// state) the m16 tile w and all n8 tiles, whose accumulators hold the state between chunks (written
+// to shared memory for the next chunk's B operands). Phase 1 and the (e^G q̂) S half of phase 2 share
+// their B fragments (S) in one pass.
 // Shared memory: the two [C][ldk] record buffers (ldk = 16 ceil(dk / 16) + 4, their columns past dk
-// zero, so k steps of 8 and m16 tiles past dk add zeros), P [C][68], S [dk16][32] and v_new [C][32],
+// zero, so k steps of 8 and m16 tiles past dk add zeros), P [C][68], S [dk16][NC] and v_new [C][NC],
 // the last two with their 8-column groups swizzled by row (conflict-free B fragment loads).
 __host__ __device__ constexpr int gdn_tc_dk16(int dk) { return (dk + 15) / 16 * 16; }
 __host__ __device__ constexpr int gdn_tc_ld(int dk) { return gdn_tc_dk16(dk) + 4; }
