@@ -251,11 +251,10 @@ void Model::ple_gather(const PleWeights& p, std::vector<int64_t>& ctx, std::span
 
 void Model::ple_token(const PleWeights& p, LayerState& st, const float* R, int32_t token, float* out) const {
   const ModelConfig& c = cfg();
-  const int H = c.hidden_size, S = c.hc_count, W = c.wide(), E = c.ple_embed_dim, rd = c.ngram_row_dim();
+  const int H = c.hidden_size, S = c.hc_count, W = c.wide(), E = c.ple_embed_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  std::vector<int64_t> rows = ngram_rows(p, st.ngram_ctx, token);
   std::vector<float> emb(E), key(W), kn(W), val(H), qn(W), G(W), Gn(W);
-  for (size_t j = 0; j < rows.size(); ++j) p.table_row(rows[j], emb.data() + j * rd);  // head-major
+  ple_gather(p, st.ngram_ctx, std::span<const int32_t>(&token, 1), emb.data(), static_cast<size_t>(E));
   matvec(p.key, emb.data(), key.data());
   rmsnorm_grouped(key.data(), W, H, p.norm_key.data(), eps, kn.data());
   matvec(p.value, emb.data(), val.data());

@@ -101,7 +101,7 @@ class Model {
   Status moe_token(const MoeWeights& m, int rl, const float* u, float* out) const;
   // §5.1-5.3: the n-gram row ids of `token` given the context (updated).
   std::vector<int64_t> ngram_rows(const PleWeights& p, std::vector<int64_t>& ctx, int32_t token) const;
-  // §5.1-5.4 for a run of tokens, as the CUDA engine gathers a step's rows on the host: each token's row
+  // §5.1-5.4 for a run of tokens (ple_token's one, a CUDA step's rows on the host): each token's row
   // ids in order (ctx advances token by token; ctx_after, when given, gets the context after each
   // token), then its table rows dequantized to out + r * ld, head-major (ple_token's embedding). Rows
   // are read in parallel from 64 tokens on; the values do not depend on it.

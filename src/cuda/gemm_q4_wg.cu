@@ -219,11 +219,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup; warp within it (its 16 rows of each m64 tile)
   int ujob[2], uf0[2];  // the block's two units
   wg_block_units(a, ujob, uf0);
-  auto pick = [](const auto (&v)[2], int u) { return wg_pick(v, u); };
-  const int job = pick(ujob, wg);
+  const int job = wg_pick(ujob, wg);
   const DMatrix w0 = a.job[job].w;  // this warpgroup's matrix
   const int m0 = static_cast<int>(blockIdx.y) * TN;
-  const int f_wg = pick(uf0, wg);
+  const int f_wg = wg_pick(uf0, wg);
   const bool active = f_wg < w0.rows;  // warpgroup-uniform; idle warpgroups still stage and meet the barriers
   __shared__ int drow[TN];
   __shared__ int srow[TN];
@@ -280,9 +279,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
     un_sg[u] = K / m.fmt.group;
   }
   auto tile_base = [&](int tl) {  // tile tl of the block (unit tl / 8's tile tl % 8) at group 0, clamped
-    const DMatrix& m = a.job[pick(ujob, tl >> 3)].w;
+    const DMatrix& m = a.job[wg_pick(ujob, tl >> 3)].w;
     const int n_tiles = (m.rows + kTileRows - 1) / kTileRows;
-    return m.tile_group(min(pick(uf0, tl >> 3) / kTileRows + (tl & 7), n_tiles - 1), 0);
+    return m.tile_group(min(wg_pick(uf0, tl >> 3) / kTileRows + (tl & 7), n_tiles - 1), 0);
   };
   // Copy j of the codes and of the row layout's scale words belongs to unit j (block feature i / 2).
   const uint8_t* code_src[2];
@@ -298,7 +297,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
     sb_src[j] = utiled[j] ? nullptr : ((i & 1) ? m.biases : m.scales) + row * un_sg[j] * ues[j];
   }
   // Tiled units' scale words: threads 32 u .. 32 u + 31 copy unit u's, 16 bytes each.
-  const bool sb_tile = tid < 64 && pick(utiled, (tid >> 5) & 1);
+  const bool sb_tile = tid < 64 && wg_pick(utiled, (tid >> 5) & 1);
   const uint8_t* sb_tile_src = tile_base((tid >> 2) & 15) + 512 + 16 * (tid & 3);
   const int sb_tile_dst = 256 * ((tid >> 5) & 1) + 4 * (tid & 31);
   const size_t gsum_src = static_cast<size_t>(srow[tid % TN]) * a.groups;

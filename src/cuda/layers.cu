@@ -774,6 +774,23 @@ __device__ __forceinline__ void gdn_b_frag(const float* m, int off, float (&b)[2
   b[1] = m[off + 4 * NC];
 }
 
+// acc[nt] += A v_new over k = the chunk's rows, for the N n8 tiles whose B places (at k0 = 0) are
+// boff: load_a(k0, a) gives the lane's A fragment of the k step at k0 (phase 2's P, phase 3's k̂dᵀ).
+template <int NC, int N, class LoadA>
+__device__ __forceinline__ void gdn_mma_over_chunk(LoadA load_a, const float* vn, const int (&boff)[N],
+                                                   float (&acc)[N][4]) {
+#pragma unroll 2
+  for (int k0 = 0; k0 < kGdnChunk; k0 += 8) {
+    float av[4], b[N][2];
+    load_a(k0, av);
+#pragma unroll
+    for (int nt = 0; nt < N; ++nt) gdn_b_frag<NC>(vn + NC * k0, boff[nt], b[nt]);
+    const Tf32Frag<4> fa(av);
+#pragma unroll
+    for (int nt = 0; nt < N; ++nt) mma_3xtf32(acc[nt], fa, Tf32Frag<2>(b[nt]));
+  }
+}
+
 // grid (nv, ceil(dv / NC)), block 256, dynamic shared memory gdn_scan_tc_smem(dk, NC). NC: the value
 // columns of a block, 32 (two blocks per SM) or 64 (one block per SM, twice the products per barrier).
 template <int NC, int MINB>
@@ -882,17 +899,12 @@ __global__ void __launch_bounds__(256, MINB) gdn_chunk_scan_tc_kernel(const GdnR
     cp_async_commit();
 
     // Phase 2, second half: out += P v_new, over k = chunk rows.
-#pragma unroll 2
-    for (int k0 = 0; k0 < C; k0 += 8) {
-      float ap[4], b[NTW][2];
-      const float* pp = Pm + ap2 + k0;
-      ap[0] = pp[0]; ap[1] = pp[8 * ldp]; ap[2] = pp[4]; ap[3] = pp[8 * ldp + 4];
-#pragma unroll
-      for (int nt = 0; nt < NTW; ++nt) gdn_b_frag<NC>(vn + NC * k0, b12[nt], b[nt]);
-      const Tf32Frag<4> fp(ap);
-#pragma unroll
-      for (int nt = 0; nt < NTW; ++nt) mma_3xtf32(o[nt], fp, Tf32Frag<2>(b[nt]));
-    }
+    gdn_mma_over_chunk<NC>(
+        [&](int k0, float (&ap)[4]) {
+          const float* pp = Pm + ap2 + k0;
+          ap[0] = pp[0]; ap[1] = pp[8 * ldp]; ap[2] = pp[4]; ap[3] = pp[8 * ldp + 4];
+        },
+        vn, b12, o);
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
@@ -909,17 +921,12 @@ __global__ void __launch_bounds__(256, MINB) gdn_chunk_scan_tc_kernel(const GdnR
     // Phase 3: S = e^(G_last) S + (e^(G_last-G) k̂)ᵀ v_new, over k = chunk rows; A[i][k] = k̂d[k][i].
     if (st_warp) {
       float up[NT][4] = {};
-#pragma unroll 2
-      for (int k0 = 0; k0 < C; k0 += 8) {
-        float ak[4], b[NT][2];
-        const float* pk = wb + a3 + k0 * ld;
-        ak[0] = pk[0]; ak[1] = pk[8]; ak[2] = pk[4 * ld]; ak[3] = pk[4 * ld + 8];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) gdn_b_frag<NC>(vn + NC * k0, b3[nt], b[nt]);
-        const Tf32Frag<4> fk(ak);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma_3xtf32(up[nt], fk, Tf32Frag<2>(b[nt]));
-      }
+      gdn_mma_over_chunk<NC>(
+          [&](int k0, float (&ak)[4]) {
+            const float* pk = wb + a3 + k0 * ld;
+            ak[0] = pk[0]; ak[1] = pk[8]; ak[2] = pk[4 * ld]; ak[3] = pk[4 * ld + 8];
+          },
+          vn, b3, up);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll

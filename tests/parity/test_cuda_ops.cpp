@@ -433,6 +433,15 @@ void report_rows_vs_cpu(const std::string& what, const Matrix& m, const std::vec
   report(what, compare(got, ref, tol, 0, 0));
 }
 
+// Rows (of n, at ldy) whose first `width` outputs differ in any bit between two host copies.
+int64_t rows_with_different_bits(const std::vector<float>& a, const std::vector<float>& b, int n, int ldy, int width) {
+  int64_t diff = 0;
+  for (int r = 0; r < n; ++r)
+    diff += std::memcmp(a.data() + static_cast<size_t>(r) * ldy, b.data() + static_cast<size_t>(r) * ldy,
+                        sizeof(float) * width) != 0;
+  return diff;
+}
+
 // One job's output (n rows of x, at ldy on the device) against the CPU's matvec of its matrix.
 void report_job_vs_cpu(const std::string& what, const Matrix& m, const std::vector<float>& x, int K, int n,
                        const float* y, int ldy) {
@@ -492,10 +501,7 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
                                  std::to_string(n) + (n > kMaxRows ? (wg ? " wgmma" : " q4_tile") : "") +
                                  (parts == 3 ? " 3 parts" : "");
         if (same_path(c, n)) {
-          int64_t diff = 0;
-          for (int r = 0; r < n; ++r)
-            diff += std::memcmp(out[0].data() + static_cast<size_t>(r) * ldy, out[1].data() + static_cast<size_t>(r) * ldy,
-                                sizeof(float) * c.rows) != 0;
+          const int64_t diff = rows_with_different_bits(out[0], out[1], n, ldy, c.rows);
           std::printf("  %-58s %s\n", what.c_str(), diff ? "DIFFERENT BITS" : "same bits");
           EXPECT_EQ(diff, 0) << what;
         } else {  // the tiles' kernels against the CPU (the rows took v3, or gemm.cu's)
@@ -572,11 +578,8 @@ TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
           out[tiles8] = to_host(yd.get(), static_cast<size_t>(n) * ldy);
         }
         report_rows_vs_cpu(what, hm.m, x, ldx, n, ref, out[1], ldy);
-        int64_t diff = 0;
-        for (int r = 0; r < n; ++r)
-          diff += std::memcmp(out[0].data() + static_cast<size_t>(r) * ldy, out[1].data() + static_cast<size_t>(r) * ldy,
-                              sizeof(float) * c.rows) != 0;
-        EXPECT_EQ(diff, 0) << what << ": the two activation splits give different bits";
+        EXPECT_EQ(rows_with_different_bits(out[0], out[1], n, ldy, c.rows), 0)
+            << what << ": the two activation splits give different bits";
       }
     }
   }
