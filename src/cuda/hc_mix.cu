@@ -57,6 +57,7 @@ struct HcMixLaunch {
   unsigned* bar;         // grid barrier: arrivals (bar[0]), generation (bar[32])
   int leave_early;       // blocks without phase 2-3 work leave at the barrier (else all wait)
   int prefetch;          // ask L2 for the block's weights before pdl_begin (CK_HC_OWN_PREFETCH)
+  int norm_prefetch;     // and for its part of the norm's scale (CK_HC_NORM_PREFETCH=0: not)
 };
 
 // All blocks of the grid arrive here; those that `wait` leave once all have arrived, and then see
@@ -208,6 +209,14 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
         prefetch_l2(m.biases + r0 * gpr * es + off, 1);
       }
     }
+  }
+  // The norm's scale (40 KB a mix at the released geometry): phase 1 reads the chunk's part, phase 3
+  // its u group's in every stream. Like the weights, out of L2 again after a step's 1.5 GB.
+  if (L.norm_prefetch && tid < 32) {
+    const uint8_t* nb = reinterpret_cast<const uint8_t*>(a.norm);
+    if (c < L.n_chunks && tid * 128 < cg * 64 * 4) prefetch_l2(nb + static_cast<size_t>(c) * cg * 256 + tid * 128, 1);
+    if (blockIdx.x < H / 64 && tid < 2 * S)
+      prefetch_l2(nb + (static_cast<size_t>(tid >> 1) * H + 64 * blockIdx.x) * 4 + (tid & 1) * 128, 1);
   }
   pdl_begin();  // R, o and w come from the kernels before
   mark(1);
@@ -409,6 +418,8 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   L.leave_early = narrow ? 1 : 0;
   static const bool prefetch = !env_is("CK_HC_OWN_PREFETCH", "0");  // 0: not, to compare
   L.prefetch = prefetch ? 1 : 0;
+  static const bool norm_prefetch = !env_is("CK_HC_NORM_PREFETCH", "0");
+  L.norm_prefetch = norm_prefetch ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   if (bf16s) launch(hc_mix_row_kernel<true>, grid, kHcThreads, part_bytes, stream, L);
   else launch(hc_mix_row_kernel<false>, grid, kHcThreads, part_bytes, stream, L);
