@@ -66,6 +66,10 @@ bool pdl_enabled();
 // True when environment variable `name` is set to exactly `value` (the engine's CK_* switches that
 // select another schedule to compare, read once by their callers).
 bool env_is(const char* name, const char* value);
+// Whether decode kernels read what no kernel of the step writes (the DeltaNet state and constants, the
+// conv taps and state, the expert table) before their wait on the kernel before them, as the GEMVs
+// and the mix do with their weights: on unless CK_PARAM_PREFETCH=0 (read once).
+bool param_prefetch_on();
 // An attribute of the current device (cudaDeviceGetAttribute; errors abort).
 int device_attribute(cudaDeviceAttr attr);
 // Streaming multiprocessors of the current device (asked once; call before any graph capture).

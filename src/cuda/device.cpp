@@ -18,6 +18,11 @@ bool pdl_enabled() {
   return on;
 }
 
+bool param_prefetch_on() {
+  static const bool on = !env_is("CK_PARAM_PREFETCH", "0");
+  return on;
+}
+
 int device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

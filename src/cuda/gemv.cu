@@ -691,6 +691,7 @@ struct TcLaunch {
   const uint2* frag;                     // [groups][4 steps][NB][32 lanes]; one row: compact, [groups][48]
   const float* gsum;                     // [groups][8 NB]: Σ x of the group on each row's hi column; one row: [groups]
   int32_t prefetch;                      // ask L2 for the warp's weights before pdl_begin (CK_GEMV_PREFETCH)
+  int32_t conv_prefetch;                 // and for its conv channels' taps and state (param_prefetch_on())
   GdnConvArgs conv;                      // gemv_tc4_kernel with conv.y: job 0's rows are conv channels
   const StepParams* conv_sp;             // (its x is not written: the conv output is)
 };
@@ -751,6 +752,15 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
     if (L.prefetch) tr.prefetch(G0, G1, t);
+    // The conv of the tile's 16 channels in the epilogue reads their taps (16 K floats) and state
+    // (K - 1 rows of 16 floats): first touches of the step, otherwise a DRAM round trip at the end.
+    if (L.conv_prefetch && L.conv.y && j == 0 && part == 0) {
+      const int K = L.conv.K, C = L.conv.C;
+      const float* at = nullptr;
+      if (lane * 32 < 16 * K) at = L.conv.taps + static_cast<size_t>(row0) * K + 32 * lane;
+      else if (lane >= 8 && lane - 8 < K - 1) at = L.conv.state + static_cast<size_t>(lane - 8) * C + row0;
+      if (at) asm volatile("prefetch.global.L2 [%0];" ::"l"(at) : "memory");
+    }
   }
   pdl_begin();  // the fragments and group sums come from the kernel before
   if (tile < n_tiles) {
@@ -1274,6 +1284,7 @@ TcLaunch tc_launch_of(const GemvJob* jobs, int n_jobs) {
   TcLaunch L{};
   static const bool prefetch = !env_is("CK_GEMV_PREFETCH", "0");  // 0: not, to compare
   L.prefetch = prefetch ? 1 : 0;
+  L.conv_prefetch = param_prefetch_on() ? 1 : 0;
   L.n_jobs = n_jobs;
   L.groups = jobs[0].w.cols / 64;
   int tiles = 0;

@@ -186,9 +186,13 @@ __device__ __forceinline__ float gdn_gated_out(const GdnRecArgs& a, int r, int h
 // head's blocks form a cluster, GdnNorm::Cluster), else by gdn_out_norm_kernel after it.
 enum class GdnNorm : int { Block = 0, Kernel = 1, Cluster = 2 };
 
+// early: the state comes into registers, and the head's constants into L2, before the wait on the kernel
+// before (the in_proj GEMV). Nothing in a step writes them before this kernel (the previous step's
+// last write, or a rollback's copy, finished before the step began), and the kernels that may still
+// run then are the one before and its predecessor's tail: the state's 64 KB a head came from DRAM
+// after the wait, a dependent round trip on the step's critical path (param_prefetch_on()).
 __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, const StepParams* sp, int rows,
-                                                            GdnNorm norm_mode) {
-  pdl_begin();
+                                                            GdnNorm norm_mode, int early) {
   extern __shared__ float sh[];
   __shared__ float scratch[32];
   __shared__ float ss_part[kMaxRows];  // GdnNorm::Cluster: this block's Σ o² per row, read by the cluster
@@ -206,15 +210,27 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   const int kh = h / (a.nv / a.nk);  // repeat_interleave grouping (trap 12)
   const int Kd = a.nk * dk;
   const float q_scale = 1.0f / sqrtf(static_cast<float>(dk));
-  const bool snap = sp->snap != 0;
   float* S = a.state + static_cast<size_t>(h) * dk * dv;
 
   float Sreg[kKeyPart];
+  auto load_state = [&]() {
 #pragma unroll
-  for (int t = 0; t < kKeyPart; ++t) {
-    const int i = p * kKeyPart + t;
-    Sreg[t] = (active && i < dk) ? S[static_cast<size_t>(i) * dv + j] : 0.0f;
+    for (int t = 0; t < kKeyPart; ++t) {
+      const int i = p * kKeyPart + t;
+      Sreg[t] = (active && i < dk) ? S[static_cast<size_t>(i) * dv + j] : 0.0f;
+    }
+  };
+  if (early) {
+    load_state();
+    if (tid == 0) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(a.a_log + h) : "memory");
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(a.dt_bias + h) : "memory");
+    }
+    if (tid * 32 < dv) asm volatile("prefetch.global.L2 [%0];" ::"l"(a.norm + 32 * tid) : "memory");
   }
+  pdl_begin();
+  if (!early) load_state();
+  const bool snap = sp->snap != 0;
   for (int r = 0; r < rows; ++r) {
     const float* yr = a.y + static_cast<size_t>(r) * a.ldy;
     // L2 norms of this head's q and k (N3), then q / sqrt(dk) (trap 13).
@@ -1841,6 +1857,14 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
 // grid (ceil(rows / 8)), block 32 min(rows, 8).
 template <int VPL>
 __global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs a, int rows) {
+  // The expert table (a.prefetch_table): constant during a step, read once the picks are known, and
+  // out of L2 again by the next step (8 KB of lines at E = 512: a DRAM round trip in the route's tail).
+  if (a.prefetch_table && blockIdx.x == 0) {
+    const uint8_t* tb = reinterpret_cast<const uint8_t*>(a.table);
+    const int bytes = a.E * static_cast<int>(sizeof(ExpertSlot));
+    for (int off = 128 * static_cast<int>(threadIdx.x); off < bytes; off += 128 * static_cast<int>(blockDim.x))
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(tb + off) : "memory");
+  }
   pdl_begin();
   const int lane = threadIdx.x & 31, r = static_cast<int>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   if (r >= rows) return;
@@ -2035,7 +2059,7 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
   const bool cluster = g_gdn_cluster_norm == 1 && split > 1 && split <= 8 && cols == 32 && rows <= kMaxRows;
   const GdnNorm mode = split == 1 ? GdnNorm::Block : cluster ? GdnNorm::Cluster : GdnNorm::Kernel;
   launch_cluster(gdn_recurrent_kernel, dim3(a.nv, split), threads, smem, stream, dim3(1, cluster ? split : 1, 1), a,
-                 sp, rows, mode);
+                 sp, rows, mode, param_prefetch_on() ? 1 : 0);
   CUDA_CHECK_LAUNCH();
   if (mode == GdnNorm::Kernel) {
     launch(gdn_out_norm_kernel, dim3(a.nv, rows), static_cast<unsigned>(round_up(a.dv, 32)), 0, stream, a);
@@ -2182,12 +2206,14 @@ void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
   const int vpl = static_cast<int>(ceil_div(a.E, 32));
   if (warp && vpl <= 32) {
     const unsigned grid = static_cast<unsigned>(ceil_div(rows, 8)), block = 32 * std::min(rows, 8);
-    if (vpl <= 1) launch(moe_route_warp_kernel<1>, grid, block, 0, stream, a, rows);
-    else if (vpl <= 2) launch(moe_route_warp_kernel<2>, grid, block, 0, stream, a, rows);
-    else if (vpl <= 4) launch(moe_route_warp_kernel<4>, grid, block, 0, stream, a, rows);
-    else if (vpl <= 8) launch(moe_route_warp_kernel<8>, grid, block, 0, stream, a, rows);
-    else if (vpl <= 16) launch(moe_route_warp_kernel<16>, grid, block, 0, stream, a, rows);
-    else launch(moe_route_warp_kernel<32>, grid, block, 0, stream, a, rows);
+    MoeRouteArgs b = a;
+    b.prefetch_table = param_prefetch_on() ? 1 : 0;
+    if (vpl <= 1) launch(moe_route_warp_kernel<1>, grid, block, 0, stream, b, rows);
+    else if (vpl <= 2) launch(moe_route_warp_kernel<2>, grid, block, 0, stream, b, rows);
+    else if (vpl <= 4) launch(moe_route_warp_kernel<4>, grid, block, 0, stream, b, rows);
+    else if (vpl <= 8) launch(moe_route_warp_kernel<8>, grid, block, 0, stream, b, rows);
+    else if (vpl <= 16) launch(moe_route_warp_kernel<16>, grid, block, 0, stream, b, rows);
+    else launch(moe_route_warp_kernel<32>, grid, block, 0, stream, b, rows);
   } else {
     launch(moe_route_kernel, rows, 256, sizeof(float) * a.E + a.E, stream, a);
   }
