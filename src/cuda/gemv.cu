@@ -694,6 +694,8 @@ struct TcLaunch {
   int32_t conv_prefetch;                 // and for its conv channels' taps and state (param_prefetch_on())
   GdnConvArgs conv;                      // gemv_tc4_kernel with conv.y: job 0's rows are conv channels
   const StepParams* conv_sp;             // (its x is not written: the conv output is)
+  int32_t kb;                            // gemv_tc4_kernel: blocks (grid y) that split K; 1: none
+  float* partial;                        // kb > 1: [kb][tiles * 16][R] sums, added by gemv_tc4_reduce_kernel
 };
 
 // grid (groups, vectors), block 128: group blockIdx.x's B fragments for R activation rows (nx real;
@@ -732,7 +734,9 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
 }
 
 // block 256 = 8 warps = 8/ks tiles of 16 rows, each tile's groups split over ks warps (added in a
-// fixed order through shared memory). grid: tiles / (8/ks).
+// fixed order through shared memory). grid: (tiles / (8/ks), kb): with kb > 1 block y takes the y-th
+// of kb slices of the groups and writes its sums to L.partial, which gemv_tc4_reduce_kernel adds in
+// slice order (R >= 2, no conv).
 // Register caps keep 3-4 blocks (24-32 warps) per SM: with fewer the loads in flight cannot cover DRAM
 // latency (1 block per SM, uncapped: lm_head at 1.2 TB/s).
 template <int R, bool BF16S>
@@ -747,7 +751,9 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   const DMatrix& w = L.job[j].w;
   const int row0 = (tile - L.first_tile[j]) * 16;
   float acc[NB][4] = {};
-  const int per = (L.groups + ks - 1) / ks, G0 = min(L.groups, part * per), G1 = min(L.groups, G0 + per);
+  const int per_z = (L.groups + L.kb - 1) / L.kb, Z0 = min(L.groups, static_cast<int>(blockIdx.y) * per_z),
+            Z1 = min(L.groups, Z0 + per_z);
+  const int per = (Z1 - Z0 + ks - 1) / ks, G0 = min(Z1, Z0 + part * per), G1 = min(Z1, G0 + per);
   Tc4Rows<BF16S> tr;
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
@@ -830,12 +836,40 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
       gdn_conv_channel(L.conv, L.conv_sp->snap != 0, row0 + lane, nx, [&](int r) { return value(lane, r); });
     return;
   }
+  if (L.kb > 1) {  // this slice's sums, for gemv_tc4_reduce_kernel
+    float* p = L.partial + (static_cast<size_t>(blockIdx.y) * n_tiles + tile) * 16 * R;
+    for (int o = lane; o < 16 * R; o += 32) {
+      const int m = o / R, r = o % R;
+      if (r < nx && row0 + m < w.rows) p[o] = value(m, r);
+    }
+    return;
+  }
   const GemvJob& jb = L.job[j];
   for (int o = lane; o < 16 * R; o += 32) {
     const int m = o / R, r = o % R;
     if (r >= nx || row0 + m >= w.rows) continue;
     jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue(value(m, r), jb.epi, jb.epi_arg);
   }
+}
+
+// grid ceil(tiles 16 R / 256), block 256: y = epi(Σ_z partial_z) for each (job row, activation row),
+// the kb slices of gemv_tc4_kernel added in slice order.
+template <int R>
+__global__ void gemv_tc4_reduce_kernel(const __grid_constant__ TcLaunch L, int nx) {
+  pdl_begin();
+  const int n_tiles = L.first_tile[L.n_jobs];
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);  // (tile 16 + m) R + r
+  if (i >= n_tiles * 16 * R) return;
+  const int r = i % R, tm = i / R, tile = tm / 16;
+  if (r >= nx) return;
+  int j = 0;
+  while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
+  const GemvJob& jb = L.job[j];
+  const int row = (tile - L.first_tile[j]) * 16 + tm % 16;
+  if (row >= jb.w.rows) return;
+  float v = 0.0f;
+  for (int z = 0; z < L.kb; ++z) v += L.partial[static_cast<size_t>(z) * n_tiles * 16 * R + i];
+  jb.y[static_cast<size_t>(r) * jb.ldy + row] = apply_epilogue(v, jb.epi, jb.epi_arg);
 }
 
 // v4 at one activation row with the fragments built in the block (decode's small and middle-sized
@@ -1254,6 +1288,17 @@ int q_arith() {
   return a;
 }
 
+// gemv_tc4's K split over blocks applies while the grid would have fewer blocks than this
+// (CK_GEMV_TC_SPLIT_BELOW; 0 turns it off): half the SMs by default, so only grids that leave most of
+// the GPU idle are split (each split adds a reduce kernel).
+int tc_split_below() {
+  static const int v = [] {
+    const char* e = std::getenv("CK_GEMV_TC_SPLIT_BELOW");
+    return e ? std::max(0, std::atoi(e)) : sm_count() / 2;
+  }();
+  return v;
+}
+
 template <int R>
 void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStream_t s, const Tc4Frags* pre) {
   constexpr int NB = (3 * R + 7) / 8;
@@ -1273,15 +1318,33 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
     L.frag = frag;
     L.gsum = gsum;
   }
-  if (bf16s) launch(gemv_tc4_kernel<R, true>, grid, 256, 0, s, L, nx);
-  else launch(gemv_tc4_kernel<R, false>, grid, 256, 0, s, L, nx);
+  // K split over blocks (2-8 rows, no conv) while the grid has fewer blocks than split_below() and
+  // each warp keeps at least two groups: the hyper-connection mix's down projection at 2-8 rows (21
+  // tiles, K = 10,240, on the tile kernel because its weights are tiles) ran on 21 blocks, 16.7 us a
+  // call at 4 rows (Nsight Compute, 2026-12-01 08:29Z), ~0.1 TB/s.
+  const int n_tiles = L.first_tile[L.n_jobs];
+  L.kb = 1;
+  L.partial = nullptr;
+  if (R > 1 && !L.conv.y)
+    while (L.kb < 8 && static_cast<int>(grid) * L.kb < tc_split_below() && L.groups >= 4 * L.ks * L.kb) L.kb *= 2;
+  if (L.kb > 1)
+    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&L.partial), sizeof(float) * L.kb * n_tiles * 16 * R, s));
+  const dim3 g2(grid, static_cast<unsigned>(L.kb));
+  if (bf16s) launch(gemv_tc4_kernel<R, true>, g2, 256, 0, s, L, nx);
+  else launch(gemv_tc4_kernel<R, false>, g2, 256, 0, s, L, nx);
   CUDA_CHECK_LAUNCH();
+  if (L.kb > 1) {
+    launch(gemv_tc4_reduce_kernel<R>, static_cast<unsigned>(ceil_div(n_tiles * 16 * R, 256)), 256, 0, s, L, nx);
+    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(cudaFreeAsync(L.partial, s));
+  }
   if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
 }
 
 // A v4 launch's jobs cut into 16-row tiles (ks still to choose). n_jobs in [1, kMaxGemvJobs].
 TcLaunch tc_launch_of(const GemvJob* jobs, int n_jobs) {
   TcLaunch L{};
+  L.kb = 1;
   static const bool prefetch = !env_is("CK_GEMV_PREFETCH", "0");  // 0: not, to compare
   L.prefetch = prefetch ? 1 : 0;
   L.conv_prefetch = param_prefetch_on() ? 1 : 0;
