@@ -1289,12 +1289,13 @@ int q_arith() {
 }
 
 // gemv_tc4's K split over blocks applies while the grid would have fewer blocks than this
-// (CK_GEMV_TC_SPLIT_BELOW; 0 turns it off): half the SMs by default, so only grids that leave most of
-// the GPU idle are split (each split adds a reduce kernel).
+// (CK_GEMV_TC_SPLIT_BELOW; 0 turns it off): the SM count by default (H200 08:34Z, decode at 4 rows
+// 1,127 / 1,138 tok/s with it, 1,121 / 1,115 at half of it, 1,062 / 1,076 without a split): the mix's
+// down projection (21 blocks) takes 4 slices, its up projection (80) 2.
 int tc_split_below() {
   static const int v = [] {
     const char* e = std::getenv("CK_GEMV_TC_SPLIT_BELOW");
-    return e ? std::max(0, std::atoi(e)) : sm_count() / 2;
+    return e ? std::max(0, std::atoi(e)) : sm_count();
   }();
   return v;
 }
@@ -1318,7 +1319,7 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
     L.frag = frag;
     L.gsum = gsum;
   }
-  // K split over blocks (2-8 rows, no conv) while the grid has fewer blocks than split_below() and
+  // K split over blocks (2-8 rows, no conv) while the grid has fewer blocks than tc_split_below() and
   // each warp keeps at least two groups: the hyper-connection mix's down projection at 2-8 rows (21
   // tiles, K = 10,240, on the tile kernel because its weights are tiles) ran on 21 blocks, 16.7 us a
   // call at 4 rows (Nsight Compute, 2026-12-01 08:29Z), ~0.1 TB/s.
