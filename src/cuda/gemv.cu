@@ -1291,7 +1291,7 @@ int q_arith() {
 // gemv_tc4's K split over blocks applies while the grid would have fewer blocks than this
 // (CK_GEMV_TC_SPLIT_BELOW; 0 turns it off): the SM count by default (H200 08:34Z, decode at 4 rows
 // 1,127 / 1,138 tok/s with it, 1,121 / 1,115 at half of it, 1,062 / 1,076 without a split): the mix's
-// down projection (21 blocks) takes 4 slices, its up projection (80) 2.
+// down projection (21 blocks, ks 8) takes 8 slices (4 at half), its up projection (80 blocks) 2.
 int tc_split_below() {
   static const int v = [] {
     const char* e = std::getenv("CK_GEMV_TC_SPLIT_BELOW");
