@@ -22,6 +22,13 @@ __device__ __forceinline__ uint32_t get_code_dev(const uint8_t* stream, int64_t 
   return (v >> shift) & ((1u << bits) - 1u);
 }
 
+// Asks L2 for the 128-byte lines of [p, p + bytes) (a hint: nothing waits on it; one line for bytes
+// <= 128). Kernels ask for what no kernel before them writes before their pdl_begin().
+__device__ __forceinline__ void prefetch_l2(const void* p, int bytes = 1) {
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  for (int off = 0; off < bytes; off += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(b + off) : "memory");
+}
+
 __device__ __forceinline__ float load_kind(const uint8_t* base, int64_t i, uint8_t kind) {
   if (kind == static_cast<uint8_t>(WKind::F32)) return reinterpret_cast<const float*>(base)[i];
   const uint16_t h = reinterpret_cast<const uint16_t*>(base)[i];

@@ -765,7 +765,7 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
       const float* at = nullptr;
       if (lane * 32 < 16 * K) at = L.conv.taps + static_cast<size_t>(row0) * K + 32 * lane;
       else if (lane >= 8 && lane - 8 < K - 1) at = L.conv.state + static_cast<size_t>(lane - 8) * C + row0;
-      if (at) asm volatile("prefetch.global.L2 [%0];" ::"l"(at) : "memory");
+      if (at) prefetch_l2(at);
     }
   }
   pdl_begin();  // the fragments and group sums come from the kernel before
@@ -1324,9 +1324,7 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
   // tiles, K = 10,240, on the tile kernel because its weights are tiles) ran on 21 blocks, 16.7 us a
   // call at 4 rows (Nsight Compute, 2026-12-01 08:29Z), ~0.1 TB/s.
   const int n_tiles = L.first_tile[L.n_jobs];
-  L.kb = 1;
-  L.partial = nullptr;
-  if (R > 1 && !L.conv.y)
+  if (R > 1 && !L.conv.y)  // (L.kb is 1 from tc_launch_of)
     while (L.kb < 8 && static_cast<int>(grid) * L.kb < tc_split_below() && L.groups >= 4 * L.ks * L.kb) L.kb *= 2;
   if (L.kb > 1)
     CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&L.partial), sizeof(float) * L.kb * n_tiles * 16 * R, s));

@@ -93,11 +93,6 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, bool wait) {
   __syncthreads();
 }
 
-// L2 prefetch of the 128-byte lines of [p, p + bytes).
-__device__ __forceinline__ void prefetch_l2(const uint8_t* p, int bytes) {
-  for (int off = 0; off < bytes; off += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off) : "memory");
-}
-
 // The 16-row one-row tile at rows row0.. of m over groups [G0, G1) against fragments f (group G at
 // f + (G - G0) * 128) and group sums xg: the three column sums (hi, mid, lo) of rows g and g + 8 as
 // acc (tc4_one_group's layout). UNROLL groups' loads are issued together.

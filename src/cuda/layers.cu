@@ -223,10 +223,10 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   if (early) {
     load_state();
     if (tid == 0) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(a.a_log + h) : "memory");
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(a.dt_bias + h) : "memory");
+      prefetch_l2(a.a_log + h);
+      prefetch_l2(a.dt_bias + h);
     }
-    if (tid * 32 < dv) asm volatile("prefetch.global.L2 [%0];" ::"l"(a.norm + 32 * tid) : "memory");
+    if (tid * 32 < dv) prefetch_l2(a.norm + 32 * tid);
   }
   pdl_begin();
   if (!early) load_state();
@@ -1856,14 +1856,14 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
 // last bit.
 // grid (ceil(rows / 8)), block 32 min(rows, 8).
 template <int VPL>
-__global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs a, int rows) {
-  // The expert table (a.prefetch_table): constant during a step, read once the picks are known, and
+__global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs a, int rows, int prefetch_table) {
+  // The expert table (param_prefetch_on()): constant during a step, read once the picks are known, and
   // out of L2 again by the next step (8 KB of lines at E = 512: a DRAM round trip in the route's tail).
-  if (a.prefetch_table && blockIdx.x == 0) {
+  if (prefetch_table && blockIdx.x == 0) {
     const uint8_t* tb = reinterpret_cast<const uint8_t*>(a.table);
     const int bytes = a.E * static_cast<int>(sizeof(ExpertSlot));
     for (int off = 128 * static_cast<int>(threadIdx.x); off < bytes; off += 128 * static_cast<int>(blockDim.x))
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(tb + off) : "memory");
+      prefetch_l2(tb + off);
   }
   pdl_begin();
   const int lane = threadIdx.x & 31, r = static_cast<int>(blockIdx.x) * 8 + (threadIdx.x >> 5);
@@ -2206,14 +2206,13 @@ void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
   const int vpl = static_cast<int>(ceil_div(a.E, 32));
   if (warp && vpl <= 32) {
     const unsigned grid = static_cast<unsigned>(ceil_div(rows, 8)), block = 32 * std::min(rows, 8);
-    MoeRouteArgs b = a;
-    b.prefetch_table = param_prefetch_on() ? 1 : 0;
-    if (vpl <= 1) launch(moe_route_warp_kernel<1>, grid, block, 0, stream, b, rows);
-    else if (vpl <= 2) launch(moe_route_warp_kernel<2>, grid, block, 0, stream, b, rows);
-    else if (vpl <= 4) launch(moe_route_warp_kernel<4>, grid, block, 0, stream, b, rows);
-    else if (vpl <= 8) launch(moe_route_warp_kernel<8>, grid, block, 0, stream, b, rows);
-    else if (vpl <= 16) launch(moe_route_warp_kernel<16>, grid, block, 0, stream, b, rows);
-    else launch(moe_route_warp_kernel<32>, grid, block, 0, stream, b, rows);
+    const int pt = param_prefetch_on() ? 1 : 0;
+    if (vpl <= 1) launch(moe_route_warp_kernel<1>, grid, block, 0, stream, a, rows, pt);
+    else if (vpl <= 2) launch(moe_route_warp_kernel<2>, grid, block, 0, stream, a, rows, pt);
+    else if (vpl <= 4) launch(moe_route_warp_kernel<4>, grid, block, 0, stream, a, rows, pt);
+    else if (vpl <= 8) launch(moe_route_warp_kernel<8>, grid, block, 0, stream, a, rows, pt);
+    else if (vpl <= 16) launch(moe_route_warp_kernel<16>, grid, block, 0, stream, a, rows, pt);
+    else launch(moe_route_warp_kernel<32>, grid, block, 0, stream, a, rows, pt);
   } else {
     launch(moe_route_kernel, rows, 256, sizeof(float) * a.E + a.E, stream, a);
   }

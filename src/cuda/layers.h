@@ -189,7 +189,6 @@ struct MoeRouteArgs {
   int inter = 0, hidden = 0;
   DMatrix sh_gate, sh_up, sh_down;
   ExpertPair* pairs = nullptr;                // (rows * (k+1))
-  int prefetch_table = 0;                     // ask L2 for the table before the wait (the warp kernel)
 };
 void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream);
 // out (rows, H) = fp32(Σ_t fp64(y_t · w_t)) in slot order + sigmoid(gl) · y_shared.
