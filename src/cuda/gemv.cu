@@ -1414,7 +1414,7 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   int total_rows = 0;
   for (int j = 0; j < n_jobs; ++j) total_rows += jobs[j].w.rows;
   const bool tiled = any_tiled(jobs, n_jobs);  // only the v4 kernels read them: no size threshold then
-  if (!conv && rows == 1 && bits == 4 && gemv_stream(jobs, n_jobs, x, bf16s, stream)) return true;
+  if (!conv && bits == 4 && gemv_stream(jobs, n_jobs, x, ldx, rows, bf16s, stream)) return true;
   if (!conv && rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, bits, stream)) return true;
   if (bits != 4) return false;
   // CK_GEMV_TC_ONE_ROW=N moves the one-row threshold (total rows of the jobs) to compare.

@@ -1,5 +1,5 @@
-// One activation row through the largest 4-bit matrix of a decode step (the LM head: 9,496 tiles x
-// 40 groups at the released geometry) with the weights streamed into shared memory by the tensor
+// One activation row (and, below, 2-8 rows) through the largest 4-bit matrix of a decode step (the LM
+// head: 9,496 tiles x 40 groups at the released geometry) with the weights streamed into shared memory by the tensor
 // memory accelerator (TMA), instead of each warp loading them into registers.
 //
 // Why: the two-kernel v4 form (fragment kernel + gemv_tc4_kernel, gemv.cu) reached 1.66 TB/s on the
@@ -169,6 +169,147 @@ size_t smem_bytes(int groups) {
   return static_cast<size_t>(kRingBytes) + kBarBytes + static_cast<size_t>(groups) * (kFragGroupBytes + sizeof(float));
 }
 
+// ---- 2-8 activation rows (the LM head of a multi-row step: MTP verification, the 4-row benchmark)
+//
+// Why: there the LM head ran on gemv_tc4_kernel<4> at ~1 TB/s (340 us of a 3.75 ms 4-row step alone,
+// Nsight Compute 2026-12-01 08:29Z), where this ring reads the same matrix at ~2.8 TB/s for one row.
+// The same ring and copies; gemv_tc4_kernel<R>'s arithmetic (tc4_frag_elem<NB>'s fragments of the R
+// rows' three parts, NB n8 column blocks, one MMA per block and k16 step; group sums on the hi columns;
+// y = (hi + mid + lo) per row through shared memory), with a warp's tile's groups in index order:
+// the same sums as gemv_tc4_kernel with its groups on one warp (ks = 1, the LM head's case).
+// Fewer warps than at one row where the fragments take more shared memory (R = 4: 80 KB of them at
+// K = 2,560).
+// Measured (H200, 2026-12-01 10:15Z, same call): 4-row decode 1,167 / 1,191 tok/s against 1,144 with
+// CK_GEMV_STREAM_ROWS=0 and 1,140 / 1,147 on the build before. The multi-row threshold lowered to the
+// in_proj and the attention projections (CK_GEMV_STREAM_ROWS_MIN=30000 / 8000 / 1000): 1,184 / 1,187 /
+// 1,183, level with the default.
+template <int R>
+struct RowsLayout {
+  static constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
+  static constexpr int W = R <= 2 ? 16 : R <= 4 ? 12 : 8;  // warps a block
+  static constexpr int kRing = W * kStages * kStageBytes, kBars = W * kStages * 8;
+  static constexpr int kFragWordsPerGroup = 4 * NB * 32;
+  static CK_HD size_t frag_bytes(int groups) { return static_cast<size_t>(groups) * kFragWordsPerGroup * sizeof(uint2); }
+  // Ring, barriers, fragments, group sums [groups][NC], then per warp a [16][NC + 1] tile of sums.
+  static size_t smem(int groups) {
+    return static_cast<size_t>(kRing) + kBars + frag_bytes(groups) + sizeof(float) * groups * NC +
+           sizeof(float) * W * 16 * (NC + 1);
+  }
+};
+
+// grid: one block per SM at most, block RowsLayout<R>::W warps. x: nx <= R rows at ldx.
+template <bool BF16S, int R>
+__global__ void __launch_bounds__(RowsLayout<R>::W * 32, 1) gemv_stream_rows_kernel(const __grid_constant__ StreamLaunch L,
+                                                                                    const float* __restrict__ x, int ldx,
+                                                                                    int nx) {
+  using Lay = RowsLayout<R>;
+  constexpr int NB = Lay::NB, NC = Lay::NC, W = Lay::W, FW = Lay::kFragWordsPerGroup;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  uint8_t* ring = smem + warp * kStages * kStageBytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Lay::kRing) + warp * kStages;
+  uint2* sfrag = reinterpret_cast<uint2*>(smem + Lay::kRing + Lay::kBars);
+  float* sgs = reinterpret_cast<float*>(smem + Lay::kRing + Lay::kBars + Lay::frag_bytes(L.groups));
+  float* red = sgs + static_cast<size_t>(L.groups) * NC + warp * 16 * (NC + 1);
+  const int n_tiles = L.first_tile[L.n_jobs];
+  const int gw = blockIdx.x * W + warp, GW = gridDim.x * W;
+  const int n_units = gw < n_tiles ? ((n_tiles - 1 - gw) / GW + 1) * L.chunks : 0;
+
+  if (lane < kStages) mbar_init(&bars[lane]);
+  mbar_init_fence();
+  __syncwarp();
+  for (int u = 0; u < kStages && u < n_units; ++u) issue(L, u, gw, GW, ring + u * kStageBytes, &bars[u]);
+
+  pdl_begin();  // x comes from the kernel before
+  // The rows' fragments (tc4_frag_kernel<R>'s layout and bits) and zero group sums, then the sums of
+  // the real rows on their hi columns (3 r), a warp per (group, row).
+  for (int e = threadIdx.x; e < L.groups * FW; e += blockDim.x) {
+    const int G = e / FW;
+    sfrag[e] = tc4_frag_elem<NB>(x + 64 * G, ldx, nx, e - G * FW);
+  }
+  for (int e = threadIdx.x; e < L.groups * NC; e += blockDim.x) sgs[e] = 0.0f;
+  __syncthreads();
+  for (int task = warp; task < L.groups * nx; task += W) {
+    const int G = task / nx, r = task - G * nx;
+    const float v = tc4_group_sum(x + static_cast<size_t>(r) * ldx + 64 * G);
+    if (lane == 0) sgs[G * NC + 3 * r] = v;
+  }
+  __syncthreads();
+
+  float acc[NB][4] = {};
+  for (int u = 0; u < n_units; ++u) {
+    const int s = u % kStages;
+    mbar_wait(&bars[s], static_cast<uint32_t>(u / kStages) & 1u);
+    const int tile = gw + (u / L.chunks) * GW, c = u % L.chunks;
+    const int j = job_of(L, tile);
+    const uint8_t sk = L.job[j].w.fmt.scale_kind;
+    const uint8_t* st = ring + s * kStageBytes;
+    const int es = wkind_bytes(sk);
+    const uint8_t* sc = st + kScalesAt;
+#pragma unroll 2
+    for (int i = 0; i < kChunk; ++i) {
+      const int G = c * kChunk + i;
+      const int ch = ((i & 3) * 2 + (t >> 1)) ^ g;  // the 128-byte swizzle (gemv_stream_kernel)
+      const uint8_t* box = st + (i >> 2) * 2048 + ch * 16 + (t & 1) * 8;
+      const uint2 wa = *reinterpret_cast<const uint2*>(box + g * 128);
+      const uint2 wb = *reinterpret_cast<const uint2*>(box + (g + 8) * 128);
+      const float sa = stage_scale<BF16S>(sc + g * 8 * es, i, sk);
+      const float sb = stage_scale<BF16S>(sc + (g + 8) * 8 * es, i, sk);
+      float ba = stage_scale<BF16S>(sc + 512 + g * 8 * es, i, sk);
+      float bb = stage_scale<BF16S>(sc + 512 + (g + 8) * 8 * es, i, sk);
+      const uint2* fg = sfrag + static_cast<size_t>(G) * FW + t * 8 + g;
+      float d[NB][4] = {};  // the group's Σ (128 + q) x, fresh per group (gemv_tc4_kernel's loop body)
+#pragma unroll
+      for (int s4 = 0; s4 < 4; ++s4) {
+        const uint32_t xa = (s4 >> 1) ? wa.y : wa.x, xb = (s4 >> 1) ? wb.y : wb.x;
+        const int i0 = 2 * (s4 & 1);
+        const uint32_t a0 = code_pair_128(xa, i0), a1 = code_pair_128(xb, i0), a2 = code_pair_128(xa, i0 + 1),
+                       a3 = code_pair_128(xb, i0 + 1);
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          const uint2 b = fg[(s4 * NB + nb) * 32];
+          mma_bf16(d[nb], a0, a1, a2, a3, b.x, b.y);
+        }
+      }
+      ba = bias_128(ba, sa);  // the codes are 128 + q (code_pair_128)
+      bb = bias_128(bb, sb);
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        const float x0 = sgs[G * NC + nb * 8 + 2 * t], x1 = sgs[G * NC + nb * 8 + 2 * t + 1];
+        acc[nb][0] = fmaf(sa, d[nb][0], fmaf(ba, x0, acc[nb][0]));
+        acc[nb][1] = fmaf(sa, d[nb][1], fmaf(ba, x1, acc[nb][1]));
+        acc[nb][2] = fmaf(sb, d[nb][2], fmaf(bb, x0, acc[nb][2]));
+        acc[nb][3] = fmaf(sb, d[nb][3], fmaf(bb, x1, acc[nb][3]));
+      }
+    }
+    __syncwarp();  // every lane has read the stage: it can be refilled
+    if (u + kStages < n_units) issue(L, u + kStages, gw, GW, ring + s * kStageBytes, &bars[s]);
+    if (c == L.chunks - 1) {
+      // Rows g, g + 8 x columns (2t, 2t + 1) of each block -> the warp's [16][NC + 1] tile, then y =
+      // (hi + mid) + lo per (row, activation row), as gemv_tc4_kernel's value() adds them.
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        red[g * (NC + 1) + nb * 8 + 2 * t] = acc[nb][0];
+        red[g * (NC + 1) + nb * 8 + 2 * t + 1] = acc[nb][1];
+        red[(g + 8) * (NC + 1) + nb * 8 + 2 * t] = acc[nb][2];
+        red[(g + 8) * (NC + 1) + nb * 8 + 2 * t + 1] = acc[nb][3];
+        acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+      }
+      __syncwarp();
+      const GemvJob& jb = L.job[j];
+      const int row0 = (tile - L.first_tile[j]) * 16;
+      for (int o = lane; o < 16 * R; o += 32) {
+        const int m = o / R, r = o % R;
+        if (r >= nx || row0 + m >= jb.w.rows) continue;
+        const float* cr = red + m * (NC + 1) + 3 * r;
+        const float v = ((0.0f + cr[0]) + (0.0f + cr[1])) + (0.0f + cr[2]);
+        jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue(v, jb.epi, jb.epi_arg);
+      }
+      __syncwarp();  // the tile is read before the next one is written
+    }
+  }
+}
+
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link to libcuda); null when the
 // driver does not offer it (the caller then falls back to gemv_tc4_kernel).
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -223,6 +364,17 @@ int64_t min_work() {
   return g_min_work;
 }
 
+// Steps of 2-8 rows: their own threshold (CK_GEMV_STREAM_ROWS_MIN; unset: the one-row threshold). At
+// 2-8 rows the tile kernel needs a fragment kernel before it and reads the fragments from L2 per warp,
+// which this kernel builds once per block in shared memory.
+int64_t rows_min_work() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("CK_GEMV_STREAM_ROWS_MIN");
+    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t{-1};
+  }();
+  return v < 0 ? min_work() : v;
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
@@ -234,16 +386,33 @@ void gemv_stream_init() {
   static const bool done = [] {
     for (auto k : {gemv_stream_kernel<true>, gemv_stream_kernel<false>})
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem_optin()));
+    for (auto k : {gemv_stream_rows_kernel<true, 2>, gemv_stream_rows_kernel<false, 2>, gemv_stream_rows_kernel<true, 4>,
+                   gemv_stream_rows_kernel<false, 4>, gemv_stream_rows_kernel<true, 8>, gemv_stream_rows_kernel<false, 8>})
+      CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem_optin()));
     (void)min_work();
     return true;
   }();
   (void)done;
 }
 
-bool gemv_stream(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cudaStream_t s) {
+// The launch of 2-8 rows (R = 2, 4 or 8 by nx), or false when its shared memory does not fit.
+template <int R>
+bool launch_rows(const StreamLaunch& L, int tiles, const float* x, int ldx, int nx, bool bf16s, cudaStream_t s) {
+  using Lay = RowsLayout<R>;
+  const size_t smem = Lay::smem(L.groups);
+  if (smem > static_cast<size_t>(max_smem_optin())) return false;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sm_count(), ceil_div(tiles, Lay::W)));
+  if (bf16s) launch(gemv_stream_rows_kernel<true, R>, grid, Lay::W * 32, smem, s, L, x, ldx, nx);
+  else launch(gemv_stream_rows_kernel<false, R>, grid, Lay::W * 32, smem, s, L, x, ldx, nx);
+  return true;
+}
+
+bool gemv_stream(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, bool bf16s, cudaStream_t s) {
   static const bool on = !env_is("CK_GEMV_STREAM", "0");
+  static const bool rows_on = !env_is("CK_GEMV_STREAM_ROWS", "0");
   gemv_stream_init();  // once (init_gemv calls it before any capture; direct callers get it here)
-  if (!on || n_jobs < 1 || n_jobs > kMaxGemvJobs || !aligned16(x)) return false;
+  if (!on || n_jobs < 1 || n_jobs > kMaxGemvJobs || rows < 1 || rows > 8 || (rows > 1 && !rows_on)) return false;
+  if (rows == 1 && !aligned16(x)) return false;
   StreamLaunch L{};
   L.n_jobs = n_jobs;
   const int cols = jobs[0].w.cols;
@@ -263,15 +432,26 @@ bool gemv_stream(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, cu
     tiles += static_cast<int>(ceil_div(w.rows, 16));
   }
   L.first_tile[n_jobs] = tiles;
-  const size_t smem = smem_bytes(L.groups);
-  if (static_cast<int64_t>(tiles) * L.groups < min_work() || smem > static_cast<size_t>(max_smem_optin())) return false;
+  const size_t smem = rows == 1 ? smem_bytes(L.groups)
+                      : rows <= 2 ? RowsLayout<2>::smem(L.groups)
+                      : rows <= 4 ? RowsLayout<4>::smem(L.groups)
+                                  : RowsLayout<8>::smem(L.groups);
+  const int64_t need = rows > 1 ? rows_min_work() : min_work();
+  if (static_cast<int64_t>(tiles) * L.groups < need || smem > static_cast<size_t>(max_smem_optin())) return false;
   // The tensor maps last: each is a driver call, and most one-row launches (every direct launch of an
   // MTP draft step, every projection below the threshold) stop at the checks above.
   for (int j = 0; j < n_jobs; ++j)
     if (!encode_job_maps(jobs[j].w, L.groups, L.tmap[j])) return false;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sm_count(), ceil_div(tiles, kWarps)));
-  if (bf16s) launch(gemv_stream_kernel<true>, grid, kWarps * 32, smem, s, L, x);
-  else launch(gemv_stream_kernel<false>, grid, kWarps * 32, smem, s, L, x);
+  if (rows > 1) {
+    const bool ok = rows <= 2   ? launch_rows<2>(L, tiles, x, ldx, rows, bf16s, s)
+                    : rows <= 4 ? launch_rows<4>(L, tiles, x, ldx, rows, bf16s, s)
+                                : launch_rows<8>(L, tiles, x, ldx, rows, bf16s, s);
+    if (!ok) return false;
+  } else {
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sm_count(), ceil_div(tiles, kWarps)));
+    if (bf16s) launch(gemv_stream_kernel<true>, grid, kWarps * 32, smem, s, L, x);
+    else launch(gemv_stream_kernel<false>, grid, kWarps * 32, smem, s, L, x);
+  }
   CUDA_CHECK_LAUNCH();
   ++g_launches;
   return true;
