@@ -1,6 +1,6 @@
 // One activation row (and, below, 2-8 rows) through the largest 4-bit matrix of a decode step (the LM
-// head: 9,496 tiles x 40 groups at the released geometry) with the weights streamed into shared memory by the tensor
-// memory accelerator (TMA), instead of each warp loading them into registers.
+// head: 9,496 tiles x 40 groups at the released geometry) with the weights streamed into shared memory
+// by the tensor memory accelerator (TMA), instead of each warp loading them into registers.
 //
 // Why: the two-kernel v4 form (fragment kernel + gemv_tc4_kernel, gemv.cu) reached 1.66 TB/s on the
 // LM head against a copy rate of ~4.2 TB/s: with registers capped for 3-4 blocks per SM, a warp keeps
