@@ -1238,9 +1238,14 @@ __global__ void __launch_bounds__(256, 3) expert_down_one_kernel(const ExpertPai
 // Decode +1.0% at one row, +1.4% at 4 rows against gate/up by bulk copies alone (2026-12-01 ~00:39Z).
 // grid (n_pairs * bpp), block 256, dynamic shared memory: the fragments (max_groups * (4 * 32 uint2 +
 // 1 float)), then the tiles (8 * max_groups * kTileGroupBytes, at a 128-byte boundary).
+// early (CK_EXPERT_DOWN_EARLY=0: not): the block reads its pair and asks for its tiles before its wait,
+// while the gate/up kernel still runs (H200 10:27Z, same call: one-row decode 600.2 / 598.3 / 601.4
+// tok/s against 589.7 / 580.5 late; 4 rows level). The pairs come from the route, two kernels back (route, [x's
+// fragments,] gate/up, down): that kernel has ended before the gate/up kernel's blocks passed their
+// wait, and this kernel starts only after they all have.
 __global__ void __launch_bounds__(256, 3) expert_down_bulk_kernel(const ExpertPair* __restrict__ pairs, int bpp,
                                                                   int max_groups, const float* __restrict__ h, int ldh,
-                                                                  float* __restrict__ y, int ldy) {
+                                                                  float* __restrict__ y, int ldy, int early) {
   extern __shared__ __align__(128) uint2 sfrag[];
   __shared__ uint64_t bar;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
@@ -1252,7 +1257,7 @@ __global__ void __launch_bounds__(256, 3) expert_down_bulk_kernel(const ExpertPa
     mbar_init_fence();
   }
   __syncthreads();
-  pdl_begin();  // the pairs (route) and h (gate/up) come from the kernels before
+  if (!early) pdl_begin();  // the pairs (route) and h (gate/up) come from the kernels before
   const DMatrix w = pairs[p].down;
   const int groups = w.cols / 64, n_tiles = min(8, w.rows / kTileRows - T0);
   if (n_tiles <= 0) return;  // block-uniform
@@ -1262,6 +1267,7 @@ __global__ void __launch_bounds__(256, 3) expert_down_bulk_kernel(const ExpertPa
     mbar_arrive_expect(&bar, bytes);
     bulk_copy_1d(stile, w.tile_group(T0, 0), bytes, &bar);
   }
+  if (early) pdl_begin();  // h comes from the kernel before
   one_row_frags_in_block(h + static_cast<size_t>(p) * ldh, 0, groups, sfrag, sgs);
   __syncthreads();
   mbar_wait(&bar, 0);
@@ -1792,8 +1798,9 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
     }();
     (void)attr;
     const int bpp = static_cast<int>(ceil_div(hidden, 128));
+    static const int early = env_is("CK_EXPERT_DOWN_EARLY", "0") ? 0 : 1;
     launch(expert_down_bulk_kernel, static_cast<unsigned>(n_pairs * bpp), 256, bulk_down_smem(max_groups), stream, pairs,
-           bpp, max_groups, h, ldh, y, ldy);
+           bpp, max_groups, h, ldh, y, ldy, early);
     CUDA_CHECK_LAUNCH();
     return;
   }
