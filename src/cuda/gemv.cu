@@ -779,35 +779,20 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
       const uint2* fg = R == 1 ? L.frag + static_cast<size_t>(G) * kOneFragWords + tc4_one_frag_lane(g, t)
                                : L.frag + static_cast<size_t>(G) * 4 * NB * 32 + t * 8 + g;
       float d[NB][4] = {};  // the group's Σ (128 + q) x, fresh per group
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
-        const int i0 = 2 * (s & 1);
-        const uint32_t a0 = code_pair_128(xa, i0), a1 = code_pair_128(xb, i0), a2 = code_pair_128(xa, i0 + 1),
-                       a3 = code_pair_128(xb, i0 + 1);
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          const uint2 b = R == 1 ? tc4_one_frag_ld(fg, s) : __ldg(fg + (s * NB + nb) * 32);
-          mma_bf16(d[nb], a0, a1, a2, a3, b.x, b.y);
-        }
-      }
-      ba = bias_128(ba, sa);  // the codes are 128 + q (code_pair_128)
-      bb = bias_128(bb, sb);
+      tc4_group_mma<NB>(wa, wb, [&](int s, int nb) {
+        return R == 1 ? tc4_one_frag_ld(fg, s) : __ldg(fg + (s * NB + nb) * 32);
+      }, d);
       if constexpr (R == 1) {
+        ba = bias_128(ba, sa);  // the codes are 128 + q (code_pair_128)
+        bb = bias_128(bb, sb);
         const float x0 = t == 0 ? __ldg(L.gsum + G) : 0.0f;
         acc[0][0] = fmaf(sa, d[0][0], fmaf(ba, x0, acc[0][0]));
         acc[0][1] = fmaf(sa, d[0][1], acc[0][1]);
         acc[0][2] = fmaf(sb, d[0][2], fmaf(bb, x0, acc[0][2]));
         acc[0][3] = fmaf(sb, d[0][3], acc[0][3]);
       } else {
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          const float x0 = __ldg(L.gsum + G * NC + nb * 8 + 2 * t), x1 = __ldg(L.gsum + G * NC + nb * 8 + 2 * t + 1);
-          acc[nb][0] = fmaf(sa, d[nb][0], fmaf(ba, x0, acc[nb][0]));
-          acc[nb][1] = fmaf(sa, d[nb][1], fmaf(ba, x1, acc[nb][1]));
-          acc[nb][2] = fmaf(sb, d[nb][2], fmaf(bb, x0, acc[nb][2]));
-          acc[nb][3] = fmaf(sb, d[nb][3], fmaf(bb, x1, acc[nb][3]));
-        }
+        const float* gs = L.gsum + G * NC + 2 * t;
+        tc4_group_accumulate<NB>(d, sa, ba, sb, bb, [&](int nb, int c) { return __ldg(gs + nb * 8 + c); }, acc);
       }
     }
   }

@@ -255,32 +255,13 @@ __global__ void __launch_bounds__(RowsLayout<R>::W * 32, 1) gemv_stream_rows_ker
       const uint2 wb = *reinterpret_cast<const uint2*>(box + (g + 8) * 128);
       const float sa = stage_scale<BF16S>(sc + g * 8 * es, i, sk);
       const float sb = stage_scale<BF16S>(sc + (g + 8) * 8 * es, i, sk);
-      float ba = stage_scale<BF16S>(sc + 512 + g * 8 * es, i, sk);
-      float bb = stage_scale<BF16S>(sc + 512 + (g + 8) * 8 * es, i, sk);
+      const float ba = stage_scale<BF16S>(sc + 512 + g * 8 * es, i, sk);
+      const float bb = stage_scale<BF16S>(sc + 512 + (g + 8) * 8 * es, i, sk);
       const uint2* fg = sfrag + static_cast<size_t>(G) * FW + t * 8 + g;
-      float d[NB][4] = {};  // the group's Σ (128 + q) x, fresh per group (gemv_tc4_kernel's loop body)
-#pragma unroll
-      for (int s4 = 0; s4 < 4; ++s4) {
-        const uint32_t xa = (s4 >> 1) ? wa.y : wa.x, xb = (s4 >> 1) ? wb.y : wb.x;
-        const int i0 = 2 * (s4 & 1);
-        const uint32_t a0 = code_pair_128(xa, i0), a1 = code_pair_128(xb, i0), a2 = code_pair_128(xa, i0 + 1),
-                       a3 = code_pair_128(xb, i0 + 1);
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          const uint2 b = fg[(s4 * NB + nb) * 32];
-          mma_bf16(d[nb], a0, a1, a2, a3, b.x, b.y);
-        }
-      }
-      ba = bias_128(ba, sa);  // the codes are 128 + q (code_pair_128)
-      bb = bias_128(bb, sb);
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        const float x0 = sgs[G * NC + nb * 8 + 2 * t], x1 = sgs[G * NC + nb * 8 + 2 * t + 1];
-        acc[nb][0] = fmaf(sa, d[nb][0], fmaf(ba, x0, acc[nb][0]));
-        acc[nb][1] = fmaf(sa, d[nb][1], fmaf(ba, x1, acc[nb][1]));
-        acc[nb][2] = fmaf(sb, d[nb][2], fmaf(bb, x0, acc[nb][2]));
-        acc[nb][3] = fmaf(sb, d[nb][3], fmaf(bb, x1, acc[nb][3]));
-      }
+      float d[NB][4] = {};  // gemv_tc4_kernel's loop body
+      tc4_group_mma<NB>(wa, wb, [&](int s4, int nb) { return fg[(s4 * NB + nb) * 32]; }, d);
+      const float* gs = sgs + G * NC + 2 * t;
+      tc4_group_accumulate<NB>(d, sa, ba, sb, bb, [&](int nb, int c) { return gs[nb * 8 + c]; }, acc);
     }
     __syncwarp();  // every lane has read the stage: it can be refilled
     if (u + kStages < n_units) issue(L, u + kStages, gw, GW, ring + s * kStageBytes, &bars[s]);

@@ -109,6 +109,44 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One 64-code group of a 16-row tile (lane (g, t) holds rows g and g + 8's code words wa, wb) against NB
+// n8 blocks of B fragments of 1-8 activation rows: d[nb] = Σ (128 + q) x (code_pair_128's products,
+// fresh per group), the fragment of MMA step s and block nb from load_b(s, nb). Then
+// tc4_group_accumulate adds the group into acc. gemv_tc4_kernel<R > 1> and gemv_stream_rows_kernel.
+template <int NB, class LoadB>
+__device__ __forceinline__ void tc4_group_mma(uint2 wa, uint2 wb, const LoadB& load_b, float (&d)[NB][4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
+    const int i0 = 2 * (s & 1);
+    const uint32_t a0 = code_pair_128(xa, i0), a1 = code_pair_128(xb, i0), a2 = code_pair_128(xa, i0 + 1),
+                   a3 = code_pair_128(xb, i0 + 1);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint2 b = load_b(s, nb);
+      mma_bf16(d[nb], a0, a1, a2, a3, b.x, b.y);
+    }
+  }
+}
+
+// acc += the group's products d scaled by rows g, g + 8's scales (sa, sb), plus their biases (ba, bb,
+// as stored: the 128 of the codes is folded in here) times the group sums of columns 2t and 2t + 1 of
+// each block, gsum(nb, c) for c = 0, 1.
+template <int NB, class GroupSum>
+__device__ __forceinline__ void tc4_group_accumulate(const float (&d)[NB][4], float sa, float ba, float sb, float bb,
+                                                     const GroupSum& gsum, float (&acc)[NB][4]) {
+  ba = bias_128(ba, sa);  // the codes are 128 + q (code_pair_128)
+  bb = bias_128(bb, sb);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const float x0 = gsum(nb, 0), x1 = gsum(nb, 1);
+    acc[nb][0] = fmaf(sa, d[nb][0], fmaf(ba, x0, acc[nb][0]));
+    acc[nb][1] = fmaf(sa, d[nb][1], fmaf(ba, x1, acc[nb][1]));
+    acc[nb][2] = fmaf(sb, d[nb][2], fmaf(bb, x0, acc[nb][2]));
+    acc[nb][3] = fmaf(sb, d[nb][3], fmaf(bb, x1, acc[nb][3]));
+  }
+}
+
 // Element e (= (step * NB + column block) * 32 + lane) of a group's B fragments for nx activation rows:
 // MMA column n = 3r + p carries part p (hi, mid, lo) of row r, the other columns zeros. xg is the
 // group's 64 floats of row 0, rows ldx apart. tc4_frag_kernel stores these; kernels that make the
