@@ -1224,10 +1224,10 @@ __global__ void __launch_bounds__(256, 3) expert_down_one_kernel(const ExpertPai
 // grid (n_pairs * bpp), block 256, dynamic shared memory: the fragments (max_groups * (4 * 32 uint2 +
 // 1 float)), then the tiles (8 * max_groups * kTileGroupBytes, at a 128-byte boundary).
 // early (CK_EXPERT_DOWN_EARLY=0: not): the block reads its pair and asks for its tiles before its wait,
-// while the gate/up kernel still runs (H200 10:27Z, same call: one-row decode 600.2 / 598.3 / 601.4
-// tok/s against 589.7 / 580.5 late; 4 rows level). The pairs come from the route, two kernels back (route, [x's
-// fragments,] gate/up, down): that kernel has ended before the gate/up kernel's blocks passed their
-// wait, and this kernel starts only after they all have.
+// while the gate/up kernel still runs. The pairs come from the route, two kernels back (route, [x's
+// fragments,] gate/up, down): the route has ended before the gate/up kernel's blocks passed their
+// wait, and this kernel starts only after they all have. H200 2026-12-01 10:27Z, same call: one-row
+// decode 600.2 / 598.3 / 601.4 tok/s against 589.7 / 580.5 late; 4 rows level.
 __global__ void __launch_bounds__(256, 3) expert_down_bulk_kernel(const ExpertPair* __restrict__ pairs, int bpp,
                                                                   int max_groups, const float* __restrict__ h, int ldh,
                                                                   float* __restrict__ y, int ldy, int early) {

@@ -112,7 +112,8 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // One 64-code group of a 16-row tile (lane (g, t) holds rows g and g + 8's code words wa, wb) against NB
 // n8 blocks of B fragments of 1-8 activation rows: d[nb] = Σ (128 + q) x (code_pair_128's products,
 // fresh per group), the fragment of MMA step s and block nb from load_b(s, nb). Then
-// tc4_group_accumulate adds the group into acc. gemv_tc4_kernel<R > 1> and gemv_stream_rows_kernel.
+// tc4_group_accumulate adds the group into acc (2-8 rows; gemv_tc4_kernel's one-row form adds its
+// single column itself). Used by gemv_tc4_kernel and gemv_stream_rows_kernel.
 template <int NB, class LoadB>
 __device__ __forceinline__ void tc4_group_mma(uint2 wa, uint2 wb, const LoadB& load_b, float (&d)[NB][4]) {
 #pragma unroll
