@@ -127,6 +127,9 @@ bool expert_tc4_enabled();
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
                         int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre = nullptr,
                         bool all_tiled = false);
+// expert_down_tc4's contract with its caller: the pairs were written two or more kernels before it (the
+// route, then gate/up), not by the kernel just before: its tiled form reads them before its
+// programmatic-launch wait (CK_EXPERT_DOWN_EARLY). h is the kernel just before's output.
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
                      int ldy, cudaStream_t stream, bool all_tiled = false);
 

@@ -766,6 +766,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
       if (mo.q4 && expert_tc4_enabled() && H % 64 == 0) {
         expert_gate_up_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, rows, b.mh, b.ldMI, stream_, &b.ufr,
                            m_.tiled_experts());
+        // (Right after gate/up: the down kernel reads the route's pairs before its wait, two kernels back.)
         expert_down_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, stream_, m_.tiled_experts());
       } else {
         expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, mo.codes48, stream_);
