@@ -97,6 +97,36 @@ __device__ __forceinline__ float stage_scale(const uint8_t* p, int i, uint8_t ki
   else return load_scale_elem(p, i, kind);
 }
 
+// Group i of a stage, as lane (g, t) reads it: the code words of rows g and g + 8 (row r's 16-byte
+// chunk ch of box i / 4 sits at chunk ch ^ (r & 7): the 128-byte swizzle), their scales and biases.
+template <bool BF16S>
+__device__ __forceinline__ void stage_group(const uint8_t* st, int i, uint8_t sk, uint2& wa, uint2& wb, float& sa,
+                                            float& ba, float& sb, float& bb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int es = wkind_bytes(sk);
+  const uint8_t* sc = st + kScalesAt;
+  const int ch = ((i & 3) * 2 + (t >> 1)) ^ g;
+  const uint8_t* box = st + (i >> 2) * 2048 + ch * 16 + (t & 1) * 8;
+  wa = *reinterpret_cast<const uint2*>(box + g * 128);
+  wb = *reinterpret_cast<const uint2*>(box + (g + 8) * 128);
+  sa = stage_scale<BF16S>(sc + g * 8 * es, i, sk);
+  sb = stage_scale<BF16S>(sc + (g + 8) * 8 * es, i, sk);
+  ba = stage_scale<BF16S>(sc + 512 + g * 8 * es, i, sk);
+  bb = stage_scale<BF16S>(sc + 512 + (g + 8) * 8 * es, i, sk);
+}
+
+// A warp's start on its ring (warp gw of GW in the grid): its kStages barriers, then its first
+// stages asked for (before pdl_begin: weights never change). Returns the warp's units (tiles x chunks).
+__device__ __forceinline__ int ring_begin(const StreamLaunch& L, int gw, int GW, uint8_t* ring, uint64_t* bars) {
+  const int n_tiles = L.first_tile[L.n_jobs];
+  const int n_units = gw < n_tiles ? ((n_tiles - 1 - gw) / GW + 1) * L.chunks : 0;
+  if ((threadIdx.x & 31) < kStages) mbar_init(&bars[threadIdx.x & 31]);
+  mbar_init_fence();
+  __syncwarp();
+  for (int u = 0; u < kStages && u < n_units; ++u) issue(L, u, gw, GW, ring + u * kStageBytes, &bars[u]);
+  return n_units;
+}
+
 // grid: one block per SM (sm_count), block 512. Dynamic shared memory: the warps' rings, their
 // barriers, then the x fragments [groups][4 steps][32 lanes] and the groups' Σ x.
 template <bool BF16S>
@@ -108,14 +138,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __gri
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kRingBytes) + warp * kStages;
   uint2* sfrag = reinterpret_cast<uint2*>(smem + kRingBytes + kBarBytes);
   float* sgs = reinterpret_cast<float*>(smem + kRingBytes + kBarBytes + static_cast<size_t>(L.groups) * kFragGroupBytes);
-  const int n_tiles = L.first_tile[L.n_jobs];
   const int gw = blockIdx.x * kWarps + warp, W = gridDim.x * kWarps;
-  const int n_units = gw < n_tiles ? ((n_tiles - 1 - gw) / W + 1) * L.chunks : 0;
-
-  if (lane < kStages) mbar_init(&bars[lane]);
-  mbar_init_fence();
-  __syncwarp();
-  for (int u = 0; u < kStages && u < n_units; ++u) issue(L, u, gw, W, ring + u * kStageBytes, &bars[u]);
+  const int n_units = ring_begin(L, gw, W, ring, bars);
 
   pdl_begin();  // x comes from the kernel before
   for (int G = warp; G < L.groups; G += kWarps) {
@@ -134,20 +158,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __gri
     const int j = job_of(L, tile);
     const uint8_t sk = L.job[j].w.fmt.scale_kind;
     const uint8_t* st = ring + s * kStageBytes;
-    const int es = wkind_bytes(sk);
-    const uint8_t* sc = st + kScalesAt;
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
       const int G = c * kChunk + i;
-      // Row r's 16-byte chunk ch of box i / 4 sits at chunk ch ^ (r & 7); rows g and g + 8 alike.
-      const int ch = ((i & 3) * 2 + (t >> 1)) ^ g;
-      const uint8_t* box = st + (i >> 2) * 2048 + ch * 16 + (t & 1) * 8;
-      const uint2 wa = *reinterpret_cast<const uint2*>(box + g * 128);
-      const uint2 wb = *reinterpret_cast<const uint2*>(box + (g + 8) * 128);
-      const float sa = stage_scale<BF16S>(sc + g * 8 * es, i, sk);
-      const float sb = stage_scale<BF16S>(sc + (g + 8) * 8 * es, i, sk);
-      const float ba = stage_scale<BF16S>(sc + 512 + g * 8 * es, i, sk);
-      const float bb = stage_scale<BF16S>(sc + 512 + (g + 8) * 8 * es, i, sk);
+      uint2 wa, wb;
+      float sa, ba, sb, bb;
+      stage_group<BF16S>(st, i, sk, wa, wb, sa, ba, sb, bb);
       tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 128 + lane, t == 0 ? sgs[G] : 0.0f, acc);
     }
     __syncwarp();  // every lane has read the stage: it can be refilled
@@ -211,14 +227,8 @@ __global__ void __launch_bounds__(RowsLayout<R>::W * 32, 1) gemv_stream_rows_ker
   uint2* sfrag = reinterpret_cast<uint2*>(smem + Lay::kRing + Lay::kBars);
   float* sgs = reinterpret_cast<float*>(smem + Lay::kRing + Lay::kBars + Lay::frag_bytes(L.groups));
   float* red = sgs + static_cast<size_t>(L.groups) * NC + warp * 16 * (NC + 1);
-  const int n_tiles = L.first_tile[L.n_jobs];
   const int gw = blockIdx.x * W + warp, GW = gridDim.x * W;
-  const int n_units = gw < n_tiles ? ((n_tiles - 1 - gw) / GW + 1) * L.chunks : 0;
-
-  if (lane < kStages) mbar_init(&bars[lane]);
-  mbar_init_fence();
-  __syncwarp();
-  for (int u = 0; u < kStages && u < n_units; ++u) issue(L, u, gw, GW, ring + u * kStageBytes, &bars[u]);
+  const int n_units = ring_begin(L, gw, GW, ring, bars);
 
   pdl_begin();  // x comes from the kernel before
   // The rows' fragments (tc4_frag_kernel<R>'s layout and bits) and zero group sums, then the sums of
@@ -244,19 +254,12 @@ __global__ void __launch_bounds__(RowsLayout<R>::W * 32, 1) gemv_stream_rows_ker
     const int j = job_of(L, tile);
     const uint8_t sk = L.job[j].w.fmt.scale_kind;
     const uint8_t* st = ring + s * kStageBytes;
-    const int es = wkind_bytes(sk);
-    const uint8_t* sc = st + kScalesAt;
 #pragma unroll 2
     for (int i = 0; i < kChunk; ++i) {
       const int G = c * kChunk + i;
-      const int ch = ((i & 3) * 2 + (t >> 1)) ^ g;  // the 128-byte swizzle (gemv_stream_kernel)
-      const uint8_t* box = st + (i >> 2) * 2048 + ch * 16 + (t & 1) * 8;
-      const uint2 wa = *reinterpret_cast<const uint2*>(box + g * 128);
-      const uint2 wb = *reinterpret_cast<const uint2*>(box + (g + 8) * 128);
-      const float sa = stage_scale<BF16S>(sc + g * 8 * es, i, sk);
-      const float sb = stage_scale<BF16S>(sc + (g + 8) * 8 * es, i, sk);
-      const float ba = stage_scale<BF16S>(sc + 512 + g * 8 * es, i, sk);
-      const float bb = stage_scale<BF16S>(sc + 512 + (g + 8) * 8 * es, i, sk);
+      uint2 wa, wb;
+      float sa, ba, sb, bb;
+      stage_group<BF16S>(st, i, sk, wa, wb, sa, ba, sb, bb);
       const uint2* fg = sfrag + static_cast<size_t>(G) * FW + t * 8 + g;
       float d[NB][4] = {};  // gemv_tc4_kernel's loop body
       tc4_group_mma<NB>(wa, wb, [&](int s4, int nb) { return fg[(s4 * NB + nb) * 32]; }, d);
