@@ -26,10 +26,15 @@ __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
 
 // Part p (0 hi, 1 mid, 2 lo) of v: hi = bf16(v), mid = bf16(v - hi), lo = bf16(v - hi - mid). The
 // residuals are exact in fp32, so hi + mid + lo carries v's 24 significant bits.
+// All three are computed and one is selected, without branches: with a loop of p rounds, a runtime p
+// (the lane's MMA column, e % 3) made the compiler unroll the loop with remainders, ~600 SASS
+// instructions for the 48 fragment words of one group in the one-row mix (2026-12-01). Same bits.
 __device__ __forceinline__ float bf16_part(float v, int p) {
-  float r = v;
-  for (int i = 0; i < p; ++i) r -= __bfloat162float(__float2bfloat16_rn(r));
-  return __bfloat162float(__float2bfloat16_rn(r));
+  const float hi = __bfloat162float(__float2bfloat16_rn(v));
+  const float r1 = v - hi;
+  const float mid = __bfloat162float(__float2bfloat16_rn(r1));
+  const float lo = __bfloat162float(__float2bfloat16_rn(r1 - mid));
+  return p == 0 ? hi : p == 1 ? mid : lo;
 }
 
 // Codes i and i+4 of a 4-bit word as a bf16x2 of the exact integers: masked into the mantissa of 128
