@@ -25,6 +25,9 @@
 //     same bits in every block; block 0 also writes the injection weights 2 sigmoid(y / S).
 //  3. Block b takes u's 64-group b: the up rows s H + 64 b + i for every stream, X_s,i = (R_s,i r_s)
 //     n_s,i (the CPU's norm formula), u_i = Σ_s sigmoid(g) X / S, and the group's v4 fragments.
+// Loops that run at most once per thread at the released geometry (a block's 128 elements, its d rows,
+// its u group, ...) are not unrolled (#pragma unroll 1): their copies were ~2 KB of the kernel's SASS;
+// decode +0.5-1% in one call (H200 2026-12-01 18:31Z, within its spread).
 // Arithmetic: the v4 one-row form (mma_q4.cuh: codes exact in bf16, x in three bf16 parts), the CPU's
 // formulas for combine, norm, sigmoid, silu and the gate mean, sums in a fixed order (deterministic).
 // The down product of the norm differs in rounding from the unfused kernels (r_s applied after the
@@ -221,6 +224,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     const int k0 = c * cg * 64, n = cg * 64, s = k0 / H;
     const float gamma = a.moe_y ? sigmoidf_(a.moe_gl[0]) : 0.0f;
     float sq = 0.0f;
+#pragma unroll 1
     for (int e = tid; e < n; e += kHcThreads) {
       const int k = k0 + e;
       float v = a.R[k];
@@ -236,6 +240,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     sq = block_sum(sq, scratch);  // synchronises: xs is complete
     if (tid == 0) L.ss[c] = sq;
     mark(2);
+#pragma unroll 1
     for (int G = warp; G < cg; G += kHcWarps) hc_frag(xs + 64 * G, frag + G * 128, xg + G);
     __syncthreads();
     // Tiles w and w + 16 of warp w together (td <= 2 kHcWarps, checked at launch). A warp with one
@@ -295,6 +300,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     for (int e = tid; e < n4; e += kHcThreads) dst[e] = __ldcg(src + e);
     __syncthreads();
     mark(5);
+#pragma unroll 1
     for (int j = tid; j < 16 * td; j += kHcThreads) {
       float v = 0.0f;
 #pragma unroll 1
@@ -305,11 +311,14 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
         a.w_out[j - 16 * L.tiles_d] = apply_epilogue(v, Epilogue::TwoSigmoidDiv, static_cast<float>(S));
     }
     __syncthreads();
+#pragma unroll 1
     for (int G = warp; G < ngd; G += kHcWarps) hc_frag(xs + 64 * G, frag + G * 128, xg + G);
     __syncthreads();
     mark(6);
   }
+#pragma unroll 1
   for (int b = blockIdx.x; b < H / 64; b += gridDim.x) {
+#pragma unroll 1
     for (int it = warp; it < 4 * S; it += kHcWarps) {  // (stream, 16-row tile)
       const int s = it >> 2, r0 = 16 * (it & 3);
       float acc[4] = {};
@@ -337,6 +346,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     }
     if (a.frag) {  // u's compact v4 fragments and group sum (hc_gate_mean_kernel<true>'s layout and rounding)
       __syncthreads();
+#pragma unroll 1
       for (int e = tid; e < kOneFragWords; e += kHcThreads)
         a.frag[static_cast<size_t>(b) * kOneFragWords + e] = tc4_one_frag_elem(su, e);
       if (warp == 0) {
