@@ -27,7 +27,7 @@
 //     n_s,i (the CPU's norm formula), u_i = Σ_s sigmoid(g) X / S, and the group's v4 fragments.
 // Loops that run at most once per thread at the released geometry (a block's 128 elements, its d rows,
 // its u group, ...) are not unrolled (#pragma unroll 1): their copies were ~2 KB of the kernel's SASS;
-// decode +0.5-1% in one call (H200 2026-12-01 18:31Z, within its spread).
+// decode +0.5-1% in one call (H200 2026-12-01 18:30Z, within its spread).
 // Arithmetic: the v4 one-row form (mma_q4.cuh: codes exact in bf16, x in three bf16 parts), the CPU's
 // formulas for combine, norm, sigmoid, silu and the gate mean, sums in a fixed order (deterministic).
 // The down product of the norm differs in rounding from the unfused kernels (r_s applied after the

@@ -1934,7 +1934,7 @@ __global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs 
   }
   // The lane's slots t = lane + 32 h: its picks of rounds lane and lane + 32, and (t == k) the shared
   // expert's, through one call site (three inlined copies of write_route_pair, and the rounds' loop
-  // unrolled, made 35 KB of SASS at E = 512; now 26 KB; decode level, H200 2026-12-01 18:31Z).
+  // unrolled, made 35 KB of SASS at E = 512; now 26 KB; decode level, H200 2026-12-01 18:30Z).
 #pragma unroll 1
   for (int h = 0; h < 3; ++h) {
     const int t = lane + 32 * h;
