@@ -29,6 +29,7 @@ __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
 // All three are computed and one is selected, without branches: with a loop of p rounds, a runtime p
 // (the lane's MMA column, e % 3) made the compiler unroll the loop with remainders, ~600 SASS
 // instructions for the 48 fragment words of one group in the one-row mix (2026-12-01). Same bits.
+// (bf16_part_pair below is its two-value form, for kernels that pack both halves of a word at once.)
 __device__ __forceinline__ float bf16_part(float v, int p) {
   const float hi = __bfloat162float(__float2bfloat16_rn(v));
   const float r1 = v - hi;
