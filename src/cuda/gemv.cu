@@ -857,6 +857,53 @@ __global__ void gemv_tc4_reduce_kernel(const __grid_constant__ TcLaunch L, int n
   jb.y[static_cast<size_t>(r) * jb.ldy + row] = apply_epilogue(v, jb.epi, jb.epi_arg);
 }
 
+// gemv_tc4_reduce_kernel for launches whose job 0 also hands its output on as R-row fragments
+// (GemvJob::frags_out): grid ceil(tiles 16 / 64), block 256; block b adds the outputs of rows
+// [64 b, 64 b + 64) for every activation row, the same sums and epilogue, and when those rows are
+// 64-group b of job 0's output (job 0's rows a multiple of 64) it writes the group's fragments and
+// sums from them: tc4_frag_kernel<R>'s words and bits, read from shared memory instead of y.
+// Why: at 2-8 rows the mix's low-rank d (5 groups) went through a fragment kernel of its own before
+// the up projection, a kernel boundary and an L2 round trip on the step's chain (33 a step).
+template <int R>
+__global__ void __launch_bounds__(256) gemv_tc4_reduce_frag_kernel(const __grid_constant__ TcLaunch L, int nx,
+                                                                   uint2* __restrict__ frag, float* __restrict__ gsum) {
+  constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
+  __shared__ float sy[R][64];
+  pdl_begin();
+  const int n_tiles = L.first_tile[L.n_jobs];
+  const int G = static_cast<int>(blockIdx.x);
+#pragma unroll 1
+  for (int q = static_cast<int>(threadIdx.x); q < 64 * R; q += blockDim.x) {
+    const int i = G * 64 * R + q;  // (tile 16 + m) R + r, as gemv_tc4_reduce_kernel
+    const int r = i % R, tm = i / R, tile = tm / 16;
+    float out = 0.0f;
+    if (tile < n_tiles && r < nx) {
+      int j = 0;
+      while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
+      const GemvJob& jb = L.job[j];
+      const int row = (tile - L.first_tile[j]) * 16 + tm % 16;
+      if (row < jb.w.rows) {
+        float v = 0.0f;
+        for (int z = 0; z < L.kb; ++z) v += L.partial[static_cast<size_t>(z) * n_tiles * 16 * R + i];
+        out = apply_epilogue(v, jb.epi, jb.epi_arg);
+        jb.y[static_cast<size_t>(r) * jb.ldy + row] = out;
+      }
+    }
+    sy[r][q / R] = out;
+  }
+  if (64 * (G + 1) > L.job[0].w.rows) return;  // not one of job 0's groups (the same on every thread)
+  __syncthreads();
+  for (int e = threadIdx.x; e < 4 * NB * 32; e += blockDim.x)
+    frag[static_cast<size_t>(G) * 4 * NB * 32 + e] = tc4_frag_elem<NB>(&sy[0][0], 64, nx, e);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int n = warp; n < NC; n += blockDim.x >> 5) {
+    const int r = n / 3;
+    float v = 0.0f;
+    if (n % 3 == 0 && r < nx) v = tc4_group_sum(&sy[r][0]);  // on the hi column
+    if (lane == 0) gsum[G * NC + n] = v;
+  }
+}
+
 // v4 at one activation row with the fragments built in the block (decode's small and middle-sized
 // matrices: the hyper-connection down 320 x 10,240 and up 10,240 x 320, the DeltaNet out projection
 // 2,560 x 6,144). The two-kernel form above spends a fragment-kernel launch (~3 us in a graph) and,
@@ -1296,9 +1343,14 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
   constexpr int NB = (3 * R + 7) / 8;
   const unsigned grid = static_cast<unsigned>(ceil_div(L.first_tile[L.n_jobs], 8 / L.ks));
   uint8_t* scratch = nullptr;
+  Tc4Frags* out = L.job[0].frags_out;
+  if (out) out->rR = 0;  // (set again below when this launch writes them)
   if (R == 1 && pre && pre->covers(x, ldx, 1, L.groups)) {  // fragments made by the producer of x
     L.frag = pre->frag;
     L.gsum = pre->gsum;
+  } else if (R > 1 && pre && pre->covers_rows(x, ldx, nx, L.groups, R)) {  // the same, in the R-row layout
+    L.frag = pre->rfrag;
+    L.gsum = pre->rgsum;
   } else {  // this call's own, stream-ordered (so graph-capturable)
     const size_t frag_bytes = static_cast<size_t>(L.groups) * 4 * NB * 32 * sizeof(uint2);
     CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch), frag_bytes + sizeof(float) * L.groups * 8 * NB, s));
@@ -1324,7 +1376,17 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
   else launch(gemv_tc4_kernel<R, false>, g2, 256, 0, s, L, nx);
   CUDA_CHECK_LAUNCH();
   if (L.kb > 1) {
-    launch(gemv_tc4_reduce_kernel<R>, static_cast<unsigned>(ceil_div(n_tiles * 16 * R, 256)), 256, 0, s, L, nx);
+    if (R > 1 && out && out->rfrag && out->rgsum && L.job[0].w.rows % 64 == 0) {  // job 0's output as fragments too
+      launch(gemv_tc4_reduce_frag_kernel<R>, static_cast<unsigned>(ceil_div(n_tiles * 16, 64)), 256, 0, s, L, nx,
+             out->rfrag, out->rgsum);
+      out->x = L.job[0].y;
+      out->ldx = L.job[0].ldy;
+      out->rows = nx;
+      out->groups = L.job[0].w.rows / 64;
+      out->rR = R;
+    } else {
+      launch(gemv_tc4_reduce_kernel<R>, static_cast<unsigned>(ceil_div(n_tiles * 16 * R, 256)), 256, 0, s, L, nx);
+    }
     CUDA_CHECK_LAUNCH();
     CUDA_CHECK(cudaFreeAsync(L.partial, s));
   }
@@ -1595,6 +1657,7 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
           const Tc4Frags* pre) {
   CK_REQUIRE(n_jobs >= 1 && n_jobs <= kMaxGemvJobs, "invariant");
   CK_REQUIRE(rows >= 1, "invariant");
+  if (jobs[0].frags_out) jobs[0].frags_out->rR = 0;  // until a launch writes them (launch_tc4)
   if (rows > kMaxRows) return gemm_tc(jobs, n_jobs, x, ldx, rows, stream);
   const bool x_aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0;
   for (int j = 0; j < n_jobs; ++j)

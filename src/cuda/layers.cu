@@ -82,6 +82,72 @@ __global__ void hc_gate_mean_kernel(const float* g, const float* X, int ldgx, in
   }
 }
 
+// hc_gate_mean_kernel<true> for 2-8 rows at once, and the R-row fragments of u as well: grid (H / 64),
+// block 64; block G takes u's group G of every row (the same loads and arithmetic per element, so the
+// same u, compact fragments and sums), then writes the group in tc4_frag_kernel<R>'s layout from
+// shared memory (its words and bits). Why: the 2-8-row projections of u (the DeltaNet in_proj,
+// attention's q/k/v) ran a fragment kernel of their own first.
+template <int R>
+__global__ void __launch_bounds__(64) hc_gate_mean_rows_kernel(const float* g, const float* X, int ldgx, int S, int H,
+                                                               int nx, float* u, int ldu, uint2* frag, float* gsum,
+                                                               uint2* rfrag, float* rgsum) {
+  constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB, FW = 4 * NB * 32;
+  __shared__ float su[R][64];
+  pdl_begin();
+  const int G = blockIdx.x, i = 64 * G + threadIdx.x, groups = H / 64;
+  // Every row's loads of a batch of streams are issued before their products (one L2 round trip per
+  // batch, not per row); each row adds its streams in hc_gate_mean_kernel's order.
+  constexpr int kBatch = R <= 4 ? 4 : 2;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+#pragma unroll 1
+  for (int s0 = 0; s0 < S; s0 += kBatch) {
+    float gv[R][kBatch], xv[R][kBatch];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        if (r < nx && s0 + b < S) {
+          gv[r][b] = g[static_cast<size_t>(r) * ldgx + (s0 + b) * H + i];
+          xv[r][b] = X[static_cast<size_t>(r) * ldgx + (s0 + b) * H + i];
+        }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        if (r < nx && s0 + b < S) acc[r] = mul_add_rn(acc[r], sigmoidf_(gv[r][b]), xv[r][b]);
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float v = 0.0f;
+    if (r < nx) {
+      v = acc[r] / static_cast<float>(S);
+      u[static_cast<size_t>(r) * ldu + i] = v;
+    }
+    su[r][threadIdx.x] = v;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll 1
+  for (int r = 0; r < nx; ++r) {  // the compact one-row layout of each row (hc_gate_mean_kernel<true>)
+    uint2* fr = frag + (static_cast<size_t>(r) * groups + G) * kOneFragWords;
+    for (int e = threadIdx.x; e < kOneFragWords; e += blockDim.x) fr[e] = tc4_one_frag_elem(&su[r][0], e);
+    if (warp == (r & 1)) {
+      const float t = tc4_group_sum(&su[r][0]);
+      if (lane == 0) gsum[static_cast<size_t>(r) * groups + G] = t;
+    }
+  }
+  for (int e = threadIdx.x; e < FW; e += blockDim.x)
+    rfrag[static_cast<size_t>(G) * FW + e] = tc4_frag_elem<NB>(&su[0][0], 64, nx, e);
+  for (int n = warp; n < NC; n += blockDim.x >> 5) {
+    const int r = n / 3;
+    float t = 0.0f;
+    if (n % 3 == 0 && r < nx) t = tc4_group_sum(&su[r][0]);  // on the hi column
+    if (lane == 0) rgsum[static_cast<size_t>(G) * NC + n] = t;
+  }
+}
+
 // grid (ceil(S*H/256), rows), block 256.
 __global__ void hc_combine_kernel(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H) {
   pdl_begin();
@@ -1847,8 +1913,8 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
 }
 
 // The same routing with one warp per row and no block barriers, for E <= 32 VPL: lane l holds the
-// probabilities of experts [VPL l, VPL l + VPL) in registers, and each of the k rounds is a scan of
-// the lane's unused values and a warp argmax (ties to the lower index, NaN never wins: block_topk's
+// probabilities of experts [VPL l, VPL l + VPL) in registers, and each of the k rounds is a max tree
+// of the lane's unused values and a warp max (ties to the lower index, NaN never wins: block_topk's
 // rules). Routing cost ~8 us per layer inside a one-row decode step's graph with the block kernel
 // (CK_HOLLOW, 2026-11-30); this kernel takes 0.4-1.4 us of it away (decode +0.3-1.2%, same call), so
 // the block kernel's k rounds of barriers were a small part of that time. The softmax sums in
@@ -1892,22 +1958,50 @@ __global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs 
   sum = warp_sum(sum);
 #pragma unroll
   for (int j = 0; j < VPL; ++j) p[j] /= sum;
+  // A round is a lane max over order keys, one warp max (REDUX) and a ballot, instead of a scan of
+  // arg_better steps and a five-level shuffle argmax. order_key maps floats to unsigned integers in
+  // their order (0: taken, past E, or NaN, which never wins), so the lane's best key is a max tree; the
+  // lowest lane holding the warp's max has the lowest index among the ties (lane l holds the experts
+  // [VPL l, VPL l + VPL)), and inside that lane the lowest j with that key. The pick's probability
+  // is the key decoded (the same bits as p[j]: softmax gives no -0). The same picks and weights as
+  // the scan, ties to the lower index (block_topk's rules).
   uint32_t used = 0;  // bit j: expert e0 + j taken (or past E)
+  uint32_t key[VPL];
 #pragma unroll
-  for (int j = 0; j < VPL; ++j)
+  for (int j = 0; j < VPL; ++j) {
     if (e0 + j >= a.E) used |= 1u << j;
+    key[j] = e0 + j < a.E ? order_key(p[j]) : 0u;
+  }
   int mine0 = 0, mine1 = 0;  // lane l keeps the picks of rounds l and l + 32 (k <= 64)
   float mine0_p = 0.0f, mine1_p = 0.0f;
   float ts = 0.0f;
 #pragma unroll 1
   for (int t = 0; t < a.k; ++t) {
-    float bv = -INFINITY;
-    int bi = INT_MAX;
+    uint32_t lm[VPL];
 #pragma unroll
-    for (int j = 0; j < VPL; ++j)
-      if (!(used >> j & 1u) && arg_better(p[j], e0 + j, bv, bi)) { bv = p[j]; bi = e0 + j; }
-    warp_argmax(bv, bi);
-    if (bi == INT_MAX) {  // only NaNs left: the lowest unused index
+    for (int j = 0; j < VPL; ++j) lm[j] = key[j];
+#pragma unroll
+    for (int w = VPL / 2; w > 0; w >>= 1)
+#pragma unroll
+      for (int j = 0; j < w; ++j) lm[j] = max(lm[j], lm[j + w]);
+    const uint32_t m = __reduce_max_sync(0xffffffffu, lm[0]);
+    int bi;
+    float pv;
+    if (m != 0u) {
+      const int owner = __ffs(__ballot_sync(0xffffffffu, lm[0] == m)) - 1;
+      uint32_t hits = 0;  // the lane's j with the max key
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) hits |= (key[j] == m ? 1u : 0u) << j;
+      const uint32_t first = hits & (0u - hits);  // the lowest of them (in the owner: not 0)
+      if (lane == owner) {
+        used |= first;
+#pragma unroll
+        for (int j = 0; j < VPL; ++j)
+          if (first >> j & 1u) key[j] = 0u;
+      }
+      bi = __shfl_sync(0xffffffffu, e0 + __ffs(hits) - 1, owner);
+      pv = order_key_value(m);
+    } else {  // only NaNs left: the lowest unused index
       int lo = INT_MAX;
 #pragma unroll
       for (int j = VPL - 1; j >= 0; --j)
@@ -1915,14 +2009,14 @@ __global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs 
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
       bi = lo;
-    }
-    const int owner = bi / VPL, jb = bi - owner * VPL;
-    float pv = 0.0f;
+      const int owner = bi / VPL, jb = bi - owner * VPL;
+      pv = 0.0f;
 #pragma unroll
-    for (int j = 0; j < VPL; ++j)
-      if (j == jb) pv = p[j];
-    pv = __shfl_sync(0xffffffffu, pv, owner);  // the pick's probability (bv, or the NaN)
-    if (lane == owner) used |= 1u << jb;
+      for (int j = 0; j < VPL; ++j)
+        if (j == jb) pv = p[j];
+      pv = __shfl_sync(0xffffffffu, pv, owner);  // the NaN
+      if (lane == owner) used |= 1u << jb;
+    }
     ts += pv;  // block kernel's order: the picks' probabilities in round order
     if (t == lane) {
       mine0 = bi;
@@ -2002,9 +2096,17 @@ void embed_wide(const DMatrix& embed, const StepParams* sp, int rows, int S, int
 }
 
 void hc_gate_mean(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu, int rows,
-                  cudaStream_t stream, uint2* frag, float* gsum) {
+                  cudaStream_t stream, uint2* frag, float* gsum, uint2* rfrag, float* rgsum) {
   const dim3 grid(static_cast<unsigned>(ceil_div(H, 256)), static_cast<unsigned>(rows));
-  if (frag) {
+  if (frag && rfrag && rows >= 2 && rows <= kMaxRows) {
+    CK_REQUIRE(gsum && rgsum && H % 64 == 0, "hc_gate_mean: fragments need H %% 64 == 0 (H %d)", H);
+    const unsigned gx = static_cast<unsigned>(H / 64);
+    switch (tc4_rows_R(rows)) {
+      case 2: launch(hc_gate_mean_rows_kernel<2>, gx, 64, 0, stream, g, X, ldgx, S, H, rows, u, ldu, frag, gsum, rfrag, rgsum); break;
+      case 4: launch(hc_gate_mean_rows_kernel<4>, gx, 64, 0, stream, g, X, ldgx, S, H, rows, u, ldu, frag, gsum, rfrag, rgsum); break;
+      default: launch(hc_gate_mean_rows_kernel<8>, gx, 64, 0, stream, g, X, ldgx, S, H, rows, u, ldu, frag, gsum, rfrag, rgsum); break;
+    }
+  } else if (frag) {
     CK_REQUIRE(gsum && H % 64 == 0, "hc_gate_mean: fragments need H %% 64 == 0 (H %d)", H);
     launch(hc_gate_mean_kernel<true>, grid, 256, 0, stream, g, X, ldgx, S, H, u, ldu, frag, gsum);
   } else {

@@ -36,9 +36,11 @@ void embed_wide(const DMatrix& embed, const StepParams* sp, int rows, int S, int
 // Hyper-connection mix tail (spec §4): u (rows, H) = Σ_s sigmoid(g_s) ⊙ X_s / S, with g and X
 // (rows, S*H) at leading dimension ldgx.
 // With frag and gsum (H % 64 == 0), also u's v4 fragments and group sums, one vector per row, in
-// the layout of cuda/ops.h Tc4Frags.
+// the layout of cuda/ops.h Tc4Frags. With rfrag and rgsum too (2-8 rows), also the R-row layout of
+// all rows (Tc4Frags::rfrag, R = tc4_rows_R(rows)), which the 2-8-row projections of u read.
 void hc_gate_mean(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu, int rows,
-                  cudaStream_t stream, uint2* frag = nullptr, float* gsum = nullptr);
+                  cudaStream_t stream, uint2* frag = nullptr, float* gsum = nullptr, uint2* rfrag = nullptr,
+                  float* rgsum = nullptr);
 // Hyper-connection combine: R_s += o · w_s for s < S.
 void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H, int rows,
                 cudaStream_t stream);

@@ -21,6 +21,8 @@ enum class Epilogue : int32_t {
   TwoSigmoidDiv = 2,  // 2 * sigmoid(y / d)    (hyper-connection injection weights, spec §4)
 };
 
+struct Tc4Frags;
+
 // One matrix of a multi-GEMV launch: y[r * ldy + o] = epi(Σ_c w[o][c] · x[r * ldx + c]).
 struct GemvJob {
   DMatrix w;
@@ -28,6 +30,12 @@ struct GemvJob {
   int32_t ldy = 0;
   Epilogue epi = Epilogue::None;
   float epi_arg = 1.0f;
+  // Job 0 only (host side; no kernel reads it): where a 2-8-row launch whose K split ends in a reduce
+  // kernel also writes the R-row v4 fragments of y (Tc4Frags::rfrag/rgsum, buffers the caller sized
+  // with tc4_rows_frag_words / tc4_rows_gsum_floats for kMaxRows), so the GEMV that reads y next
+  // launches no fragment kernel. The launch sets its x/ldx/rows/groups/rR when it wrote them and
+  // clears rR when it did not (another path, or w.rows % 64 != 0).
+  Tc4Frags* frags_out = nullptr;
 };
 constexpr int kMaxGemvJobs = 4;
 // Whether a launch has a matrix in 16-row tiles (dmatrix.h WLayout::Tiles16), which only the
@@ -50,15 +58,28 @@ inline bool all_tiled(const GemvJob* jobs, int n_jobs) {
 // and rounded as the fragment kernel makes them one vector at a time (gemv.cu tc4_frag_kernel<1>):
 // hc_gate_mean writes them for the mix output u, and the one-row tensor-core GEMVs and the decode
 // experts that read u take them instead of launching their own fragment kernel.
+// Beside them (or alone), the layout a 2-8-row tensor-core GEMV of rR rows reads (tc4_frag_kernel<rR>:
+// all `rows` vectors of a group in one block of words): the 2-8-row mix writes it for u and for its
+// low-rank d, so the projections that read those launch no fragment kernel either.
 struct Tc4Frags {
   const float* x = nullptr;
   int ldx = 0, rows = 0, groups = 0;
   const uint2* frag = nullptr;  // [rows][groups][kOneFragWords]: the compact one-row layout (mma_q4.cuh)
   const float* gsum = nullptr;  // [rows][groups]
+  uint2* rfrag = nullptr;       // [groups][tc4_rows_frag_words(rR)]: the R-row layout (null: none)
+  float* rgsum = nullptr;       // [groups][tc4_rows_gsum_floats(rR)]
+  int rR = 0;                   // the R (2, 4 or 8) rfrag is laid out for; 0: rfrag holds nothing
   bool covers(const float* x_, int ldx_, int rows_, int groups_) const {
-    return x && x == x_ && (rows_ == 1 || ldx == ldx_) && rows >= rows_ && groups == groups_;
+    return x && frag && x == x_ && (rows_ == 1 || ldx == ldx_) && rows >= rows_ && groups == groups_;
+  }
+  bool covers_rows(const float* x_, int ldx_, int rows_, int groups_, int R) const {
+    return x && rfrag && rR == R && x == x_ && ldx == ldx_ && rows == rows_ && groups == groups_;
   }
 };
+// The R a 2-8-row tensor-core GEMV of `rows` rows runs at, and its per-group fragment sizes.
+constexpr int tc4_rows_R(int rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8; }
+constexpr int tc4_rows_frag_words(int R) { return 4 * ((3 * R + 7) / 8) * 32; }
+constexpr int tc4_rows_gsum_floats(int R) { return 8 * ((3 * R + 7) / 8); }
 void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,
           const Tc4Frags* pre = nullptr);
 

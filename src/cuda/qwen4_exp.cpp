@@ -101,6 +101,14 @@ Model::Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts)
 }
 
 namespace {
+// 2-8-row steps: the mix writes the R-row fragments of u and d for the projections that read them
+// (Buffers::urfrag, dfrag); CK_ROW_FRAGS=0 leaves those projections their own fragment kernels, to
+// compare.
+bool row_frags_on() {
+  static const bool on = !env_is("CK_ROW_FRAGS", "0");
+  return on;
+}
+
 // CK_GDN=recurrent keeps prefill chunks on the token-by-token delta rule (to compare).
 bool gdn_chunked_enabled() {
   static const bool on = !env_is("CK_GDN", "recurrent");
@@ -364,6 +372,11 @@ struct Session::Buffers {
   unsigned* hc_barrier = nullptr;
   unsigned long long* hc_stamps = nullptr;  // CK_HC_TIMING=1: the last one-row mix's per-block timing
   Tc4Frags ufr;
+  // 2-8-row steps: the R-row fragments of u (beside ufrag) and of the mix's low-rank d, written by the
+  // gate mean and by the down projection's reduce (cuda/ops.h Tc4Frags::rfrag); dfr describes d's.
+  uint2 *urfrag = nullptr, *dfrag = nullptr;
+  float *urgsum = nullptr, *dgsum = nullptr;
+  Tc4Frags dfr;
   int32_t* argmax = nullptr;
   // MTP head (one row): its StepParams, the embedding row e, N1(e), fe, the input hidden and its norm,
   // and S ones (the unit injection of fe into every stream).
@@ -420,6 +433,17 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
     const int64_t groups = H / 64;
     b.ufrag = reinterpret_cast<uint2*>(fbuf(kMaxRows * groups * kOneFragWords * 2));  // Tc4Frags' layout
     b.ugsum = fbuf(kMaxRows * groups);
+    if (row_frags_on()) {
+      const int64_t d_groups = c.hc_lowrank / 64;  // (d's fragments only when it is whole groups)
+      b.urfrag = reinterpret_cast<uint2*>(fbuf(groups * tc4_rows_frag_words(kMaxRows) * 2));
+      b.urgsum = fbuf(groups * tc4_rows_gsum_floats(kMaxRows));
+      if (d_groups > 0 && c.hc_lowrank % 64 == 0) {
+        b.dfrag = reinterpret_cast<uint2*>(fbuf(d_groups * tc4_rows_frag_words(kMaxRows) * 2));
+        b.dgsum = fbuf(d_groups * tc4_rows_gsum_floats(kMaxRows));
+        b.dfr.rfrag = b.dfrag;
+        b.dfr.rgsum = b.dgsum;
+      }
+    }
     b.hc_scratch_n = hc_mix_scratch_floats(S, H, c.hc_lowrank);
     b.hc_scratch = fbuf(static_cast<int64_t>(b.hc_scratch_n));
     b.hc_barrier = reinterpret_cast<unsigned*>(fbuf(64));  // zeroed by fbuf
@@ -608,13 +632,23 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
     jobs[1].epi_arg = static_cast<float>(S);
     n = 2;
   }
+  // At 2-8 rows the down projection's reduce also writes d's fragments, which the up projection reads.
+  const bool row_frags = rows >= 2 && rows <= kMaxRows && b.dfrag;
+  jobs[0].frags_out = row_frags ? &b.dfr : nullptr;
   gemv(jobs, n, b.X, b.ldW, rows, stream_);
   mark("hc mix: down");
-  matvec(hc.up, b.hc_d, b.ldLR, b.hc_g, b.ldW, rows, stream_);
+  GemvJob up;
+  up.w = hc.up;
+  up.y = b.hc_g;
+  up.ldy = static_cast<int32_t>(b.ldW);
+  gemv(&up, 1, b.hc_d, b.ldLR, rows, stream_, row_frags ? &b.dfr : nullptr);
   mark("hc mix: up");
   if (u == b.u && b.ufrag && rows <= kMaxRows) {
-    hc_gate_mean(b.hc_g, b.X, b.ldW, S, H, u, b.ldH, rows, stream_, b.ufrag, b.ugsum);
-    b.ufr = Tc4Frags{b.u, static_cast<int>(b.ldH), rows, H / 64, b.ufrag, b.ugsum};
+    const bool rf = rows >= 2 && b.urfrag;
+    hc_gate_mean(b.hc_g, b.X, b.ldW, S, H, u, b.ldH, rows, stream_, b.ufrag, b.ugsum, rf ? b.urfrag : nullptr,
+                 rf ? b.urgsum : nullptr);
+    b.ufr = Tc4Frags{b.u, static_cast<int>(b.ldH), rows, H / 64, b.ufrag, b.ugsum, rf ? b.urfrag : nullptr,
+                     rf ? b.urgsum : nullptr, rf ? tc4_rows_R(rows) : 0};
   } else {
     hc_gate_mean(b.hc_g, b.X, b.ldW, S, H, u, b.ldH, rows, stream_);
     if (u == b.u) b.ufr = Tc4Frags{};

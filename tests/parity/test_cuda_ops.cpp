@@ -21,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -541,6 +542,94 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
   }
 }
 
+// Fragments made by the producer of a 2-8-row GEMV's input (cuda/ops.h Tc4Frags::rfrag) give the bits
+// of the GEMV's own fragment kernel: the mix's down projection handing d on from its reduce
+// (GemvJob::frags_out, the hyper-connection's shapes: 320 + 16 rows, K = 10,240, split over blocks),
+// and the gate mean handing u on (hc_gate_mean with rfrag) to a 2-8-row projection of u.
+TEST(CudaOps, ProducerFragmentsGiveTheFragmentKernelsBits) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(77);
+  const WeightForm q4{DType::U32, 4, 64, DType::BF16};
+  const int lowrank = 320, W = 10240, S = 4, H = W / S, proj_rows = 8192;  // (8,192: one row takes launch_tc4<1>)
+  HostMatrix down = make_matrix(lowrank, W, q4, rng), inject = make_matrix(16, W, q4, rng),
+             upm = make_matrix(W, lowrank, q4, rng), proj = make_matrix(proj_rows, H, q4, rng);
+  DeviceArena arena;
+  DenseUploader up(&arena);
+  const DMatrix down_t = *up.matrix(down.m, WLayout::Tiles16), inject_t = *up.matrix(inject.m, WLayout::Tiles16),
+                up_t = *up.matrix(upm.m, WLayout::Tiles16), proj_t = *up.matrix(proj.m, WLayout::Tiles16);
+  const int d_groups = lowrank / 64, u_groups = H / 64;
+  DeviceBuffer<uint2> dfrag(static_cast<size_t>(d_groups) * tc4_rows_frag_words(kMaxRows)),
+      ufrag(static_cast<size_t>(kMaxRows) * u_groups * kOneFragWords),
+      urfrag(static_cast<size_t>(u_groups) * tc4_rows_frag_words(kMaxRows));
+  DeviceBuffer<float> dgsum(static_cast<size_t>(d_groups) * tc4_rows_gsum_floats(kMaxRows)),
+      ugsum(static_cast<size_t>(kMaxRows) * u_groups), urgsum(static_cast<size_t>(u_groups) * tc4_rows_gsum_floats(kMaxRows));
+  for (int n : {2, 3, 4, 6, 8}) {
+    SCOPED_TRACE("rows " + std::to_string(n));
+    const std::vector<float> x = randn(static_cast<size_t>(n) * W, rng), gv = randn(static_cast<size_t>(n) * W, rng);
+    DeviceBuffer<float> xd, gd, dd(static_cast<size_t>(n) * lowrank), wd(static_cast<size_t>(n) * 16), ud(static_cast<size_t>(n) * H);
+    to_device(x, &xd);
+    to_device(gv, &gd);
+    // d = silu(down x / S), with the injection head beside it, as the mix runs it.
+    Tc4Frags dfr;
+    dfr.rfrag = dfrag.get();
+    dfr.rgsum = dgsum.get();
+    GemvJob jobs[2];
+    jobs[0].w = down_t; jobs[0].y = dd.get(); jobs[0].ldy = lowrank; jobs[0].epi = Epilogue::SiluDiv; jobs[0].epi_arg = S;
+    jobs[0].frags_out = &dfr;
+    jobs[1].w = inject_t; jobs[1].y = wd.get(); jobs[1].ldy = 16; jobs[1].epi = Epilogue::TwoSigmoidDiv; jobs[1].epi_arg = S;
+    gemv(jobs, 2, xd.get(), W, n, nullptr);
+    ASSERT_EQ(dfr.rR, tc4_rows_R(n)) << "the down projection's reduce did not write d's fragments";
+    ASSERT_TRUE(dfr.covers_rows(dd.get(), lowrank, n, d_groups, tc4_rows_R(n)));
+    const std::vector<float> d_made = to_host(dd.get(), static_cast<size_t>(n) * lowrank);
+    jobs[0].frags_out = nullptr;
+    gemv(jobs, 2, xd.get(), W, n, nullptr);
+    EXPECT_EQ(rows_with_different_bits(d_made, to_host(dd.get(), static_cast<size_t>(n) * lowrank), n, lowrank, lowrank), 0)
+        << "d with and without its fragments";
+    std::vector<float> g_out[2];
+    for (int pre : {0, 1}) {
+      DeviceBuffer<float> yd(static_cast<size_t>(n) * W);
+      CUDA_CHECK(cudaMemset(yd.get(), 0xff, yd.bytes()));
+      GemvJob j;
+      j.w = up_t; j.y = yd.get(); j.ldy = W;
+      gemv(&j, 1, dd.get(), lowrank, n, nullptr, pre ? &dfr : nullptr);
+      g_out[pre] = to_host(yd.get(), static_cast<size_t>(n) * W);
+    }
+    EXPECT_EQ(rows_with_different_bits(g_out[0], g_out[1], n, W, W), 0) << "the up projection with d's fragments";
+    report_rows_vs_cpu("up projection of d, rows " + std::to_string(n), upm.m, d_made, lowrank, n,
+                       cpu_rows(upm.m, d_made, lowrank, n), g_out[1], W);
+    // u = the gate mean, with its R-row fragments, then a 2-8-row projection of u.
+    hc_gate_mean(gd.get(), xd.get(), W, S, H, ud.get(), H, n, nullptr, ufrag.get(), ugsum.get(), urfrag.get(), urgsum.get());
+    const std::vector<float> u_made = to_host(ud.get(), static_cast<size_t>(n) * H);
+    hc_gate_mean(gd.get(), xd.get(), W, S, H, ud.get(), H, n, nullptr);
+    EXPECT_EQ(rows_with_different_bits(u_made, to_host(ud.get(), static_cast<size_t>(n) * H), n, H, H), 0)
+        << "u with and without its fragments";
+    const Tc4Frags ufr{ud.get(), H, n, u_groups, ufrag.get(), ugsum.get(), urfrag.get(), urgsum.get(), tc4_rows_R(n)};
+    std::vector<float> p_out[2];
+    for (int pre : {0, 1}) {
+      DeviceBuffer<float> yd(static_cast<size_t>(n) * proj_rows);
+      GemvJob j;
+      j.w = proj_t; j.y = yd.get(); j.ldy = proj_rows;
+      gemv(&j, 1, ud.get(), H, n, nullptr, pre ? &ufr : nullptr);
+      p_out[pre] = to_host(yd.get(), static_cast<size_t>(n) * proj_rows);
+    }
+    EXPECT_EQ(rows_with_different_bits(p_out[0], p_out[1], n, proj_rows, proj_rows), 0) << "a projection of u with u's fragments";
+    // The one-row layout the gate mean wrote beside it: each row's projection from it, bit for bit.
+    for (int r = 0; r < n; ++r) {
+      const Tc4Frags one{ud.get() + static_cast<size_t>(r) * H, H, 1, u_groups, ufrag.get() + static_cast<size_t>(r) * u_groups * kOneFragWords,
+                         ugsum.get() + static_cast<size_t>(r) * u_groups};
+      std::vector<float> o[2];
+      for (int pre : {0, 1}) {
+        DeviceBuffer<float> yd(proj_rows);
+        GemvJob j;
+        j.w = proj_t; j.y = yd.get(); j.ldy = proj_rows;
+        gemv(&j, 1, ud.get() + static_cast<size_t>(r) * H, H, 1, nullptr, pre ? &one : nullptr);
+        o[pre] = to_host(yd.get(), proj_rows);
+      }
+      EXPECT_EQ(rows_with_different_bits(o[0], o[1], 1, proj_rows, proj_rows), 0) << "row " << r << " from the compact layout";
+    }
+  }
+}
+
 // The bulk-copy warpgroup kernel with 128 tokens x 64 features per warpgroup (set_q4_wg_wide): tiled
 // matrices of assorted heights (a 64-feature unit left idle, a partial one) and K (a split K), at 2
 // and 3 parts of x, against the CPU. (Its split-K choice may differ from the 64-token kernels', so its
@@ -834,9 +923,18 @@ TEST(CudaOps, RouterSoftmaxTopkAndTable) {
   for (auto [E, k, norm] : {std::tuple{8, 1, 1}, std::tuple{64, 6, 0}, std::tuple{512, 10, 1}, std::tuple{33, 33, 1},
                               std::tuple{1024, 64, 0},    // a warp per row: 32 experts per lane, 65 slots
                               std::tuple{2000, 8, 1}}) {  // over 1,024 experts: the block kernel
-    const int rows = 3, H = 64, I = 32;
+    const int rows = 5, H = 64, I = 32;
     std::vector<float> logits = randn(rows * E, rng, 2.0f);
     logits[1] = logits[2];  // a tie: the lower index wins
+    // Row 1: a tie at the top across two lanes of the warp kernel (experts 15 and 16 at E = 512: lanes
+    // 0 and 1), and one inside a lane (3 and 4). Row 3: every logit equal (the lowest k indices).
+    // Row 4: a NaN logit, so every probability is NaN (the kernels' rule: the lowest k indices).
+    if (E > 16) {
+      const float top = *std::max_element(logits.begin() + E, logits.begin() + 2 * E) + 1.0f;
+      logits[E + 15] = logits[E + 16] = logits[E + 3] = logits[E + 4] = top;
+    }
+    std::fill(logits.begin() + 3 * E, logits.begin() + 4 * E, 0.25f);
+    logits[4 * E + E / 2] = std::nanf("");
     // A fake table: slot addresses that encode the expert id, so the pairs name what was picked.
     std::vector<ExpertSlot> table(E);
     WFormat f;
@@ -857,6 +955,10 @@ TEST(CudaOps, RouterSoftmaxTopkAndTable) {
       for (float& v : p) { v = std::exp(v - mx); sum += v; }
       for (float& v : p) v /= sum;
       std::vector<int> top = ck::cpu::topk_desc(p, k);
+      if (r == 4) {  // all NaN: topk_desc's order is not defined there
+        ASSERT_TRUE(std::isnan(p[0]));
+        std::iota(top.begin(), top.end(), 0);
+      }
       float ts = 0;
       for (int e : top) ts += p[e];
       std::vector<float> gw, rw;
@@ -866,6 +968,10 @@ TEST(CudaOps, RouterSoftmaxTopkAndTable) {
         EXPECT_EQ(got[r * (k + 1) + t].x_row, r);
         gw.push_back(got[r * (k + 1) + t].weight);
         rw.push_back(norm ? p[top[t]] / ts : p[top[t]]);
+      }
+      if (r == 4) {
+        for (float w : gw) EXPECT_TRUE(std::isnan(w)) << "E " << E << ": a NaN row's weights";
+        continue;
       }
       report("router E " + std::to_string(E) + " k " + std::to_string(k) + " row " + std::to_string(r) + " weights",
              compare(gw, rw, {}, 1e-7, 1e-5));
