@@ -87,18 +87,6 @@ __device__ __forceinline__ float moe_combine_elem(const float* y, int64_t ldy, c
 // (v, i) beats (bv, bi): larger value, or equal value and lower index. NaN never beats anything.
 __device__ __forceinline__ bool arg_better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
 
-// An unsigned image of v in float order, for integer max reductions (REDUX): negative floats below
-// positive ones, larger above smaller; NaN is 0, below every float, so it never wins a max (as in
-// arg_better). -0 and +0 are distinct keys (-0 below); callers whose values can be -0 must not rely on
-// their tie. order_key_value(order_key(v)) == v bit for bit for every non-NaN v.
-__device__ __forceinline__ uint32_t order_key(float v) {
-  const uint32_t b = __float_as_uint(v);
-  return v != v ? 0u : (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-__device__ __forceinline__ float order_key_value(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
 __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {

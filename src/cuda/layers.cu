@@ -1913,10 +1913,11 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
 }
 
 // The same routing with one warp per row and no block barriers, for E <= 32 VPL: lane l holds the
-// probabilities of experts [VPL l, VPL l + VPL) in registers, and each of the k rounds is a max tree
-// of the lane's unused values and a warp max (ties to the lower index, NaN never wins: block_topk's
-// rules). Routing cost ~8 us per layer inside a one-row decode step's graph with the block kernel
-// (CK_HOLLOW, 2026-11-30); this kernel takes 0.4-1.4 us of it away (decode +0.3-1.2%, same call), so
+// probabilities of experts [VPL l, VPL l + VPL) in registers, and each of the k rounds is a scan of
+// the lane's unused values and a warp argmax (ties to the lower index, NaN never wins: block_topk's
+// rules). (The rounds as a lane max tree of order keys, a REDUX max and a ballot measured 0.4-0.6%
+// slower, H200 2026-12-01 21:04Z.) Routing cost ~8 us per layer inside a one-row decode step's graph
+// with the block kernel (CK_HOLLOW, 2026-11-30); this kernel takes 0.4-1.4 us of it away (decode +0.3-1.2%, same call), so
 // the block kernel's k rounds of barriers were a small part of that time. The softmax sums in
 // another order than the block kernel (a warp's butterfly): probabilities may differ from it in the
 // last bit.
@@ -1958,50 +1959,22 @@ __global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs 
   sum = warp_sum(sum);
 #pragma unroll
   for (int j = 0; j < VPL; ++j) p[j] /= sum;
-  // A round is a lane max over order keys, one warp max (REDUX) and a ballot, instead of a scan of
-  // arg_better steps and a five-level shuffle argmax. order_key maps floats to unsigned integers in
-  // their order (0: taken, past E, or NaN, which never wins), so the lane's best key is a max tree; the
-  // lowest lane holding the warp's max has the lowest index among the ties (lane l holds the experts
-  // [VPL l, VPL l + VPL)), and inside that lane the lowest j with that key. The pick's probability
-  // is the key decoded (the same bits as p[j]: softmax gives no -0). The same picks and weights as
-  // the scan, ties to the lower index (block_topk's rules).
   uint32_t used = 0;  // bit j: expert e0 + j taken (or past E)
-  uint32_t key[VPL];
 #pragma unroll
-  for (int j = 0; j < VPL; ++j) {
+  for (int j = 0; j < VPL; ++j)
     if (e0 + j >= a.E) used |= 1u << j;
-    key[j] = e0 + j < a.E ? order_key(p[j]) : 0u;
-  }
   int mine0 = 0, mine1 = 0;  // lane l keeps the picks of rounds l and l + 32 (k <= 64)
   float mine0_p = 0.0f, mine1_p = 0.0f;
   float ts = 0.0f;
 #pragma unroll 1
   for (int t = 0; t < a.k; ++t) {
-    uint32_t lm[VPL];
+    float bv = -INFINITY;
+    int bi = INT_MAX;
 #pragma unroll
-    for (int j = 0; j < VPL; ++j) lm[j] = key[j];
-#pragma unroll
-    for (int w = VPL / 2; w > 0; w >>= 1)
-#pragma unroll
-      for (int j = 0; j < w; ++j) lm[j] = max(lm[j], lm[j + w]);
-    const uint32_t m = __reduce_max_sync(0xffffffffu, lm[0]);
-    int bi;
-    float pv;
-    if (m != 0u) {
-      const int owner = __ffs(__ballot_sync(0xffffffffu, lm[0] == m)) - 1;
-      uint32_t hits = 0;  // the lane's j with the max key
-#pragma unroll
-      for (int j = 0; j < VPL; ++j) hits |= (key[j] == m ? 1u : 0u) << j;
-      const uint32_t first = hits & (0u - hits);  // the lowest of them (in the owner: not 0)
-      if (lane == owner) {
-        used |= first;
-#pragma unroll
-        for (int j = 0; j < VPL; ++j)
-          if (first >> j & 1u) key[j] = 0u;
-      }
-      bi = __shfl_sync(0xffffffffu, e0 + __ffs(hits) - 1, owner);
-      pv = order_key_value(m);
-    } else {  // only NaNs left: the lowest unused index
+    for (int j = 0; j < VPL; ++j)
+      if (!(used >> j & 1u) && arg_better(p[j], e0 + j, bv, bi)) { bv = p[j]; bi = e0 + j; }
+    warp_argmax(bv, bi);
+    if (bi == INT_MAX) {  // only NaNs left: the lowest unused index
       int lo = INT_MAX;
 #pragma unroll
       for (int j = VPL - 1; j >= 0; --j)
@@ -2009,14 +1982,14 @@ __global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs 
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
       bi = lo;
-      const int owner = bi / VPL, jb = bi - owner * VPL;
-      pv = 0.0f;
-#pragma unroll
-      for (int j = 0; j < VPL; ++j)
-        if (j == jb) pv = p[j];
-      pv = __shfl_sync(0xffffffffu, pv, owner);  // the NaN
-      if (lane == owner) used |= 1u << jb;
     }
+    const int owner = bi / VPL, jb = bi - owner * VPL;
+    float pv = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (j == jb) pv = p[j];
+    pv = __shfl_sync(0xffffffffu, pv, owner);  // the pick's probability (bv, or the NaN)
+    if (lane == owner) used |= 1u << jb;
     ts += pv;  // block kernel's order: the picks' probabilities in round order
     if (t == lane) {
       mine0 = bi;
