@@ -97,6 +97,10 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // The bf16 parts of the activations the factored 4-bit kernels multiply (gemm_q4, expert_*_q4): 2 (the
 // default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
 void set_prefill_parts(int parts);
+// Whether the 4-bit tensor-core GEMVs (1-8 rows) launch a kernel instance compiled for their jobs'
+// one weight layout (1: rows or tiles, no layout branch per group; CK_GEMV_LAYOUT_KERNELS=1) or the
+// instance that branches per group (0, the default); the same bits. -1: the environment's (tests).
+void set_gemv_layout_kernels(int on);
 // Whether the bulk kernel's activation tiles are split by the 8-row kernel with whole-line stores (1,
 // the default) or row by row (0, CK_XFRAG_TILES8=0); the same bytes. -1: the environment's (tests).
 void set_xfrag_tiles8(int on);
