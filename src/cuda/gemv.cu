@@ -1340,14 +1340,9 @@ int tc_split_below() {
 }
 
 // The weight layout a v4 launch's kernel instance is compiled for (mma_q4.cuh Tc4Rows): with
-// CK_GEMV_LAYOUT_KERNELS=1, kRowLayout or kTileLayout when every job has it (one load path, no
-// branch per group: the unrolled groups' loads can be issued together), else kAnyLayout (a branch
-// per group, the default: the form every figure so far was measured with).
-int g_layout_kernels = -1;  // set_gemv_layout_kernels; -1: CK_GEMV_LAYOUT_KERNELS
-bool gemv_layout_kernels_on() {
-  static const bool env_on = env_is("CK_GEMV_LAYOUT_KERNELS", "1");
-  return g_layout_kernels < 0 ? env_on : g_layout_kernels != 0;
-}
+// gemv_layout_kernels_on() (CK_GEMV_LAYOUT_KERNELS=1), kRowLayout or kTileLayout when every job has it
+// (one load path, no branch per group: the unrolled groups' loads can be issued together), else
+// kAnyLayout (a branch per group, the default: the form every figure so far was measured with).
 int launch_layout(const TcLaunch& L) {
   if (!gemv_layout_kernels_on()) return kAnyLayout;
   int tiled = 0;
@@ -1730,7 +1725,18 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
   else launch_gemv_m<8>(m, L, blocks, threads, x, ldx, rows, stream);
 }
 
-void set_gemv_layout_kernels(int on) { g_layout_kernels = on < 0 ? -1 : (on ? 1 : 0); }
+namespace {
+int g_layout_kernels = -1;  // set_layout_kernels; -1: the environment's
+}  // namespace
+void set_layout_kernels(int on) { g_layout_kernels = on < 0 ? -1 : (on ? 1 : 0); }
+bool gemv_layout_kernels_on() {
+  static const bool env_on = env_is("CK_GEMV_LAYOUT_KERNELS", "1");
+  return g_layout_kernels < 0 ? env_on : g_layout_kernels != 0;
+}
+bool hc_layout_kernels_on() {
+  static const bool env_on = env_is("CK_HC_LAYOUT_KERNELS", "1");
+  return g_layout_kernels < 0 ? env_on : g_layout_kernels != 0;
+}
 
 void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int rows, cudaStream_t stream) {
   GemvJob j;

@@ -99,11 +99,12 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, bool wait) {
 // The 16-row one-row tile at rows row0.. of m over groups [G0, G1) against fragments f (group G at
 // f + (G - G0) * 128) and group sums xg: the three column sums (hi, mid, lo) of rows g and g + 8 as
 // acc (tc4_one_group's layout). UNROLL groups' loads are issued together.
-template <bool BF16S, int UNROLL>
+// LAYOUT (mma_q4.cuh): m's layout when the kernel instance knows it.
+template <bool BF16S, int UNROLL, int LAYOUT = kAnyLayout>
 __device__ __forceinline__ void hc_tile(const DMatrix& m, int row0, int G0, int G1, const uint2* f, const float* xg,
                                         float (&acc)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  Tc4Rows<BF16S, 4> tr;
+  Tc4Rows<BF16S, 4, LAYOUT> tr;
   tr.init(m, min(row0 + g, static_cast<int>(m.rows) - 1), min(row0 + g + 8, static_cast<int>(m.rows) - 1), t);
 #pragma unroll UNROLL
   for (int G = G0; G < G1; ++G)
@@ -112,14 +113,16 @@ __device__ __forceinline__ void hc_tile(const DMatrix& m, int row0, int G0, int 
 
 // Two tiles (rows ra.. of ma, rb.. of mb) over the same groups, both tiles' loads of a group issued
 // before either's products: a warp's two tiles cost one memory round trip per group, not two.
-template <bool BF16S>
+// TILES: both matrices in tiles (an instance without the layout branch, whose loop is unrolled by 2
+// so that two groups' loads go out together: hc_layout_kernels_on()).
+template <bool BF16S, bool TILES = false>
 __device__ __forceinline__ void hc_tile_pair(const DMatrix& ma, int ra, const DMatrix& mb, int rb, int G0, int G1,
                                              const uint2* f, const float* xg, float (&acc_a)[4], float (&acc_b)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  Tc4Rows<BF16S, 4> ta, tb;
+  Tc4Rows<BF16S, 4, TILES ? kTileLayout : kAnyLayout> ta, tb;
   ta.init(ma, min(ra + g, static_cast<int>(ma.rows) - 1), min(ra + g + 8, static_cast<int>(ma.rows) - 1), t);
   tb.init(mb, min(rb + g, static_cast<int>(mb.rows) - 1), min(rb + g + 8, static_cast<int>(mb.rows) - 1), t);
-  for (int G = G0; G < G1; ++G) {
+  auto group = [&](int G) {
     uint2 wa0, wb0, wa1, wb1;
     float s[8];
     ta.load(G, wa0, wb0, s[0], s[1], s[2], s[3]);
@@ -128,6 +131,12 @@ __device__ __forceinline__ void hc_tile_pair(const DMatrix& ma, int ra, const DM
     const float xs = t == 0 ? xg[G - G0] : 0.0f;
     tc4_one_mma(wa0, wb0, s[0], s[1], s[2], s[3], fg, xs, acc_a);
     tc4_one_mma(wa1, wb1, s[4], s[5], s[6], s[7], fg, xs, acc_b);
+  };
+  if constexpr (TILES) {
+#pragma unroll 2
+    for (int G = G0; G < G1; ++G) group(G);
+  } else {
+    for (int G = G0; G < G1; ++G) group(G);
   }
 }
 
@@ -147,7 +156,9 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
   if (lane == 0) *gs = s;
 }
 
-template <bool BF16S>
+// TILES: the down and up projections in tiles, read by instances without the layout branch (the
+// inject head's tiles keep it); hc_layout_kernels_on(), off by default.
+template <bool BF16S, bool TILES = false>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
@@ -251,7 +262,10 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       auto mat = [&](int x) -> const DMatrix& { return x >= L.tiles_d ? a.inject : a.down; };
       auto row = [&](int x) { return 16 * (x >= L.tiles_d ? x - L.tiles_d : x); };
       float acc_a[4] = {}, acc_b[4] = {};
-      hc_tile_pair<BF16S>(mat(tile), row(tile), mat(tb), row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
+      if (TILES && tb < L.tiles_d)  // (tile < tb: both down tiles)
+        hc_tile_pair<BF16S, TILES>(a.down, row(tile), a.down, row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
+      else
+        hc_tile_pair<BF16S>(mat(tile), row(tile), mat(tb), row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
       float y0, y1;
       hc_tile_rows(acc_a, y0, y1);
       float* p = L.part + static_cast<size_t>(c) * td * 16;
@@ -322,7 +336,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     for (int it = warp; it < 4 * S; it += kHcWarps) {  // (stream, 16-row tile)
       const int s = it >> 2, r0 = 16 * (it & 3);
       float acc[4] = {};
-      hc_tile<BF16S, 2>(a.up, s * H + 64 * b + r0, 0, ngd, frag, xg, acc);
+      hc_tile<BF16S, 2, TILES ? kTileLayout : kAnyLayout>(a.up, s * H + 64 * b + r0, 0, ngd, frag, xg, acc);
       float y0, y1;
       hc_tile_rows(acc, y0, y1);
       if (t == 0) {
@@ -366,7 +380,8 @@ bool q4_suits(const DMatrix& m, int64_t rows, int64_t cols) { return expert_q4_o
 }  // namespace
 
 void hc_mix_init() {
-  for (auto k : {hc_mix_row_kernel<true>, hc_mix_row_kernel<false>})
+  for (auto k : {hc_mix_row_kernel<true>, hc_mix_row_kernel<false>, hc_mix_row_kernel<true, true>,
+                 hc_mix_row_kernel<false, true>})
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kHcMaxPartialBytes));
 }
 
@@ -426,8 +441,14 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   static const bool norm_prefetch = !env_is("CK_HC_NORM_PREFETCH", "0");
   L.norm_prefetch = norm_prefetch ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
-  if (bf16s) launch(hc_mix_row_kernel<true>, grid, kHcThreads, part_bytes, stream, L);
-  else launch(hc_mix_row_kernel<false>, grid, kHcThreads, part_bytes, stream, L);
+  const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
+  if (tiles) {
+    if (bf16s) launch(hc_mix_row_kernel<true, true>, grid, kHcThreads, part_bytes, stream, L);
+    else launch(hc_mix_row_kernel<false, true>, grid, kHcThreads, part_bytes, stream, L);
+  } else {
+    if (bf16s) launch(hc_mix_row_kernel<true>, grid, kHcThreads, part_bytes, stream, L);
+    else launch(hc_mix_row_kernel<false>, grid, kHcThreads, part_bytes, stream, L);
+  }
   return true;
 }
 

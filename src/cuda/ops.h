@@ -98,9 +98,13 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
 void set_prefill_parts(int parts);
 // Whether the 4-bit tensor-core GEMVs (1-8 rows) launch a kernel instance compiled for their jobs'
-// one weight layout (1: rows or tiles, no layout branch per group; CK_GEMV_LAYOUT_KERNELS=1) or the
-// instance that branches per group (0, the default); the same bits. -1: the environment's (tests).
-void set_gemv_layout_kernels(int on);
+// one weight layout (rows or tiles: no layout branch in each group of their loop;
+// CK_GEMV_LAYOUT_KERNELS=1), and the one-row mix one for its down and up projections in tiles
+// (CK_HC_LAYOUT_KERNELS=1), instead of the instances that branch per group (the default); the same
+// bits. set_layout_kernels(1 or 0) sets both (tests), -1 goes back to the environment's.
+void set_layout_kernels(int on);
+bool gemv_layout_kernels_on();
+bool hc_layout_kernels_on();
 // Whether the bulk kernel's activation tiles are split by the 8-row kernel with whole-line stores (1,
 // the default) or row by row (0, CK_XFRAG_TILES8=0); the same bytes. -1: the environment's (tests).
 void set_xfrag_tiles8(int on);

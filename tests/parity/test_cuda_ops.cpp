@@ -542,7 +542,7 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
   }
 }
 
-// The tensor-core GEMVs' kernel instances for one weight layout (set_gemv_layout_kernels) give the bits
+// The tensor-core GEMVs' kernel instances for one weight layout (set_layout_kernels) give the bits
 // of the instance that branches on the layout per group: the in-block one-row kernel (2,560 x 6,144),
 // the two-kernel form at one row (8,192 x 2,560) and at 2-8 rows, each in rows and in tiles, and a
 // launch of a tiled job beside a row-layout one (the branching instance).
@@ -568,7 +568,7 @@ TEST(CudaOps, LayoutKernelsGiveTheBranchingKernelsBits) {
       for (int form = 0; form < 3; ++form) {  // rows, tiles, tiles beside rows
         std::vector<float> out[2], out2[2];
         for (int on : {0, 1}) {
-          set_gemv_layout_kernels(on);
+          set_layout_kernels(on);
           DeviceBuffer<float> yd(static_cast<size_t>(n) * c.rows), y2(static_cast<size_t>(n) * 64);
           GemvJob jobs[2];
           jobs[0].w = form == 0 ? rows_m : tiled_m; jobs[0].y = yd.get(); jobs[0].ldy = c.rows;
@@ -584,7 +584,7 @@ TEST(CudaOps, LayoutKernelsGiveTheBranchingKernelsBits) {
       }
     }
   }
-  set_gemv_layout_kernels(-1);
+  set_layout_kernels(-1);
 }
 
 // Fragments made by the producer of a 2-8-row GEMV's input (cuda/ops.h Tc4Frags::rfrag) give the bits
@@ -1634,6 +1634,37 @@ TEST(CudaOps, GraphsEqualDirectLaunches) {
   }
   ASSERT_EQ(a.size(), b.size());
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "graph replay and direct launches differ";
+}
+
+// The layout kernel instances (set_layout_kernels: the GEMVs' and the one-row mix's, without the layout
+// branch per group) give the default instances' logits bit for bit, at steps of 1 to 8 rows, on the
+// 4-bit geometry and the fused one-row mix's (its down and up projections in tiles).
+TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
+  REQUIRE_GPU();
+  for (int gi : {1, 3}) {
+    const Geometry g = geometries()[gi];
+    SCOPED_TRACE(g.name);
+    auto rm = make_random_model(g.cfg, g.opt);
+    auto dm = Model::create(rm->weights, rm->experts);
+    ASSERT_TRUE(dm.ok()) << dm.status().message();
+    const std::vector<int32_t> tokens = random_tokens(30, g.cfg.vocab_size, g.cfg.ple_eos(), 11);
+    std::vector<float> out[2];
+    for (int on : {0, 1}) {
+      set_layout_kernels(on);
+      auto s = (*dm)->new_session(64);
+      StepResult res;
+      for (int pos = 0, n = 1; pos < 30; pos += n, n = n % 8 + 1) {
+        n = std::min(n, 30 - pos);
+        ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, n), false, true, &res).ok());
+        s->commit(n);
+        out[on].insert(out[on].end(), res.logits.begin(), res.logits.end());
+      }
+    }
+    set_layout_kernels(-1);
+    ASSERT_EQ(out[0].size(), out[1].size());
+    EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0)
+        << "the layout kernels' logits differ from the default kernels'";
+  }
 }
 
 // A model whose experts cannot all be resident fails at creation with one error naming the sizes
