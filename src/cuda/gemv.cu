@@ -722,14 +722,7 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
       if (lane == 0) gsum[G] = v;
     }
   } else {
-    for (int e = threadIdx.x; e < 4 * NB * 32; e += blockDim.x)
-      frag[static_cast<size_t>(G) * 4 * NB * 32 + e] = tc4_frag_elem<NB>(x + G * 64, ldx, nx, e);
-    for (int n = warp; n < NC; n += blockDim.x >> 5) {
-      const int r = n / 3;
-      float v = 0.0f;
-      if (n % 3 == 0 && r < nx) v = tc4_group_sum(x + static_cast<size_t>(r) * ldx + G * 64);  // on the hi column
-      if (lane == 0) gsum[G * NC + n] = v;
-    }
+    tc4_rows_group_frags<NB>(x + G * 64, ldx, nx, frag + static_cast<size_t>(G) * 4 * NB * 32, gsum + G * NC);
   }
 }
 
@@ -894,15 +887,7 @@ __global__ void __launch_bounds__(256) gemv_tc4_reduce_frag_kernel(const __grid_
   }
   if (64 * (G + 1) > L.job[0].w.rows) return;  // not one of job 0's groups (the same on every thread)
   __syncthreads();
-  for (int e = threadIdx.x; e < 4 * NB * 32; e += blockDim.x)
-    frag[static_cast<size_t>(G) * 4 * NB * 32 + e] = tc4_frag_elem<NB>(&sy[0][0], 64, nx, e);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int n = warp; n < NC; n += blockDim.x >> 5) {
-    const int r = n / 3;
-    float v = 0.0f;
-    if (n % 3 == 0 && r < nx) v = tc4_group_sum(&sy[r][0]);  // on the hi column
-    if (lane == 0) gsum[G * NC + n] = v;
-  }
+  tc4_rows_group_frags<NB>(&sy[0][0], 64, nx, frag + static_cast<size_t>(G) * 4 * NB * 32, gsum + G * NC);
 }
 
 // v4 at one activation row with the fragments built in the block (decode's small and middle-sized
@@ -1355,8 +1340,7 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
   constexpr int NB = (3 * R + 7) / 8;
   const unsigned grid = static_cast<unsigned>(ceil_div(L.first_tile[L.n_jobs], 8 / L.ks));
   uint8_t* scratch = nullptr;
-  Tc4Frags* out = L.job[0].frags_out;
-  if (out) out->rR = 0;  // (set again below when this launch writes them)
+  Tc4Frags* out = L.job[0].frags_out;  // (gemv() cleared its rR; set below when this launch writes them)
   if (R == 1 && pre && pre->covers(x, ldx, 1, L.groups)) {  // fragments made by the producer of x
     L.frag = pre->frag;
     L.gsum = pre->gsum;
@@ -1506,8 +1490,7 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
     L.conv = conv->a;
     L.conv_sp = conv->sp;
   }
-  const int R = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
-  switch (R) {
+  switch (tc4_rows_R(rows)) {
     case 1: launch_tc4<1>(L, x, ldx, rows, bf16s, stream, pre); break;
     case 2: launch_tc4<2>(L, x, ldx, rows, bf16s, stream, pre); break;
     case 4: launch_tc4<4>(L, x, ldx, rows, bf16s, stream, pre); break;

@@ -138,14 +138,8 @@ __global__ void __launch_bounds__(64) hc_gate_mean_rows_kernel(const float* g, c
       if (lane == 0) gsum[static_cast<size_t>(r) * groups + G] = t;
     }
   }
-  for (int e = threadIdx.x; e < FW; e += blockDim.x)
-    rfrag[static_cast<size_t>(G) * FW + e] = tc4_frag_elem<NB>(&su[0][0], 64, nx, e);
-  for (int n = warp; n < NC; n += blockDim.x >> 5) {
-    const int r = n / 3;
-    float t = 0.0f;
-    if (n % 3 == 0 && r < nx) t = tc4_group_sum(&su[r][0]);  // on the hi column
-    if (lane == 0) rgsum[static_cast<size_t>(G) * NC + n] = t;
-  }
+  tc4_rows_group_frags<NB>(&su[0][0], 64, nx, rfrag + static_cast<size_t>(G) * FW,
+                           rgsum + static_cast<size_t>(G) * NC);
 }
 
 // grid (ceil(S*H/256), rows), block 256.
@@ -1917,8 +1911,8 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
 // the lane's unused values and a warp argmax (ties to the lower index, NaN never wins: block_topk's
 // rules). (The rounds as a lane max tree of order keys, a REDUX max and a ballot measured 0.4-0.6%
 // slower, H200 2026-12-01 21:04Z.) Routing cost ~8 us per layer inside a one-row decode step's graph
-// with the block kernel (CK_HOLLOW, 2026-11-30); this kernel takes 0.4-1.4 us of it away (decode +0.3-1.2%, same call), so
-// the block kernel's k rounds of barriers were a small part of that time. The softmax sums in
+// with the block kernel (CK_HOLLOW, 2026-11-30); this kernel takes 0.4-1.4 us of it away (decode
+// +0.3-1.2%, same call), so the block kernel's k rounds of barriers were a small part of that time. The softmax sums in
 // another order than the block kernel (a warp's butterfly): probabilities may differ from it in the
 // last bit.
 // grid (ceil(rows / 8)), block 32 min(rows, 8).

@@ -212,6 +212,23 @@ __device__ __forceinline__ float tc4_group_sum(const float* xg) {
   return warp_sum(xg[lane] + xg[lane + 32]);
 }
 
+// Group g's R-row fragments (4 NB 32 words at frag) and its Σ x per MMA column (8 NB floats at gsum,
+// on each row's hi column, zero on the others) from the group's 64 floats of nx rows at xg, rows ldx
+// apart, by the block's threads: what tc4_frag_kernel<R> writes, and the kernels that hand their own
+// output on as fragments (the 2-8-row gate mean, gemv_tc4_reduce_frag_kernel) write the same way.
+template <int NB>
+__device__ __forceinline__ void tc4_rows_group_frags(const float* xg, int ldx, int nx, uint2* frag, float* gsum) {
+  constexpr int NC = 8 * NB;
+  for (int e = threadIdx.x; e < 4 * NB * 32; e += blockDim.x) frag[e] = tc4_frag_elem<NB>(xg, ldx, nx, e);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int n = warp; n < NC; n += blockDim.x >> 5) {
+    const int r = n / 3;
+    float v = 0.0f;
+    if (n % 3 == 0 && r < nx) v = tc4_group_sum(xg + static_cast<size_t>(r) * ldx);  // on the hi column
+    if (lane == 0) gsum[n] = v;
+  }
+}
+
 __device__ __forceinline__ float load_scale_elem(const uint8_t* base, size_t i, uint8_t kind) {
   if (kind == static_cast<uint8_t>(WKind::F32)) return reinterpret_cast<const float*>(base)[i];
   const uint16_t h = reinterpret_cast<const uint16_t*>(base)[i];

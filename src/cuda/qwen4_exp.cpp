@@ -102,7 +102,7 @@ Model::Model(const ModelWeights& w, std::shared_ptr<ExpertSource> experts)
 
 namespace {
 // 2-8-row steps: the mix writes the R-row fragments of u and d for the projections that read them
-// (Buffers::urfrag, dfrag); CK_ROW_FRAGS=0 leaves those projections their own fragment kernels, to
+// (Buffers::urfrag, dfr); CK_ROW_FRAGS=0 leaves those projections their own fragment kernels, to
 // compare.
 bool row_frags_on() {
   static const bool on = !env_is("CK_ROW_FRAGS", "0");
@@ -373,9 +373,10 @@ struct Session::Buffers {
   unsigned long long* hc_stamps = nullptr;  // CK_HC_TIMING=1: the last one-row mix's per-block timing
   Tc4Frags ufr;
   // 2-8-row steps: the R-row fragments of u (beside ufrag) and of the mix's low-rank d, written by the
-  // gate mean and by the down projection's reduce (cuda/ops.h Tc4Frags::rfrag); dfr describes d's.
-  uint2 *urfrag = nullptr, *dfrag = nullptr;
-  float *urgsum = nullptr, *dgsum = nullptr;
+  // gate mean and by the down projection's reduce (cuda/ops.h Tc4Frags::rfrag); dfr holds d's buffers
+  // (null: none) and describes what they hold.
+  uint2* urfrag = nullptr;
+  float* urgsum = nullptr;
   Tc4Frags dfr;
   int32_t* argmax = nullptr;
   // MTP head (one row): its StepParams, the embedding row e, N1(e), fe, the input hidden and its norm,
@@ -438,10 +439,8 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
       b.urfrag = reinterpret_cast<uint2*>(fbuf(groups * tc4_rows_frag_words(kMaxRows) * 2));
       b.urgsum = fbuf(groups * tc4_rows_gsum_floats(kMaxRows));
       if (d_groups > 0 && c.hc_lowrank % 64 == 0) {
-        b.dfrag = reinterpret_cast<uint2*>(fbuf(d_groups * tc4_rows_frag_words(kMaxRows) * 2));
-        b.dgsum = fbuf(d_groups * tc4_rows_gsum_floats(kMaxRows));
-        b.dfr.rfrag = b.dfrag;
-        b.dfr.rgsum = b.dgsum;
+        b.dfr.rfrag = reinterpret_cast<uint2*>(fbuf(d_groups * tc4_rows_frag_words(kMaxRows) * 2));
+        b.dfr.rgsum = fbuf(d_groups * tc4_rows_gsum_floats(kMaxRows));
       }
     }
     b.hc_scratch_n = hc_mix_scratch_floats(S, H, c.hc_lowrank);
@@ -633,7 +632,7 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
     n = 2;
   }
   // At 2-8 rows the down projection's reduce also writes d's fragments, which the up projection reads.
-  const bool row_frags = rows >= 2 && rows <= kMaxRows && b.dfrag;
+  const bool row_frags = rows >= 2 && rows <= kMaxRows && b.dfr.rfrag;
   jobs[0].frags_out = row_frags ? &b.dfr : nullptr;
   gemv(jobs, n, b.X, b.ldW, rows, stream_);
   mark("hc mix: down");
