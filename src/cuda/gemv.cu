@@ -732,8 +732,7 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
 // slice order (R >= 2, no conv).
 // Register caps keep 3-4 blocks (24-32 warps) per SM: with fewer the loads in flight cannot cover DRAM
 // latency (1 block per SM, uncapped: lm_head at 1.2 TB/s).
-// LAYOUT (mma_q4.cuh): the weight layout of every job when the launch knows it (gemv_layout_kernels_on).
-template <int R, bool BF16S, int LAYOUT = kAnyLayout>
+template <int R, bool BF16S>
 __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __grid_constant__ TcLaunch L, int nx) {
   constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
   __shared__ float red[8][16][NC + 1];
@@ -748,7 +747,7 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   const int per_z = (L.groups + L.kb - 1) / L.kb, Z0 = min(L.groups, static_cast<int>(blockIdx.y) * per_z),
             Z1 = min(L.groups, Z0 + per_z);
   const int per = (Z1 - Z0 + ks - 1) / ks, G0 = min(Z1, Z0 + part * per), G1 = min(Z1, G0 + per);
-  Tc4Rows<BF16S, 4, LAYOUT> tr;
+  Tc4Rows<BF16S> tr;
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
     if (L.prefetch) tr.prefetch(G0, G1, t);
@@ -932,7 +931,7 @@ __device__ __forceinline__ void one_row_tile_store(const float (&acc)[4], float*
 }
 
 // Dynamic shared memory: [range groups][4 steps][32 lanes] uint2 fragments, then [range groups] Σ x.
-template <bool BF16S, int BITS, int LAYOUT = kAnyLayout>
+template <bool BF16S, int BITS>
 __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_constant__ TcLaunch L,
                                                               const float* __restrict__ x, int kb) {
   extern __shared__ uint2 sfrag[];
@@ -950,7 +949,7 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   const int per = (B1 - B0 + ks - 1) / ks, G0 = min(B1, B0 + part * per), G1 = min(B1, G0 + per);
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(per_b) * 4 * 32);
   float acc[4] = {};
-  Tc4Rows<BF16S, BITS, LAYOUT> tr;
+  Tc4Rows<BF16S, BITS> tr;
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
     if (L.prefetch) tr.prefetch(G0, G1, t);
@@ -1324,17 +1323,6 @@ int tc_split_below() {
   return v;
 }
 
-// The weight layout a v4 launch's kernel instance is compiled for (mma_q4.cuh Tc4Rows): with
-// gemv_layout_kernels_on() (CK_GEMV_LAYOUT_KERNELS=1), kRowLayout or kTileLayout when every job has it
-// (one load path, no branch per group: the unrolled groups' loads can be issued together), else
-// kAnyLayout (a branch per group, the default: the form every figure so far was measured with).
-int launch_layout(const TcLaunch& L) {
-  if (!gemv_layout_kernels_on()) return kAnyLayout;
-  int tiled = 0;
-  for (int j = 0; j < L.n_jobs; ++j) tiled += L.job[j].w.tiled() ? 1 : 0;
-  return tiled == 0 ? kRowLayout : tiled == L.n_jobs ? kTileLayout : kAnyLayout;
-}
-
 template <int R>
 void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStream_t s, const Tc4Frags* pre) {
   constexpr int NB = (3 * R + 7) / 8;
@@ -1368,12 +1356,8 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
   if (L.kb > 1)
     CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&L.partial), sizeof(float) * L.kb * n_tiles * 16 * R, s));
   const dim3 g2(grid, static_cast<unsigned>(L.kb));
-  auto go = [&](auto kernel) { launch(kernel, g2, 256, 0, s, L, nx); };
-  switch (launch_layout(L)) {
-    case kRowLayout: bf16s ? go(gemv_tc4_kernel<R, true, kRowLayout>) : go(gemv_tc4_kernel<R, false, kRowLayout>); break;
-    case kTileLayout: bf16s ? go(gemv_tc4_kernel<R, true, kTileLayout>) : go(gemv_tc4_kernel<R, false, kTileLayout>); break;
-    default: bf16s ? go(gemv_tc4_kernel<R, true>) : go(gemv_tc4_kernel<R, false>); break;
-  }
+  if (bf16s) launch(gemv_tc4_kernel<R, true>, g2, 256, 0, s, L, nx);
+  else launch(gemv_tc4_kernel<R, false>, g2, 256, 0, s, L, nx);
   CUDA_CHECK_LAUNCH();
   if (L.kb > 1) {
     if (R > 1 && out && out->rfrag && out->rgsum && L.job[0].w.rows % 64 == 0) {  // job 0's output as fragments too
@@ -1443,11 +1427,8 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, i
     if (bf16s) go(gemv_tc4_one_kernel<true, 8>);
     else go(gemv_tc4_one_kernel<false, 8>);
   } else {
-    switch (launch_layout(L)) {
-      case kRowLayout: bf16s ? go(gemv_tc4_one_kernel<true, 4, kRowLayout>) : go(gemv_tc4_one_kernel<false, 4, kRowLayout>); break;
-      case kTileLayout: bf16s ? go(gemv_tc4_one_kernel<true, 4, kTileLayout>) : go(gemv_tc4_one_kernel<false, 4, kTileLayout>); break;
-      default: bf16s ? go(gemv_tc4_one_kernel<true, 4>) : go(gemv_tc4_one_kernel<false, 4>); break;
-    }
+    if (bf16s) go(gemv_tc4_one_kernel<true, 4>);
+    else go(gemv_tc4_one_kernel<false, 4>);
   }
   return true;
 }
@@ -1712,10 +1693,6 @@ namespace {
 int g_layout_kernels = -1;  // set_layout_kernels; -1: the environment's
 }  // namespace
 void set_layout_kernels(int on) { g_layout_kernels = on < 0 ? -1 : (on ? 1 : 0); }
-bool gemv_layout_kernels_on() {
-  static const bool env_on = env_is("CK_GEMV_LAYOUT_KERNELS", "1");
-  return g_layout_kernels < 0 ? env_on : g_layout_kernels != 0;
-}
 bool hc_layout_kernels_on() {
   static const bool env_on = env_is("CK_HC_LAYOUT_KERNELS", "1");
   return g_layout_kernels < 0 ? env_on : g_layout_kernels != 0;

@@ -97,13 +97,12 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // The bf16 parts of the activations the factored 4-bit kernels multiply (gemm_q4, expert_*_q4): 2 (the
 // default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
 void set_prefill_parts(int parts);
-// Whether the 4-bit tensor-core GEMVs (1-8 rows) launch a kernel instance compiled for their jobs'
-// one weight layout (rows or tiles: no layout branch in each group of their loop;
-// CK_GEMV_LAYOUT_KERNELS=1), and the one-row mix one for its down and up projections in tiles
-// (CK_HC_LAYOUT_KERNELS=1), instead of the instances that branch per group (the default); the same
-// bits. set_layout_kernels(1 or 0) sets both (tests), -1 goes back to the environment's.
+// Whether the one-row mix launches its kernel instance compiled for down and up projections in tiles
+// (no layout branch in each group of its loops; CK_HC_LAYOUT_KERNELS=1) instead of the instance that
+// branches per group (the default); the same bits. set_layout_kernels(1 or 0) sets it (tests), -1 goes
+// back to the environment's. (The GEMVs' instances for one layout were measured 1-3% slower at 1-4
+// rows, 2026-12-01, and removed.)
 void set_layout_kernels(int on);
-bool gemv_layout_kernels_on();
 bool hc_layout_kernels_on();
 // Whether the bulk kernel's activation tiles are split by the 8-row kernel with whole-line stores (1,
 // the default) or row by row (0, CK_XFRAG_TILES8=0); the same bytes. -1: the environment's (tests).

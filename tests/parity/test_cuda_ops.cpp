@@ -542,51 +542,6 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
   }
 }
 
-// The tensor-core GEMVs' kernel instances for one weight layout (set_layout_kernels) give the bits
-// of the instance that branches on the layout per group: the in-block one-row kernel (2,560 x 6,144),
-// the two-kernel form at one row (8,192 x 2,560) and at 2-8 rows, each in rows and in tiles, and a
-// launch of a tiled job beside a row-layout one (the branching instance).
-TEST(CudaOps, LayoutKernelsGiveTheBranchingKernelsBits) {
-  REQUIRE_GPU();
-  std::mt19937_64 rng(91);
-  const WeightForm q4{DType::U32, 4, 64, DType::BF16}, q4h{DType::U32, 4, 64, DType::F16};
-  struct Case {
-    int rows, cols;
-    WeightForm form;
-  };
-  const Case cases[] = {{2560, 6144, q4}, {8192, 2560, q4}, {1024, 2560, q4h}, {320, 10240, q4}};
-  DeviceArena arena;
-  for (const Case& c : cases) {
-    HostMatrix hm = make_matrix(c.rows, c.cols, c.form, rng), other = make_matrix(64, c.cols, c.form, rng);
-    DenseUploader up(&arena);
-    const DMatrix rows_m = *up.matrix(hm.m), tiled_m = *up.matrix(hm.m, WLayout::Tiles16), other_m = *up.matrix(other.m);
-    ASSERT_TRUE(tiled_m.tiled() && !rows_m.tiled());
-    for (int n : {1, 2, 3, 4, 8}) {
-      const std::vector<float> x = randn(static_cast<size_t>(n) * c.cols, rng);
-      DeviceBuffer<float> xd;
-      to_device(x, &xd);
-      for (int form = 0; form < 3; ++form) {  // rows, tiles, tiles beside rows
-        std::vector<float> out[2], out2[2];
-        for (int on : {0, 1}) {
-          set_layout_kernels(on);
-          DeviceBuffer<float> yd(static_cast<size_t>(n) * c.rows), y2(static_cast<size_t>(n) * 64);
-          GemvJob jobs[2];
-          jobs[0].w = form == 0 ? rows_m : tiled_m; jobs[0].y = yd.get(); jobs[0].ldy = c.rows;
-          jobs[1].w = other_m; jobs[1].y = y2.get(); jobs[1].ldy = 64;
-          gemv(jobs, form == 2 ? 2 : 1, xd.get(), c.cols, n, nullptr);
-          out[on] = to_host(yd.get(), static_cast<size_t>(n) * c.rows);
-          out2[on] = to_host(y2.get(), static_cast<size_t>(n) * 64);
-        }
-        const std::string what = std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " + std::to_string(n) +
-                                 (form == 0 ? " row layout" : form == 1 ? " tiles" : " tiles beside rows");
-        EXPECT_EQ(rows_with_different_bits(out[0], out[1], n, c.rows, c.rows), 0) << what;
-        if (form == 2) EXPECT_EQ(rows_with_different_bits(out2[0], out2[1], n, 64, 64), 0) << what << " (the row job)";
-      }
-    }
-  }
-  set_layout_kernels(-1);
-}
-
 // Fragments made by the producer of a 2-8-row GEMV's input (cuda/ops.h Tc4Frags::rfrag) give the bits
 // of the GEMV's own fragment kernel: the mix's down projection handing d on from its reduce
 // (GemvJob::frags_out, the hyper-connection's shapes: 320 + 16 rows, K = 10,240, split over blocks),
@@ -1636,9 +1591,9 @@ TEST(CudaOps, GraphsEqualDirectLaunches) {
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "graph replay and direct launches differ";
 }
 
-// The layout kernel instances (set_layout_kernels: the GEMVs' and the one-row mix's, without the layout
-// branch per group) give the default instances' logits bit for bit, at steps of 1 to 8 rows, on the
-// 4-bit geometry and the fused one-row mix's (its down and up projections in tiles).
+// The one-row mix's kernel instance for tiles (set_layout_kernels: no layout branch per group) gives
+// the default instance's logits bit for bit, at steps of 1 to 8 rows, on the 4-bit geometry and the
+// fused one-row mix's (its down and up projections in tiles).
 TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
   REQUIRE_GPU();
   for (int gi : {1, 3}) {
