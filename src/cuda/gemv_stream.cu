@@ -97,22 +97,35 @@ __device__ __forceinline__ float stage_scale(const uint8_t* p, int i, uint8_t ki
   else return load_scale_elem(p, i, kind);
 }
 
-// Group i of a stage, as lane (g, t) reads it: the code words of rows g and g + 8 (row r's 16-byte
-// chunk ch of box i / 4 sits at chunk ch ^ (r & 7): the 128-byte swizzle), their scales and biases.
-template <bool BF16S>
+// The tile rows lane group g multiplies: stage_row<PERM>(g) and stage_row<PERM>(g) + 8 as the MMA's
+// rows g and g + 8. PERM (the 2-8-row kernel): a permutation of the tile's rows (each output row's sum
+// is the same). Why: a 64-bit shared load is served per half warp (g = 0-3, then 4-7), and each lane
+// reads 8 of its row's 32 bytes of a group. Under the 128-byte swizzle rows r and r ^ 1 put a group's
+// two 16-byte chunks on the same banks, so rows g = 0-3 took two wavefronts where one suffices
+// (Nsight Compute, 2026-12-01 22:21Z: 2x the ideal on every code load of gemv_stream_rows_kernel<4>).
+// Rows 0, 2, 4, 6 (then 1, 3, 5, 7) fall on four different bank ranges. The one-row kernel keeps
+// rows g: permuted, its decode was 0.2-1.1% slower in three rounds (22:27Z; its shared loads are
+// fewer: one row's fragments, not four).
+template <bool PERM>
+__device__ __forceinline__ int stage_row(int g) { return PERM ? ((g & 3) << 1) | (g >> 2) : g; }
+
+// Group i of a stage, as lane (g, t) reads it: the code words of rows r = stage_row<PERM>(g) and r + 8
+// (row r's 16-byte chunk ch of box i / 4 sits at chunk ch ^ (r & 7): the 128-byte swizzle), their
+// scales and biases.
+template <bool BF16S, bool PERM>
 __device__ __forceinline__ void stage_group(const uint8_t* st, int i, uint8_t sk, uint2& wa, uint2& wb, float& sa,
                                             float& ba, float& sb, float& bb) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int lane = threadIdx.x & 31, r = stage_row<PERM>(lane >> 2), t = lane & 3;
   const int es = wkind_bytes(sk);
   const uint8_t* sc = st + kScalesAt;
-  const int ch = ((i & 3) * 2 + (t >> 1)) ^ g;
+  const int ch = ((i & 3) * 2 + (t >> 1)) ^ r;
   const uint8_t* box = st + (i >> 2) * 2048 + ch * 16 + (t & 1) * 8;
-  wa = *reinterpret_cast<const uint2*>(box + g * 128);
-  wb = *reinterpret_cast<const uint2*>(box + (g + 8) * 128);
-  sa = stage_scale<BF16S>(sc + g * 8 * es, i, sk);
-  sb = stage_scale<BF16S>(sc + (g + 8) * 8 * es, i, sk);
-  ba = stage_scale<BF16S>(sc + 512 + g * 8 * es, i, sk);
-  bb = stage_scale<BF16S>(sc + 512 + (g + 8) * 8 * es, i, sk);
+  wa = *reinterpret_cast<const uint2*>(box + r * 128);
+  wb = *reinterpret_cast<const uint2*>(box + (r + 8) * 128);
+  sa = stage_scale<BF16S>(sc + r * 8 * es, i, sk);
+  sb = stage_scale<BF16S>(sc + (r + 8) * 8 * es, i, sk);
+  ba = stage_scale<BF16S>(sc + 512 + r * 8 * es, i, sk);
+  bb = stage_scale<BF16S>(sc + 512 + (r + 8) * 8 * es, i, sk);
 }
 
 // A warp's start on its ring (warp gw of GW in the grid): its kStages barriers, then its first
@@ -163,7 +176,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __gri
       const int G = c * kChunk + i;
       uint2 wa, wb;
       float sa, ba, sb, bb;
-      stage_group<BF16S>(st, i, sk, wa, wb, sa, ba, sb, bb);
+      stage_group<BF16S, false>(st, i, sk, wa, wb, sa, ba, sb, bb);
       tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 128 + lane, t == 0 ? sgs[G] : 0.0f, acc);
     }
     __syncwarp();  // every lane has read the stage: it can be refilled
@@ -230,19 +243,56 @@ __global__ void __launch_bounds__(RowsLayout<R>::W * 32, 1) gemv_stream_rows_ker
   const int gw = blockIdx.x * W + warp, GW = gridDim.x * W;
   const int n_units = ring_begin(L, gw, GW, ring, bars);
 
-  pdl_begin();  // x comes from the kernel before
-  // The rows' fragments (tc4_frag_kernel<R>'s layout and bits) and zero group sums, then the sums of
-  // the real rows on their hi columns (3 r), a warp per (group, row).
-  for (int e = threadIdx.x; e < L.groups * FW; e += blockDim.x) {
-    const int G = e / FW;
-    sfrag[e] = tc4_frag_elem<NB>(x + 64 * G, ldx, nx, e - G * FW);
-  }
+  // Zero group sums (only the real rows' hi columns get one below), while x is still being written.
   for (int e = threadIdx.x; e < L.groups * NC; e += blockDim.x) sgs[e] = 0.0f;
   __syncthreads();
-  for (int task = warp; task < L.groups * nx; task += W) {
-    const int G = task / nx, r = task - G * nx;
-    const float v = tc4_group_sum(x + static_cast<size_t>(r) * ldx + 64 * G);
-    if (lane == 0) sgs[G * NC + 3 * r] = v;
+  pdl_begin();  // x comes from the kernel before
+  // The rows' fragments (tc4_frag_kernel<R>'s layout and bits) and the sums of the real rows on their
+  // hi columns (3 r), a warp per (group, row), each thread's work in batches whose loads of x are
+  // issued together: one at a time, the ~27 fragment words a thread makes at 4 rows (K = 2,560) and a
+  // warp's ~14 sums were ~41 dependent L2 round trips, 16% of the kernel's warp samples before its
+  // first MMA (Nsight Compute, 2026-12-01 22:27Z, while its ring of weights sat full).
+  // Each 32-word block is stored in lane order (word t * 8 + g of tc4_frag_elem's layout at lane
+  // 4 g + t), so that a warp's fragment loads are 32 consecutive words: in the kernels' layout the
+  // half warp g = 0-3 hit each bank twice (2x the ideal wavefronts, Nsight Compute 2026-12-01).
+  constexpr int kFragBatch = 8, kSumBatch = 4;
+  const int n_words = L.groups * FW, n_sums = L.groups * nx;
+  for (int e0 = threadIdx.x; e0 < n_words; e0 += kFragBatch * blockDim.x) {
+    float4 v[kFragBatch];  // tc4_frag_elem's four floats, loaded from x itself for a zero word
+    int part[kFragBatch];
+    bool zero[kFragBatch];
+#pragma unroll
+    for (int b = 0; b < kFragBatch; ++b) {
+      const int e = e0 + b * blockDim.x, G = e / FW;
+      part[b] = 0;
+      const float* xr = e < n_words ? tc4_frag_src<NB>(x + 64 * G, ldx, nx, e - G * FW, part[b]) : nullptr;
+      zero[b] = xr == nullptr;
+      if (zero[b]) xr = x;
+      v[b] = make_float4(xr[0], xr[4], xr[1], xr[5]);
+    }
+#pragma unroll
+    for (int b = 0; b < kFragBatch; ++b) {
+      const int e = e0 + b * blockDim.x, G = e / FW, w = e - G * FW;
+      if (e < n_words)
+        sfrag[G * FW + (w & ~31) + (w & 7) * 4 + ((w >> 3) & 3)] =
+            zero[b] ? make_uint2(0u, 0u) : tc4_frag_pack(v[b].x, v[b].y, v[b].z, v[b].w, part[b]);
+    }
+  }
+  for (int task0 = warp; task0 < n_sums; task0 += kSumBatch * W) {
+    float v[kSumBatch];
+#pragma unroll
+    for (int b = 0; b < kSumBatch; ++b) {  // tc4_group_sum's terms, then its butterfly below
+      const int task = task0 + b * W, G = task / nx, r = task - G * nx;
+      const float* xg = task < n_sums ? x + static_cast<size_t>(r) * ldx + 64 * G : x;
+      const float terms = xg[lane] + xg[lane + 32];
+      v[b] = task < n_sums ? terms : 0.0f;
+    }
+#pragma unroll
+    for (int b = 0; b < kSumBatch; ++b) {
+      const int task = task0 + b * W, G = task / nx, r = task - G * nx;
+      const float sum = warp_sum(v[b]);
+      if (lane == 0 && task < n_sums) sgs[G * NC + 3 * r] = sum;
+    }
   }
   __syncthreads();
 
@@ -259,8 +309,8 @@ __global__ void __launch_bounds__(RowsLayout<R>::W * 32, 1) gemv_stream_rows_ker
       const int G = c * kChunk + i;
       uint2 wa, wb;
       float sa, ba, sb, bb;
-      stage_group<BF16S>(st, i, sk, wa, wb, sa, ba, sb, bb);
-      const uint2* fg = sfrag + static_cast<size_t>(G) * FW + t * 8 + g;
+      stage_group<BF16S, true>(st, i, sk, wa, wb, sa, ba, sb, bb);
+      const uint2* fg = sfrag + static_cast<size_t>(G) * FW + lane;
       float d[NB][4] = {};  // gemv_tc4_kernel's loop body
       tc4_group_mma<NB>(wa, wb, [&](int s4, int nb) { return fg[(s4 * NB + nb) * 32]; }, d);
       const float* gs = sgs + G * NC + 2 * t;
@@ -269,14 +319,16 @@ __global__ void __launch_bounds__(RowsLayout<R>::W * 32, 1) gemv_stream_rows_ker
     __syncwarp();  // every lane has read the stage: it can be refilled
     if (u + kStages < n_units) issue(L, u + kStages, gw, GW, ring + s * kStageBytes, &bars[s]);
     if (c == L.chunks - 1) {
-      // Rows g, g + 8 x columns (2t, 2t + 1) of each block -> the warp's [16][NC + 1] tile, then y =
-      // (hi + mid) + lo per (row, activation row), as gemv_tc4_kernel's value() adds them.
+      // The MMA's rows g, g + 8 (tile rows r = stage_row<true>(g), r + 8) x columns (2t, 2t + 1) of
+      // each block -> the warp's [16][NC + 1] tile, then y = (hi + mid) + lo per (row, activation
+      // row), as gemv_tc4_kernel's value() adds them.
+      const int r = stage_row<true>(g);
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-        red[g * (NC + 1) + nb * 8 + 2 * t] = acc[nb][0];
-        red[g * (NC + 1) + nb * 8 + 2 * t + 1] = acc[nb][1];
-        red[(g + 8) * (NC + 1) + nb * 8 + 2 * t] = acc[nb][2];
-        red[(g + 8) * (NC + 1) + nb * 8 + 2 * t + 1] = acc[nb][3];
+        red[r * (NC + 1) + nb * 8 + 2 * t] = acc[nb][0];
+        red[r * (NC + 1) + nb * 8 + 2 * t + 1] = acc[nb][1];
+        red[(r + 8) * (NC + 1) + nb * 8 + 2 * t] = acc[nb][2];
+        red[(r + 8) * (NC + 1) + nb * 8 + 2 * t + 1] = acc[nb][3];
         acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
       }
       __syncwarp();

@@ -158,14 +158,25 @@ __device__ __forceinline__ void tc4_group_accumulate(const float (&d)[NB][4], fl
 // MMA column n = 3r + p carries part p (hi, mid, lo) of row r, the other columns zeros. xg is the
 // group's 64 floats of row 0, rows ldx apart. tc4_frag_kernel stores these; kernels that make the
 // fragments of their own output (hc_gate_mean) call it too, so both round alike.
+// In two halves (tc4_frag_src, tc4_frag_pack) for callers that issue several elements' loads before
+// converting any: where element e's floats start (xr[0], xr[4], xr[1], xr[5] are its four; nullptr for
+// a column past the rows, all zeros) and its part p; then the packing.
+template <int NB>
+__device__ __forceinline__ const float* tc4_frag_src(const float* xg, int ldx, int nx, int e, int& p) {
+  const int lane = e & 31, nb = (e >> 5) % NB, s = e / (32 * NB);
+  const int t = lane >> 3, n = nb * 8 + (lane & 7), r = n / 3;
+  p = n % 3;
+  if (r >= nx) return nullptr;
+  return xg + static_cast<size_t>(r) * ldx + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
+}
+__device__ __forceinline__ uint2 tc4_frag_pack(float x0, float x4, float x1, float x5, int p) {
+  return make_uint2(bf16_pair(bf16_part(x0, p), bf16_part(x4, p)), bf16_pair(bf16_part(x1, p), bf16_part(x5, p)));
+}
 template <int NB>
 __device__ __forceinline__ uint2 tc4_frag_elem(const float* xg, int ldx, int nx, int e) {
-  const int lane = e & 31, nb = (e >> 5) % NB, s = e / (32 * NB);
-  const int t = lane >> 3, n = nb * 8 + (lane & 7), r = n / 3, p = n % 3;
-  if (r >= nx) return make_uint2(0u, 0u);
-  const float* xr = xg + static_cast<size_t>(r) * ldx + (2 * t + (s >> 1)) * 8 + 2 * (s & 1);
-  return make_uint2(bf16_pair(bf16_part(xr[0], p), bf16_part(xr[4], p)),
-                    bf16_pair(bf16_part(xr[1], p), bf16_part(xr[5], p)));
+  int p;
+  const float* xr = tc4_frag_src<NB>(xg, ldx, nx, e, p);
+  return xr ? tc4_frag_pack(xr[0], xr[4], xr[1], xr[5], p) : make_uint2(0u, 0u);
 }
 
 // One activation row's B fragments in global memory, compact (cuda/ops.h Tc4Frags, kOneFragWords in

@@ -98,10 +98,10 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
 void set_prefill_parts(int parts);
 // Whether the one-row mix launches its kernel instance compiled for down and up projections in tiles
-// (no layout branch in each group of its loops; CK_HC_LAYOUT_KERNELS=1) instead of the instance that
-// branches per group (the default); the same bits. set_layout_kernels(1 or 0) sets it (tests), -1 goes
-// back to the environment's. (The GEMVs' instances for one layout were measured 1-3% slower at 1-4
-// rows, 2026-12-01, and removed.)
+// (no layout branch in each group of its loops; the default, +1.35% at one row on 2026-12-01) or the
+// instance that branches per group (CK_HC_LAYOUT_KERNELS=0); the same bits. set_layout_kernels(1 or
+// 0) sets it (tests), -1 goes back to the environment's. (The GEMVs' instances for one layout were
+// measured 1-3% slower at 1-4 rows, 2026-12-01, and removed.)
 void set_layout_kernels(int on);
 bool hc_layout_kernels_on();
 // Whether the bulk kernel's activation tiles are split by the 8-row kernel with whole-line stores (1,
