@@ -20,13 +20,13 @@ CASES=${CK_HOLLOW_CASES:-"base: experts:expert_ RE:$RE RE+attn:$RE,attn_ RE+mix:
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(tr '\n' ' ' < "$D/COMMIT" 2>/dev/null) (built $(cat "$D/BUILT" 2>/dev/null))"
-  echo "bench_cuda $ARGS --prefill \"\""
+  echo "bench_cuda $ARGS --no-prefill"
 } > "$OUT/hollow.txt"
 for case in $CASES; do
   label=${case%%:*}
   h=${case#*:}
   echo "---- $label (CK_HOLLOW=$h)" >> "$OUT/hollow.txt"
-  CK_HOLLOW=$h timeout "${CK_BENCH_TIMEOUT:-120}" "$D/bench_cuda" $ARGS --prefill "" --out "$OUT/case.txt" > "$OUT/case.log" 2>&1
+  CK_HOLLOW=$h timeout "${CK_BENCH_TIMEOUT:-120}" "$D/bench_cuda" $ARGS --no-prefill --out "$OUT/case.txt" > "$OUT/case.log" 2>&1
   rc=$?
   grep -E "^decode" "$OUT/case.txt" >> "$OUT/hollow.txt"
   [ $rc = 0 ] || { echo "bench rc=$rc:"; grep -v "is hollow" "$OUT/case.log" | tail -3; } >> "$OUT/hollow.txt"

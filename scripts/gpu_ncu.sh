@@ -19,7 +19,7 @@ NCU=$(command -v ncu || echo "$CUDA_BIN/ncu")
 if [ "${CK_NCU_DURATIONS:-0}" = 1 ]; then
   timeout "${CK_NCU_TIMEOUT:-400}" "$NCU" --cache-control none --clock-control none --metrics gpu__time_duration.sum \
     --csv --print-units base -k "${CK_NCU_KERNEL:-regex:.}" --launch-skip "${CK_NCU_SKIP:-0}" \
-    --launch-count "${CK_NCU_COUNT:-1000}" "$D/bench_cuda" ${CK_NCU_ARGS:---synth-layers 16 --prefill "" --decode-rows 1 --decode-steps 0 --no-kernels} \
+    --launch-count "${CK_NCU_COUNT:-1000}" "$D/bench_cuda" ${CK_NCU_ARGS:---synth-layers 16 --no-prefill --decode-rows 1 --decode-steps 0 --no-kernels} \
     > "$OUT/ncu_durations.csv" 2> "$OUT/ncu_durations.log"
   echo "ncu rc=$?" >> "$OUT/ncu_durations.log"
   python3 scripts/ncu_sum.py "$OUT/ncu_durations.csv"
@@ -37,7 +37,7 @@ if [ "${CK_NCU_SOURCE:-0}" = 1 ]; then
     --section InstructionStats --section MemoryWorkloadAnalysis --warp-sampling-interval 0 \
     --kernel-name-base "${CK_NCU_NAME_BASE:-function}" -k "${CK_NCU_KERNEL:-regex:gemv_q_kernel}" \
     --launch-skip "${CK_NCU_SKIP:-0}" --launch-count 1 -f -o /tmp/ck_ncu_source \
-    "$D/bench_cuda" ${CK_NCU_ARGS:---synth-layers 1 --prefill "" --decode-steps 2} > "$OUT/ncu_source.log" 2>&1
+    "$D/bench_cuda" ${CK_NCU_ARGS:---synth-layers 1 --no-prefill --decode-steps 2} > "$OUT/ncu_source.log" 2>&1
   echo "ncu rc=$?" >> "$OUT/ncu_source.log"
   "$NCU" --import /tmp/ck_ncu_source.ncu-rep --page source --print-source sass --csv > "$OUT/ncu_source.csv" 2>> "$OUT/ncu_source.log"
   "$NCU" --import /tmp/ck_ncu_source.ncu-rep > "$OUT/ncu_source_details.txt" 2>&1
@@ -49,7 +49,7 @@ timeout "${CK_NCU_TIMEOUT:-240}" "$NCU" --cache-control none --clock-control non
   --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
   --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section InstructionStats \
-  "$D/bench_cuda" ${CK_NCU_ARGS:---synth-layers 1 --prefill "" --decode-steps 2} > "$OUT/ncu.txt" 2>&1
+  "$D/bench_cuda" ${CK_NCU_ARGS:---synth-layers 1 --no-prefill --decode-steps 2} > "$OUT/ncu.txt" 2>&1
 echo "ncu rc=$?" >> "$OUT/ncu.txt"
 # The SASS of the functions whose mangled name contains CK_NCU_SASS, appended (one file comes back).
 if [ -n "${CK_NCU_SASS:-}" ]; then

@@ -199,6 +199,7 @@ int main(int argc, char** argv) {
     else if (s == "--decode-steps") a.decode_steps = parse_int(next());
     else if (s == "--no-kernels") a.kernels = false;
     else if (s == "--mtp") a.mtp = true;
+    else if (s == "--no-prefill") a.prefill.clear();  // decode only (an empty --prefill, as one word)
     else if (s == "--decode-rows") a.decode_rows = {parse_int(next())};
     else if (s == "--decode-context") a.decode_context = parse_int(next());
     else if (s == "--prefill") {
@@ -218,7 +219,7 @@ int main(int argc, char** argv) {
         p = e + 1;
       }
     } else {
-      std::fprintf(stderr, "usage: bench_cuda [--model DIR | --synth-layers N] [--prefill 512,2048,8192] "
+      std::fprintf(stderr, "usage: bench_cuda [--model DIR | --synth-layers N] [--prefill 512,2048,8192 | --no-prefill] "
                            "[--decode-steps N] [--decode-rows R] [--decode-context T] [--no-kernels] [--mtp] "
                            "[--out FILE]\n");
       return 2;
