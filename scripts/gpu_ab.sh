@@ -5,7 +5,7 @@
 # case's figure lines (decode, mtp, prefill, profile). CK_AB_TESTS=1 first runs test_cuda_ops under
 # each case (its prefill and expert tests), so every variant measured is also checked.
 # CK_BENCH_BIN=bench_cuda_prev in a case runs an older build's benchmark (scripts/prepare_devcarry.sh
-# with CK_PREV_BENCH). Decode only: `--no-prefill` in CK_AB_ARGS (builds before 2026-12-01 23:20Z lack it:
+# with CK_PREV_BENCH). Decode only: `--no-prefill` in CK_AB_ARGS (builds before 238e6dd lack it:
 # give them `--prefill 32`, the smallest; a bare `--prefill` would take this script's `--out` as its sizes).
 #   CK_AB_CASES="heads: per-head:CK_ATTN_HEADS=0" CK_AB_ARGS="--synth-layers 16 --prefill 2048" \
 #     OUT=/tmp/out bash scripts/gpu_ab.sh

@@ -99,12 +99,12 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, bool wait) {
 // The 16-row one-row tile at rows row0.. of m over groups [G0, G1) against fragments f (group G at
 // f + (G - G0) * 128) and group sums xg: the three column sums (hi, mid, lo) of rows g and g + 8 as
 // acc (tc4_one_group's layout). UNROLL groups' loads are issued together.
-// LAYOUT (mma_q4.cuh): m's layout when the kernel instance knows it.
-template <bool BF16S, int UNROLL, int LAYOUT = kAnyLayout>
+// TILES (mma_q4.cuh Tc4Rows): m is known to be in tiles.
+template <bool BF16S, int UNROLL, bool TILES = false>
 __device__ __forceinline__ void hc_tile(const DMatrix& m, int row0, int G0, int G1, const uint2* f, const float* xg,
                                         float (&acc)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  Tc4Rows<BF16S, 4, LAYOUT> tr;
+  Tc4Rows<BF16S, 4, TILES> tr;
   tr.init(m, min(row0 + g, static_cast<int>(m.rows) - 1), min(row0 + g + 8, static_cast<int>(m.rows) - 1), t);
 #pragma unroll UNROLL
   for (int G = G0; G < G1; ++G)
@@ -119,7 +119,7 @@ template <bool BF16S, bool TILES = false>
 __device__ __forceinline__ void hc_tile_pair(const DMatrix& ma, int ra, const DMatrix& mb, int rb, int G0, int G1,
                                              const uint2* f, const float* xg, float (&acc_a)[4], float (&acc_b)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  Tc4Rows<BF16S, 4, TILES ? kTileLayout : kAnyLayout> ta, tb;
+  Tc4Rows<BF16S, 4, TILES> ta, tb;
   ta.init(ma, min(ra + g, static_cast<int>(ma.rows) - 1), min(ra + g + 8, static_cast<int>(ma.rows) - 1), t);
   tb.init(mb, min(rb + g, static_cast<int>(mb.rows) - 1), min(rb + g + 8, static_cast<int>(mb.rows) - 1), t);
   auto group = [&](int G) {
@@ -132,6 +132,8 @@ __device__ __forceinline__ void hc_tile_pair(const DMatrix& ma, int ra, const DM
     tc4_one_mma(wa0, wb0, s[0], s[1], s[2], s[3], fg, xs, acc_a);
     tc4_one_mma(wa1, wb1, s[4], s[5], s[6], s[7], fg, xs, acc_b);
   };
+  // (One loop with `#pragma unroll(TILES ? 2 : 1)` would change the branching instance: its loop is
+  // left to the compiler's own unrolling.)
   if constexpr (TILES) {
 #pragma unroll 2
     for (int G = G0; G < G1; ++G) group(G);
@@ -338,7 +340,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     for (int it = warp; it < 4 * S; it += kHcWarps) {  // (stream, 16-row tile)
       const int s = it >> 2, r0 = 16 * (it & 3);
       float acc[4] = {};
-      hc_tile<BF16S, 2, TILES ? kTileLayout : kAnyLayout>(a.up, s * H + 64 * b + r0, 0, ngd, frag, xg, acc);
+      hc_tile<BF16S, 2, TILES>(a.up, s * H + 64 * b + r0, 0, ngd, frag, xg, acc);
       float y0, y1;
       hc_tile_rows(acc, y0, y1);
       if (t == 0) {
@@ -444,13 +446,9 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   L.norm_prefetch = norm_prefetch ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
-  if (tiles) {
-    if (bf16s) launch(hc_mix_row_kernel<true, true>, grid, kHcThreads, part_bytes, stream, L);
-    else launch(hc_mix_row_kernel<false, true>, grid, kHcThreads, part_bytes, stream, L);
-  } else {
-    if (bf16s) launch(hc_mix_row_kernel<true>, grid, kHcThreads, part_bytes, stream, L);
-    else launch(hc_mix_row_kernel<false>, grid, kHcThreads, part_bytes, stream, L);
-  }
+  auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };
+  if (tiles) bf16s ? go(hc_mix_row_kernel<true, true>) : go(hc_mix_row_kernel<false, true>);
+  else bf16s ? go(hc_mix_row_kernel<true>) : go(hc_mix_row_kernel<false>);
   return true;
 }
 

@@ -279,10 +279,9 @@ __device__ __forceinline__ void tile_group_lds(const uint8_t* tg, int lane, uint
 // loads and 4 scale loads per group over ~48 cache lines a warp; a Tiles16 matrix (dmatrix.h) gives
 // the same values in one 16-byte and one 8-byte load per lane (the branch is warp-uniform: a tile
 // belongs to one matrix).
-// LAYOUT: which of the two a kernel instance reads, when its launch knows (kRowLayout, kTileLayout:
-// load() has one path and no branch) or not (kAnyLayout: the warp's matrix decides, per group).
-constexpr int kAnyLayout = 0, kRowLayout = 1, kTileLayout = 2;
-template <bool BF16S, int BITS = 4, int LAYOUT = kAnyLayout>
+// TILES: an instance for a matrix known to be in tiles (load() has one path and no branch); false:
+// the warp's matrix decides, per group.
+template <bool BF16S, int BITS = 4, bool TILES = false>
 struct Tc4Rows {
   static constexpr int kGroupBytes = 8 * BITS;  // one row's 64 codes
   const uint8_t* pa;
@@ -345,13 +344,12 @@ struct Tc4Rows {
     sb = elem(scales, sb0 + sg);
     bb = elem(biases, sb0 + sg);
   }
-  // With kAnyLayout the branch on `tiled` sits in every group of a kernel's loop, and the compiler
+  // Without TILES the branch on `tiled` sits in every group of a kernel's loop, and the compiler
   // does not move the next unrolled groups' loads above it (the SASS issues a group's loads after
-  // the MMAs of the group before); an instance for one layout has no branch.
+  // the MMAs of the group before); the TILES instance has no branch.
   __device__ __forceinline__ void load(int G, uint2& wa, uint2& wb, float& sa, float& ba, float& sb, float& bb) const {
     static_assert(BITS == 4, "4-bit codes");
-    const bool tl = LAYOUT == kTileLayout || (LAYOUT == kAnyLayout && tiled);
-    if (tl) {
+    if (TILES || tiled) {
       tile_words(__ldg(reinterpret_cast<const uint4*>(pa + static_cast<size_t>(G) * kTileGroupBytes)),
                  __ldg(reinterpret_cast<const uint2*>(pb + static_cast<size_t>(G) * kTileGroupBytes)), wa, wb, sa, ba, sb,
                  bb);
@@ -432,8 +430,8 @@ __device__ __forceinline__ void tc4_one_mma(const uint2& wa, const uint2& wb, fl
 }
 
 // tc4_one_mma with the group's loads.
-template <bool BF16S, int LAYOUT>
-__device__ __forceinline__ void tc4_one_group(const Tc4Rows<BF16S, 4, LAYOUT>& tr, int G, const uint2* f, float xs,
+template <bool BF16S, bool TILES>
+__device__ __forceinline__ void tc4_one_group(const Tc4Rows<BF16S, 4, TILES>& tr, int G, const uint2* f, float xs,
                                               float (&acc)[4]) {
   float sa, ba, sb, bb;
   uint2 wa, wb;
