@@ -906,19 +906,6 @@ __global__ void __launch_bounds__(256) gemv_tc4_reduce_frag_kernel(const __grid_
 constexpr int kTcInWarpMax = 16384;
 constexpr int kTcBlockGroups = 40;    // groups of x a block holds as fragments (1,028 bytes each)
 
-// Groups [G0, G1) of one activation row x as B fragments in shared memory (tc4_one_frag's layout:
-// group G at sfrag + (G - G0) * 128) and their sums at sgs[G - G0]; warp w of a 256-thread block
-// takes groups G0 + w, G0 + w + 8, ... The caller syncs the block before reading them.
-__device__ __forceinline__ void one_row_frags_in_block(const float* x, int G0, int G1, uint2* sfrag, float* sgs) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
-  for (int G = G0 + warp; G < G1; G += 8) {
-    const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
-    const float4 q[4] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2), __ldg(xp + 3)};
-    const float gs = tc4_one_frag(q, sfrag + static_cast<size_t>(G - G0) * 4 * 32);
-    if (lane == 0) sgs[G - G0] = gs;
-  }
-}
-
 // Rows g and g + 8 of a one-row tile (tc4_one_mma's acc: columns 0-2 on lanes t = 0 and 1), summed
 // (hi + mid) + lo, into y[row0 + g] and y[row0 + g + 8] below `rows`.
 __device__ __forceinline__ void one_row_tile_store(const float (&acc)[4], float* y, int row0, int rows) {
@@ -955,7 +942,7 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
     if (L.prefetch) tr.prefetch(G0, G1, t);
   }
   pdl_begin();  // x comes from the kernel before
-  one_row_frags_in_block(x, B0, B1, sfrag, sgs);
+  one_row_frags_in_block<2>(x, B0, B1, sfrag, sgs);
   __syncthreads();
   if (tile < n_tiles) {
 #pragma unroll 2
@@ -1239,7 +1226,7 @@ __global__ void __launch_bounds__(256, 3) expert_down_one_kernel(const ExpertPai
   const DMatrix w = pairs[p].down;
   const int groups = w.cols / 64;
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(max_groups) * 4 * 32);
-  one_row_frags_in_block(h + static_cast<size_t>(p) * ldh, 0, groups, sfrag, sgs);
+  one_row_frags_in_block<2>(h + static_cast<size_t>(p) * ldh, 0, groups, sfrag, sgs);
   __syncthreads();
   if (row0 >= w.rows) return;  // warp-uniform; no barrier below
   float acc[4] = {};
@@ -1285,7 +1272,7 @@ __global__ void __launch_bounds__(256, 3) expert_down_bulk_kernel(const ExpertPa
     bulk_copy_1d(stile, w.tile_group(T0, 0), bytes, &bar);
   }
   if (early) pdl_begin();  // h comes from the kernel before
-  one_row_frags_in_block(h + static_cast<size_t>(p) * ldh, 0, groups, sfrag, sgs);
+  one_row_frags_in_block<2>(h + static_cast<size_t>(p) * ldh, 0, groups, sfrag, sgs);
   __syncthreads();
   mbar_wait(&bar, 0);
   if (warp >= n_tiles) return;  // warp-uniform; no barrier below

@@ -155,12 +155,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) gemv_stream_kernel(const __gri
   const int n_units = ring_begin(L, gw, W, ring, bars);
 
   pdl_begin();  // x comes from the kernel before
-  for (int G = warp; G < L.groups; G += kWarps) {
-    const float4* xp = reinterpret_cast<const float4*>(x + 64 * G + 16 * t);
-    const float4 q[4] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2), __ldg(xp + 3)};
-    const float gs = tc4_one_frag(q, sfrag + static_cast<size_t>(G) * 128);
-    if (lane == 0) sgs[G] = gs;
-  }
+  one_row_frags_in_block<3>(x, 0, L.groups, sfrag, sgs);  // (K = 2,560: 40 groups over 16 warps)
   __syncthreads();
 
   float acc[4] = {};

@@ -402,6 +402,36 @@ __device__ __forceinline__ float tc4_one_frag(const float4 (&q)[4], uint2* f) {
   return gs;
 }
 
+// Groups [G0, G1) of one activation row x as B fragments in shared memory (tc4_one_frag's layout:
+// group G at sfrag + (G - G0) * 128) and their sums at sgs[G - G0]; warp w of the block's W takes
+// groups G0 + w, G0 + w + W, ..., BATCH of them at a time with all their loads of x issued before the
+// first conversion. The caller syncs the block before reading them.
+// Why BATCH: the fragments are built after the kernel's wait for x, before its first product, so
+// each further group a warp took one at a time was one more L2 round trip on the step's critical path
+// (at one row: 2 for most GEMVs' blocks, 3 in the streamed LM head's).
+template <int BATCH>
+__device__ __forceinline__ void one_row_frags_in_block(const float* x, int G0, int G1, uint2* sfrag, float* sgs) {
+  const int W = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  for (int Gs = G0 + warp; Gs < G1; Gs += BATCH * W) {
+    // Past the range a batch's member is group Gs again (the same words and sum stored twice): no
+    // branch between the loads and their uses, which kept the compiler from issuing them together.
+    int G[BATCH];
+    float4 q[BATCH][4];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      G[b] = Gs + b * W < G1 ? Gs + b * W : Gs;
+      const float4* xp = reinterpret_cast<const float4*>(x + 64 * G[b] + 16 * t);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) q[b][i] = __ldg(xp + i);
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const float gs = tc4_one_frag(q[b], sfrag + static_cast<size_t>(G[b] - G0) * 128);
+      if (lane == 0) sgs[G[b] - G0] = gs;
+    }
+  }
+}
+
 // One 64-code group of a one-row tile, its codes and scales already loaded (Tc4Rows::load or
 // tile_group_lds), against the group's 4 steps of B fragments bf (xs: the group's Σ x on lanes t == 0,
 // zero on the others): acc += s Σ q x + b Σ x for rows g (acc[0..1]) and g + 8 (acc[2..3]), columns 2t
