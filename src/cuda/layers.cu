@@ -233,15 +233,13 @@ constexpr int kKeyPart = 32;  // state rows (key dims) held in registers per thr
 // grid (nv), block round_up(dv * parts, 32) <= 512 threads, parts = ceil(dk / 32). Thread (j, p) holds
 // S[p*32 .. p*32+31][j] of its head in registers for the whole step; sums over the key dimension are
 // per-part partials added in part order through shared memory.
-// Dynamic shared memory: (2 dk RB + 2 parts cols + 3 RB cols) floats, RB = min(rows, kMaxRows).
-// The gated RMS norm (N2) of value column j of head h: plain weight, then act(z), `zz` the gate's
-// input. `rr` is the head's 1 / rms.
-__device__ __forceinline__ float gdn_gated_out(const GdnRecArgs& a, int j, float o, float rr, float zz) {
+// Dynamic shared memory: (2*dk + parts*dv) floats.
+// The gated RMS norm (N2) of value column j of head h, row r: plain weight, then act(z). `rr` is the
+// head's 1 / rms.
+__device__ __forceinline__ float gdn_gated_out(const GdnRecArgs& a, int r, int h, int j, float o, float rr) {
+  const float zz = a.z[static_cast<size_t>(r) * a.ldz + static_cast<size_t>(h) * a.dv + j];
   const float act = a.sigmoid_gate ? sigmoidf_(zz) : siluf_(zz);
   return __fmul_rn(__fmul_rn(a.norm[j], __fmul_rn(o, rr)), act);
-}
-__device__ __forceinline__ float gdn_gate_in(const GdnRecArgs& a, int r, int h, int j) {
-  return a.z[static_cast<size_t>(r) * a.ldz + static_cast<size_t>(h) * a.dv + j];
 }
 
 // How a split head's output norm is made: in the kernel when one block holds the head (or when the
@@ -253,35 +251,22 @@ enum class GdnNorm : int { Block = 0, Kernel = 1, Cluster = 2 };
 // last write, or a rollback's copy, finished before the step began), and the kernels that may still
 // run then are the one before and its predecessor's tail: the state's 64 KB a head came from DRAM
 // after the wait, a dependent round trip on the step's critical path (param_prefetch_on()).
-// The rows come in batches of up to kMaxRows: a batch's inputs (q, k, v, z, β and the decay, into
-// shared memory) are all asked for at once, and its q and k norms are one block reduction.
-// Why: row by row, each row's q/k loads, its β and decay, its v and (in the norm) its z were four L2
-// round trips one after another, behind block barriers, and its two norms four barriers more. The
-// arithmetic is the same per row (the same sums in the same order: the same bits as row by row).
 __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, const StepParams* sp, int rows,
                                                             GdnNorm norm_mode, int early) {
   extern __shared__ float sh[];
   __shared__ float scratch[32];
-  __shared__ float nsum[2 * kMaxRows][16];  // a batch's q and k sums of squares per warp (<= 16 warps)
-  __shared__ float beta_s[kMaxRows], decay_s[kMaxRows];
-  __shared__ float ss_part[kMaxRows];       // GdnNorm::Cluster: this block's Σ o² per row, read by the cluster
+  __shared__ float ss_part[kMaxRows];  // GdnNorm::Cluster: this block's Σ o² per row, read by the cluster
   const int h = blockIdx.x, dk = a.dk, dv = a.dv, parts = (dk + kKeyPart - 1) / kKeyPart;
   // Value columns are independent in the delta rule (column j of S only needs (Sᵀk)_j): block y owns
   // `cols` of them. With one block per head the norm is fused; with a cluster of the head's blocks
   // (cols == 32: warp 0 holds the block's columns) too; otherwise gdn_out_norm_kernel follows.
   const int cols = dv / static_cast<int>(gridDim.y), jc0 = static_cast<int>(blockIdx.y) * cols;
   const bool fused_norm = norm_mode == GdnNorm::Block;
-  const int RB = min(rows, kMaxRows);
-  float* sqk = sh;                      // [RB][q̂ dk | k̂ dk]
-  float* red_m = sqk + 2 * dk * RB;     // [parts][cols]: Sᵀk partials
-  float* red_o = red_m + parts * cols;  // [parts][cols]: Sᵀq partials (two buffers: one barrier a sum)
-  float* v_s = red_o + parts * cols;    // [RB][cols]
-  float* z_s = v_s + RB * cols;         // [RB][cols]
-  float* o_s = z_s + RB * cols;         // [RB][cols]: GdnNorm::Cluster, the rows' outputs before the norm
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = (blockDim.x + 31) >> 5;
-  const int jl = tid % cols, j = jc0 + jl, p = tid / cols;
+  float* sq = sh;
+  float* sk = sh + dk;
+  float* red = sh + 2 * dk;
+  const int tid = threadIdx.x, jl = tid % cols, j = jc0 + jl, p = tid / cols;
   const bool active = p < parts;
-  const bool out_thread = active && p == 0;  // column j's loads of v and z, and its output
   const int kh = h / (a.nv / a.nk);  // repeat_interleave grouping (trap 12)
   const int Kd = a.nk * dk;
   const float q_scale = 1.0f / sqrtf(static_cast<float>(dk));
@@ -306,145 +291,88 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   pdl_begin();
   if (!early) load_state();
   const bool snap = sp->snap != 0;
-  for (int r0 = 0; r0 < rows; r0 += RB) {
-    const int nb = min(RB, rows - r0);
-    // The batch's inputs by cp.async, every copy issued before any is waited for (plain loads would
-    // each hold their thread until its store: one round trip per row again, or unrolled code that
-    // the kernel runs predicated for the rows it does not have: 168 KB of SASS, decode -8%).
-#pragma unroll 1
-    for (int b = 0; b < nb; ++b) {
-      const int r = r0 + b;
-      const float* yr = a.y + static_cast<size_t>(r) * a.ldy;
-      for (int i = tid; i < dk; i += blockDim.x) {
-        cp_async4(&sqk[2 * dk * b + i], yr + kh * dk + i);
-        cp_async4(&sqk[2 * dk * b + dk + i], yr + Kd + kh * dk + i);
-      }
-      if (out_thread) {
-        cp_async4(&v_s[b * cols + jl], yr + 2 * Kd + h * dv + j);
-        if (norm_mode != GdnNorm::Kernel) cp_async4(&z_s[b * cols + jl], &a.z[static_cast<size_t>(r) * a.ldz + h * dv + j]);
-      }
+  for (int r = 0; r < rows; ++r) {
+    const float* yr = a.y + static_cast<size_t>(r) * a.ldy;
+    // L2 norms of this head's q and k (N3), then q / sqrt(dk) (trap 13).
+    float ssq = 0.0f, ssk = 0.0f;
+    for (int i = tid; i < dk; i += blockDim.x) {
+      const float qv = yr[kh * dk + i], kv = yr[Kd + kh * dk + i];
+      sq[i] = qv;
+      sk[i] = kv;
+      ssq += qv * qv;
+      ssk += kv * kv;
     }
-    if (tid < nb) {
-      cp_async4(&beta_s[tid], &a.b[static_cast<size_t>(r0 + tid) * a.ldab + h]);
-      cp_async4(&decay_s[tid], &a.a[static_cast<size_t>(r0 + tid) * a.ldab + h]);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    // L2 norms of q and k (N3): block_sum's tree for each row (warp butterflies, then the warps in order).
-#pragma unroll 1
-    for (int b = 0; b < nb; ++b) {
-      float ssq = 0.0f, ssk = 0.0f;
-      for (int i = tid; i < dk; i += blockDim.x) {
-        const float qv = sqk[2 * dk * b + i], kv = sqk[2 * dk * b + dk + i];
-        ssq += qv * qv;
-        ssk += kv * kv;
-      }
-      ssq = warp_sum(ssq);
-      ssk = warp_sum(ssk);
-      if (lane == 0) {
-        nsum[2 * b][warp] = ssq;
-        nsum[2 * b + 1][warp] = ssk;
-      }
+    ssq = block_sum(ssq, scratch);
+    ssk = block_sum(ssk, scratch);
+    const float rq = 1.0f / sqrtf(ssq + 1e-6f), rk = 1.0f / sqrtf(ssk + 1e-6f);
+    for (int i = tid; i < dk; i += blockDim.x) {
+      sq[i] = (sq[i] * rq) * q_scale;
+      sk[i] = sk[i] * rk;
     }
     __syncthreads();
-    if (tid < nb) {
-      beta_s[tid] = sigmoidf_(beta_s[tid]);
-      decay_s[tid] = expf(-expf(a.a_log[h]) * softplusf_(decay_s[tid] + a.dt_bias[h]));
-    }
-#pragma unroll 1
-    for (int b = 0; b < nb; ++b) {
-      float tq = 0.0f, tk = 0.0f;
-      for (int w = 0; w < n_warps; ++w) {
-        tq += nsum[2 * b][w];
-        tk += nsum[2 * b + 1][w];
-      }
-      const float rq = 1.0f / sqrtf(tq + 1e-6f), rk = 1.0f / sqrtf(tk + 1e-6f);
-      for (int i = tid; i < dk; i += blockDim.x) {  // then q / sqrt(dk) (trap 13)
-        sqk[2 * dk * b + i] = (sqk[2 * dk * b + i] * rq) * q_scale;
-        sqk[2 * dk * b + dk + i] = sqk[2 * dk * b + dk + i] * rk;
+    const float beta = sigmoidf_(a.b[static_cast<size_t>(r) * a.ldab + h]);
+    const float gate = -expf(a.a_log[h]) * softplusf_(a.a[static_cast<size_t>(r) * a.ldab + h] + a.dt_bias[h]);
+    const float decay = expf(gate);
+    // m = Sᵀ k after the decay.
+    float pm = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kKeyPart; ++t) {
+      const int i = p * kKeyPart + t;
+      if (active && i < dk) {
+        Sreg[t] *= decay;
+        pm += Sreg[t] * sk[i];
       }
     }
+    if (active) red[p * cols + jl] = pm;
     __syncthreads();
-#pragma unroll 1
-    for (int b = 0; b < nb; ++b) {
-      const int r = r0 + b;
-      const float* sq = sqk + 2 * dk * b;
-      const float* sk = sq + dk;
-      const float decay = decay_s[b];
-      // m = Sᵀ k after the decay.
-      float pm = 0.0f;
+    float m = 0.0f;
+    for (int pp = 0; pp < parts; ++pp) m += red[pp * cols + jl];
+    __syncthreads();  // red is reused below
+    const float delta = beta * (yr[2 * Kd + h * dv + j] - m);
+    float po = 0.0f;
 #pragma unroll
-      for (int t = 0; t < kKeyPart; ++t) {
-        const int i = p * kKeyPart + t;
-        if (active && i < dk) {
-          Sreg[t] *= decay;
-          pm += Sreg[t] * sk[i];
-        }
-      }
-      // (red_m's readers of the row before all read it before the barrier after red_o's write.)
-      if (active) red_m[p * cols + jl] = pm;
-      __syncthreads();
-      float m = 0.0f;
-      for (int pp = 0; pp < parts; ++pp) m += red_m[pp * cols + jl];
-      const float delta = beta_s[b] * (v_s[b * cols + jl] - m);
-      float po = 0.0f;
-#pragma unroll
-      for (int t = 0; t < kKeyPart; ++t) {
-        const int i = p * kKeyPart + t;
-        if (active && i < dk) {
-          Sreg[t] += sk[i] * delta;
-          po += Sreg[t] * sq[i];
-        }
-      }
-      if (active) red_o[p * cols + jl] = po;
-      __syncthreads();
-      float o = 0.0f;
-      for (int pp = 0; pp < parts; ++pp) o += red_o[pp * cols + jl];
-      if (fused_norm) {
-        // Gated RMS norm (N2) over the head's dv outputs: plain weight, then act(z).
-        const float ss = block_sum(out_thread ? o * o : 0.0f, scratch);
-        const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
-        if (out_thread) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, j, o, rr, z_s[b * cols + jl]);
-      } else if (norm_mode == GdnNorm::Cluster) {
-        if (out_thread) o_s[b * cols + jl] = o;  // read back by this thread
-      } else if (out_thread) {
-        a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = o;  // normed by gdn_out_norm_kernel
-      }
-      if (snap && r + 1 < rows) {
-        float* Sn = a.snaps + static_cast<size_t>(r) * a.snap_stride + static_cast<size_t>(h) * dk * dv;
-#pragma unroll
-        for (int t = 0; t < kKeyPart; ++t) {
-          const int i = p * kKeyPart + t;
-          if (active && i < dk) Sn[static_cast<size_t>(i) * dv + j] = Sreg[t];
-        }
+    for (int t = 0; t < kKeyPart; ++t) {
+      const int i = p * kKeyPart + t;
+      if (active && i < dk) {
+        Sreg[t] += sk[i] * delta;
+        po += Sreg[t] * sq[i];
       }
     }
-    if (norm_mode == GdnNorm::Cluster) {
-      // The same norm across the head's blocks, for all rows at once (rows <= kMaxRows here: one
-      // batch): block y's warp 0 sums its 32 columns (warp y of gdn_out_norm_kernel's block_sum), then
-      // every block adds the blocks' sums in rank order from distributed shared memory (that
-      // block_sum's warp order): the same bits as the two kernels.
+    if (active) red[p * cols + jl] = po;
+    __syncthreads();
+    float o = 0.0f;
+    for (int pp = 0; pp < parts; ++pp) o += red[pp * cols + jl];
+    if (fused_norm) {
+      // Gated RMS norm (N2) over the head's dv outputs: plain weight, then act(z).
+      const float ss = block_sum((active && p == 0) ? o * o : 0.0f, scratch);
+      const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
+      if (active && p == 0) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, r, h, j, o, rr);
+    } else if (norm_mode == GdnNorm::Cluster) {
+      // The same norm across the head's blocks: block y's warp 0 sums its 32 columns (warp y of
+      // gdn_out_norm_kernel's block_sum), then every block adds the blocks' sums in rank order from
+      // distributed shared memory (that block_sum's warp order): the same bits as the two kernels.
       cg::cluster_group cluster = cg::this_cluster();
-      if (tid < 32)
-#pragma unroll 1
-        for (int b = 0; b < nb; ++b) {
-          const float o = o_s[b * cols + jl];
-          const float v = warp_sum(o * o);
-          if (tid == 0) ss_part[b] = v;
-        }
+      if (tid < 32) {
+        const float v = warp_sum(o * o);
+        if (tid == 0) ss_part[r] = v;
+      }
       cluster.sync();
-#pragma unroll 1
-      for (int b = 0; b < nb; ++b) {
-        float ss = 0.0f;
-        for (unsigned y = 0; y < gridDim.y; ++y) ss += *cluster.map_shared_rank(ss_part + b, y);
-        const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
-        if (out_thread)
-          a.out[static_cast<size_t>(r0 + b) * a.ldo + h * dv + j] =
-              gdn_gated_out(a, j, o_s[b * cols + jl], rr, z_s[b * cols + jl]);
+      float ss = 0.0f;
+      for (unsigned y = 0; y < gridDim.y; ++y) ss += *cluster.map_shared_rank(ss_part + r, y);
+      const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
+      if (active && p == 0) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, r, h, j, o, rr);
+    } else if (active && p == 0) {
+      a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = o;  // normed by gdn_out_norm_kernel
+    }
+    if (snap && r + 1 < rows) {
+      float* Sn = a.snaps + static_cast<size_t>(r) * a.snap_stride + static_cast<size_t>(h) * dk * dv;
+#pragma unroll
+      for (int t = 0; t < kKeyPart; ++t) {
+        const int i = p * kKeyPart + t;
+        if (active && i < dk) Sn[static_cast<size_t>(i) * dv + j] = Sreg[t];
       }
     }
-    __syncthreads();  // shared memory is rewritten by the next batch
+    __syncthreads();  // sq/sk/red are rewritten by the next row
   }
 #pragma unroll
   for (int t = 0; t < kKeyPart; ++t) {
@@ -465,7 +393,7 @@ __global__ void gdn_out_norm_rows_kernel(const GdnRecArgs a) {
     for (int j = lane; j < dv; j += 32) ss += o[j] * o[j];
     ss = warp_sum(ss);
     const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
-    for (int j = lane; j < dv; j += 32) o[j] = gdn_gated_out(a, j, o[j], rr, gdn_gate_in(a, r, h, j));
+    for (int j = lane; j < dv; j += 32) o[j] = gdn_gated_out(a, r, h, j, o[j], rr);
   }
 }
 
@@ -480,7 +408,7 @@ __global__ void gdn_out_norm_kernel(const GdnRecArgs a) {
   const float v = j < dv ? o[j] : 0.0f;
   const float ss = block_sum(v * v, scratch);
   const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
-  if (j < dv) o[j] = gdn_gated_out(a, j, v, rr, gdn_gate_in(a, r, h, j));
+  if (j < dv) o[j] = gdn_gated_out(a, r, h, j, v, rr);
 }
 
 // ------------------------------------------------------------------ Gated DeltaNet, chunked (prefill)
@@ -2201,7 +2129,7 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
   const int split = (a.dv % 32 == 0 && a.dv >= 64 && a.dv <= 1024) ? a.dv / 32 : 1;
   const int cols = a.dv / split;
   const int threads = static_cast<int>(round_up(cols * parts, 32));
-  const size_t smem = sizeof(float) * (2 * a.dk * std::min(rows, kMaxRows) + 2 * parts * cols + 3 * std::min(rows, kMaxRows) * cols);
+  const size_t smem = sizeof(float) * (2 * a.dk + parts * cols);
   // A split head's blocks as one thread-block cluster make the norm themselves (no second kernel and
   // its hand-over); CK_GDN_CLUSTER_NORM=0 keeps gdn_out_norm_kernel, to compare.
   if (g_gdn_cluster_norm < 0) g_gdn_cluster_norm = env_is("CK_GDN_CLUSTER_NORM", "0") ? 0 : 1;
