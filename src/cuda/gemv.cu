@@ -830,115 +830,6 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   }
 }
 
-// gemv_tc4_kernel at 2-8 rows with the fragments staged in shared memory and K split over the kb
-// blocks of a thread-block cluster, as gemv_tc4_one_kernel does at one row: grid (kb, ceil(tiles /
-// (8 / ks))), cluster (kb, 1, 1), block 256 = 8 / ks tiles x ks parts of the block's K range. Each block
-// asks for its K range's fragments and group sums (the R-row layout, from the producer of x or the
-// fragment kernel) with two bulk copies, so its 8 / ks tiles read them from shared memory; the
-// cluster's rank 0 adds the parts in index order (warps, then blocks) from the others' shared memory.
-// Why: gemv_tc4_kernel at ks = 8 is one tile a block, and no other warp reads its fragments (2 KB a
-// group at 4 rows for 512 bytes of codes: ~4x the weights' bytes from L2, its L1 hit rate 2-3% in
-// Nsight Compute); with its K split over blocks instead, the split-K reduce kernel cost more than the
-// sharing saved (CK_GEMV_TC_KS_MAX=1: 4 rows -10%, H200 2026-12-01 23:45Z).
-// Dynamic shared memory: [range groups][4 NB 32] uint2 fragments, then [range groups][NC] Σ x.
-template <int R, bool BF16S>
-__global__ void __launch_bounds__(256, 3) gemv_tc4_staged_kernel(const __grid_constant__ TcLaunch L, int nx, int kb) {
-  constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB, FW = 4 * NB * 32;
-  extern __shared__ __align__(128) uint2 sfrag[];
-  __shared__ float red[8][16][NC + 1];
-  __shared__ uint64_t bar;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int ks = L.ks, part = warp % ks, tile = static_cast<int>(blockIdx.y) * (8 / ks) + warp / ks;
-  const int n_tiles = L.first_tile[L.n_jobs];
-  int j = 0;
-  while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
-  const DMatrix& w = L.job[j].w;
-  const int row0 = (tile - L.first_tile[j]) * 16;
-  const int per_b = (L.groups + kb - 1) / kb, B0 = min(L.groups, static_cast<int>(blockIdx.x) * per_b),
-            B1 = min(L.groups, B0 + per_b);
-  const int per = (B1 - B0 + ks - 1) / ks, G0 = min(B1, B0 + part * per), G1 = min(B1, G0 + per);
-  float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(per_b) * FW);
-  if (threadIdx.x == 0) {
-    mbar_init(&bar);
-    mbar_init_fence();
-  }
-  Tc4Rows<BF16S> tr;
-  if (tile < n_tiles) {
-    tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
-    if (L.prefetch) tr.prefetch(G0, G1, t);
-  }
-  __syncthreads();
-  pdl_begin();  // the fragments and group sums come from the kernel before
-  if (threadIdx.x == 0 && B1 > B0) {
-    const uint32_t fb = static_cast<uint32_t>(B1 - B0) * FW * sizeof(uint2), gb = static_cast<uint32_t>(B1 - B0) * NC * 4;
-    mbar_arrive_expect(&bar, fb + gb);
-    bulk_copy_1d(sfrag, L.frag + static_cast<size_t>(B0) * FW, fb, &bar);
-    bulk_copy_1d(sgs, L.gsum + static_cast<size_t>(B0) * NC, gb, &bar);
-  }
-  float acc[NB][4] = {};
-  if (tile < n_tiles && G1 > G0) {
-    mbar_wait(&bar, 0);
-#pragma unroll 4
-    for (int G = G0; G < G1; ++G) {
-      uint2 wa, wb;
-      float sa, ba, sb, bb;
-      tr.load(G, wa, wb, sa, ba, sb, bb);
-      const uint2* fg = sfrag + static_cast<size_t>(G - B0) * FW + t * 8 + g;
-      float d[NB][4] = {};  // the group's Σ (128 + q) x, fresh per group
-      tc4_group_mma<NB>(wa, wb, [&](int s, int nb) { return fg[(s * NB + nb) * 32]; }, d);
-      const float* gs = sgs + (G - B0) * NC + 2 * t;
-      tc4_group_accumulate<NB>(d, sa, ba, sb, bb, [&](int nb, int c) { return gs[nb * 8 + c]; }, acc);
-    }
-  }
-  // Rows g, g+8 x columns (2t, 2t+1) of each MMA -> this warp's tile in shared memory.
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    red[warp][g][nb * 8 + 2 * t] = acc[nb][0];
-    red[warp][g][nb * 8 + 2 * t + 1] = acc[nb][1];
-    red[warp][g + 8][nb * 8 + 2 * t] = acc[nb][2];
-    red[warp][g + 8][nb * 8 + 2 * t + 1] = acc[nb][3];
-  }
-  __syncthreads();
-  // Each block adds its tiles' ks parts in index order (into the first part's slot), then the
-  // cluster's rank 0 adds the blocks' sums in rank order, all its remote loads issued together.
-  const bool owner = part == 0 && tile < n_tiles;
-  if (owner && ks > 1)
-    for (int o = lane; o < 16 * NC; o += 32) {
-      const int m = o / NC, c = o % NC;
-      float v = red[warp][m][c];
-      for (int k = 1; k < ks; ++k) v += red[warp + k][m][c];
-      red[warp][m][c] = v;
-    }
-  cg::cluster_group cluster = cg::this_cluster();
-  if (kb > 1) cluster.sync();
-  if (blockIdx.x == 0 && owner) {
-    constexpr int kMaxKb = 8;
-    const GemvJob& jb = L.job[j];
-    for (int o = lane; o < 16 * R; o += 32) {
-      const int m = o / R, r = o % R;
-      if (r >= nx || row0 + m >= w.rows) continue;
-      float part_sum[kMaxKb][3];
-#pragma unroll
-      for (int b = 0; b < kMaxKb; ++b)
-        if (b < kb) {
-          const float(*rr)[16][NC + 1] = b == 0 ? red : cluster.map_shared_rank(red, b);
-#pragma unroll
-          for (int q = 0; q < 3; ++q) part_sum[b][q] = rr[warp][m][3 * r + q];
-        }
-      float c[3];
-#pragma unroll
-      for (int q = 0; q < 3; ++q) {
-        c[q] = part_sum[0][q];
-#pragma unroll
-        for (int b = 1; b < kMaxKb; ++b)
-          if (b < kb) c[q] += part_sum[b][q];
-      }
-      jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue((c[0] + c[1]) + c[2], jb.epi, jb.epi_arg);
-    }
-  }
-  if (kb > 1) cluster.sync();  // the other blocks' shared memory stays until rank 0 has read it
-}
-
 // grid ceil(tiles 16 R / 256), block 256: y = epi(Σ_z partial_z) for each (job row, activation row),
 // the kb slices of gemv_tc4_kernel added in slice order.
 template <int R>
@@ -1419,33 +1310,6 @@ int tc_split_below() {
   return v;
 }
 
-// gemv_tc4_staged_kernel's launch, or false (CK_GEMV_STAGED=0; fragments not 16-byte aligned; a
-// block's K range would not fit 48 KB of shared memory at 8 blocks a cluster). K is split into parts
-// while there are too few warps for the GPU (~16 per SM) and each part keeps at least two groups: over
-// the blocks of a cluster first (each block's fragments then serve all its tiles), then over warps.
-template <int R>
-bool launch_tc4_staged(TcLaunch& L, int nx, bool bf16s, cudaStream_t s) {
-  static const bool on = !env_is("CK_GEMV_STAGED", "0");
-  constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB, FW = 4 * NB * 32;
-  if (!on || reinterpret_cast<uintptr_t>(L.frag) % 16 != 0 || reinterpret_cast<uintptr_t>(L.gsum) % 16 != 0) return false;
-  const int tiles = L.first_tile[L.n_jobs];
-  const size_t group_bytes = FW * sizeof(uint2) + NC * sizeof(float);
-  int parts = 1;
-  while (parts < 64 && tiles * parts < sm_count() * 16 && L.groups >= 4 * parts) parts *= 2;
-  int kb = std::min(parts, 8);
-  while (kb < 8 && static_cast<size_t>(ceil_div(L.groups, kb)) * group_bytes > 48 * 1024) kb *= 2;
-  const size_t smem = static_cast<size_t>(ceil_div(L.groups, kb)) * group_bytes;
-  if (smem > 48 * 1024) return false;
-  L.ks = std::max(1, parts / kb);
-  L.kb = 1;
-  const dim3 grid(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1),
-      cluster(static_cast<unsigned>(kb), 1, 1);
-  if (bf16s) launch_cluster(gemv_tc4_staged_kernel<R, true>, grid, 256, smem, s, cluster, L, nx, kb);
-  else launch_cluster(gemv_tc4_staged_kernel<R, false>, grid, 256, smem, s, cluster, L, nx, kb);
-  CUDA_CHECK_LAUNCH();
-  return true;
-}
-
 template <int R>
 void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStream_t s, const Tc4Frags* pre) {
   constexpr int NB = (3 * R + 7) / 8;
@@ -1468,13 +1332,6 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
     CUDA_CHECK_LAUNCH();
     L.frag = frag;
     L.gsum = gsum;
-  }
-  // 2-8 rows, no conv, no fragments of the output asked for: the staged form (CK_GEMV_STAGED=0: not).
-  if constexpr (R > 1) {
-    if (!L.conv.y && !(out && out->rfrag) && launch_tc4_staged<R>(L, nx, bf16s, s)) {
-      if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
-      return;
-    }
   }
   // K split over blocks (2-8 rows, no conv) while the grid has fewer blocks than tc_split_below() and
   // each warp keeps at least two groups: the hyper-connection mix's down projection at 2-8 rows (21
