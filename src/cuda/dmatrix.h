@@ -142,4 +142,12 @@ struct ExpertPair {
   int32_t group = 0;  // the expert's index, n_experts for the shared expert (grouping for prefill)
 };
 
+// The decode MoE's pair layout (the route's write_route_pair), for work a kernel may do before its
+// programmatic-launch wait: k1 pairs a row, x_row the pair's row, the last of each row the shared
+// expert, whose matrices are these (constant, so readable before the route has run). k1 = 0: unknown.
+struct SharedSlot {
+  int32_t k1 = 0;
+  DMatrix gate, up;
+};
+
 }  // namespace ck::cuda

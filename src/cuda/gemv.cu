@@ -1139,32 +1139,39 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
 // (4 per SM), so the whole kernel's bytes are in flight from its start. Decode +3.4% at one row,
 // +8.6% at 4 rows (564.4 against 546.1 and 1,052.4 against 968.5 tok/s, 2026-12-01 00:36Z, one call).
 // grid (n_pairs * tiles_per_pair), block 256, dynamic shared memory 2 * groups * kTileGroupBytes.
+// sh.k1 > 0 (CK_EXPERT_SHARED_EARLY=1): the pairs follow the route's layout (SharedSlot), so the shared
+// expert's blocks know their matrices and vector at their start and ask for their tiles before the
+// wait, while the route runs; the routed experts' tiles then share DRAM with fewer bytes.
 __global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const ExpertPair* __restrict__ pairs,
                                                                     int tiles_per_pair, const uint2* __restrict__ frag,
                                                                     const float* __restrict__ gsum, int vec_groups,
-                                                                    float* __restrict__ out, int ldo) {
+                                                                    float* __restrict__ out, int ldo,
+                                                                    const __grid_constant__ SharedSlot sh) {
   extern __shared__ __align__(128) uint8_t stile[];  // [gate, up][groups][576]
   __shared__ uint64_t bar;
   __shared__ float red[8][2][16][4];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int p = blockIdx.x / tiles_per_pair, tile = blockIdx.x % tiles_per_pair, row0 = tile * kTileRows;
+  const bool shared = sh.k1 > 0 && p % sh.k1 == sh.k1 - 1;  // block-uniform
   if (threadIdx.x == 0) {
     mbar_init(&bar);
     mbar_init_fence();
   }
   __syncthreads();
-  pdl_begin();  // the pairs (route) and the fragments (the mix) come from the kernels before
-  const DMatrix gate = pairs[p].gate, up = pairs[p].up;
-  const int vec = pairs[p].x_row;
-  if (row0 >= gate.rows) return;  // block-uniform: this pair has fewer tiles (the shared expert's size)
-  if (!gate.tiled() || !up.tiled() || gate.cols != vec_groups * 64 || up.cols != gate.cols) __trap();  // launch promise
   const int groups = vec_groups;
   const uint32_t bytes = static_cast<uint32_t>(groups) * kTileGroupBytes;
-  if (threadIdx.x == 0) {
+  auto ask = [&](const DMatrix& gate, const DMatrix& up) {  // thread 0: the tile of both matrices
     mbar_arrive_expect(&bar, 2 * bytes);
     bulk_copy_1d(stile, gate.tile_group(tile, 0), bytes, &bar);
     bulk_copy_1d(stile + bytes, up.tile_group(tile, 0), bytes, &bar);
-  }
+  };
+  if (shared && threadIdx.x == 0 && row0 < sh.gate.rows) ask(sh.gate, sh.up);  // weights never change
+  pdl_begin();  // the pairs (route) and the fragments (the mix) come from the kernels before
+  const DMatrix gate = shared ? sh.gate : pairs[p].gate, up = shared ? sh.up : pairs[p].up;
+  const int vec = shared ? p / sh.k1 : pairs[p].x_row;
+  if (row0 >= gate.rows) return;  // block-uniform: this pair has fewer tiles (the shared expert's size)
+  if (!gate.tiled() || !up.tiled() || gate.cols != vec_groups * 64 || up.cols != gate.cols) __trap();  // launch promise
+  if (!shared && threadIdx.x == 0) ask(gate, up);
   const int per = (groups + 7) / 8, G0 = min(groups, warp * per), G1 = min(groups, G0 + per);
   const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * kOneFragWords + tc4_one_frag_lane(g, t);
   const float* gv = gsum + static_cast<size_t>(vec) * vec_groups;
@@ -1756,7 +1763,8 @@ bool expert_bulk_on() {
 
 template <bool GATE_UP>
 void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int groups, const float* x, int ldx,
-                       int n_vec, float* out, int ldo, cudaStream_t s, const Tc4Frags* pre, bool all_tiled) {
+                       int n_vec, float* out, int ldo, cudaStream_t s, const Tc4Frags* pre, bool all_tiled,
+                       const SharedSlot* shared = nullptr) {
   const size_t frag_elems = static_cast<size_t>(groups) * kOneFragWords;  // the compact one-row layout
   uint8_t* scratch = nullptr;
   const uint2* frag = nullptr;
@@ -1785,8 +1793,11 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
       return true;
     }();
     (void)attr;
+    static const bool shared_early = env_is("CK_EXPERT_SHARED_EARLY", "1");  // (off by default until measured)
+    SharedSlot sh;
+    if (shared_early && shared && shared->k1 > 0 && n_pairs % shared->k1 == 0) sh = *shared;
     launch(expert_gate_up_bulk_kernel, static_cast<unsigned>(tiles), 256, bulk_smem, s, pairs, tiles_per_pair, frag,
-           gsum, groups, out, ldo);
+           gsum, groups, out, ldo, sh);
     CUDA_CHECK_LAUNCH();
     if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
     return;
@@ -1804,9 +1815,11 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
 }  // namespace
 
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
-                        int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre, bool all_tiled) {
+                        int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre, bool all_tiled,
+                        const SharedSlot* shared) {
   CK_REQUIRE(n_pairs >= 1 && x_rows >= 1 && hidden % 64 == 0 && max_inter >= 1, "invariant");
-  launch_expert_tc4<true>(pairs, n_pairs, max_inter, hidden / 64, x, ldx, x_rows, h, ldh, stream, pre, all_tiled);
+  launch_expert_tc4<true>(pairs, n_pairs, max_inter, hidden / 64, x, ldx, x_rows, h, ldh, stream, pre, all_tiled,
+                          shared);
 }
 
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
