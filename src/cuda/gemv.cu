@@ -1139,9 +1139,12 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
 // (4 per SM), so the whole kernel's bytes are in flight from its start. Decode +3.4% at one row,
 // +8.6% at 4 rows (564.4 against 546.1 and 1,052.4 against 968.5 tok/s, 2026-12-01 00:36Z, one call).
 // grid (n_pairs * tiles_per_pair), block 256, dynamic shared memory 2 * groups * kTileGroupBytes.
-// sh.k1 > 0 (CK_EXPERT_SHARED_EARLY=1): the pairs follow the route's layout (SharedSlot), so the shared
-// expert's blocks know their matrices and vector at their start and ask for their tiles before the
-// wait, while the route runs; the routed experts' tiles then share DRAM with fewer bytes.
+// sh.k1 > 0 (the default; CK_EXPERT_SHARED_EARLY=0: not): the pairs follow the route's layout
+// (SharedSlot), so the shared expert's blocks know their matrices and vector at their start and copy
+// their tiles before the wait, while the route runs; after it only the routed experts' tiles are on
+// the way. Measured (H200 2026-12-02 00:2xZ, three interleaved rounds): one-row decode 627.2 / 629.5
+// / 629.3 tok/s against 615.6 / 620.9 / 622.5 (+1.5%), 4 rows 1,245.1 / 1,248.9 / 1,245.7 against
+// 1,230.6 / 1,240.1 / 1,245.5 (+0.6%); the model tests passed with it.
 __global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const ExpertPair* __restrict__ pairs,
                                                                     int tiles_per_pair, const uint2* __restrict__ frag,
                                                                     const float* __restrict__ gsum, int vec_groups,
@@ -1793,7 +1796,7 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
       return true;
     }();
     (void)attr;
-    static const bool shared_early = env_is("CK_EXPERT_SHARED_EARLY", "1");  // (off by default until measured)
+    static const bool shared_early = !env_is("CK_EXPERT_SHARED_EARLY", "0");
     SharedSlot sh;
     if (shared_early && shared && shared->k1 > 0 && n_pairs % shared->k1 == 0) sh = *shared;
     launch(expert_gate_up_bulk_kernel, static_cast<unsigned>(tiles), 256, bulk_smem, s, pairs, tiles_per_pair, frag,

@@ -153,7 +153,7 @@ bool expert_tc4_enabled();
 // all_tiled: every pair's gate and up are Tiles16 (Model::tiled_experts): gate/up by bulk copies of
 // whole tiles (the kernel traps on a matrix that is not).
 // shared: the pairs are the route's (SharedSlot: k1 a row, the shared expert last), so the tiled form's
-// shared-expert blocks may copy their tiles before their wait (CK_EXPERT_SHARED_EARLY=1).
+// shared-expert blocks copy their tiles before their wait (CK_EXPERT_SHARED_EARLY=0: not).
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
                         int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre = nullptr,
                         bool all_tiled = false, const SharedSlot* shared = nullptr);
