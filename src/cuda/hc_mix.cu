@@ -34,7 +34,6 @@
 // product, not to X before it), within the parity tolerances against the CPU reference (tests/parity).
 #include <algorithm>
 
-#include "cuda/bulk_copy.cuh"
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/layers.h"
@@ -50,7 +49,6 @@ constexpr int kHcMaxChunkGroups = 16;
 constexpr int kHcMaxInject = 16;
 constexpr int kHcMaxChunks = 256;
 constexpr int kHcMaxPartialBytes = 160 * 1024;  // dynamic shared memory for phase 2
-constexpr int kHcMaxDynBytes = 200 * 1024;      // phase 2's partials plus the staged tiles (HcMixLaunch::stage)
 
 struct HcMixLaunch {
   HcMixArgs a;
@@ -63,11 +61,6 @@ struct HcMixLaunch {
   int leave_early;       // blocks without phase 2-3 work leave at the barrier (else all wait)
   int prefetch;          // ask L2 for the block's weights before pdl_begin (CK_HC_OWN_PREFETCH)
   int norm_prefetch;     // and for its part of the norm's scale (CK_HC_NORM_PREFETCH=0: not)
-  // The tiles instance's down tiles of the block's chunk and up tiles of its u group, copied into
-  // shared memory before pdl_begin (offsets in the dynamic shared memory, after the partials); 0: read
-  // from global memory as the other instance does (CK_HC_STAGE=0).
-  int stage;
-  uint32_t down_at, up_at;
 };
 
 // All blocks of the grid arrive here; those that `wait` leave once all have arrived, and then see
@@ -149,36 +142,6 @@ __device__ __forceinline__ void hc_tile_pair(const DMatrix& ma, int ra, const DM
   }
 }
 
-// hc_tile_pair and hc_tile with the tiles' n groups in shared memory (576 bytes a group, contiguous
-// per tile): the same loads' words (mma_q4.cuh tile_group_lds is Tc4Rows' tile load) in the same
-// order, so the same sums.
-__device__ __forceinline__ void hc_tile_pair_staged(const uint8_t* ta, const uint8_t* tb, int n, const uint2* f,
-                                                    const float* xg, float (&acc_a)[4], float (&acc_b)[4]) {
-  const int lane = threadIdx.x & 31, t = lane & 3;
-#pragma unroll 2
-  for (int i = 0; i < n; ++i) {
-    uint2 wa0, wb0, wa1, wb1;
-    float s[8];
-    tile_group_lds(ta + static_cast<size_t>(i) * kTileGroupBytes, lane, wa0, wb0, s[0], s[1], s[2], s[3]);
-    tile_group_lds(tb + static_cast<size_t>(i) * kTileGroupBytes, lane, wa1, wb1, s[4], s[5], s[6], s[7]);
-    const uint2* fg = f + static_cast<size_t>(i) * 128 + lane;
-    const float xs = t == 0 ? xg[i] : 0.0f;
-    tc4_one_mma(wa0, wb0, s[0], s[1], s[2], s[3], fg, xs, acc_a);
-    tc4_one_mma(wa1, wb1, s[4], s[5], s[6], s[7], fg, xs, acc_b);
-  }
-}
-__device__ __forceinline__ void hc_tile_staged(const uint8_t* tt, int n, const uint2* f, const float* xg,
-                                               float (&acc)[4]) {
-  const int lane = threadIdx.x & 31, t = lane & 3;
-#pragma unroll 2
-  for (int i = 0; i < n; ++i) {
-    uint2 wa, wb;
-    float sa, ba, sb, bb;
-    tile_group_lds(tt + static_cast<size_t>(i) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
-    tc4_one_mma(wa, wb, sa, ba, sb, bb, f + static_cast<size_t>(i) * 128 + lane, t == 0 ? xg[i] : 0.0f, acc);
-  }
-}
-
 // Rows g and g + 8 of a tile, (hi + mid) + lo, on lanes t == 0 (columns 0-2 sit on lanes t = 0 and 1).
 __device__ __forceinline__ void hc_tile_rows(const float (&acc)[4], float& yg, float& yg8) {
   const float lo0 = __shfl_down_sync(0xffffffffu, acc[0], 1), lo2 = __shfl_down_sync(0xffffffffu, acc[2], 1);
@@ -199,18 +162,13 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 // inject head's tiles keep it); hc_layout_kernels_on(), the default (CK_HC_LAYOUT_KERNELS=0: the
 // branching instance). Measured 2026-12-01 22:2xZ: one-row decode +1.1 to +1.8% in four interleaved
 // rounds (mean +1.35%).
-// STAGE (TILES only; HcMixLaunch::stage): the down tiles of phase 1 and the up tiles of phase 3 come
-// from shared memory, copied there before pdl_begin; an instance of its own, so that neither form's code
-// is in the other's (the mix's instruction fetch shows: docs/roofline-cuda.md, twenty-fourth session).
-template <bool BF16S, bool TILES = false, bool STAGE = false>
+template <bool BF16S, bool TILES = false>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
-  static_assert(TILES || !STAGE, "staged tiles are tiles");
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
   __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
   __shared__ float sss[kHcMaxChunks];
-  extern __shared__ __align__(128) float sp[];  // phase 2: every chunk's partial products; the staged tiles
-  __shared__ uint64_t stage_bar[2];             // the down tiles (phase 1), the up tiles (phase 3)
+  extern __shared__ __align__(16) float sp[];  // phase 2: every chunk's partial products
   const HcMixArgs& a = L.a;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int S = a.S, H = a.H, lowrank = L.lowrank, cg = L.cg, td = L.tiles_d + L.tiles_i;
@@ -232,41 +190,11 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     }
   };
 
-  // Weights never change: copy (the STAGE instance) or ask L2 for this block's shares (phases 1 and 3)
-  // while the kernel before runs.
-  constexpr bool stage = STAGE;
-  const int ngd = lowrank / 64;
-  uint8_t* const down_st = reinterpret_cast<uint8_t*>(sp) + L.down_at;
-  uint8_t* const up_st = reinterpret_cast<uint8_t*>(sp) + L.up_at;
-  if (stage) {
-    if (tid == 0) {
-      mbar_init(&stage_bar[0]);
-      mbar_init(&stage_bar[1]);
-      mbar_init_fence();
-    }
-    __syncthreads();
-    if (warp == 0) {  // lane T < tiles_d: down tile T's chunk; lane tiles_d + s: stream s's 4 up tiles
-      const uint32_t down_bytes = static_cast<uint32_t>(cg) * kTileGroupBytes;
-      const uint32_t up_bytes = 4u * ngd * kTileGroupBytes;
-      const bool has_down = c < L.n_chunks, has_up = static_cast<int>(blockIdx.x) < H / 64;
-      if (lane == 0) {
-        if (has_down) mbar_arrive_expect(&stage_bar[0], L.tiles_d * down_bytes);
-        if (has_up) mbar_arrive_expect(&stage_bar[1], S * up_bytes);
-      }
-      __syncwarp();
-      if (has_down && lane < L.tiles_d)
-        bulk_copy_1d(down_st + lane * down_bytes, a.down.tile_group(lane, static_cast<size_t>(c) * cg), down_bytes,
-                     &stage_bar[0]);
-      const int s_up = lane - L.tiles_d;
-      if (has_up && s_up >= 0 && s_up < S)
-        bulk_copy_1d(up_st + s_up * up_bytes, a.up.tile_group((static_cast<size_t>(s_up) * H + 64 * blockIdx.x) / kTileRows, 0),
-                     up_bytes, &stage_bar[1]);
-    }
-  }
+  // Weights never change: ask L2 for this block's shares (phases 1 and 3) while the kernel before runs.
   if (c < L.n_chunks && L.prefetch) {
     const int G0 = c * cg;
     const int first = a.down.tiled() ? a.down.rows : 0;  // tiled: a thread per tile, its groups contiguous
-    if (a.down.tiled() && !stage)
+    if (a.down.tiled())
       for (int tl = tid; tl < a.down.rows / kTileRows; tl += kHcThreads)
         prefetch_l2(a.down.tile_group(tl, G0), cg * kTileGroupBytes);
     for (int r = first + tid; r < a.down.rows + a.inject.rows; r += kHcThreads) {
@@ -279,7 +207,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       prefetch_l2(m.biases + si, es);
     }
   }
-  if (blockIdx.x < H / 64 && L.prefetch && !stage) {
+  if (blockIdx.x < H / 64 && L.prefetch) {
     const DMatrix& m = a.up;
     const int gpr = m.cols / m.fmt.group, es = wkind_bytes(m.fmt.scale_kind);
     for (int s = warp; s < S; s += kHcWarps) {  // a warp per stream: 64 contiguous rows
@@ -330,7 +258,6 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
 #pragma unroll 1
     for (int G = warp; G < cg; G += kHcWarps) hc_frag(xs + 64 * G, frag + G * 128, xg + G);
     __syncthreads();
-    if (stage) mbar_wait(&stage_bar[0], 0);
     // Tiles w and w + 16 of warp w together (td <= 2 kHcWarps, checked at launch). A warp with one
     // tile runs the pair on it twice and stores it once: a one-tile branch would add code to a kernel
     // whose instruction fetch shows (not measured; docs/performance.md "Seventh session").
@@ -339,10 +266,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       auto mat = [&](int x) -> const DMatrix& { return x >= L.tiles_d ? a.inject : a.down; };
       auto row = [&](int x) { return 16 * (x >= L.tiles_d ? x - L.tiles_d : x); };
       float acc_a[4] = {}, acc_b[4] = {};
-      if (stage && tb < L.tiles_d)  // (tile < tb: both down tiles)
-        hc_tile_pair_staged(down_st + static_cast<size_t>(tile) * cg * kTileGroupBytes,
-                            down_st + static_cast<size_t>(tb) * cg * kTileGroupBytes, cg, frag, xg, acc_a, acc_b);
-      else if (TILES && tb < L.tiles_d)
+      if (TILES && tb < L.tiles_d)  // (tile < tb: both down tiles)
         hc_tile_pair<BF16S, TILES>(a.down, row(tile), a.down, row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
       else
         hc_tile_pair<BF16S>(mat(tile), row(tile), mat(tb), row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
@@ -385,6 +309,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // 2. Rows j of down (and inject): Σ_c r_s(c) y_c in chunk order, then silu(y / S) (2 sigmoid(y / S)
   // for inject). Every block that needs d makes all of it (the same bits everywhere): cheaper than a
   // second grid barrier. The partials come to shared memory in one round trip of 16-byte loads.
+  const int ngd = lowrank / 64;
   if (static_cast<int>(blockIdx.x) < H / 64) {
     const int n4 = L.n_chunks * td * 4;
     const float4* src = reinterpret_cast<const float4*>(L.part);
@@ -415,12 +340,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     for (int it = warp; it < 4 * S; it += kHcWarps) {  // (stream, 16-row tile)
       const int s = it >> 2, r0 = 16 * (it & 3);
       float acc[4] = {};
-      if constexpr (STAGE) {  // (the launch gives every u group a block of its own: b is blockIdx.x)
-        mbar_wait(&stage_bar[1], 0);  // (at once after the warp's first tile)
-        hc_tile_staged(up_st + static_cast<size_t>(it) * ngd * kTileGroupBytes, ngd, frag, xg, acc);
-      } else {
-        hc_tile<BF16S, 2, TILES>(a.up, s * H + 64 * b + r0, 0, ngd, frag, xg, acc);
-      }
+      hc_tile<BF16S, 2, TILES>(a.up, s * H + 64 * b + r0, 0, ngd, frag, xg, acc);
       float y0, y1;
       hc_tile_rows(acc, y0, y1);
       if (t == 0) {
@@ -465,8 +385,8 @@ bool q4_suits(const DMatrix& m, int64_t rows, int64_t cols) { return expert_q4_o
 
 void hc_mix_init() {
   for (auto k : {hc_mix_row_kernel<true>, hc_mix_row_kernel<false>, hc_mix_row_kernel<true, true>,
-                 hc_mix_row_kernel<false, true>, hc_mix_row_kernel<true, true, true>, hc_mix_row_kernel<false, true, true>})
-    CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kHcMaxDynBytes));
+                 hc_mix_row_kernel<false, true>})
+    CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kHcMaxPartialBytes));
 }
 
 size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
@@ -478,7 +398,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   static const bool on = !env_is("CK_HC_FUSED", "0");
   static const int blocks = [] {  // one block per SM, if one fits
     int n = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, hc_mix_row_kernel<true>, kHcThreads, kHcMaxDynBytes) == cudaSuccess &&
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, hc_mix_row_kernel<true>, kHcThreads, kHcMaxPartialBytes) == cudaSuccess &&
                    n >= 1
                ? sm_count()
                : 0;
@@ -526,23 +446,8 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   L.norm_prefetch = norm_prefetch ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
-  // The tiles instance stages its block's down and up tiles (CK_HC_STAGE=0: not) where they fit: the
-  // chunk's cg groups of every down tile, and the 4 S up tiles of the block's u group (all low-rank
-  // groups), after the partials.
-  static const bool stage_on = !env_is("CK_HC_STAGE", "0");
-  const size_t down_at = (part_bytes + 127) / 128 * 128;
-  const size_t up_at = down_at + static_cast<size_t>(L.tiles_d) * L.cg * kTileGroupBytes;
-  const size_t staged_bytes = up_at + static_cast<size_t>(a.S) * 4 * (lowrank / 64) * kTileGroupBytes;
-  L.stage = stage_on && tiles && L.tiles_d + a.S <= 32 && staged_bytes <= static_cast<size_t>(kHcMaxDynBytes) &&
-                    static_cast<int>(grid.x) >= a.H / 64
-                ? 1
-                : 0;
-  L.down_at = static_cast<uint32_t>(down_at);
-  L.up_at = static_cast<uint32_t>(up_at);
-  const size_t dyn = L.stage ? staged_bytes : part_bytes;
-  auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, dyn, stream, L); };
-  if (tiles && L.stage) bf16s ? go(hc_mix_row_kernel<true, true, true>) : go(hc_mix_row_kernel<false, true, true>);
-  else if (tiles) bf16s ? go(hc_mix_row_kernel<true, true>) : go(hc_mix_row_kernel<false, true>);
+  auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };
+  if (tiles) bf16s ? go(hc_mix_row_kernel<true, true>) : go(hc_mix_row_kernel<false, true>);
   else bf16s ? go(hc_mix_row_kernel<true>) : go(hc_mix_row_kernel<false>);
   return true;
 }
