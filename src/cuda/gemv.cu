@@ -1764,6 +1764,12 @@ bool expert_bulk_on() {
   return on;
 }
 
+int g_shared_early = -1;  // set_expert_shared_early; -1: the environment's
+bool expert_shared_early_on() {
+  static const bool env_on = !env_is("CK_EXPERT_SHARED_EARLY", "0");
+  return g_shared_early < 0 ? env_on : g_shared_early != 0;
+}
+
 template <bool GATE_UP>
 void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int groups, const float* x, int ldx,
                        int n_vec, float* out, int ldo, cudaStream_t s, const Tc4Frags* pre, bool all_tiled,
@@ -1796,9 +1802,8 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
       return true;
     }();
     (void)attr;
-    static const bool shared_early = !env_is("CK_EXPERT_SHARED_EARLY", "0");
     SharedSlot sh;
-    if (shared_early && shared && shared->k1 > 0 && n_pairs % shared->k1 == 0) sh = *shared;
+    if (expert_shared_early_on() && shared && shared->k1 > 0 && n_pairs % shared->k1 == 0) sh = *shared;
     launch(expert_gate_up_bulk_kernel, static_cast<unsigned>(tiles), 256, bulk_smem, s, pairs, tiles_per_pair, frag,
            gsum, groups, out, ldo, sh);
     CUDA_CHECK_LAUNCH();
@@ -1816,6 +1821,8 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
   if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
 }
 }  // namespace
+
+void set_expert_shared_early(int on) { g_shared_early = on < 0 ? -1 : (on ? 1 : 0); }
 
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
                         int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre, bool all_tiled,

@@ -153,10 +153,12 @@ bool expert_tc4_enabled();
 // all_tiled: every pair's gate and up are Tiles16 (Model::tiled_experts): gate/up by bulk copies of
 // whole tiles (the kernel traps on a matrix that is not).
 // shared: the pairs are the route's (SharedSlot: k1 a row, the shared expert last), so the tiled form's
-// shared-expert blocks copy their tiles before their wait (CK_EXPERT_SHARED_EARLY=0: not).
+// shared-expert blocks copy their tiles before their wait (CK_EXPERT_SHARED_EARLY=0: not; the same
+// bits). set_expert_shared_early(1 or 0) sets it (tests), -1 goes back to the environment's.
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
                         int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre = nullptr,
                         bool all_tiled = false, const SharedSlot* shared = nullptr);
+void set_expert_shared_early(int on);
 // expert_down_tc4's contract with its caller: the pairs were written two or more kernels before it (the
 // route, then gate/up), not by the kernel just before: its tiled form reads them before its
 // programmatic-launch wait (CK_EXPERT_DOWN_EARLY). h is the kernel just before's output.

@@ -1622,6 +1622,40 @@ TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
   }
 }
 
+// The shared expert's gate/up blocks copying their tiles before their wait (set_expert_shared_early,
+// the default) read the same matrices and vector as after it: logits bit for bit at steps of 1-8 rows,
+// on every geometry whose experts are in tiles (the bulk kernel's path; at least one is).
+TEST(CudaOps, SharedExpertEarlyGivesTheSameLogits) {
+  REQUIRE_GPU();
+  int tiled = 0;
+  for (const Geometry& g : geometries()) {
+    SCOPED_TRACE(g.name);
+    auto rm = make_random_model(g.cfg, g.opt);
+    auto dm = Model::create(rm->weights, rm->experts);
+    ASSERT_TRUE(dm.ok()) << dm.status().message();
+    if (!(*dm)->tiled_experts()) continue;
+    ++tiled;
+    const std::vector<int32_t> tokens = random_tokens(30, g.cfg.vocab_size, g.cfg.ple_eos(), 12);
+    std::vector<float> out[2];
+    for (int on : {0, 1}) {
+      set_expert_shared_early(on);
+      auto s = (*dm)->new_session(64);
+      StepResult res;
+      for (int pos = 0, n = 1; pos < 30; pos += n, n = n % 8 + 1) {
+        n = std::min(n, 30 - pos);
+        ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, n), false, true, &res).ok());
+        s->commit(n);
+        out[on].insert(out[on].end(), res.logits.begin(), res.logits.end());
+      }
+    }
+    set_expert_shared_early(-1);
+    ASSERT_EQ(out[0].size(), out[1].size());
+    EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0)
+        << "the shared expert's early copy changed the logits";
+  }
+  EXPECT_GE(tiled, 1) << "no geometry has its experts in tiles: the early copy's path did not run";
+}
+
 // A model whose experts cannot all be resident fails at creation with one error naming the sizes
 // (CK_DEVICE_MEMORY_GB caps the free memory counted), instead of inside cudaMalloc; with room it loads.
 TEST(CudaOps, ModelTooLargeForTheGpuFailsCleanly) {
