@@ -1591,6 +1591,29 @@ TEST(CudaOps, GraphsEqualDirectLaunches) {
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "graph replay and direct launches differ";
 }
 
+// The logits of 30 random tokens fed in steps of 1, 2, ..., 8 rows (then 1 again), each step
+// committed, in a session made after set(0) and in one made after set(1): the same bits expected
+// (`what` names the switch in the failure). set(-1) after.
+template <class Set>
+void expect_switch_keeps_logits(const Model& m, const Geometry& g, uint64_t seed, Set set, const char* what) {
+  const std::vector<int32_t> tokens = random_tokens(30, g.cfg.vocab_size, g.cfg.ple_eos(), seed);
+  std::vector<float> out[2];
+  for (int on : {0, 1}) {
+    set(on);
+    auto s = m.new_session(64);
+    StepResult res;
+    for (int pos = 0, n = 1; pos < 30; pos += n, n = n % 8 + 1) {
+      n = std::min(n, 30 - pos);
+      ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, n), false, true, &res).ok());
+      s->commit(n);
+      out[on].insert(out[on].end(), res.logits.begin(), res.logits.end());
+    }
+  }
+  set(-1);
+  ASSERT_EQ(out[0].size(), out[1].size());
+  EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0) << what;
+}
+
 // The one-row mix's kernel instance for tiles (set_layout_kernels: no layout branch per group) gives
 // the default instance's logits bit for bit, at steps of 1 to 8 rows, on the 4-bit geometry and the
 // fused one-row mix's (its down and up projections in tiles).
@@ -1602,23 +1625,8 @@ TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
     auto rm = make_random_model(g.cfg, g.opt);
     auto dm = Model::create(rm->weights, rm->experts);
     ASSERT_TRUE(dm.ok()) << dm.status().message();
-    const std::vector<int32_t> tokens = random_tokens(30, g.cfg.vocab_size, g.cfg.ple_eos(), 11);
-    std::vector<float> out[2];
-    for (int on : {0, 1}) {
-      set_layout_kernels(on);
-      auto s = (*dm)->new_session(64);
-      StepResult res;
-      for (int pos = 0, n = 1; pos < 30; pos += n, n = n % 8 + 1) {
-        n = std::min(n, 30 - pos);
-        ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, n), false, true, &res).ok());
-        s->commit(n);
-        out[on].insert(out[on].end(), res.logits.begin(), res.logits.end());
-      }
-    }
-    set_layout_kernels(-1);
-    ASSERT_EQ(out[0].size(), out[1].size());
-    EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0)
-        << "the layout kernels' logits differ from the default kernels'";
+    expect_switch_keeps_logits(**dm, g, 11, [](int on) { set_layout_kernels(on); },
+                               "the layout kernels' logits differ from the default kernels'");
   }
 }
 
@@ -1635,23 +1643,8 @@ TEST(CudaOps, SharedExpertEarlyGivesTheSameLogits) {
     ASSERT_TRUE(dm.ok()) << dm.status().message();
     if (!(*dm)->tiled_experts()) continue;
     ++tiled;
-    const std::vector<int32_t> tokens = random_tokens(30, g.cfg.vocab_size, g.cfg.ple_eos(), 12);
-    std::vector<float> out[2];
-    for (int on : {0, 1}) {
-      set_expert_shared_early(on);
-      auto s = (*dm)->new_session(64);
-      StepResult res;
-      for (int pos = 0, n = 1; pos < 30; pos += n, n = n % 8 + 1) {
-        n = std::min(n, 30 - pos);
-        ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, n), false, true, &res).ok());
-        s->commit(n);
-        out[on].insert(out[on].end(), res.logits.begin(), res.logits.end());
-      }
-    }
-    set_expert_shared_early(-1);
-    ASSERT_EQ(out[0].size(), out[1].size());
-    EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0)
-        << "the shared expert's early copy changed the logits";
+    expect_switch_keeps_logits(**dm, g, 12, [](int on) { set_expert_shared_early(on); },
+                               "the shared expert's early copy changed the logits");
   }
   EXPECT_GE(tiled, 1) << "no geometry has its experts in tiles: the early copy's path did not run";
 }
