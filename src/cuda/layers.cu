@@ -2276,6 +2276,14 @@ void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t
   CUDA_CHECK_LAUNCH();
 }
 
+SharedSlot route_shared_slot(const MoeRouteArgs& a) {  // write_route_pair's layout
+  SharedSlot sh;
+  sh.k1 = a.k + 1;
+  sh.gate = a.sh_gate;
+  sh.up = a.sh_up;
+  return sh;
+}
+
 void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
   CK_REQUIRE(a.k >= 1 && a.k <= 64 && a.k <= a.E && a.E <= 8192, "invariant");
   // A warp per row up to 1,024 experts (CK_ROUTE_WARP=0: the block kernel, to compare).

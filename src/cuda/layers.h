@@ -193,6 +193,9 @@ struct MoeRouteArgs {
   ExpertPair* pairs = nullptr;                // (rows * (k+1))
 };
 void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream);
+// The pair layout moe_route writes (k + 1 pairs a row, the shared expert last), for the experts'
+// kernels that read it before their wait (dmatrix.h SharedSlot).
+SharedSlot route_shared_slot(const MoeRouteArgs& a);
 // out (rows, H) = fp32(Σ_t fp64(y_t · w_t)) in slot order + sigmoid(gl) · y_shared.
 void moe_combine(const float* y, int ldy, const ExpertPair* pairs, int k, const float* gl, int ldgl, float* out,
                  int ldo, int H, int rows, cudaStream_t stream);

@@ -797,10 +797,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
       mark("moe experts");
     } else {
       if (mo.q4 && expert_tc4_enabled() && H % 64 == 0) {
-        SharedSlot sh;  // the route's pair layout (write_route_pair): k + 1 a row, the shared expert last
-        sh.k1 = k + 1;
-        sh.gate = ra.sh_gate;
-        sh.up = ra.sh_up;
+        const SharedSlot sh = route_shared_slot(ra);
         expert_gate_up_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, rows, b.mh, b.ldMI, stream_, &b.ufr,
                            m_.tiled_experts(), &sh);
         // (Right after gate/up: the down kernel reads the route's pairs before its wait, two kernels back.)
