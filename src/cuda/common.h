@@ -66,8 +66,6 @@ bool pdl_enabled();
 // True when environment variable `name` is set to exactly `value` (the engine's CK_* switches that
 // select another schedule to compare, read once by their callers).
 bool env_is(const char* name, const char* value);
-// Environment variable `name` as an integer (std::atoi), or `fallback` when it is not set.
-int env_int(const char* name, int fallback);
 // Whether decode kernels read what no kernel of the step writes (the DeltaNet state and constants, the
 // conv taps and state, the expert table) before their wait on the kernel before them, as the GEMVs
 // and the mix do with their weights: on unless CK_PARAM_PREFETCH=0 (read once).

@@ -13,11 +13,6 @@ bool env_is(const char* name, const char* value) {
   return e && std::strcmp(e, value) == 0;
 }
 
-int env_int(const char* name, int fallback) {
-  const char* e = std::getenv(name);
-  return e ? std::atoi(e) : fallback;
-}
-
 bool pdl_enabled() {
   static const bool on = !env_is("CK_PDL", "0");
   return on;

@@ -412,13 +412,10 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   HcMixLaunch L;
   L.a = a;
   L.lowrank = lowrank;
-  // The fewest groups per chunk (a divisor of a stream's groups) that leave a chunk per block, and at
-  // least CK_HC_CHUNK_GROUPS (fewer chunks: fewer partials for every phase-2 block to copy and sum,
-  // more down tiles' groups per phase-1 block).
-  static const int min_cg = std::max(1, env_int("CK_HC_CHUNK_GROUPS", 1));
+  // The fewest groups per chunk (a divisor of a stream's groups) that leave a chunk per block.
   const int gps = a.H / 64;
   L.cg = gps;
-  for (int d = std::min(min_cg, gps); d <= gps; ++d)
+  for (int d = 1; d <= gps; ++d)
     if (gps % d == 0 && a.S * (gps / d) <= blocks) {
       L.cg = d;
       break;
