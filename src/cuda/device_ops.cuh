@@ -28,14 +28,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, int bytes = 1) {
   const uint8_t* b = static_cast<const uint8_t*>(p);
   for (int off = 0; off < bytes; off += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(b + off) : "memory");
 }
-// The 128-byte lines of [p, p + bytes) into this SM's L1, spread over a warp's lanes. Only for data
-// that is final for the rest of the kernel (written before its programmatic-launch wait): L1 is not
-// coherent with other SMs' writes.
-__device__ __forceinline__ void prefetch_l1_warp(const void* p, int bytes) {
-  const uintptr_t a0 = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{127}, end = reinterpret_cast<uintptr_t>(p) + bytes;
-  for (uintptr_t a = a0 + 128 * (threadIdx.x & 31); a < end; a += 32 * 128)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(a) : "memory");
-}
 
 __device__ __forceinline__ float load_kind(const uint8_t* base, int64_t i, uint8_t kind) {
   if (kind == static_cast<uint8_t>(WKind::F32)) return reinterpret_cast<const float*>(base)[i];

@@ -1178,13 +1178,6 @@ __global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const Exper
   const int per = (groups + 7) / 8, G0 = min(groups, warp * per), G1 = min(groups, G0 + per);
   const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * kOneFragWords + tc4_one_frag_lane(g, t);
   const float* gv = gsum + static_cast<size_t>(vec) * vec_groups;
-  // The warp's groups of x's fragments and sums into L1 while its tiles are on the way: after the
-  // mbarrier its first loads would be one L2 round trip more on the step's chain.
-  if (G1 > G0) {
-    prefetch_l1_warp(frag + (static_cast<size_t>(vec) * vec_groups + G0) * kOneFragWords,
-                     (G1 - G0) * kOneFragWords * static_cast<int>(sizeof(uint2)));
-    prefetch_l1_warp(gv + G0, (G1 - G0) * static_cast<int>(sizeof(float)));
-  }
   float acc[2][4] = {};
   mbar_wait(&bar, 0);
 #pragma unroll 2
