@@ -1145,10 +1145,7 @@ __global__ void __launch_bounds__(256, GATE_UP ? 2 : 3) expert_tc4_kernel(const 
 // the way. Measured (H200 2026-12-02 00:2xZ, three interleaved rounds): one-row decode 627.2 / 629.5
 // / 629.3 tok/s against 615.6 / 620.9 / 622.5 (+1.5%), 4 rows 1,245.1 / 1,248.9 / 1,245.7 against
 // 1,230.6 / 1,240.1 / 1,245.5 (+0.6%); the model tests passed with it.
-// MINB: blocks per SM the registers are capped for (4: 64 registers, where the SharedSlot made it spill
-// 4 bytes stored / 12 loaded; 3: 85 registers, no spill, CK_EXPERT_GU_MINB=3).
-template <int MINB>
-__global__ void __launch_bounds__(256, MINB) expert_gate_up_bulk_kernel(const ExpertPair* __restrict__ pairs,
+__global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const ExpertPair* __restrict__ pairs,
                                                                     int tiles_per_pair, const uint2* __restrict__ frag,
                                                                     const float* __restrict__ gsum, int vec_groups,
                                                                     float* __restrict__ out, int ldo,
@@ -1799,19 +1796,16 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
   // Tiled experts: gate and up through bulk copies.
   const size_t bulk_smem = 2 * static_cast<size_t>(groups) * kTileGroupBytes;
   if (GATE_UP && all_tiled && expert_bulk_on() && bulk_smem <= kBulkMaxSmem) {
-    static const bool minb3 = env_is("CK_EXPERT_GU_MINB", "3");
     static const bool attr = [] {
-      CUDA_CHECK(cudaFuncSetAttribute(expert_gate_up_bulk_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kBulkMaxSmem));
-      CUDA_CHECK(cudaFuncSetAttribute(expert_gate_up_bulk_kernel<3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      CUDA_CHECK(cudaFuncSetAttribute(expert_gate_up_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       kBulkMaxSmem));
       return true;
     }();
     (void)attr;
     SharedSlot sh;
     if (expert_shared_early_on() && shared && shared->k1 > 0 && n_pairs % shared->k1 == 0) sh = *shared;
-    launch(minb3 ? expert_gate_up_bulk_kernel<3> : expert_gate_up_bulk_kernel<4>, static_cast<unsigned>(tiles), 256,
-           bulk_smem, s, pairs, tiles_per_pair, frag, gsum, groups, out, ldo, sh);
+    launch(expert_gate_up_bulk_kernel, static_cast<unsigned>(tiles), 256, bulk_smem, s, pairs, tiles_per_pair, frag,
+           gsum, groups, out, ldo, sh);
     CUDA_CHECK_LAUNCH();
     if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
     return;
