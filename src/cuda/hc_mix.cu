@@ -61,8 +61,6 @@ struct HcMixLaunch {
   int leave_early;       // blocks without phase 2-3 work leave at the barrier (else all wait)
   int prefetch;          // ask L2 for the block's weights before pdl_begin (CK_HC_OWN_PREFETCH)
   int norm_prefetch;     // and for its part of the norm's scale (CK_HC_NORM_PREFETCH=0: not)
-  int merged_loads;      // after the barrier: sums of squares, partials, R and norm in one round trip
-  int single_tiles;      // phase-1 warps with one tile load and multiply it once (not twice)
 };
 
 // All blocks of the grid arrive here; those that `wait` leave once all have arrived, and then see
@@ -117,11 +115,9 @@ __device__ __forceinline__ void hc_tile(const DMatrix& m, int row0, int G0, int 
 // before either's products: a warp's two tiles cost one memory round trip per group, not two.
 // TILES: both matrices in tiles (an instance without the layout branch, whose loop is unrolled by 2
 // so that two groups' loads go out together: hc_layout_kernels_on()).
-// two == false: tile b is tile a, and only a is loaded and multiplied (acc_b stays zero).
 template <bool BF16S, bool TILES = false>
 __device__ __forceinline__ void hc_tile_pair(const DMatrix& ma, int ra, const DMatrix& mb, int rb, int G0, int G1,
-                                             const uint2* f, const float* xg, float (&acc_a)[4], float (&acc_b)[4],
-                                             bool two = true) {
+                                             const uint2* f, const float* xg, float (&acc_a)[4], float (&acc_b)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   Tc4Rows<BF16S, 4, TILES> ta, tb;
   ta.init(ma, min(ra + g, static_cast<int>(ma.rows) - 1), min(ra + g + 8, static_cast<int>(ma.rows) - 1), t);
@@ -130,11 +126,11 @@ __device__ __forceinline__ void hc_tile_pair(const DMatrix& ma, int ra, const DM
     uint2 wa0, wb0, wa1, wb1;
     float s[8];
     ta.load(G, wa0, wb0, s[0], s[1], s[2], s[3]);
-    if (two) tb.load(G, wa1, wb1, s[4], s[5], s[6], s[7]);
+    tb.load(G, wa1, wb1, s[4], s[5], s[6], s[7]);
     const uint2* fg = f + static_cast<size_t>(G - G0) * 128 + lane;
     const float xs = t == 0 ? xg[G - G0] : 0.0f;
     tc4_one_mma(wa0, wb0, s[0], s[1], s[2], s[3], fg, xs, acc_a);
-    if (two) tc4_one_mma(wa1, wb1, s[4], s[5], s[6], s[7], fg, xs, acc_b);
+    tc4_one_mma(wa1, wb1, s[4], s[5], s[6], s[7], fg, xs, acc_b);
   };
   // (One loop with `#pragma unroll(TILES ? 2 : 1)` would change the branching instance: its loop is
   // left to the compiler's own unrolling.)
@@ -172,7 +168,6 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
   __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
   __shared__ float sss[kHcMaxChunks];
-  __shared__ float gr[kHcMaxStreams * 64], gn[kHcMaxStreams * 64];  // merged_loads: R and norm of u's group
   extern __shared__ __align__(16) float sp[];  // phase 2: every chunk's partial products
   const HcMixArgs& a = L.a;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -268,15 +263,13 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     // whose instruction fetch shows (not measured; docs/performance.md "Seventh session").
     for (int tile = warp; tile < td && tile < kHcWarps; tile += 2 * kHcWarps) {
       const int tb = tile + kHcWarps < td ? tile + kHcWarps : tile;
-      const bool two = tb != tile || !L.single_tiles;
       auto mat = [&](int x) -> const DMatrix& { return x >= L.tiles_d ? a.inject : a.down; };
       auto row = [&](int x) { return 16 * (x >= L.tiles_d ? x - L.tiles_d : x); };
       float acc_a[4] = {}, acc_b[4] = {};
       if (TILES && tb < L.tiles_d)  // (tile < tb: both down tiles)
-        hc_tile_pair<BF16S, TILES>(a.down, row(tile), a.down, row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b,
-                                   two);
+        hc_tile_pair<BF16S, TILES>(a.down, row(tile), a.down, row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
       else
-        hc_tile_pair<BF16S>(mat(tile), row(tile), mat(tb), row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b, two);
+        hc_tile_pair<BF16S>(mat(tile), row(tile), mat(tb), row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
       float y0, y1;
       hc_tile_rows(acc_a, y0, y1);
       float* p = L.part + static_cast<size_t>(c) * td * 16;
@@ -303,41 +296,8 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   mark(4);
 
   // 1 / rms per stream: its chunks' sums of squares in chunk order (every block, for phases 2 and 3).
-  // merged_loads: the partials of phase 2 and the R and norm values of phase 3's first group of u
-  // come to shared memory in the same round trip (all loads issued before the first store).
   const int cps = H / (64 * cg);  // chunks per stream
-  const bool early = L.merged_loads && static_cast<int>(blockIdx.x) < H / 64;
-  if (early) {
-    const float4* src = reinterpret_cast<const float4*>(L.part);
-    float4* dst = reinterpret_cast<float4*>(sp);
-    const int n4 = L.n_chunks * td * 4, per = (n4 + kHcThreads - 1) / kHcThreads;
-    const bool rn = tid < 64 * S;
-    const int k = (tid >> 6) * H + 64 * blockIdx.x + (tid & 63);
-    const float ssv = tid < L.n_chunks ? __ldcg(L.ss + tid) : 0.0f;
-    const float rv = rn ? __ldcg(a.R + k) : 0.0f, nv = rn ? a.norm[k] : 0.0f;
-    constexpr int kBatch = 16;  // the partials' 16-byte loads a thread holds at once
-#pragma unroll 1
-    for (int e0 = 0; e0 < per; e0 += kBatch) {
-      float4 v[kBatch];
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        const int e = tid + (e0 + q) * kHcThreads;
-        if (e0 + q < per && e < n4) v[q] = __ldcg(src + e);
-      }
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        const int e = tid + (e0 + q) * kHcThreads;
-        if (e0 + q < per && e < n4) dst[e] = v[q];
-      }
-    }
-    if (tid < L.n_chunks) sss[tid] = ssv;
-    if (rn) {
-      gr[tid] = rv;
-      gn[tid] = nv;
-    }
-  } else if (tid < L.n_chunks) {
-    sss[tid] = __ldcg(L.ss + tid);  // one round trip for all
-  }
+  if (tid < L.n_chunks) sss[tid] = __ldcg(L.ss + tid);  // one round trip for all
   __syncthreads();
   if (tid < S) {
     float tot = 0.0f;
@@ -351,14 +311,12 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // second grid barrier. The partials come to shared memory in one round trip of 16-byte loads.
   const int ngd = lowrank / 64;
   if (static_cast<int>(blockIdx.x) < H / 64) {
-    if (!early) {
-      const int n4 = L.n_chunks * td * 4;
-      const float4* src = reinterpret_cast<const float4*>(L.part);
-      float4* dst = reinterpret_cast<float4*>(sp);
+    const int n4 = L.n_chunks * td * 4;
+    const float4* src = reinterpret_cast<const float4*>(L.part);
+    float4* dst = reinterpret_cast<float4*>(sp);
 #pragma unroll 4
-      for (int e = tid; e < n4; e += kHcThreads) dst[e] = __ldcg(src + e);
-      __syncthreads();
-    }
+    for (int e = tid; e < n4; e += kHcThreads) dst[e] = __ldcg(src + e);
+    __syncthreads();
     mark(5);
 #pragma unroll 1
     for (int j = tid; j < 16 * td; j += kHcThreads) {
@@ -397,9 +355,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       float acc = 0.0f;
       for (int s = 0; s < S; ++s) {
         const int k = s * H + i;
-        const bool pre = early && b == static_cast<int>(blockIdx.x);  // loaded after the barrier
-        const float rv = pre ? gr[s * 64 + tid] : __ldcg(a.R + k), nv = pre ? gn[s * 64 + tid] : a.norm[k];
-        const float x = (rv * rinv[s]) * nv;
+        const float x = (__ldcg(a.R + k) * rinv[s]) * a.norm[k];
         acc = mul_add_rn(acc, sigmoidf_(gl[s][tid]), x);
       }
       const float v = acc / static_cast<float>(S);
@@ -488,10 +444,6 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   L.prefetch = prefetch ? 1 : 0;
   static const bool norm_prefetch = !env_is("CK_HC_NORM_PREFETCH", "0");
   L.norm_prefetch = norm_prefetch ? 1 : 0;
-  static const bool merged = !env_is("CK_HC_MERGED_LOADS", "0");
-  L.merged_loads = merged ? 1 : 0;
-  static const bool single = !env_is("CK_HC_SINGLE_TILES", "0");
-  L.single_tiles = single ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };
