@@ -1308,8 +1308,28 @@ __device__ __forceinline__ float attn_exp_scores(float* p, int m, float* scratch
   return block_sum(sum, scratch);
 }
 
+// Before the kernel's wait: when row r selects every key (no more complete blocks than block_topk, so
+// its keys are the positions 0..n-1 in order), asks L2 for the K and V rows of keys [j0, j1) of KV head
+// g. They were written in earlier steps, and a step's 1.5 GB of weights has pushed them out of L2
+// since: read after the wait they are a DRAM round trip on the step's chain (docs/roofline-cuda.md,
+// "first touches"). One block per KV head asks (the first query head of its group). The current
+// position's row, which attn_prep_kernel writes four kernels back, is asked for too: a prefetch only
+// moves lines into L2, the point of coherence, so it cannot make a later read stale.
+__device__ __forceinline__ void attn_prefetch_kv(const AttnArgs& a, int h, int64_t n, int splits, int split) {
+  const int hpg = a.nh / a.nkv;
+  if (!a.prefetch_kv || h % hpg != 0 || n / a.cr > a.block_topk) return;
+  const int64_t per = (n + splits - 1) / splits, j0 = min(n, split * per), j1 = min(n, j0 + per);
+  const size_t kvw = static_cast<size_t>(a.nkv) * a.hd, off = static_cast<size_t>(h / hpg) * a.hd;
+  const int bytes = a.hd * static_cast<int>(sizeof(float));
+  for (int64_t j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+    prefetch_l2(a.k_cache + j * kvw + off, bytes);
+    prefetch_l2(a.v_cache + j * kvw + off, bytes);
+  }
+}
+
 template <bool BATCHED>
 __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
+  attn_prefetch_kv(a, blockIdx.x, sp->pos + blockIdx.y + 1, 1, 0);
   pdl_begin();
   extern __shared__ float smem[];
   __shared__ float scratch[32];
@@ -1366,6 +1386,7 @@ __global__ void attn_decode_kernel(const AttnArgs a, const StepParams* sp) {
 // attn_decode_kernel, not the same bits (it divides each weight before the weighted sum).
 // grid (nh, rows, splits), block 256, dynamic shared memory (cap + per_split) * 4 bytes.
 __global__ void attn_decode_split_kernel(const AttnArgs a, const StepParams* sp, int splits, float* part) {
+  attn_prefetch_kv(a, blockIdx.x, sp->pos + blockIdx.y + 1, splits, blockIdx.z);
   pdl_begin();
   extern __shared__ float smem[];
   __shared__ float scratch[32];
@@ -2203,7 +2224,10 @@ int attn_decode_splits(int cap) {
 
 void set_attn_split_keys(int keys) { g_attn_split_keys = keys; }
 
-void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
+void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_t stream) {
+  static const bool prefetch_kv = env_is("CK_ATTN_KV_PREFETCH", "1");
+  AttnArgs a = args;
+  a.prefetch_kv = prefetch_kv ? 1 : 0;
   CK_REQUIRE(a.cr >= 1 && a.block_topk >= 1 && a.nh % a.nkv == 0 && a.rot <= a.hd && a.rot <= a.ihd, "invariant");
   const int cap = static_cast<int>(attention_max_selected(a.block_topk, a.cr));
   const size_t dec_smem = static_cast<size_t>(cap) * 8;
