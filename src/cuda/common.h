@@ -146,6 +146,34 @@ class PinnedBuffer {
   size_t n_ = 0;
 };
 
+// Scratch memory for the kernels of one step of up to kMaxRows rows (split-K partials, activation
+// fragments, the decode attention's splits). Taken with cudaMallocAsync inside a captured graph it
+// becomes memory nodes, and a kernel after such a node depends on it fully: it loses its programmatic
+// (early) launch, and with it the prologue that overlaps the kernel before (asking L2 for its weights,
+// filling its ring). While a ScratchScope is active on this thread, scratch_alloc takes memory from the
+// scope's StepScratch instead: a stack (freed in reverse order of allocation, as every caller does), so
+// a step's graph keeps kernel-to-kernel edges. Outside a scope (prefill chunks, tests), or when the
+// stack is full or CK_STEP_SCRATCH=0, it is cudaMallocAsync / cudaFreeAsync. Reuse within a step is
+// safe because kernels touch scratch only after their pdl_begin(), when every kernel before them in
+// the stream has finished (as the stream-ordered allocator's own reuse already assumed).
+struct StepScratch {
+  uint8_t* base = nullptr;
+  size_t size = 0, top = 0;
+};
+constexpr size_t kStepScratchBytes = size_t{16} << 20;  // a session's (Session::buffer_bytes counts it)
+class ScratchScope {
+ public:
+  explicit ScratchScope(StepScratch* s);
+  ~ScratchScope();
+  ScratchScope(const ScratchScope&) = delete;
+  ScratchScope& operator=(const ScratchScope&) = delete;
+
+ private:
+  StepScratch* prev_;
+};
+void* scratch_alloc(size_t bytes, cudaStream_t s);
+void scratch_free(void* p, cudaStream_t s);
+
 // Bump allocator over large device chunks: thousands of small weight tensors without thousands of
 // cudaMalloc calls. Every allocation is 256-byte aligned. Frees everything at destruction.
 class DeviceArena {

@@ -1,16 +1,58 @@
 // Host-side device plumbing: whether a GPU is there, the startup banner, and the weight arena.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
 #include "cuda/common.h"
+#include "util/log.h"
 
 namespace ck::cuda {
 
 bool env_is(const char* name, const char* value) {
   const char* e = std::getenv(name);
   return e && std::strcmp(e, value) == 0;
+}
+
+namespace {
+thread_local StepScratch* g_step_scratch = nullptr;  // ScratchScope's
+}  // namespace
+
+ScratchScope::ScratchScope(StepScratch* s) : prev_(g_step_scratch) {
+  static const bool on = !env_is("CK_STEP_SCRATCH", "0");
+  if (on && s && s->base) g_step_scratch = s;
+}
+ScratchScope::~ScratchScope() { g_step_scratch = prev_; }
+
+void* scratch_alloc(size_t bytes, cudaStream_t s) {
+  StepScratch* sc = g_step_scratch;
+  const size_t need = (bytes + 255) / 256 * 256;  // cudaMalloc's alignment: kernels read it in 16-byte loads
+  if (sc && sc->top + need <= sc->size) {
+    void* p = sc->base + sc->top;
+    sc->top += need;
+    return p;
+  }
+  if (sc) {
+    static bool warned = false;
+    if (!warned)
+      LOG_WRN("cuda", "step scratch of {} MB is full ({} bytes asked, {} taken): stream-ordered allocation instead",
+              sc->size >> 20, bytes, sc->top);
+    warned = true;
+  }
+  void* p = nullptr;
+  CUDA_CHECK(cudaMallocAsync(&p, bytes, s));
+  return p;
+}
+
+void scratch_free(void* p, cudaStream_t s) {
+  StepScratch* sc = g_step_scratch;
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  if (sc && b >= sc->base && b < sc->base + sc->size) {
+    sc->top = std::min(sc->top, static_cast<size_t>(b - sc->base));  // pops p and whatever came after it
+    return;
+  }
+  CUDA_CHECK(cudaFreeAsync(p, s));
 }
 
 bool pdl_enabled() {

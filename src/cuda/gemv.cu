@@ -1334,7 +1334,7 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
     L.gsum = pre->rgsum;
   } else {  // this call's own, stream-ordered (so graph-capturable)
     const size_t frag_bytes = static_cast<size_t>(L.groups) * 4 * NB * 32 * sizeof(uint2);
-    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch), frag_bytes + sizeof(float) * L.groups * 8 * NB, s));
+    scratch = static_cast<decltype(scratch)>(scratch_alloc(frag_bytes + sizeof(float) * L.groups * 8 * NB, s));
     uint2* frag = reinterpret_cast<uint2*>(scratch);
     float* gsum = reinterpret_cast<float*>(scratch + frag_bytes);
     launch(tc4_frag_kernel<R>, static_cast<unsigned>(L.groups), 128, 0, s, x, ldx, nx, frag, gsum, int64_t{0},
@@ -1351,7 +1351,7 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
   if (R > 1 && !L.conv.y)  // (L.kb is 1 from tc_launch_of)
     while (L.kb < 8 && static_cast<int>(grid) * L.kb < tc_split_below() && L.groups >= 4 * L.ks * L.kb) L.kb *= 2;
   if (L.kb > 1)
-    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&L.partial), sizeof(float) * L.kb * n_tiles * 16 * R, s));
+    L.partial = static_cast<decltype(L.partial)>(scratch_alloc(sizeof(float) * L.kb * n_tiles * 16 * R, s));
   const dim3 g2(grid, static_cast<unsigned>(L.kb));
   if (bf16s) launch(gemv_tc4_kernel<R, true>, g2, 256, 0, s, L, nx);
   else launch(gemv_tc4_kernel<R, false>, g2, 256, 0, s, L, nx);
@@ -1369,9 +1369,9 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
       launch(gemv_tc4_reduce_kernel<R>, static_cast<unsigned>(ceil_div(n_tiles * 16 * R, 256)), 256, 0, s, L, nx);
     }
     CUDA_CHECK_LAUNCH();
-    CUDA_CHECK(cudaFreeAsync(L.partial, s));
+    scratch_free(L.partial, s);
   }
-  if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
+  if (scratch) scratch_free(scratch, s);
 }
 
 // A v4 launch's jobs cut into 16-row tiles (ks still to choose). n_jobs in [1, kMaxGemvJobs].
@@ -1490,7 +1490,7 @@ void launch_gemv_q_a(QLaunch L, const float* x, int ldx, int nx, cudaStream_t s)
   static const int occ = blocks_per_sm(gemv_q_kernel<CPU, R, V3>);
   const int grid = std::min(L.first_batch[L.n_jobs], sm_count() * occ);
   if (L.kb > 1) {
-    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&L.partial), sizeof(float) * L.kb * R * L.part_rows, s));
+    L.partial = static_cast<decltype(L.partial)>(scratch_alloc(sizeof(float) * L.kb * R * L.part_rows, s));
   }
   launch(gemv_q_kernel<CPU, R, V3>, grid, 256, 0, s, L, x, ldx, nx);
   CUDA_CHECK_LAUNCH();
@@ -1498,7 +1498,7 @@ void launch_gemv_q_a(QLaunch L, const float* x, int ldx, int nx, cudaStream_t s)
     const int total = nx * L.part_rows;
     launch(gemv_q_reduce_kernel, static_cast<unsigned>(ceil_div(total, 256)), 256, 0, s, L, nx, R);
     CUDA_CHECK_LAUNCH();
-    CUDA_CHECK(cudaFreeAsync(L.partial, s));
+    scratch_free(L.partial, s);
   }
 }
 
@@ -1782,8 +1782,8 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
     frag = pre->frag;
     gsum = pre->gsum;
   } else {
-    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch),
-                               n_vec * (frag_elems * sizeof(uint2) + sizeof(float) * groups), s));
+    scratch = static_cast<decltype(scratch)>(
+        scratch_alloc(n_vec * (frag_elems * sizeof(uint2) + sizeof(float) * groups), s));
     uint2* f = reinterpret_cast<uint2*>(scratch);
     float* gs = reinterpret_cast<float*>(scratch + n_vec * frag_elems * sizeof(uint2));
     launch(tc4_frag_kernel<1>, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(n_vec)), 128, 0, s, x, ldx,
@@ -1807,7 +1807,7 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
     launch(expert_gate_up_bulk_kernel, static_cast<unsigned>(tiles), 256, bulk_smem, s, pairs, tiles_per_pair, frag,
            gsum, groups, out, ldo, sh);
     CUDA_CHECK_LAUNCH();
-    if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
+    if (scratch) scratch_free(scratch, s);
     return;
   }
   static const int occ = blocks_per_sm(expert_tc4_kernel<GATE_UP, 2>);
@@ -1818,7 +1818,7 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
   launch(expert_tc4_kernel<GATE_UP, 2>, grid, 256, 0, s, pairs, n_pairs, tiles_per_pair, ks, frag, gsum, groups, out,
          ldo);
   CUDA_CHECK_LAUNCH();
-  if (scratch) CUDA_CHECK(cudaFreeAsync(scratch, s));
+  if (scratch) scratch_free(scratch, s);
 }
 }  // namespace
 

@@ -2264,15 +2264,14 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
     const int splits = attn_decode_splits(cap);
     if (splits > 1) {
       const int per = static_cast<int>(ceil_div(cap, splits));
-      float* part = nullptr;  // stream-ordered scratch (graph-capturable), pooled by the driver
-      CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part),
-                                 sizeof(float) * rows * a.nh * splits * (a.hd + 2), stream));
+      float* part = nullptr;  // the step's scratch (common.h scratch_alloc)
+      part = static_cast<decltype(part)>(scratch_alloc(sizeof(float) * rows * a.nh * splits * (a.hd + 2), stream));
       launch(attn_decode_split_kernel, dim3(a.nh, rows, splits), 256, sizeof(float) * (cap + per), stream, a, sp, splits,
              part);
       CUDA_CHECK_LAUNCH();
       launch(attn_decode_combine_kernel, dim3(a.nh, rows), 256, 0, stream, a, splits, static_cast<const float*>(part));
       CUDA_CHECK_LAUNCH();
-      CUDA_CHECK(cudaFreeAsync(part, stream));
+      scratch_free(part, stream);
       return;
     }
     static const bool batched = !env_is("CK_ATTN_DECODE_BATCH", "0");

@@ -355,6 +355,7 @@ struct Session::Buffers {
   float *qg = nullptr, *ak = nullptr, *av = nullptr, *iqk = nullptr, *q = nullptr, *iq = nullptr, *scores = nullptr,
         *ao = nullptr;
   uint8_t* sel = nullptr;
+  float* emb_step = nullptr;  // (n_ple, kMaxRows, ldE): a decode step's PLE rows (copies_at_ends_on)
   float *emb = nullptr, *pkey = nullptr, *pkn = nullptr, *pval = nullptr, *pqn = nullptr, *pG = nullptr, *pGn = nullptr;
   float *mlog = nullptr, *mlog2 = nullptr, *mgl = nullptr, *mh = nullptr, *my = nullptr, *mo = nullptr;
   ExpertPair* pairs = nullptr;
@@ -399,7 +400,7 @@ uint64_t Session::buffer_bytes(const ModelConfig& c, int max_inter, int64_t max_
       static_cast<int64_t>(2 * c.indexer_n_heads + 1) * c.indexer_head_dim + nb + std::max(1, c.ple_embed_dim) +
       2 * c.num_experts + 4 + k1 * (max_inter + H + 1);
   return static_cast<uint64_t>(rows) * (sizeof(float) * per_row + nb) +
-         sizeof(float) * static_cast<uint64_t>(kLmRows) * c.vocab_size;
+         sizeof(float) * static_cast<uint64_t>(kLmRows) * c.vocab_size + kStepScratchBytes;
 }
 
 Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
@@ -428,6 +429,8 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
   b.ldV = ld4(c.vocab_size);
   b.nb_max = c.indexer_compress_ratio > 0 ? std::max<int64_t>(1, max_ctx_ / c.indexer_compress_ratio) : 1;
   b.params = static_cast<StepParams*>(arena_.alloc(sizeof(StepParams)));
+  step_scratch_.base = static_cast<uint8_t*>(arena_.alloc(kStepScratchBytes));
+  step_scratch_.size = kStepScratchBytes;
   b.R = fbuf(R * b.ldW); b.X = fbuf(R * b.ldW); b.hc_d = fbuf(R * b.ldLR); b.hc_g = fbuf(R * b.ldW);
   b.u = fbuf(R * b.ldH); b.w = fbuf(R * b.ldS); b.o = fbuf(R * b.ldH);
   if (H % 64 == 0) {
@@ -456,6 +459,7 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
   b.sel = static_cast<uint8_t*>(arena_.alloc(R * b.nb_max));
   CUDA_CHECK(cudaMemset(b.sel, 0, R * b.nb_max));
   b.emb = fbuf(R * b.ldE); b.pkey = fbuf(R * b.ldW); b.pkn = fbuf(R * b.ldW); b.pval = fbuf(R * b.ldH);
+  b.emb_step = fbuf(std::max(1, m.n_ple_) * kMaxRows * b.ldE);
   b.pqn = fbuf(R * b.ldW); b.pG = fbuf(R * b.ldW); b.pGn = fbuf(R * b.ldW);
   const int n_pairs = R * (c.num_experts_per_tok + 1);
   b.mlog = fbuf(R * b.ldEx); b.mlog2 = fbuf(R * b.ldEx); b.mgl = fbuf(R * 4);
@@ -654,6 +658,18 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   }
 }
 
+// Whether a decode step's host copies sit at its ends (the default) or between its kernels
+// (CK_COPIES_AT_ENDS=0, as before 2026-12-02): the PLE rows went up before the PLE layer's first GEMV,
+// the pre-mixer residual came down between the final mixer and the LM head. A copy node between two
+// kernels of a graph makes the second depend on it fully, so it cannot start early (programmatic
+// launch) and overlap its prologue (the LM head's first ring of weights) with the kernel before. The
+// PLE rows are on the host before the step starts; the LM head and argmax read fy and write logits and
+// argmax, never R, so the late copy carries the same values.
+static bool copies_at_ends_on() {
+  static const bool on = !env_is("CK_COPIES_AT_ENDS", "0");
+  return on;
+}
+
 // One decoder layer (§2 a-c) on b.R: a trunk layer, or the MTP's. Positions and tokens come from the
 // device StepParams `sp`; `table` is this block's entries of the expert table.
 void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* table, const StepParams* sp,
@@ -667,12 +683,17 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     flush_combine();  // the PLE reads R
     const DPle& p = *d.ple;
     const int E = c.ple_embed_dim;
-    CUDA_CHECK(cudaMemcpyAsync(b.emb, ple_emb_h_.get() + static_cast<size_t>(p.index) * chunk_rows_ * b.ldE,
-                               sizeof(float) * rows * b.ldE, cudaMemcpyHostToDevice, stream_));
+    const float* emb = b.emb;
+    if (ple_rows_up_) {  // copied with the step's params (enqueue_trunk)
+      emb = b.emb_step + static_cast<size_t>(p.index) * kMaxRows * b.ldE;
+    } else {
+      CUDA_CHECK(cudaMemcpyAsync(b.emb, ple_emb_h_.get() + static_cast<size_t>(p.index) * chunk_rows_ * b.ldE,
+                                 sizeof(float) * rows * b.ldE, cudaMemcpyHostToDevice, stream_));
+    }
     GemvJob jobs[2];
     jobs[0].w = p.key; jobs[0].y = b.pkey; jobs[0].ldy = b.ldW;
     jobs[1].w = p.value; jobs[1].y = b.pval; jobs[1].ldy = b.ldH;
-    gemv(jobs, 2, b.emb, b.ldE, rows, stream_);
+    gemv(jobs, 2, emb, b.ldE, rows, stream_);
     (void)E;
     rmsnorm_grouped(b.pkey, W, H, p.norm_key, eps, b.pkn, rows, b.ldW, stream_);
     rmsnorm_grouped(b.R, W, H, p.norm_query, eps, b.pqn, rows, b.ldW, stream_);
@@ -831,12 +852,18 @@ void Session::enqueue_trunk(int rows, int from) {
   // Only the rows' tokens travel (a chunk's StepParams is 4 KB; a decode step needs 20 bytes of it).
   const size_t param_bytes = offsetof(StepParams, tokens) + sizeof(int32_t) * rows;
   CUDA_CHECK(cudaMemcpyAsync(b.params, params_h_.get(), param_bytes, cudaMemcpyHostToDevice, stream_));
+  ple_rows_up_ = rows <= kMaxRows && copies_at_ends_on();  // a decode step's PLE rows go up here too
+  for (int i = 0; ple_rows_up_ && i < m_.n_ple_; ++i)
+    CUDA_CHECK(cudaMemcpyAsync(b.emb_step + static_cast<size_t>(i) * kMaxRows * b.ldE,
+                               ple_emb_h_.get() + static_cast<size_t>(i) * chunk_rows_ * b.ldE,
+                               sizeof(float) * rows * b.ldE, cudaMemcpyHostToDevice, stream_));
   embed_wide(m_.embed_, b.params, rows, S, H, b.R, b.ldW, stream_);  // trap 5: the embedding in every stream
   mark("embed");
   for (size_t L = 0; L < m_.layers_.size(); ++L)
     enqueue_block(m_.layers_[L], ls_[L], m_.pool_.table.get() + L * static_cast<size_t>(c.num_experts), b.params,
                   "L" + std::to_string(L) + ".", rows);
   hc_mix(m_.final_mixer_, rows, b.fy, nullptr);  // §9: no final norm (it takes the last combine; R is final)
+  ple_rows_up_ = false;
   CHECK_MSG(!pending_combine_, "a deferred combine outlived the trunk");
   if (from < rows)
     CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get() + static_cast<size_t>(from) * b.ldW, b.R + static_cast<size_t>(from) * b.ldW,
@@ -848,9 +875,12 @@ void Session::enqueue_trunk(int rows, int from) {
 void Session::enqueue_step(int rows, bool want_logits) {
   const ModelConfig& c = m_.cfg();
   Buffers& b = *b_;
-  enqueue_trunk(rows, 0);
+  const bool late = copies_at_ends_on();
+  enqueue_trunk(rows, late ? rows : 0);
   matvec(m_.lm_head_, b.fy, b.ldH, b.logits, b.ldV, rows, stream_);
   argmax(b.logits, c.vocab_size, b.argmax, rows, b.ldV, b.argmax_scratch, stream_);
+  if (late)
+    CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * rows * b.ldW, cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaMemcpyAsync(argmax_h_.get(), b.argmax, sizeof(int32_t) * rows, cudaMemcpyDeviceToHost, stream_));
   if (want_logits)
     CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * rows * b.ldV, cudaMemcpyDeviceToHost,
@@ -967,6 +997,7 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
     copy_rows();
     return {};
   }
+  ScratchScope scratch(&step_scratch_);  // the step's kernel scratch without memory nodes in its graph
   if (use_graphs_ && !taps_) {
     const auto key = std::make_pair(rows, want_logits);
     auto it = graphs_.find(key);
@@ -1066,6 +1097,7 @@ Status Session::mtp_step(const float* h_in, int32_t next_token, int64_t mtp_pos,
   Buffers& b = *b_;
   const int H = c.hidden_size, S = c.hc_count, W = c.wide();
   const float eps = static_cast<float>(c.rms_norm_eps);
+  ScratchScope scratch(&step_scratch_);
   StepParams p;
   p.pos = mtp_pos;
   p.rows = 1;
@@ -1092,10 +1124,12 @@ Status Session::mtp_step(const float* h_in, int32_t next_token, int64_t mtp_pos,
   enqueue_block(mt.layer, *mtp_ls_, table, b.mtp_params, "MTP.", 1);
   hc_mix(mt.mixer, 1, b.fy, nullptr);  // the head's own final mixer, no norm after it (R is final after it)
   CHECK_MSG(!pending_combine_, "a deferred combine outlived the MTP step");
-  if (h_out)
-    CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * W, cudaMemcpyDeviceToHost, stream_));
   tap("MTP.final_y", b.fy, 1, H, b.ldH);
   matvec(m_.lm_head_, b.fy, b.ldH, b.logits, b.ldV, 1, stream_);
+  // After the LM head (which reads fy, not R): a copy between the mixer and the LM head would hold the
+  // LM head's early start (copies_at_ends_on).
+  if (h_out)
+    CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * W, cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * c.vocab_size, cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   std::memcpy(logits, logits_h_.get(), sizeof(float) * c.vocab_size);

@@ -260,6 +260,8 @@ class Session {
 
   cudaStream_t stream_ = nullptr;
   DeviceArena arena_{size_t{64} << 20};
+  bool ple_rows_up_ = false;  // this step's PLE rows went up with its params (enqueue_trunk)
+  StepScratch step_scratch_;  // the decode steps' kernel scratch (common.h ScratchScope), from arena_
   std::vector<LayerState> ls_;
   std::unique_ptr<LayerState> mtp_ls_;  // the MTP layer's caches, when the model has the head
   // Host recurrent state: the n-gram context of each PLE layer, and its snapshots.
