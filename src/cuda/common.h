@@ -155,7 +155,11 @@ class PinnedBuffer {
 // a step's graph keeps kernel-to-kernel edges. Outside a scope (prefill chunks, tests), or when the
 // stack is full or CK_STEP_SCRATCH=0, it is cudaMallocAsync / cudaFreeAsync. Reuse within a step is
 // safe because kernels touch scratch only after their pdl_begin(), when every kernel before them in
-// the stream has finished (as the stream-ordered allocator's own reuse already assumed).
+// the stream has finished (as the stream-ordered allocator's own reuse already assumed). Measured
+// (H200 2026-12-02 02:04Z, against CK_STEP_SCRATCH=0 in the same call): decode at 4 rows 1,310.0 /
+// 1,324.9 tok/s against 1,244.9 / 1,247.9 (+5.7%: its GEMVs' split-K partials had an allocation and a
+// free around every call), one row level (628.8 / 633.7 against 631.4 / 631.3: four attention layers'
+// splits were its only allocations).
 struct StepScratch {
   uint8_t* base = nullptr;
   size_t size = 0, top = 0;

@@ -156,7 +156,7 @@ struct AttnArgs {
   float* out = nullptr; int ldo = 0;          // (rows, nh*hd) gated attention output
   int nh = 0, nkv = 0, hd = 0, inh = 0, ihd = 0, cr = 0, block_topk = 0;
   float eps = 1e-6f;
-  int prefetch_kv = 0;  // set by attention(): CK_ATTN_KV_PREFETCH=1 (attn_prefetch_kv)
+  int prefetch_kv = 0;  // set by attention(): 1 unless CK_ATTN_KV_PREFETCH=0 (attn_prefetch_kv)
 };
 void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
 // Most tokens one query attends to: (block_topk + 1) * cr - 1.
