@@ -1837,6 +1837,55 @@ TEST(CudaOps, MtpHeadOnRandomModelMatchesCpu) {
   std::printf("  random q4 MTP head: worst rel L2 %.3g over %d steps\n", worst, T - 1 + 6);
 }
 
+// The step scratch (common.h scratch_alloc) is a stack inside a ScratchScope: 256-byte aligned
+// pieces, a free pops the piece and everything after it, nested scopes restore the outer one. Host
+// memory stands in for the device arena: inside a scope that has room, no CUDA call is made, so this
+// runs without a GPU. Outside a scope, and past the stack's end, the stream-ordered allocator (GPU only).
+TEST(CudaOps, StepScratchIsAStackInsideItsScope) {
+  std::vector<uint8_t> host(4096);
+  StepScratch sc;
+  sc.base = host.data();
+  sc.size = host.size();
+  StepScratch inner;
+  std::vector<uint8_t> host2(1024);
+  inner.base = host2.data();
+  inner.size = host2.size();
+  {
+    ScratchScope scope(&sc);
+    void* a = scratch_alloc(100, nullptr);
+    void* b = scratch_alloc(300, nullptr);
+    EXPECT_EQ(a, sc.base);
+    EXPECT_EQ(b, sc.base + 256);  // 100 bytes rounded up to 256
+    EXPECT_EQ(sc.top, 256u + 512u);
+    scratch_free(b, nullptr);
+    EXPECT_EQ(sc.top, 256u);
+    void* c = scratch_alloc(16, nullptr);
+    EXPECT_EQ(c, b);  // b's place again
+    {
+      ScratchScope nested(&inner);
+      EXPECT_EQ(scratch_alloc(8, nullptr), inner.base);
+      EXPECT_EQ(sc.top, 512u);  // the outer stack is untouched
+    }
+    EXPECT_EQ(scratch_alloc(8, nullptr), sc.base + 512);  // the outer scope again
+    scratch_free(a, nullptr);  // out of order: pops everything after a too
+    EXPECT_EQ(sc.top, 0u);
+    scratch_free(c, nullptr);  // already popped: the top stays
+    EXPECT_EQ(sc.top, 0u);
+    if (have_gpu()) {  // past the end: a device allocation, freed to the stream-ordered allocator
+      void* big = scratch_alloc(host.size() + 1, nullptr);
+      EXPECT_TRUE(big < static_cast<void*>(sc.base) || big >= static_cast<void*>(sc.base + sc.size));
+      scratch_free(big, nullptr);
+      CUDA_CHECK(cudaStreamSynchronize(nullptr));
+    }
+  }
+  if (have_gpu()) {  // no scope: the stream-ordered allocator
+    void* d = scratch_alloc(64, nullptr);
+    EXPECT_NE(d, nullptr);
+    scratch_free(d, nullptr);
+    CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  }
+}
+
 #else
 TEST(CudaOps, NotBuilt) { GTEST_SKIP() << "this build has no CUDA engine"; }
 #endif
