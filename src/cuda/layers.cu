@@ -2267,8 +2267,8 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
     const int splits = attn_decode_splits(cap);
     if (splits > 1) {
       const int per = static_cast<int>(ceil_div(cap, splits));
-      float* part = nullptr;  // the step's scratch (common.h scratch_alloc)
-      part = static_cast<decltype(part)>(scratch_alloc(sizeof(float) * rows * a.nh * splits * (a.hd + 2), stream));
+      // The step's scratch (common.h scratch_alloc).
+      float* part = static_cast<float*>(scratch_alloc(sizeof(float) * rows * a.nh * splits * (a.hd + 2), stream));
       launch(attn_decode_split_kernel, dim3(a.nh, rows, splits), 256, sizeof(float) * (cap + per), stream, a, sp, splits,
              part);
       CUDA_CHECK_LAUNCH();

@@ -671,6 +671,15 @@ static bool copies_at_ends_on() {
   static const bool on = !env_is("CK_COPIES_AT_ENDS", "0");
   return on;
 }
+// Whether a step of `rows` has its PLE rows copied with its params (into b.emb_step) by enqueue_trunk.
+static bool ple_rows_with_params(int rows) { return rows <= kMaxRows && copies_at_ends_on(); }
+
+void Session::copy_hidden_down(int from, int rows) {
+  Buffers& b = *b_;
+  if (from < rows)
+    CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get() + static_cast<size_t>(from) * b.ldW, b.R + static_cast<size_t>(from) * b.ldW,
+                               sizeof(float) * (rows - from) * b.ldW, cudaMemcpyDeviceToHost, stream_));
+}
 
 // One decoder layer (§2 a-c) on b.R: a trunk layer, or the MTP's. Positions and tokens come from the
 // device StepParams `sp`; `table` is this block's entries of the expert table.
@@ -686,7 +695,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     const DPle& p = *d.ple;
     const int E = c.ple_embed_dim;
     const float* emb = b.emb;
-    if (ple_rows_up_) {  // copied with the step's params (enqueue_trunk)
+    if (ple_rows_with_params(rows)) {  // copied with the step's params (enqueue_trunk)
       emb = b.emb_step + static_cast<size_t>(p.index) * kMaxRows * b.ldE;
     } else {
       CUDA_CHECK(cudaMemcpyAsync(b.emb, ple_emb_h_.get() + static_cast<size_t>(p.index) * chunk_rows_ * b.ldE,
@@ -854,8 +863,7 @@ void Session::enqueue_trunk(int rows, int from) {
   // Only the rows' tokens travel (a chunk's StepParams is 4 KB; a decode step needs 20 bytes of it).
   const size_t param_bytes = offsetof(StepParams, tokens) + sizeof(int32_t) * rows;
   CUDA_CHECK(cudaMemcpyAsync(b.params, params_h_.get(), param_bytes, cudaMemcpyHostToDevice, stream_));
-  ple_rows_up_ = rows <= kMaxRows && copies_at_ends_on();  // a decode step's PLE rows go up here too
-  for (int i = 0; ple_rows_up_ && i < m_.n_ple_; ++i)
+  for (int i = 0; ple_rows_with_params(rows) && i < m_.n_ple_; ++i)  // a decode step's PLE rows too
     CUDA_CHECK(cudaMemcpyAsync(b.emb_step + static_cast<size_t>(i) * kMaxRows * b.ldE,
                                ple_emb_h_.get() + static_cast<size_t>(i) * chunk_rows_ * b.ldE,
                                sizeof(float) * rows * b.ldE, cudaMemcpyHostToDevice, stream_));
@@ -865,11 +873,8 @@ void Session::enqueue_trunk(int rows, int from) {
     enqueue_block(m_.layers_[L], ls_[L], m_.pool_.table.get() + L * static_cast<size_t>(c.num_experts), b.params,
                   "L" + std::to_string(L) + ".", rows);
   hc_mix(m_.final_mixer_, rows, b.fy, nullptr);  // §9: no final norm (it takes the last combine; R is final)
-  ple_rows_up_ = false;
   CHECK_MSG(!pending_combine_, "a deferred combine outlived the trunk");
-  if (from < rows)
-    CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get() + static_cast<size_t>(from) * b.ldW, b.R + static_cast<size_t>(from) * b.ldW,
-                               sizeof(float) * (rows - from) * b.ldW, cudaMemcpyDeviceToHost, stream_));
+  copy_hidden_down(from, rows);
   mark("final mixer");
   tap("final_y", b.fy, rows, H, b.ldH);
 }
@@ -881,8 +886,7 @@ void Session::enqueue_step(int rows, bool want_logits) {
   enqueue_trunk(rows, late ? rows : 0);
   matvec(m_.lm_head_, b.fy, b.ldH, b.logits, b.ldV, rows, stream_);
   argmax(b.logits, c.vocab_size, b.argmax, rows, b.ldV, b.argmax_scratch, stream_);
-  if (late)
-    CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * rows * b.ldW, cudaMemcpyDeviceToHost, stream_));
+  if (late) copy_hidden_down(0, rows);
   CUDA_CHECK(cudaMemcpyAsync(argmax_h_.get(), b.argmax, sizeof(int32_t) * rows, cudaMemcpyDeviceToHost, stream_));
   if (want_logits)
     CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * rows * b.ldV, cudaMemcpyDeviceToHost,
@@ -1129,9 +1133,8 @@ Status Session::mtp_step(const float* h_in, int32_t next_token, int64_t mtp_pos,
   tap("MTP.final_y", b.fy, 1, H, b.ldH);
   matvec(m_.lm_head_, b.fy, b.ldH, b.logits, b.ldV, 1, stream_);
   // After the LM head (which reads fy, not R): a copy between the mixer and the LM head would hold the
-  // LM head's early start (copies_at_ends_on).
-  if (h_out)
-    CUDA_CHECK(cudaMemcpyAsync(hidden_h_.get(), b.R, sizeof(float) * W, cudaMemcpyDeviceToHost, stream_));
+  // LM head's early start (as in a trunk step, copies_at_ends_on).
+  if (h_out) copy_hidden_down(0, 1);
   CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * c.vocab_size, cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   std::memcpy(logits, logits_h_.get(), sizeof(float) * c.vocab_size);

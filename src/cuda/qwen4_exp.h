@@ -209,6 +209,7 @@ class Session {
   Status run_chunk(std::span<const int32_t> tokens, int64_t pos, bool snap, bool want_logits, StepResult* out,
                    int row0, int first_out);
   void enqueue_trunk(int rows, int from);
+  void copy_hidden_down(int from, int rows);  // pre-mixer residual rows [from, rows) into hidden_h_
   void mark(const char* piece);
   void collect_marks();
   void enqueue_step(int rows, bool want_logits);
@@ -260,7 +261,6 @@ class Session {
 
   cudaStream_t stream_ = nullptr;
   DeviceArena arena_{size_t{64} << 20};
-  bool ple_rows_up_ = false;  // this step's PLE rows went up with its params (enqueue_trunk)
   StepScratch step_scratch_;  // the decode steps' kernel scratch (common.h ScratchScope), from arena_
   std::vector<LayerState> ls_;
   std::unique_ptr<LayerState> mtp_ls_;  // the MTP layer's caches, when the model has the head
