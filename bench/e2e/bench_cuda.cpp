@@ -335,11 +335,18 @@ int main(int argc, char** argv) {
               "(%.3f GB/step / %.0f GB/s)   %.0f%% of ceiling%s\n",
          rows, rows > 1 ? "s" : " ", rows / step_s, step_s * 1e3, t.size(), ceil_tps, step_bytes / 1e9, copy_gbs,
          100.0 * (rows / step_s) / ceil_tps, at.c_str());
+    if (const cuda::GraphShape* g = s->step_graph_shape(rows, false)) {
+      const std::string shape = cuda::describe(*g);
+      emit(out, "graph    %d row%s/step   %s\n", rows, rows > 1 ? "s" : " ", shape.substr(0, shape.find('\n')).c_str());
+    }
   }
 
-  // ---- MTP draft step (direct launches: no graph yet), after a 64-token prompt
-  if (m->has_mtp() && a.decode_steps > 0) {
+  // ---- MTP draft step (one graph a step; then with every kernel launched directly, to compare), after a
+  // 64-token prompt
+  for (const bool graphs : {true, false}) {
+    if (!m->has_mtp() || a.decode_steps == 0) break;
     auto s = m->new_session(4096);
+    s->set_use_graphs(graphs);
     std::vector<int32_t> prompt = rand_tokens(64);
     if (!s->step_rows(prompt, false, false, &res).ok()) return 1;
     s->commit(64);
@@ -351,14 +358,18 @@ int main(int argc, char** argv) {
       auto ts = Clock::now();
       if (!s->mtp_step(h.data(), static_cast<int32_t>(rng() % c.vocab_size), i, logits.data(), h_out.data()).ok())
         return 1;
-      if (i >= 3) t.push_back(seconds_since(ts));
+      if (i >= 3) t.push_back(seconds_since(ts));  // the first step captures the graph
       h.swap(h_out);
     }
     const double step_s = median(t), bytes = m->mtp_bytes_per_step();
-    emit(out, "mtp      draft step        %8.3f ms  (median of %zu; logits copied to the host)   ceiling %.3f ms "
+    emit(out, "mtp      draft step%s %8.3f ms  (median of %zu; logits copied to the host)   ceiling %.3f ms "
               "(%.3f GB / %.0f GB/s)   %.0f%% of ceiling\n",
-         step_s * 1e3, t.size(), bytes / (copy_gbs * 1e9) * 1e3, bytes / 1e9, copy_gbs,
+         graphs ? "        " : ", direct", step_s * 1e3, t.size(), bytes / (copy_gbs * 1e9) * 1e3, bytes / 1e9, copy_gbs,
          100.0 * (bytes / (copy_gbs * 1e9)) / step_s);
+    if (const cuda::GraphShape* g = graphs ? s->mtp_graph_shape(true) : nullptr) {
+      const std::string shape = cuda::describe(*g);
+      emit(out, "graph    mtp draft step  %s\n", shape.substr(0, shape.find('\n')).c_str());
+    }
   }
 
   // ---- prefill

@@ -522,7 +522,9 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
 }
 
 Session::~Session() {
-  for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+  for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g.exec);
+  for (StepGraph& g : mtp_graphs_)
+    if (g.exec) cudaGraphExecDestroy(g.exec);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -1008,16 +1010,10 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
     const auto key = std::make_pair(rows, want_logits);
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
-      cudaGraph_t g = nullptr;
-      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      enqueue_step(rows, want_logits);
-      CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
-      cudaGraphExec_t exec = nullptr;
-      CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-      CUDA_CHECK(cudaGraphDestroy(g));
-      it = graphs_.emplace(key, exec).first;
+      const std::string what = fmt::format("step graph, {} row(s){}", rows, want_logits ? " with logits" : "");
+      it = graphs_.emplace(key, capture_graph([&] { enqueue_step(rows, want_logits); }, what)).first;
     }
-    CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+    CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream_));
   } else {
     enqueue_step(rows, want_logits);
   }
@@ -1025,6 +1021,20 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
   copy_rows();
   if (want_logits) copy_logits(start, rows - start, logits_h_.get() + static_cast<size_t>(start) * b.ldV);
   return {};
+}
+
+Session::StepGraph Session::capture_graph(const std::function<void()>& enqueue, const std::string& what) {
+  StepGraph sg;
+  cudaGraph_t g = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  enqueue();
+  CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+  sg.shape = graph_shape(g);
+  static const bool log_shape = env_is("CK_GRAPH_STATS", "1");
+  if (log_shape) LOG_INF("cuda", "{}: {}", what, describe(sg.shape));
+  CUDA_CHECK(cudaGraphInstantiate(&sg.exec, g, 0));
+  CUDA_CHECK(cudaGraphDestroy(g));
+  return sg;
 }
 
 Status Session::step_rows(std::span<const int32_t> tokens, bool snap, bool want_logits, StepResult* out,
@@ -1111,31 +1121,42 @@ Status Session::mtp_step(const float* h_in, int32_t next_token, int64_t mtp_pos,
   p.tokens[0] = next_token;
   std::memcpy(mtp_params_h_.get(), &p, sizeof(p));
   std::memcpy(mtp_in_h_.get(), h_in, sizeof(float) * W);
-  CUDA_CHECK(cudaMemcpyAsync(b.mtp_params, mtp_params_h_.get(), sizeof(StepParams), cudaMemcpyHostToDevice, stream_));
-  CUDA_CHECK(cudaMemcpyAsync(b.mtp_h, mtp_in_h_.get(), sizeof(float) * W, cudaMemcpyHostToDevice, stream_));
-  // fe = fc_embedding · N1(E[x]): the embedding row as one "stream" of embed_wide.
-  embed_wide(m_.embed_, b.mtp_params, 1, 1, H, b.mtp_e, b.ldH, stream_);
-  rmsnorm_grouped(b.mtp_e, H, H, mt.norm_embedding, eps, b.mtp_en, 1, b.ldH, stream_);
-  matvec(mt.fc_embedding, b.mtp_en, b.ldH, b.mtp_fe, b.ldH, 1, stream_);
-  // pre_fc_norm_hidden: one RMS statistic per stream (grouped), as the CPU (spec §14 open question 1).
-  rmsnorm_grouped(b.mtp_h, W, H, mt.norm_hidden, eps, b.mtp_hn, 1, b.ldW, stream_);
-  // fh_s = fc_hidden · Hn_s for every stream: the S streams as S rows of H (ld = H), straight into R.
-  for (int s0 = 0; s0 < S; s0 += kMaxRows)
-    matvec(mt.fc_hidden, b.mtp_hn + static_cast<size_t>(s0) * H, H, b.R + static_cast<size_t>(s0) * H, H,
-           std::min(kMaxRows, S - s0), stream_);
-  // R0_s = fh_s + fe: hc_combine with unit weights is exactly that sum (fe · 1 is exact, one rounding).
-  defer_combine(b.mtp_fe, b.mtp_ones, 1);  // into the layer's first mix norm
-  tap("MTP.R0", b.R, 1, W, b.ldW);
-  const ExpertSlot* table = m_.pool_.table.get() + static_cast<size_t>(c.num_hidden_layers) * c.num_experts;
-  enqueue_block(mt.layer, *mtp_ls_, table, b.mtp_params, "MTP.", 1);
-  hc_mix(mt.mixer, 1, b.fy, nullptr);  // the head's own final mixer, no norm after it (R is final after it)
-  CHECK_MSG(!pending_combine_, "a deferred combine outlived the MTP step");
-  tap("MTP.final_y", b.fy, 1, H, b.ldH);
-  matvec(m_.lm_head_, b.fy, b.ldH, b.logits, b.ldV, 1, stream_);
-  // After the LM head (which reads fy, not R): a copy between the mixer and the LM head would hold the
-  // LM head's early start (as in a trunk step, copies_at_ends_on).
-  if (h_out) copy_hidden_down(0, 1);
-  CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * c.vocab_size, cudaMemcpyDeviceToHost, stream_));
+  // One submission, as a trunk step: the kernels between the inputs' copies and the outputs' copies,
+  // captured once per session (the position and token come from b.mtp_params on the device).
+  auto enqueue = [&] {
+    CUDA_CHECK(cudaMemcpyAsync(b.mtp_params, mtp_params_h_.get(), sizeof(StepParams), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(b.mtp_h, mtp_in_h_.get(), sizeof(float) * W, cudaMemcpyHostToDevice, stream_));
+    // fe = fc_embedding · N1(E[x]): the embedding row as one "stream" of embed_wide.
+    embed_wide(m_.embed_, b.mtp_params, 1, 1, H, b.mtp_e, b.ldH, stream_);
+    rmsnorm_grouped(b.mtp_e, H, H, mt.norm_embedding, eps, b.mtp_en, 1, b.ldH, stream_);
+    matvec(mt.fc_embedding, b.mtp_en, b.ldH, b.mtp_fe, b.ldH, 1, stream_);
+    // pre_fc_norm_hidden: one RMS statistic per stream (grouped), as the CPU (spec §14 open question 1).
+    rmsnorm_grouped(b.mtp_h, W, H, mt.norm_hidden, eps, b.mtp_hn, 1, b.ldW, stream_);
+    // fh_s = fc_hidden · Hn_s for every stream: the S streams as S rows of H (ld = H), straight into R.
+    for (int s0 = 0; s0 < S; s0 += kMaxRows)
+      matvec(mt.fc_hidden, b.mtp_hn + static_cast<size_t>(s0) * H, H, b.R + static_cast<size_t>(s0) * H, H,
+             std::min(kMaxRows, S - s0), stream_);
+    // R0_s = fh_s + fe: hc_combine with unit weights is exactly that sum (fe · 1 is exact, one rounding).
+    defer_combine(b.mtp_fe, b.mtp_ones, 1);  // into the layer's first mix norm
+    tap("MTP.R0", b.R, 1, W, b.ldW);
+    const ExpertSlot* table = m_.pool_.table.get() + static_cast<size_t>(c.num_hidden_layers) * c.num_experts;
+    enqueue_block(mt.layer, *mtp_ls_, table, b.mtp_params, "MTP.", 1);
+    hc_mix(mt.mixer, 1, b.fy, nullptr);  // the head's own final mixer, no norm after it (R is final after it)
+    CHECK_MSG(!pending_combine_, "a deferred combine outlived the MTP step");
+    tap("MTP.final_y", b.fy, 1, H, b.ldH);
+    matvec(m_.lm_head_, b.fy, b.ldH, b.logits, b.ldV, 1, stream_);
+    // After the LM head (which reads fy, not R): a copy between the mixer and the LM head would hold the
+    // LM head's early start (as in a trunk step, copies_at_ends_on).
+    if (h_out) copy_hidden_down(0, 1);
+    CUDA_CHECK(cudaMemcpyAsync(logits_h_.get(), b.logits, sizeof(float) * c.vocab_size, cudaMemcpyDeviceToHost, stream_));
+  };
+  if (use_graphs_ && !taps_) {
+    StepGraph& g = mtp_graphs_[h_out ? 1 : 0];
+    if (!g.exec) g = capture_graph(enqueue, h_out ? "MTP step graph with h_out" : "MTP step graph");
+    CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
+  } else {
+    enqueue();
+  }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   std::memcpy(logits, logits_h_.get(), sizeof(float) * c.vocab_size);
   if (h_out) std::memcpy(h_out, hidden_h_.get(), sizeof(float) * W);

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -22,6 +23,7 @@
 #include "cpu/qwen4_exp.h"
 #include "cuda/common.h"
 #include "cuda/dmatrix.h"
+#include "cuda/graph_shape.h"
 #include "cuda/weights.h"
 #include "format/weights.h"
 
@@ -185,6 +187,17 @@ class Session {
 
   // Graphs on (default) or off (every kernel launched directly, same kernels, same results).
   void set_use_graphs(bool on) { use_graphs_ = on; }
+  // The shape of the captured graph of a step of `rows` rows (nodes, early and full kernel edges), or
+  // null before such a step has run with graphs on. CK_GRAPH_STATS=1 also logs it at capture.
+  const GraphShape* step_graph_shape(int rows, bool want_logits) const {
+    auto it = graphs_.find({rows, want_logits});
+    return it == graphs_.end() ? nullptr : &it->second.shape;
+  }
+  // The same for the MTP draft step (with or without its h_out copy).
+  const GraphShape* mtp_graph_shape(bool with_hidden) const {
+    const StepGraph& g = mtp_graphs_[with_hidden ? 1 : 0];
+    return g.exec ? &g.shape : nullptr;
+  }
   // Rows per prefill chunk (the tensor-core path for inputs longer than kMaxRows, taken when a step
   // needs no snapshots), at most the session's chunk_rows; <= kMaxRows turns it off (every row through
   // the GEMV path: bit-for-bit independent of how rows are grouped, which the tests compare).
@@ -280,7 +293,14 @@ class Session {
 
   struct Buffers;
   std::unique_ptr<Buffers> b_;
-  std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;
+  struct StepGraph {
+    cudaGraphExec_t exec = nullptr;
+    GraphShape shape;  // read from the capture before instantiation
+  };
+  // What `enqueue` puts on stream_, captured and instantiated (CK_GRAPH_STATS=1 logs its shape as `what`).
+  StepGraph capture_graph(const std::function<void()>& enqueue, const std::string& what);
+  std::map<std::pair<int, bool>, StepGraph> graphs_;  // trunk steps by (rows, want_logits)
+  StepGraph mtp_graphs_[2];                            // MTP draft steps without / with the h_out copy
 };
 
 }  // namespace ck::cuda

@@ -291,6 +291,32 @@ TEST_P(CudaOracle, ExpertPlacementDoesNotChangeLogits) {
   }
 }
 
+// A decode step's graph is one chain of kernels between the copies of its inputs and of its outputs.
+// Every kernel but the first must start early (a programmatic edge from the kernel before): an
+// allocation, copy or plain launch between two kernels makes the second wait for the first to end,
+// which cost the 4-row step 5.7% until the twenty-eighth session found it.
+TEST_P(CudaOracle, DecodeGraphsStartEveryKernelEarly) {
+  SETUP();
+  if (!cuda::pdl_enabled()) GTEST_SKIP() << "CK_PDL=0";
+  auto s = l.model->new_session(256);
+  s->set_prefill_chunk(0);
+  size_t t = 0;
+  for (int rows : {1, 4}) {
+    ASSERT_LE(t + rows, fx->prompt.size());
+    cuda::StepResult r;
+    ASSERT_TRUE(s->step_rows(std::span(fx->prompt).subspan(t, rows), rows > 1, false, &r).ok());  // as MTP's verify
+    s->commit(rows);
+    t += rows;
+    const cuda::GraphShape* g = s->step_graph_shape(rows, false);
+    ASSERT_NE(g, nullptr) << rows << " rows: no graph was captured";
+    const std::string shape = cuda::describe(*g);
+    EXPECT_GT(g->kernels, 10) << shape;
+    EXPECT_EQ(g->mem_nodes, 0) << rows << " rows: " << shape;
+    EXPECT_EQ(g->full_kernel_edges, 0) << rows << " rows: " << shape;
+    EXPECT_EQ(g->late_kernels.size(), 1u) << rows << " rows (only the first kernel, after the inputs' copies): " << shape;
+  }
+}
+
 TEST_P(CudaOracle, OutOfVocabularyTokenIsAnError) {
   SETUP();
   auto s = l.model->new_session(256);
@@ -325,7 +351,10 @@ TEST(CudaMtp, DraftsMatchTheTrainingReference) {
   cuda::StepResult r;
   ASSERT_TRUE(s->step_rows(fx->prompt, false, false, &r).ok());
   s->commit(static_cast<int>(T));
-  std::vector<float> draft(V), h(W);
+  // The same drafts with every kernel launched directly (no graph) must have the same bits.
+  auto direct = l.model->new_session(256);
+  direct->set_use_graphs(false);
+  std::vector<float> draft(V), h(W), draft_direct(V), h_direct(W);
   double worst = 0;
   for (size_t t = 0; t + 1 < T; ++t) {
     Status st = s->mtp_step(r.hidden.data() + t * W, fx->prompt[t + 1], static_cast<int64_t>(t), draft.data(), h.data());
@@ -333,6 +362,10 @@ TEST(CudaMtp, DraftsMatchTheTrainingReference) {
     const double e = test::rel_l2(draft.data(), fx->mtp_logits.data() + t * V, V);
     worst = std::max(worst, e);
     EXPECT_LE(e, kMtpTol) << "MTP position " << t;
+    ASSERT_TRUE(direct->mtp_step(r.hidden.data() + t * W, fx->prompt[t + 1], static_cast<int64_t>(t),
+                                 draft_direct.data(), h_direct.data()).ok());
+    EXPECT_EQ(std::memcmp(draft.data(), draft_direct.data(), sizeof(float) * V), 0) << "graph vs direct, position " << t;
+    EXPECT_EQ(std::memcmp(h.data(), h_direct.data(), sizeof(float) * W), 0) << "graph vs direct h_out, position " << t;
   }
   std::printf("  cuda MTP vs the training reference: worst rel L2 %.3g over %zu positions\n", worst, T - 1);
   // Bad inputs are errors, not crashes.
@@ -402,6 +435,16 @@ TEST(CudaMtp, MatchesCpuOverDraftsAndRollback) {
     EXPECT_LE(test::rel_l2(lg.data(), first.data() + t * V, V), kSelfTol) << "redone MTP position " << t;
   }
   std::printf("  cuda MTP vs cpu MTP: worst rel L2 %.3g (logits and h_out)\n", worst);
+  // The steps above ran as one graph (captured at the first): one chain of kernels, every one but the
+  // first starting early, as a trunk step (DecodeGraphsStartEveryKernelEarly).
+  const cuda::GraphShape* g = gs->mtp_graph_shape(true);
+  ASSERT_NE(g, nullptr) << "the MTP step was not captured into a graph";
+  if (cuda::pdl_enabled()) {
+    const std::string shape = cuda::describe(*g);
+    EXPECT_EQ(g->mem_nodes, 0) << shape;
+    EXPECT_EQ(g->full_kernel_edges, 0) << shape;
+    EXPECT_EQ(g->late_kernels.size(), 1u) << shape;
+  }
 }
 
 TEST(CudaMtp, ModelWithoutTheHeadIsAnError) {
