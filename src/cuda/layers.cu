@@ -154,46 +154,14 @@ __global__ void hc_combine_kernel(float* R, int ldR, const float* o, int ldo, co
 
 // ------------------------------------------------------------------ Gated DeltaNet
 
-// The R-row v4 fragments and group sums (tc4_rows_group_frags' words and bits) of stream s of row r of
-// a wide vector that this block has just written (out0s: the stream's start in row 0, rows ldR apart;
-// H / 64 groups a stream), for the 2-8-row GEMV that reads it next. Every fragment word holds one MMA
-// column, and a column one row's part (hi, mid or lo), so block (s, r) writes the 3 columns of its row
-// and row 0's blocks also write the zero columns past the rows (nx < R): together the groups' whole
-// words, as tc4_frag_kernel<R> would write them from the same floats.
-template <int NB>
-__device__ __forceinline__ void stream_row_frags(const float* out0s, int64_t ldR, int nx, int r, int s, int gps,
-                                                 uint2* __restrict__ rfrag, float* __restrict__ rgsum) {
-  constexpr int NC = 8 * NB, FW = 4 * NB * 32;
-  const int own = 3 * 16, per_group = own + (r == 0 ? (NC - 3 * nx) * 16 : 0);  // 16 words a column
-#pragma unroll 1
-  for (int q = threadIdx.x; q < gps * per_group; q += blockDim.x) {
-    const int gi = q / per_group, k = q % per_group;
-    const int n = k < own ? 3 * r + k / 16 : 3 * nx + (k - own) / 16;  // the word's column
-    const int step = (k % 16) / 4, t = k % 4;
-    const int e = step * 32 * NB + (n / 8) * 32 + t * 8 + n % 8;  // tc4_frag_src's word order
-    rfrag[static_cast<size_t>(s * gps + gi) * FW + e] = tc4_frag_elem<NB>(out0s + gi * 64, ldR, nx, e);
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll 1
-  for (int gi = warp; gi < gps; gi += blockDim.x >> 5) {
-    const float v = tc4_group_sum(out0s + r * ldR + gi * 64);  // on the row's hi column
-    float* gs = rgsum + static_cast<size_t>(s * gps + gi) * NC;
-    if (lane < 3) gs[3 * r + lane] = lane == 0 ? v : 0.0f;
-    if (r == 0)
-      for (int n = 3 * nx + lane; n < NC; n += 32) gs[n] = 0.0f;
-  }
-}
-
 // grid (S, rows), block rmsnorm_wide_block(H): hc_combine_kernel for stream s of row r, then
 // rmsnorm_wide_kernel of the updated stream (the hyper-connection mix's input norm, spec §4), in one
 // kernel: the same operations on the same values (so the same bits as the two launches), one launch
-// less per mix. NB > 0 (2-8-row steps): then the R-row fragments of the output for the down projection
-// (stream_row_frags), which then launches no fragment kernel of its own.
-template <int NB>
+// less per mix.
 __global__ void __launch_bounds__(1024) hc_combine_rmsnorm_kernel(float* R, int64_t ldR, const float* o, int64_t ldo,
                                                                   const float* w, int ldw, int64_t H,
                                                                   const float* __restrict__ scale, float eps,
-                                                                  float* out, uint2* rfrag, float* rgsum) {
+                                                                  float* out) {
   pdl_begin();
   __shared__ float scratch[32];
   const int s = blockIdx.x, r = blockIdx.y;
@@ -215,10 +183,6 @@ __global__ void __launch_bounds__(1024) hc_combine_rmsnorm_kernel(float* R, int6
   }
   rmsnorm_wide_tail(v, n4, H, reinterpret_cast<const float4*>(scale + s * H), eps,
                     reinterpret_cast<float4*>(out + r * ldR + s * H), scratch);
-  if constexpr (NB > 0) {
-    __syncthreads();  // the block's writes of out, which the fragments read back (L1)
-    stream_row_frags<NB>(out + s * H, ldR, static_cast<int>(gridDim.y), r, s, static_cast<int>(H / 64), rfrag, rgsum);
-  }
 }
 
 // grid (ceil(C/256)), block 256: one thread per channel, rows in order.
@@ -2150,26 +2114,14 @@ void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int 
 }
 
 bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H,
-                        const float* scale, float eps, float* out, int rows, cudaStream_t stream, uint2* rfrag,
-                        float* rgsum) {
+                        const float* scale, float eps, float* out, int rows, cudaStream_t stream) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   // The shape rmsnorm_grouped sends to its wide kernel, and float4 rows of o.
   if (H < 2048 || H % 4 != 0 || H > 16 * 1024 || ldR % 4 != 0 || ldo % 4 != 0 || !aligned(R) || !aligned(o) ||
       !aligned(out) || !aligned(scale))
     return false;
-  const bool frags = rfrag && rgsum && rows >= 2 && rows <= kMaxRows && H % 64 == 0;
-  const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(rows));
-  const unsigned block = rmsnorm_wide_block(H);
-  auto go = [&](auto kernel) {
-    launch(kernel, grid, block, 0, stream, R, int64_t{ldR}, o, int64_t{ldo}, w, ldw, int64_t{H}, scale, eps, out,
-           frags ? rfrag : nullptr, frags ? rgsum : nullptr);
-  };
-  switch (frags ? (3 * tc4_rows_R(rows) + 7) / 8 : 0) {
-    case 0: go(hc_combine_rmsnorm_kernel<0>); break;
-    case 1: go(hc_combine_rmsnorm_kernel<1>); break;
-    case 2: go(hc_combine_rmsnorm_kernel<2>); break;
-    default: go(hc_combine_rmsnorm_kernel<3>); break;
-  }
+  launch(hc_combine_rmsnorm_kernel, dim3(static_cast<unsigned>(S), static_cast<unsigned>(rows)), rmsnorm_wide_block(H),
+         0, stream, R, int64_t{ldR}, o, int64_t{ldo}, w, ldw, int64_t{H}, scale, eps, out);
   CUDA_CHECK_LAUNCH();
   return true;
 }

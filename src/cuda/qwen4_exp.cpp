@@ -108,12 +108,6 @@ bool row_frags_on() {
   static const bool on = !env_is("CK_ROW_FRAGS", "0");
   return on;
 }
-// And the mix's input norm writes X's for its down projection (Buffers::xfr; CK_HC_NORM_FRAGS=0: the
-// down projection's own fragment kernel, to compare).
-bool norm_frags_on() {
-  static const bool on = row_frags_on() && !env_is("CK_HC_NORM_FRAGS", "0");
-  return on;
-}
 
 // CK_GDN=recurrent keeps prefill chunks on the token-by-token delta rule (to compare).
 bool gdn_chunked_enabled() {
@@ -385,7 +379,6 @@ struct Session::Buffers {
   uint2* urfrag = nullptr;
   float* urgsum = nullptr;
   Tc4Frags dfr;
-  Tc4Frags xfr;  // the same for the mix's normalised input X (written by hc_combine_rmsnorm)
   int32_t* argmax = nullptr;
   // MTP head (one row): its StepParams, the embedding row e, N1(e), fe, the input hidden and its norm,
   // and S ones (the unit injection of fe into every stream).
@@ -451,11 +444,6 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
       if (d_groups > 0 && c.hc_lowrank % 64 == 0) {
         b.dfr.rfrag = reinterpret_cast<uint2*>(fbuf(d_groups * tc4_rows_frag_words(kMaxRows) * 2));
         b.dfr.rgsum = fbuf(d_groups * tc4_rows_gsum_floats(kMaxRows));
-      }
-      if (norm_frags_on()) {
-        const int64_t x_groups = static_cast<int64_t>(S) * groups;
-        b.xfr.rfrag = reinterpret_cast<uint2*>(fbuf(x_groups * tc4_rows_frag_words(kMaxRows) * 2));
-        b.xfr.rgsum = fbuf(x_groups * tc4_rows_gsum_floats(kMaxRows));
       }
     }
     b.hc_scratch_n = hc_mix_scratch_floats(S, H, c.hc_lowrank);
@@ -624,20 +612,10 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
     }
   }
   materialize_moe();
-  // At 2-8 rows the norm also writes X's fragments for the down projection (norm_frags_on).
-  const bool x_frags = rows >= 2 && rows <= kMaxRows && b.xfr.rfrag && H % 64 == 0;
-  b.xfr.rR = 0;
   if (pending_combine_ && pending_combine_->rows == rows &&
       hc_combine_rmsnorm(b.R, b.ldW, pending_combine_->o, b.ldH, pending_combine_->w, b.ldS, S, H, hc.norm, eps, b.X,
-                         rows, stream_, x_frags ? b.xfr.rfrag : nullptr, x_frags ? b.xfr.rgsum : nullptr)) {
+                         rows, stream_)) {
     pending_combine_.reset();
-    if (x_frags) {
-      b.xfr.x = b.X;
-      b.xfr.ldx = static_cast<int>(b.ldW);
-      b.xfr.rows = rows;
-      b.xfr.groups = W / 64;
-      b.xfr.rR = tc4_rows_R(rows);
-    }
   } else {
     flush_combine();
     rmsnorm_grouped(b.R, W, H, hc.norm, eps, b.X, rows, b.ldW, stream_);
@@ -662,7 +640,7 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   // At 2-8 rows the down projection's reduce also writes d's fragments, which the up projection reads.
   const bool row_frags = rows >= 2 && rows <= kMaxRows && b.dfr.rfrag;
   jobs[0].frags_out = row_frags ? &b.dfr : nullptr;
-  gemv(jobs, n, b.X, b.ldW, rows, stream_, &b.xfr);
+  gemv(jobs, n, b.X, b.ldW, rows, stream_);
   mark("hc mix: down");
   GemvJob up;
   up.w = hc.up;
