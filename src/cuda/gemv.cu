@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/common.h"
@@ -732,8 +733,12 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
 // slice order (R >= 2, no conv).
 // Register caps keep 3-4 blocks (24-32 warps) per SM: with fewer the loads in flight cannot cover DRAM
 // latency (1 block per SM, uncapped: lm_head at 1.2 TB/s).
-template <int R, bool BF16S>
-__global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __grid_constant__ TcLaunch L, int nx) {
+// BITS = 8 (2-4 rows: the router and the shared expert's gate): the codes' nibbles on the same fragments
+// (tc8_group_mma), two blocks per SM (twice the accumulators; such matrices are small: 32 blocks).
+template <int R, bool BF16S, int BITS = 4>
+__global__ void __launch_bounds__(256, BITS == 8 ? 2 : R <= 2 ? 4 : 3) gemv_tc4_kernel(const __grid_constant__ TcLaunch L,
+                                                                                    int nx) {
+  static_assert(BITS == 4 || R > 1, "the one-row 8-bit codes take gemv_tc4_one_kernel");
   constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
   __shared__ float red[8][16][NC + 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -747,7 +752,7 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   const int per_z = (L.groups + L.kb - 1) / L.kb, Z0 = min(L.groups, static_cast<int>(blockIdx.y) * per_z),
             Z1 = min(L.groups, Z0 + per_z);
   const int per = (Z1 - Z0 + ks - 1) / ks, G0 = min(Z1, Z0 + part * per), G1 = min(Z1, G0 + per);
-  Tc4Rows<BF16S> tr;
+  Tc4Rows<BF16S, BITS> tr;
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
     if (L.prefetch) tr.prefetch(G0, G1, t);
@@ -765,16 +770,20 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
   if (tile < n_tiles) {
 #pragma unroll 4
     for (int G = G0; G < G1; ++G) {
-      uint2 wa, wb;
+      std::conditional_t<BITS == 8, uint4, uint2> wa, wb;
       float sa, ba, sb, bb;
       tr.load(G, wa, wb, sa, ba, sb, bb);
       // One row: the compact fragments (mma_q4.cuh kOneFragWords) and one Σ x per group, on column 0.
       const uint2* fg = R == 1 ? L.frag + static_cast<size_t>(G) * kOneFragWords + tc4_one_frag_lane(g, t)
                                : L.frag + static_cast<size_t>(G) * 4 * NB * 32 + t * 8 + g;
-      float d[NB][4] = {};  // the group's Σ (128 + q) x, fresh per group
-      tc4_group_mma<NB>(wa, wb, [&](int s, int nb) {
-        return R == 1 ? tc4_one_frag_ld(fg, s) : __ldg(fg + (s * NB + nb) * 32);
-      }, d);
+      float d[NB][4] = {};  // the group's Σ (128 + q) x (8-bit: Σ q x), fresh per group
+      if constexpr (BITS == 8) {
+        tc8_group_mma<NB>(wa, wb, [&](int s, int nb) { return __ldg(fg + (s * NB + nb) * 32); }, d);
+      } else {
+        tc4_group_mma<NB>(wa, wb, [&](int s, int nb) {
+          return R == 1 ? tc4_one_frag_ld(fg, s) : __ldg(fg + (s * NB + nb) * 32);
+        }, d);
+      }
       if constexpr (R == 1) {
         ba = bias_128(ba, sa);  // the codes are 128 + q (code_pair_128)
         bb = bias_128(bb, sb);
@@ -785,7 +794,7 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_kernel(const __g
         acc[0][3] = fmaf(sb, d[0][3], acc[0][3]);
       } else {
         const float* gs = L.gsum + G * NC + 2 * t;
-        tc4_group_accumulate<NB>(d, sa, ba, sb, bb, [&](int nb, int c) { return __ldg(gs + nb * 8 + c); }, acc);
+        tc4_group_accumulate<NB, BITS == 4>(d, sa, ba, sb, bb, [&](int nb, int c) { return __ldg(gs + nb * 8 + c); }, acc);
       }
     }
   }
@@ -951,30 +960,14 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
       if constexpr (BITS == 4) {
         tc4_one_group(tr, G, sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane, xs, acc);
       } else {
-        // 8-bit codes: lane t's 16 bytes of a row are columns 16t + 4k + i (word k, byte i). Step s's
-        // pair A (columns c, c + 4; c = 16t + 8(s>>1) + 2(s&1)) is byte 2(s&1) of words 2(s>>1) and
-        // 2(s>>1) + 1, pair B the next byte. A code q = 16 qh + ql: its nibbles are exact bf16
-        // operands, so two MMAs (ql and qh) and Σ q x = Σ ql x + 16 Σ qh x.
+        // 8-bit codes: two nibble MMAs a step (tc8_group_mma), plain codes.
         const uint2* f = sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane;
         float sa, ba, sb, bb;
         uint4 wa, wb;
         tr.load(G, wa, wb, sa, ba, sb, bb);
-        float d[4] = {}, dh[4] = {};
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const uint32_t la = (s >> 1) ? wa.z : wa.x, ha = (s >> 1) ? wa.w : wa.y;
-          const uint32_t lb = (s >> 1) ? wb.z : wb.x, hb = (s >> 1) ? wb.w : wb.y;
-          const uint32_t b0 = 2 * (s & 1), b1 = b0 + 1;
-          const uint32_t sel0 = b0 | (b0 << 4) | ((4 + b0) << 8) | ((4 + b0) << 12);
-          const uint32_t sel1 = b1 | (b1 << 4) | ((4 + b1) << 8) | ((4 + b1) << 12);
-          const uint32_t pa0 = __byte_perm(la, ha, sel0), pa1 = __byte_perm(la, ha, sel1);
-          const uint32_t pb0 = __byte_perm(lb, hb, sel0), pb1 = __byte_perm(lb, hb, sel1);
-          const uint2 bf = f[32 * s];
-          mma_bf16(d, code_pair(pa0, 0), code_pair(pb0, 0), code_pair(pa1, 0), code_pair(pb1, 0), bf.x, bf.y);
-          mma_bf16(dh, code_pair(pa0, 1), code_pair(pb0, 1), code_pair(pa1, 1), code_pair(pb1, 1), bf.x, bf.y);
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) d[k] = fmaf(16.0f, dh[k], d[k]);
+        float dd[1][4] = {};
+        tc8_group_mma<1>(wa, wb, [&](int s, int) { return f[32 * s]; }, dd);
+        const float(&d)[4] = dd[0];
         acc[0] = fmaf(sa, d[0], fmaf(ba, xs, acc[0]));
         acc[1] = fmaf(sa, d[1], acc[1]);
         acc[2] = fmaf(sb, d[2], fmaf(bb, xs, acc[2]));
@@ -1321,7 +1314,7 @@ int tc_split_below() {
 }
 
 template <int R>
-void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStream_t s, const Tc4Frags* pre) {
+void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bits, cudaStream_t s, const Tc4Frags* pre) {
   constexpr int NB = (3 * R + 7) / 8;
   const unsigned grid = static_cast<unsigned>(ceil_div(L.first_tile[L.n_jobs], 8 / L.ks));
   uint8_t* scratch = nullptr;
@@ -1353,8 +1346,16 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, cudaStr
   if (L.kb > 1)
     L.partial = static_cast<decltype(L.partial)>(scratch_alloc(sizeof(float) * L.kb * n_tiles * 16 * R, s));
   const dim3 g2(grid, static_cast<unsigned>(L.kb));
-  if (bf16s) launch(gemv_tc4_kernel<R, true>, g2, 256, 0, s, L, nx);
-  else launch(gemv_tc4_kernel<R, false>, g2, 256, 0, s, L, nx);
+  if constexpr (R == 2 || R == 4) {  // (gemv_tc4's 8-bit rows)
+    if (bits == 8) {
+      if (bf16s) launch(gemv_tc4_kernel<R, true, 8>, g2, 256, 0, s, L, nx);
+      else launch(gemv_tc4_kernel<R, false, 8>, g2, 256, 0, s, L, nx);
+    }
+  }
+  if (bits == 4) {
+    if (bf16s) launch(gemv_tc4_kernel<R, true>, g2, 256, 0, s, L, nx);
+    else launch(gemv_tc4_kernel<R, false>, g2, 256, 0, s, L, nx);
+  }
   CUDA_CHECK_LAUNCH();
   if (L.kb > 1) {
     if (R > 1 && out && out->rfrag && out->rgsum && L.job[0].w.rows % 64 == 0) {  // job 0's output as fragments too
@@ -1450,13 +1451,20 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   const bool tiled = any_tiled(jobs, n_jobs);  // only the v4 kernels read them: no size threshold then
   if (!conv && bits == 4 && gemv_stream(jobs, n_jobs, x, ldx, rows, bf16s, stream)) return true;
   if (!conv && rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, bits, stream)) return true;
-  if (bits != 4) return false;
+  // 8-bit codes at 2-4 rows (the router and the shared expert's gate), whatever their size: the v3
+  // CUDA-core GEMV and its reduce took 13.7 us a layer at 4 rows inside the step (CK_HOLLOW, H200
+  // 2026-12-02), for 1.4 MB. CK_GEMV_TC8_ROWS=0: v3 as before. (8 rows stay on v3: twice the
+  // accumulators of the 4-bit kernel at NB = 3.)
+  static const bool tc8_rows = !env_is("CK_GEMV_TC8_ROWS", "0");
+  const bool eight = bits == 8 && tc8_rows && rows >= 2 && rows <= 4 && !conv && !tiled;
+  if (bits != 4 && !eight) return false;
   // CK_GEMV_TC_ONE_ROW=N moves the one-row threshold (total rows of the jobs) to compare.
   static const int one_row_min = [] {
     const char* e = std::getenv("CK_GEMV_TC_ONE_ROW");
     return e ? std::max(1, std::atoi(e)) : kTcMinRowsOneRow;
   }();
-  if (!tiled && (total_rows < (rows == 1 ? one_row_min : kTcMinRows) || jobs[0].w.cols < kTcMinCols)) return false;
+  if (!eight && !tiled && (total_rows < (rows == 1 ? one_row_min : kTcMinRows) || jobs[0].w.cols < kTcMinCols))
+    return false;
   TcLaunch L = tc_launch_of(jobs, n_jobs);
   const int tiles = L.first_tile[n_jobs];
   // Split each tile's groups over more warps while there are too few warps to keep every SM's memory
@@ -1469,10 +1477,10 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
     L.conv_sp = conv->sp;
   }
   switch (tc4_rows_R(rows)) {
-    case 1: launch_tc4<1>(L, x, ldx, rows, bf16s, stream, pre); break;
-    case 2: launch_tc4<2>(L, x, ldx, rows, bf16s, stream, pre); break;
-    case 4: launch_tc4<4>(L, x, ldx, rows, bf16s, stream, pre); break;
-    default: launch_tc4<8>(L, x, ldx, rows, bf16s, stream, pre); break;
+    case 1: launch_tc4<1>(L, x, ldx, rows, bf16s, bits, stream, pre); break;
+    case 2: launch_tc4<2>(L, x, ldx, rows, bf16s, bits, stream, pre); break;
+    case 4: launch_tc4<4>(L, x, ldx, rows, bf16s, bits, stream, pre); break;
+    default: launch_tc4<8>(L, x, ldx, rows, bf16s, bits, stream, pre); break;
   }
   return true;
 }

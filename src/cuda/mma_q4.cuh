@@ -136,14 +136,48 @@ __device__ __forceinline__ void tc4_group_mma(uint2 wa, uint2 wb, const LoadB& l
   }
 }
 
+// The same for 8-bit codes: lane (g, t) holds the 16 code bytes of rows g and g + 8 in wa, wb (lane
+// t's bytes of a row are columns 16t + 4k + i: word k, byte i). Step s's pair A (columns c, c + 4;
+// c = 16t + 8(s>>1) + 2(s&1), the columns tc4_group_mma's step s takes, so the B fragments are the
+// same) is byte 2(s&1) of words 2(s>>1) and 2(s>>1) + 1, pair B the next byte. A code q = 16 qh + ql:
+// its nibbles are exact bf16 operands, so two MMAs (ql and qh) per step and block, and d = Σ ql x +
+// 16 Σ qh x = Σ q x: plain codes (tc4_group_accumulate<NB, false>). gemv_tc4_one_kernel's 8-bit form
+// (NB = 1) and gemv_tc4_kernel's at 2-8 rows.
+template <int NB, class LoadB>
+__device__ __forceinline__ void tc8_group_mma(const uint4& wa, const uint4& wb, const LoadB& load_b, float (&d)[NB][4]) {
+  float dh[NB][4] = {};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t la = (s >> 1) ? wa.z : wa.x, ha = (s >> 1) ? wa.w : wa.y;
+    const uint32_t lb = (s >> 1) ? wb.z : wb.x, hb = (s >> 1) ? wb.w : wb.y;
+    const uint32_t b0 = 2 * (s & 1), b1 = b0 + 1;
+    const uint32_t sel0 = b0 | (b0 << 4) | ((4 + b0) << 8) | ((4 + b0) << 12);
+    const uint32_t sel1 = b1 | (b1 << 4) | ((4 + b1) << 8) | ((4 + b1) << 12);
+    const uint32_t pa0 = __byte_perm(la, ha, sel0), pa1 = __byte_perm(la, ha, sel1);
+    const uint32_t pb0 = __byte_perm(lb, hb, sel0), pb1 = __byte_perm(lb, hb, sel1);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint2 bf = load_b(s, nb);
+      mma_bf16(d[nb], code_pair(pa0, 0), code_pair(pb0, 0), code_pair(pa1, 0), code_pair(pb1, 0), bf.x, bf.y);
+      mma_bf16(dh[nb], code_pair(pa0, 1), code_pair(pb0, 1), code_pair(pa1, 1), code_pair(pb1, 1), bf.x, bf.y);
+    }
+  }
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) d[nb][k] = fmaf(16.0f, dh[nb][k], d[nb][k]);
+}
+
 // acc += the group's products d scaled by rows g, g + 8's scales (sa, sb), plus their biases (ba, bb,
-// as stored: the 128 of the codes is folded in here) times the group sums of columns 2t and 2t + 1 of
-// each block, gsum(nb, c) for c = 0, 1.
-template <int NB, class GroupSum>
+// as stored: with CODES_128 the 128 of the codes is folded in here) times the group sums of columns 2t
+// and 2t + 1 of each block, gsum(nb, c) for c = 0, 1.
+template <int NB, bool CODES_128 = true, class GroupSum>
 __device__ __forceinline__ void tc4_group_accumulate(const float (&d)[NB][4], float sa, float ba, float sb, float bb,
                                                      const GroupSum& gsum, float (&acc)[NB][4]) {
-  ba = bias_128(ba, sa);  // the codes are 128 + q (code_pair_128)
-  bb = bias_128(bb, sb);
+  if constexpr (CODES_128) {
+    ba = bias_128(ba, sa);  // the codes are 128 + q (code_pair_128)
+    bb = bias_128(bb, sb);
+  }
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const float x0 = gsum(nb, 0), x1 = gsum(nb, 1);
