@@ -733,7 +733,7 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
 // slice order (R >= 2, no conv).
 // Register caps keep 3-4 blocks (24-32 warps) per SM: with fewer the loads in flight cannot cover DRAM
 // latency (1 block per SM, uncapped: lm_head at 1.2 TB/s).
-// BITS = 8 (2-4 rows: the router and the shared expert's gate): the codes' nibbles on the same fragments
+// BITS = 8 (2-8 rows: the router and the shared expert's gate): the codes' nibbles on the same fragments
 // (tc8_group_mma), two blocks per SM (twice the accumulators; such matrices are small: 32 blocks).
 template <int R, bool BF16S, int BITS = 4>
 __global__ void __launch_bounds__(256, BITS == 8 ? 2 : R <= 2 ? 4 : 3) gemv_tc4_kernel(const __grid_constant__ TcLaunch L,
@@ -1346,7 +1346,7 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bit
   if (L.kb > 1)
     L.partial = static_cast<decltype(L.partial)>(scratch_alloc(sizeof(float) * L.kb * n_tiles * 16 * R, s));
   const dim3 g2(grid, static_cast<unsigned>(L.kb));
-  if constexpr (R == 2 || R == 4) {  // (gemv_tc4's 8-bit rows)
+  if constexpr (R > 1) {  // (gemv_tc4's 8-bit rows)
     if (bits == 8) {
       if (bf16s) launch(gemv_tc4_kernel<R, true, 8>, g2, 256, 0, s, L, nx);
       else launch(gemv_tc4_kernel<R, false, 8>, g2, 256, 0, s, L, nx);
@@ -1451,12 +1451,11 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   const bool tiled = any_tiled(jobs, n_jobs);  // only the v4 kernels read them: no size threshold then
   if (!conv && bits == 4 && gemv_stream(jobs, n_jobs, x, ldx, rows, bf16s, stream)) return true;
   if (!conv && rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, bits, stream)) return true;
-  // 8-bit codes at 2-4 rows (the router and the shared expert's gate), whatever their size: the v3
+  // 8-bit codes at 2-8 rows (the router and the shared expert's gate), whatever their size: the v3
   // CUDA-core GEMV and its reduce took 13.7 us a layer at 4 rows inside the step (CK_HOLLOW, H200
-  // 2026-12-02), for 1.4 MB. CK_GEMV_TC8_ROWS=0: v3 as before. (8 rows stay on v3: twice the
-  // accumulators of the 4-bit kernel at NB = 3.)
+  // 2026-12-02), for 1.4 MB. CK_GEMV_TC8_ROWS=0: v3 as before.
   static const bool tc8_rows = !env_is("CK_GEMV_TC8_ROWS", "0");
-  const bool eight = bits == 8 && tc8_rows && rows >= 2 && rows <= 4 && !conv && !tiled;
+  const bool eight = bits == 8 && tc8_rows && rows >= 2 && rows <= kMaxRows && !conv && !tiled;
   if (bits != 4 && !eight) return false;
   // CK_GEMV_TC_ONE_ROW=N moves the one-row threshold (total rows of the jobs) to compare.
   static const int one_row_min = [] {

@@ -803,7 +803,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     rj[0].w = mo.router_hi; rj[0].y = b.mlog; rj[0].ldy = b.ldEx;
     rj[1].w = mo.router_lo; rj[1].y = b.mlog2; rj[1].ldy = b.ldEx;
     const bool split = rows > kMaxRows && mo.router_hi.data && gemm_q4(rj, 2, b.u, b.ldH, rows, stream_, 3);
-    gemv(split ? &jobs[1] : jobs, split ? 1 : 2, b.u, b.ldH, rows, stream_, &b.ufr);  // (2-4 rows: u's fragments)
+    gemv(split ? &jobs[1] : jobs, split ? 1 : 2, b.u, b.ldH, rows, stream_, &b.ufr);  // (2-8 rows: u's fragments)
     mark("moe router");
     MoeRouteArgs ra;
     ra.logits = b.mlog; ra.ld = b.ldEx; ra.E = c.num_experts; ra.k = k; ra.norm_topk = c.norm_topk_prob ? 1 : 0;

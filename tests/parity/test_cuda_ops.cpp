@@ -238,7 +238,7 @@ TEST(CudaOps, MatvecAllFormatsAndRowCounts) {
       // shared-expert gate).
       {320, 10240, q(4, 64, DType::BF16)},  {1, 2560, q(4, 64, DType::BF16)},  {16, 4096, q(4, 128, DType::F16)},
       {2560, 6144, q(4, 64, DType::BF16)},  {700, 192, q(4, 64, DType::F32)},
-      // 8-bit codes at 2-4 rows take the tile kernel's nibble MMAs (tc8_group_mma): the router's shape
+      // 8-bit codes at 2-8 rows take the tile kernel's nibble MMAs (tc8_group_mma): the router's shape
       // and the shared expert's one-row gate.
       {512, 2560, q(8, 64, DType::BF16)},   {1, 2560, q(8, 64, DType::BF16)},
   };
