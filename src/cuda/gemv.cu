@@ -697,8 +697,6 @@ struct TcLaunch {
   const StepParams* conv_sp;             // (its x is not written: the conv output is)
   int32_t kb;                            // gemv_tc4_kernel: blocks (grid y) that split K; 1: none
   float* partial;                        // kb > 1: [kb][tiles * 16][R] sums, added by gemv_tc4_reduce_kernel
-  const float* x;                        // gemv_tc4_kernel<..., XFRAG>: the rows whose fragments it makes
-  int32_t ldx;
 };
 
 // grid (groups, vectors), block 128: group blockIdx.x's B fragments for R activation rows (nx real;
@@ -737,13 +735,9 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
 // latency (1 block per SM, uncapped: lm_head at 1.2 TB/s).
 // BITS = 8 (2-8 rows: the router and the shared expert's gate): the codes' nibbles on the same fragments
 // (tc8_group_mma), two blocks per SM (twice the accumulators; such matrices are small: 32 blocks).
-// XFRAG (2-4 rows, 4-bit; two blocks per SM, its spills at three): each warp makes the fragments and group sums of its own groups from x
-// (L.x) as it needs them, tc4_frag_kernel's words and sums (tc4_frag_elem, tc4_group_sum), instead of
-// reading a fragment kernel's: for matrices of few tiles (the mix's down projection: 21), where every
-// tile's warps redo that work but the fragment kernel and its boundary go.
-template <int R, bool BF16S, int BITS = 4, bool XFRAG = false>
-__global__ void __launch_bounds__(256, BITS == 8 || XFRAG ? 2 : R <= 2 ? 4 : 3)
-    gemv_tc4_kernel(const __grid_constant__ TcLaunch L, int nx) {
+template <int R, bool BF16S, int BITS = 4>
+__global__ void __launch_bounds__(256, BITS == 8 ? 2 : R <= 2 ? 4 : 3) gemv_tc4_kernel(const __grid_constant__ TcLaunch L,
+                                                                                    int nx) {
   static_assert(BITS == 4 || R > 1, "the one-row 8-bit codes take gemv_tc4_one_kernel");
   constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB;
   __shared__ float red[8][16][NC + 1];
@@ -773,33 +767,7 @@ __global__ void __launch_bounds__(256, BITS == 8 || XFRAG ? 2 : R <= 2 ? 4 : 3)
     }
   }
   pdl_begin();  // the fragments and group sums come from the kernel before
-  if constexpr (XFRAG) {
-    static_assert((R == 2 || R == 4) && BITS == 4, "XFRAG: 2-4 rows of 4-bit codes");
-    if (tile < n_tiles) {
-#pragma unroll 2
-      for (int G = G0; G < G1; ++G) {
-        uint2 wa, wb;
-        float sa, ba, sb, bb;
-        tr.load(G, wa, wb, sa, ba, sb, bb);
-        const float* xg = L.x + static_cast<size_t>(G) * 64;
-        float rs[R];  // each row's Σ x of the group (the hi column's sum; warp-uniform)
-#pragma unroll
-        for (int r = 0; r < R; ++r) rs[r] = r < nx ? tc4_group_sum(xg + static_cast<size_t>(r) * L.ldx) : 0.0f;
-        float d[NB][4] = {};
-        tc4_group_mma<NB>(wa, wb, [&](int s, int nb) {
-          return tc4_frag_elem<NB>(xg, L.ldx, nx, (s * NB + nb) * 32 + t * 8 + g);  // the word fg + (s NB + nb) 32 holds
-        }, d);
-        tc4_group_accumulate<NB>(d, sa, ba, sb, bb, [&](int nb, int c) {
-          const int n = nb * 8 + 2 * t + c;  // the MMA column: row n / 3's hi part when n % 3 == 0
-          float v = 0.0f;
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-            if (n == 3 * r) v = rs[r];
-          return v;
-        }, acc);
-      }
-    }
-  } else if (tile < n_tiles) {
+  if (tile < n_tiles) {
 #pragma unroll 4
     for (int G = G0; G < G1; ++G) {
       std::conditional_t<BITS == 8, uint4, uint2> wa, wb;
@@ -1345,23 +1313,11 @@ int tc_split_below() {
   return v;
 }
 
-// 2-4-row launches of at most this many tiles make their x's fragments in their warps instead of in a
-// fragment kernel (gemv_tc4_kernel XFRAG; CK_GEMV_XFRAG_TILES=N, 0: never).
-int g_xfrag_tiles = -1;  // set_gemv_xfrag_tiles; -1: the environment's
-int xfrag_max_tiles() {
-  static const int env = [] {
-    const char* e = std::getenv("CK_GEMV_XFRAG_TILES");
-    return e ? std::max(0, std::atoi(e)) : 64;
-  }();
-  return g_xfrag_tiles < 0 ? env : g_xfrag_tiles;
-}
-
 template <int R>
 void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bits, cudaStream_t s, const Tc4Frags* pre) {
   constexpr int NB = (3 * R + 7) / 8;
   const unsigned grid = static_cast<unsigned>(ceil_div(L.first_tile[L.n_jobs], 8 / L.ks));
   uint8_t* scratch = nullptr;
-  bool xfrag = false;
   Tc4Frags* out = L.job[0].frags_out;  // (gemv() cleared its rR; set below when this launch writes them)
   if (R == 1 && pre && pre->covers(x, ldx, 1, L.groups)) {  // fragments made by the producer of x
     L.frag = pre->frag;
@@ -1369,10 +1325,6 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bit
   } else if (R > 1 && pre && pre->covers_rows(x, ldx, nx, L.groups, R)) {  // the same, in the R-row layout
     L.frag = pre->rfrag;
     L.gsum = pre->rgsum;
-  } else if ((R == 2 || R == 4) && bits == 4 && !L.conv.y && L.first_tile[L.n_jobs] <= xfrag_max_tiles()) {
-    xfrag = true;  // each warp makes its own groups' fragments (gemv_tc4_kernel XFRAG)
-    L.x = x;
-    L.ldx = ldx;
   } else {  // this call's own, stream-ordered (so graph-capturable)
     const size_t frag_bytes = static_cast<size_t>(L.groups) * 4 * NB * 32 * sizeof(uint2);
     scratch = static_cast<decltype(scratch)>(scratch_alloc(frag_bytes + sizeof(float) * L.groups * 8 * NB, s));
@@ -1400,13 +1352,7 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bit
       else launch(gemv_tc4_kernel<R, false, 8>, g2, 256, 0, s, L, nx);
     }
   }
-  if constexpr (R == 2 || R == 4) {
-    if (xfrag) {
-      if (bf16s) launch(gemv_tc4_kernel<R, true, 4, true>, g2, 256, 0, s, L, nx);
-      else launch(gemv_tc4_kernel<R, false, 4, true>, g2, 256, 0, s, L, nx);
-    }
-  }
-  if (bits == 4 && !xfrag) {
+  if (bits == 4) {
     if (bf16s) launch(gemv_tc4_kernel<R, true>, g2, 256, 0, s, L, nx);
     else launch(gemv_tc4_kernel<R, false>, g2, 256, 0, s, L, nx);
   }
@@ -1652,8 +1598,6 @@ bool weight_tiles_on() {
   static const bool on = !env_is("CK_WEIGHT_TILES", "0") && !env_is("CK_Q4_DENSE", "0");
   return on && gemv_version() == 2 && q_arith() == 4;
 }
-
-void set_gemv_xfrag_tiles(int tiles) { g_xfrag_tiles = tiles; }
 
 void set_gemv_version(int v) { g_gemv_version = v == 1 ? 1 : 2; }
 

@@ -130,9 +130,6 @@ bool weight_tiles_on();
 // (gemv_stream.h); a negative value restores the default (CK_GEMV_STREAM_MIN, else 100,000). For
 // tests and comparisons.
 void set_gemv_stream_min_work(int64_t work);
-// 2-4-row tile GEMVs of at most `tiles` 16-row tiles make x's fragments in their warps instead of in a
-// fragment kernel (the same bits); 0: never; -1: CK_GEMV_XFRAG_TILES or its default (64). For tests.
-void set_gemv_xfrag_tiles(int tiles);
 // Launches of the streamed GEMV so far in this process (tests check the path they mean ran).
 int64_t gemv_stream_launches();
 // Reads the device's SM count and the kernels' occupancy once (before any graph capture).
