@@ -301,7 +301,7 @@ TEST_P(CudaOracle, DecodeGraphsStartEveryKernelEarly) {
   auto s = l.model->new_session(256);
   s->set_prefill_chunk(0);
   size_t t = 0;
-  for (int rows : {1, 4}) {
+  for (int rows : {1, 2, 4, 8}) {  // the one-row kernels and the 2-8-row ones at R = 2, 4, 8
     ASSERT_LE(t + rows, fx->prompt.size());
     cuda::StepResult r;
     ASSERT_TRUE(s->step_rows(std::span(fx->prompt).subspan(t, rows), rows > 1, false, &r).ok());  // as MTP's verify
