@@ -335,10 +335,8 @@ int main(int argc, char** argv) {
               "(%.3f GB/step / %.0f GB/s)   %.0f%% of ceiling%s\n",
          rows, rows > 1 ? "s" : " ", rows / step_s, step_s * 1e3, t.size(), ceil_tps, step_bytes / 1e9, copy_gbs,
          100.0 * (rows / step_s) / ceil_tps, at.c_str());
-    if (const cuda::GraphShape* g = s->step_graph_shape(rows, false)) {
-      const std::string shape = cuda::describe(*g);
-      emit(out, "graph    %d row%s/step   %s\n", rows, rows > 1 ? "s" : " ", shape.substr(0, shape.find('\n')).c_str());
-    }
+    if (const cuda::GraphShape* g = s->step_graph_shape(rows, false))
+      emit(out, "graph    %d row%s/step   %s\n", rows, rows > 1 ? "s" : " ", cuda::summary(*g).c_str());
   }
 
   // ---- MTP draft step (one graph a step; then with every kernel launched directly, to compare), after a
@@ -366,10 +364,8 @@ int main(int argc, char** argv) {
               "(%.3f GB / %.0f GB/s)   %.0f%% of ceiling\n",
          graphs ? "        " : ", direct", step_s * 1e3, t.size(), bytes / (copy_gbs * 1e9) * 1e3, bytes / 1e9, copy_gbs,
          100.0 * (bytes / (copy_gbs * 1e9)) / step_s);
-    if (const cuda::GraphShape* g = graphs ? s->mtp_graph_shape(true) : nullptr) {
-      const std::string shape = cuda::describe(*g);
-      emit(out, "graph    mtp draft step  %s\n", shape.substr(0, shape.find('\n')).c_str());
-    }
+    if (const cuda::GraphShape* g = graphs ? s->mtp_graph_shape(true) : nullptr)
+      emit(out, "graph    mtp draft step  %s\n", cuda::summary(*g).c_str());
   }
 
   // ---- prefill

@@ -1346,16 +1346,10 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bit
   if (L.kb > 1)
     L.partial = static_cast<decltype(L.partial)>(scratch_alloc(sizeof(float) * L.kb * n_tiles * 16 * R, s));
   const dim3 g2(grid, static_cast<unsigned>(L.kb));
-  if constexpr (R > 1) {  // (gemv_tc4's 8-bit rows)
-    if (bits == 8) {
-      if (bf16s) launch(gemv_tc4_kernel<R, true, 8>, g2, 256, 0, s, L, nx);
-      else launch(gemv_tc4_kernel<R, false, 8>, g2, 256, 0, s, L, nx);
-    }
-  }
-  if (bits == 4) {
-    if (bf16s) launch(gemv_tc4_kernel<R, true>, g2, 256, 0, s, L, nx);
-    else launch(gemv_tc4_kernel<R, false>, g2, 256, 0, s, L, nx);
-  }
+  auto kernel = bf16s ? gemv_tc4_kernel<R, true> : gemv_tc4_kernel<R, false>;
+  if constexpr (R > 1)  // gemv_tc4's 8-bit rows
+    if (bits == 8) kernel = bf16s ? gemv_tc4_kernel<R, true, 8> : gemv_tc4_kernel<R, false, 8>;
+  launch(kernel, g2, 256, 0, s, L, nx);
   CUDA_CHECK_LAUNCH();
   if (L.kb > 1) {
     if (R > 1 && out && out->rfrag && out->rgsum && L.job[0].w.rows % 64 == 0) {  // job 0's output as fragments too

@@ -98,11 +98,15 @@ GraphShape graph_shape(cudaGraph_t g) {
   return s;
 }
 
-std::string describe(const GraphShape& s) {
-  std::string out = fmt::format(
+std::string summary(const GraphShape& s) {
+  return fmt::format(
       "{} kernels, {} copies, {} memsets, {} memory nodes, {} other; kernel edges: {} early, {} full; "
       "{} edges through other nodes",
       s.kernels, s.copies, s.memsets, s.mem_nodes, s.other, s.early_edges, s.full_kernel_edges, s.edges_via_nodes);
+}
+
+std::string describe(const GraphShape& s) {
+  std::string out = summary(s);
   for (const std::string& l : s.late_kernels) out += fmt::format("\n  starts late: {}", l);
   std::vector<std::pair<std::string, int>> counts(s.kernel_counts.begin(), s.kernel_counts.end());
   std::stable_sort(counts.begin(), counts.end(), [](const auto& x, const auto& y) { return x.second > y.second; });

@@ -32,7 +32,9 @@ struct GraphShape {
 // Reads `g` (not modified). Never fails: a query the runtime refuses leaves its counts at zero.
 GraphShape graph_shape(cudaGraph_t g);
 
-// Lines for a log: the counts, then the late kernels, then the launches per function (largest first).
+// One line: the node counts and the kernel edges.
+std::string summary(const GraphShape& s);
+// Lines for a log: summary(), then the late kernels, then the launches per function (largest first).
 std::string describe(const GraphShape& s);
 
 }  // namespace ck::cuda
