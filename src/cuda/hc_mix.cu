@@ -61,6 +61,7 @@ struct HcMixLaunch {
   int leave_early;       // blocks without phase 2-3 work leave at the barrier (else all wait)
   int prefetch;          // ask L2 for the block's weights before pdl_begin (CK_HC_OWN_PREFETCH)
   int norm_prefetch;     // and for its part of the norm's scale (CK_HC_NORM_PREFETCH=0: not)
+  int r_prefetch;        // and for its chunk of R and the injection weights w_in (CK_HC_R_PREFETCH=0: not)
 };
 
 // All blocks of the grid arrive here; those that `wait` leave once all have arrived, and then see
@@ -230,6 +231,17 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     if (c < L.n_chunks && tid * 128 < cg * 64 * 4) prefetch_l2(nb + static_cast<size_t>(c) * cg * 256 + tid * 128, 1);
     if (blockIdx.x < H / 64 && tid < 2 * S)
       prefetch_l2(nb + (static_cast<size_t>(tid >> 1) * H + 64 * blockIdx.x) * 4 + (tid & 1) * 128, 1);
+  }
+  // The residual's chunk and the injection weights: written by the mix before this one, many kernels
+  // back, and out of L2 since then (a step's 1.5 GB of weights pass through it). Phase 1 reads them
+  // beside o (or the MoE slots), which the kernel just before wrote and L2 still holds: the DRAM round
+  // trip of R was the longer of the two. A prefetch only moves lines into L2, the point of coherence,
+  // so it is safe where the kernel before did write R (the MTP step's first mix): the read after the
+  // wait sees that kernel's value.
+  if (L.r_prefetch && c < L.n_chunks && tid < 32) {
+    const uint8_t* rb = reinterpret_cast<const uint8_t*>(a.R + static_cast<size_t>(c) * cg * 64);
+    if (tid * 128 < cg * 64 * 4) prefetch_l2(rb + tid * 128);
+    if (tid == 31 && a.w_in) prefetch_l2(a.w_in);
   }
   pdl_begin();  // R, o and w come from the kernels before
   mark(1);
@@ -444,6 +456,8 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   L.prefetch = prefetch ? 1 : 0;
   static const bool norm_prefetch = !env_is("CK_HC_NORM_PREFETCH", "0");
   L.norm_prefetch = norm_prefetch ? 1 : 0;
+  static const bool r_prefetch = !env_is("CK_HC_R_PREFETCH", "0");
+  L.r_prefetch = r_prefetch ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };

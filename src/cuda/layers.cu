@@ -161,11 +161,17 @@ __global__ void hc_combine_kernel(float* R, int ldR, const float* o, int ldo, co
 __global__ void __launch_bounds__(1024) hc_combine_rmsnorm_kernel(float* R, int64_t ldR, const float* o, int64_t ldo,
                                                                   const float* w, int ldw, int64_t H,
                                                                   const float* __restrict__ scale, float eps,
-                                                                  float* out) {
-  pdl_begin();
-  __shared__ float scratch[32];
+                                                                  float* out, int r_prefetch) {
   const int s = blockIdx.x, r = blockIdx.y;
   float4* Rr = reinterpret_cast<float4*>(R + r * ldR + s * H);
+  // R (and w): written by the mix before, many kernels back, and out of L2 since; o is the kernel
+  // before's (hc_mix_row_kernel's R prefetch says why, and why a prefetch is safe). A line a thread.
+  if (r_prefetch) {
+    for (int64_t off = threadIdx.x * 32; off < H; off += blockDim.x * 32) prefetch_l2(R + r * ldR + s * H + off);
+    if (threadIdx.x == 0) prefetch_l2(w + static_cast<size_t>(r) * ldw);
+  }
+  pdl_begin();
+  __shared__ float scratch[32];
   const float4* orow = reinterpret_cast<const float4*>(o + r * ldo);
   const float ws = w[static_cast<size_t>(r) * ldw + s];
   const int n4 = static_cast<int>(H / 4);
@@ -2120,8 +2126,9 @@ bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float*
   if (H < 2048 || H % 4 != 0 || H > 16 * 1024 || ldR % 4 != 0 || ldo % 4 != 0 || !aligned(R) || !aligned(o) ||
       !aligned(out) || !aligned(scale))
     return false;
+  static const bool r_prefetch = !env_is("CK_HC_R_PREFETCH", "0");  // (as the one-row mix's)
   launch(hc_combine_rmsnorm_kernel, dim3(static_cast<unsigned>(S), static_cast<unsigned>(rows)), rmsnorm_wide_block(H),
-         0, stream, R, int64_t{ldR}, o, int64_t{ldo}, w, ldw, int64_t{H}, scale, eps, out);
+         0, stream, R, int64_t{ldR}, o, int64_t{ldo}, w, ldw, int64_t{H}, scale, eps, out, r_prefetch ? 1 : 0);
   CUDA_CHECK_LAUNCH();
   return true;
 }
