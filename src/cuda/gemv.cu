@@ -1193,6 +1193,128 @@ __global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const Exper
   out[static_cast<size_t>(p) * ldo + row0 + lane] = siluf_(v0) * v1;
 }
 
+// expert_gate_up_bulk_kernel as a streaming loop: block b takes the contiguous run of tiles
+// [b per, (b + 1) per) of all pairs' tiles (tile j: pair j / tiles_per_pair, tile j % tiles_per_pair),
+// two at a time in flight through two shared-memory stages: while its warps multiply tile i, tile
+// i + 1's copy is landing, and tile i + 2's is asked for as soon as tile i's stage is read. Each
+// tile's arithmetic (the warps' split of the groups, the order of their parts) is the bulk kernel's,
+// so the outputs are its bits.
+// Why: the bulk kernel's 4-row grid is 1,760 blocks of one tile, 4 resident per SM (3.3 waves): a
+// block's stage holds nothing in flight while it multiplies, starts, or ends, and its last wave is a
+// third full. Nsight Compute (H200 2026-12-02 04:28Z, 4 rows): 31.4 us for 81 MB, 2.56 TB/s (53% of
+// DRAM), 16.5 cycles per issued instruction, 44% of them waiting on L1TEX, 44,000 local-memory
+// spill requests (64 registers a thread at 4 blocks per SM). Here 2 blocks per SM (128 registers) keep
+// 4 tiles per SM asked for at every moment until their runs end.
+// grid ceil(tiles / per) (all resident: per = ceil(tiles / resident blocks)), block 256, dynamic
+// shared memory 4 * groups * kTileGroupBytes. sh: as in the bulk kernel (the shared expert's tiles
+// among a block's first two are asked for before the wait).
+constexpr int kStreamWarpGroups = 6;  // the streaming kernel's groups a warp at most (K <= 48 groups)
+__global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const ExpertPair* __restrict__ pairs,
+                                                                      int tiles_per_pair, int n_tiles, int per,
+                                                                      const uint2* __restrict__ frag,
+                                                                      const float* __restrict__ gsum, int vec_groups,
+                                                                      float* __restrict__ out, int ldo,
+                                                                      const __grid_constant__ SharedSlot sh) {
+  extern __shared__ __align__(128) uint8_t stile[];  // [stage][gate, up][groups][576]
+  __shared__ uint64_t bar[2];
+  __shared__ float red[2][8][2][16][4];
+  constexpr int kAsker = 32;  // warp 1's lane 0 asks for the copies (warp 0 writes the outputs)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int first = blockIdx.x * per, n = min(per, n_tiles - first);
+  const int groups = vec_groups;
+  const uint32_t bytes = static_cast<uint32_t>(groups) * kTileGroupBytes;
+  if (threadIdx.x == 0) {
+    mbar_init(&bar[0]);
+    mbar_init(&bar[1]);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  auto is_shared = [&](int i) { const int p = (first + i) / tiles_per_pair; return sh.k1 > 0 && p % sh.k1 == sh.k1 - 1; };
+  // Local tile i's matrices and vector (pairs[] only after the wait, unless the pair is the shared one).
+  auto tile_of = [&](int i, DMatrix& gate, DMatrix& up, int& vec, int& row0) {
+    const int p = (first + i) / tiles_per_pair;
+    row0 = ((first + i) % tiles_per_pair) * kTileRows;
+    const bool shd = is_shared(i);
+    gate = shd ? sh.gate : pairs[p].gate;
+    up = shd ? sh.up : pairs[p].up;
+    vec = shd ? p / sh.k1 : pairs[p].x_row;
+  };
+  // Stage i % 2 asks for tile i (a tile past its pair's rows asks for no bytes: its phase completes).
+  auto ask = [&](int i) {
+    DMatrix gate, up;
+    int vec, row0;
+    tile_of(i, gate, up, vec, row0);
+    uint64_t* b = &bar[i & 1];
+    if (row0 >= gate.rows) {
+      mbar_arrive_expect(b, 0);
+      return;
+    }
+    uint8_t* st = stile + (i & 1) * 2 * bytes;
+    const int tile = row0 / kTileRows;
+    mbar_arrive_expect(b, 2 * bytes);
+    bulk_copy_1d(st, gate.tile_group(tile, 0), bytes, b);
+    bulk_copy_1d(st + bytes, up.tile_group(tile, 0), bytes, b);
+  };
+  const bool early0 = n > 0 && is_shared(0), early1 = n > 1 && is_shared(1);
+  if (threadIdx.x == kAsker) {  // weights never change: the shared expert's tiles before the wait
+    if (early0) ask(0);
+    if (early1) ask(1);
+  }
+  pdl_begin();  // the pairs (route) and the fragments (the mix) come from the kernels before
+  if (threadIdx.x == kAsker) {
+    if (n > 0 && !early0) ask(0);
+    if (n > 1 && !early1) ask(1);
+  }
+  const int per_w = (groups + 7) / 8, G0 = min(groups, warp * per_w), G1 = min(groups, G0 + per_w);
+  // The warp's groups' fragments in registers, loaded when the vector changes (a run's tiles are mostly
+  // one pair's) and before the wait for the tile, so their L2 round trip overlaps the copy instead of
+  // following it group by group.
+  uint2 fb[kStreamWarpGroups][4];
+  float fx[kStreamWarpGroups];
+  int frag_vec = -1;
+  for (int i = 0; i < n; ++i) {
+    const int s = i & 1;
+    DMatrix gate, up;
+    int vec, row0;
+    tile_of(i, gate, up, vec, row0);
+    const bool valid = row0 < gate.rows;  // block-uniform
+    if (valid && (!gate.tiled() || !up.tiled() || gate.cols != vec_groups * 64 || up.cols != gate.cols)) __trap();
+    if (valid && vec != frag_vec) {
+      const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * kOneFragWords + tc4_one_frag_lane(g, t);
+      const float* gv = gsum + static_cast<size_t>(vec) * vec_groups;
+#pragma unroll
+      for (int j = 0; j < kStreamWarpGroups; ++j)
+        if (G0 + j < G1) fx[j] = tc4_one_frags_group(fv, gv, G0 + j, t, fb[j]);
+      frag_vec = vec;
+    }
+    mbar_wait(&bar[s], (i >> 1) & 1);
+    if (valid) {
+      const uint8_t* st = stile + s * 2 * bytes;
+      float acc[2][4] = {};
+#pragma unroll
+      for (int j = 0; j < kStreamWarpGroups; ++j) {
+        if (G0 + j >= G1) break;
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          uint2 wa, wb;
+          float sa, ba, sb, bb;
+          tile_group_lds(st + m * bytes + static_cast<size_t>(G0 + j) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
+          tc4_one_mma_regs(wa, wb, sa, ba, sb, bb, fb[j], fx[j], acc[m]);
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < 2; ++m) one_row_stash(red[s][warp][m], acc[m], g, t);
+    }
+    __syncthreads();  // stage s read, red[s] written
+    if (threadIdx.x == kAsker && i + 2 < n) ask(i + 2);
+    if (valid && warp == 0 && lane < 16 && row0 + lane < gate.rows) {
+      const int p = (first + i) / tiles_per_pair;
+      const float v0 = one_row_value<2>(red[s], 8, 0, lane), v1 = one_row_value<2>(red[s], 8, 1, lane);
+      out[static_cast<size_t>(p) * ldo + row0 + lane] = siluf_(v0) * v1;
+    }
+  }
+}
+
 // Where expert_down_bulk_kernel's tiles start in its dynamic shared memory (after the fragments and
 // group sums, rounded up to 128 bytes), and its whole size.
 __host__ __device__ constexpr size_t bulk_down_tiles_offset(int max_groups) {
@@ -1289,6 +1411,86 @@ __global__ void __launch_bounds__(256, 3) expert_down_bulk_kernel(const ExpertPa
     tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 4 * 32 + lane, t == 0 ? sgs[G] : 0.0f, acc);
   }
   one_row_tile_store(acc, y + static_cast<size_t>(p) * ldy, row0, w.rows);
+}
+
+// expert_down_bulk_kernel as a streaming loop, like expert_gate_up_stream_kernel: chunk c is pair
+// c / bpp's 8 tiles from tile (c % bpp) * 8; block b takes the run [b per, (b + 1) per) of chunks, two
+// in flight through two shared-memory stages, and turns h into fragments once per pair in its run
+// (the bulk kernel does it once per chunk: 20 times per pair at H = 2,560). Each tile's arithmetic is
+// the bulk kernel's (the same bits). The pairs are read before the wait as the bulk kernel's `early`
+// does (expert_down_tc4's contract); h after it.
+// Why: Nsight Compute (H200 2026-12-02 04:38Z, 4 rows): the bulk kernel is 16.6 us for 36 MB (1.6 TB/s,
+// 33% of DRAM) at 2.56 instructions a cycle, 880 blocks of one chunk, 3 resident per SM.
+// grid ceil(chunks / per), block 256, dynamic shared memory bulk_down_stream_smem(max_groups).
+__host__ __device__ constexpr size_t bulk_down_stream_smem(int max_groups) {
+  return bulk_down_tiles_offset(max_groups) + 2 * 8 * static_cast<size_t>(max_groups) * kTileGroupBytes;
+}
+constexpr size_t kDownStreamMaxSmem = 110 * 1024;  // two blocks per SM at max_groups 10 (H200: 227 KB)
+__global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const ExpertPair* __restrict__ pairs, int bpp,
+                                                                    int n_chunks, int per, int max_groups,
+                                                                    const float* __restrict__ h, int ldh,
+                                                                    float* __restrict__ y, int ldy) {
+  extern __shared__ __align__(128) uint2 sfrag[];
+  __shared__ uint64_t bar[2];
+  constexpr int kAsker = 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  const int first = blockIdx.x * per, n = min(per, n_chunks - first);
+  float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(max_groups) * 4 * 32);
+  uint8_t* stiles = reinterpret_cast<uint8_t*>(sfrag) + bulk_down_tiles_offset(max_groups);
+  const size_t stage_bytes = 8 * static_cast<size_t>(max_groups) * kTileGroupBytes;
+  if (threadIdx.x == 0) {
+    mbar_init(&bar[0]);
+    mbar_init(&bar[1]);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  // Stage i % 2 asks for local chunk i's tiles (none past the pair's rows: its phase completes).
+  auto ask = [&](int i) {
+    const int c = first + i, T0 = (c % bpp) * 8;
+    const DMatrix w = pairs[c / bpp].down;
+    const int n_tiles = min(8, w.rows / kTileRows - T0);
+    uint64_t* b = &bar[i & 1];
+    if (n_tiles <= 0) {
+      mbar_arrive_expect(b, 0);
+      return;
+    }
+    const uint32_t bytes = static_cast<uint32_t>(n_tiles) * (w.cols / 64) * kTileGroupBytes;
+    mbar_arrive_expect(b, bytes);
+    bulk_copy_1d(stiles + (i & 1) * stage_bytes, w.tile_group(T0, 0), bytes, b);
+  };
+  if (threadIdx.x == kAsker) {  // the pairs are two kernels old (expert_down_tc4's contract)
+    if (n > 0) ask(0);
+    if (n > 1) ask(1);
+  }
+  pdl_begin();  // h comes from the kernel before
+  int frag_pair = -1;
+  for (int i = 0; i < n; ++i) {
+    const int c = first + i, p = c / bpp, T0 = (c % bpp) * 8, row0 = (T0 + warp) * kTileRows;
+    const DMatrix w = pairs[p].down;
+    const int groups = w.cols / 64, n_tiles = min(8, w.rows / kTileRows - T0);
+    if (n_tiles > 0 && (!w.tiled() || groups > max_groups)) __trap();  // the launch's promise
+    if (n_tiles > 0 && p != frag_pair) {  // block-uniform; the last barrier ended every read of them
+      one_row_frags_in_block<2>(h + static_cast<size_t>(p) * ldh, 0, groups, sfrag, sgs);
+      __syncthreads();
+      frag_pair = p;
+    }
+    mbar_wait(&bar[i & 1], (i >> 1) & 1);
+    if (warp < n_tiles) {
+      float acc[4] = {};
+      const uint8_t* tile = stiles + (i & 1) * stage_bytes + static_cast<size_t>(warp) * groups * kTileGroupBytes;
+#pragma unroll 2
+      for (int G = 0; G < groups; ++G) {
+        uint2 wa, wb;
+        float sa, ba, sb, bb;
+        tile_group_lds(tile + static_cast<size_t>(G) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
+        tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 4 * 32 + lane, t == 0 ? sgs[G] : 0.0f,
+                    acc);
+      }
+      one_row_tile_store(acc, y + static_cast<size_t>(p) * ldy, row0, w.rows);
+    }
+    __syncthreads();  // stage i % 2 read
+    if (threadIdx.x == kAsker && i + 2 < n) ask(i + 2);
+  }
 }
 
 int g_gemv_version = 0;  // 0: not yet read from the environment
@@ -1765,6 +1967,21 @@ bool expert_bulk_on() {
   return on;
 }
 
+int g_expert_stream = -1;  // set_expert_stream; -1: the environment's
+int g_expert_stream_blocks = 0;  // set_expert_stream's block count; 0: every resident block
+// Whether tiled decode experts' gate/up takes the streaming kernel (CK_EXPERT_STREAM=0: the bulk
+// kernel, one tile a block, to compare).
+bool expert_stream_on() {
+  static const bool env_on = !env_is("CK_EXPERT_STREAM", "0");
+  return g_expert_stream < 0 ? env_on : g_expert_stream != 0;
+}
+
+// The same for down (CK_EXPERT_DOWN_STREAM=0: the bulk kernel, one chunk of 8 tiles a block).
+bool expert_down_stream_on() {
+  static const bool env_on = !env_is("CK_EXPERT_DOWN_STREAM", "0");
+  return g_expert_stream < 0 ? env_on : g_expert_stream != 0;
+}
+
 int g_shared_early = -1;  // set_expert_shared_early; -1: the environment's
 bool expert_shared_early_on() {
   static const bool env_on = !env_is("CK_EXPERT_SHARED_EARLY", "0");
@@ -1805,6 +2022,29 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
     (void)attr;
     SharedSlot sh;
     if (expert_shared_early_on() && shared && shared->k1 > 0 && n_pairs % shared->k1 == 0) sh = *shared;
+    if (expert_stream_on() && 2 * bulk_smem <= kBulkMaxSmem && ceil_div(groups, 8) <= kStreamWarpGroups) {
+      static const bool attr2 = [] {
+        CUDA_CHECK(cudaFuncSetAttribute(expert_gate_up_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kBulkMaxSmem));
+        return true;
+      }();
+      (void)attr2;
+      // Every block resident: runs of ceil(tiles / resident) tiles (the occupancy asked once per size).
+      static size_t occ_smem = 0;
+      static int occ = 0;
+      if (occ_smem != 2 * bulk_smem) {
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, expert_gate_up_stream_kernel, 256, 2 * bulk_smem));
+        occ = std::max(1, occ);
+        occ_smem = 2 * bulk_smem;
+      }
+      const int blocks = g_expert_stream_blocks > 0 ? g_expert_stream_blocks : sm_count() * occ;
+      const int per = static_cast<int>(ceil_div(tiles, blocks));
+      launch(expert_gate_up_stream_kernel, static_cast<unsigned>(ceil_div(tiles, per)), 256, 2 * bulk_smem, s, pairs,
+             tiles_per_pair, tiles, per, frag, gsum, groups, out, ldo, sh);
+      CUDA_CHECK_LAUNCH();
+      if (scratch) scratch_free(scratch, s);
+      return;
+    }
     launch(expert_gate_up_bulk_kernel, static_cast<unsigned>(tiles), 256, bulk_smem, s, pairs, tiles_per_pair, frag,
            gsum, groups, out, ldo, sh);
     CUDA_CHECK_LAUNCH();
@@ -1824,6 +2064,10 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
 }  // namespace
 
 void set_expert_shared_early(int on) { g_shared_early = on < 0 ? -1 : (on ? 1 : 0); }
+void set_expert_stream(int on, int blocks) {
+  g_expert_stream = on < 0 ? -1 : (on ? 1 : 0);
+  g_expert_stream_blocks = on > 0 ? std::max(0, blocks) : 0;
+}
 
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
                         int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre, bool all_tiled,
@@ -1850,6 +2094,29 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
     (void)attr;
     const int bpp = static_cast<int>(ceil_div(hidden, 128));
     static const int early = env_is("CK_EXPERT_DOWN_EARLY", "0") ? 0 : 1;
+    const size_t ssmem = bulk_down_stream_smem(max_groups);
+    if (expert_down_stream_on() && early && ssmem <= kDownStreamMaxSmem) {
+      static const bool attr2 = [] {
+        CUDA_CHECK(cudaFuncSetAttribute(expert_down_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kDownStreamMaxSmem));
+        return true;
+      }();
+      (void)attr2;
+      static size_t occ_smem = 0;
+      static int occ = 0;
+      if (occ_smem != ssmem) {
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, expert_down_stream_kernel, 256, ssmem));
+        occ = std::max(1, occ);
+        occ_smem = ssmem;
+      }
+      const int chunks = n_pairs * bpp;
+      const int blocks = g_expert_stream_blocks > 0 ? g_expert_stream_blocks : sm_count() * occ;
+      const int per = static_cast<int>(ceil_div(chunks, blocks));
+      launch(expert_down_stream_kernel, static_cast<unsigned>(ceil_div(chunks, per)), 256, ssmem, stream, pairs, bpp,
+             chunks, per, max_groups, h, ldh, y, ldy);
+      CUDA_CHECK_LAUNCH();
+      return;
+    }
     launch(expert_down_bulk_kernel, static_cast<unsigned>(n_pairs * bpp), 256, bulk_down_smem(max_groups), stream, pairs,
            bpp, max_groups, h, ldh, y, ldy, early);
     CUDA_CHECK_LAUNCH();

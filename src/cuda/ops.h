@@ -159,6 +159,12 @@ void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int
                         int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre = nullptr,
                         bool all_tiled = false, const SharedSlot* shared = nullptr);
 void set_expert_shared_early(int on);
+// The tiled form's gate/up and down as one streaming loop per block (two tiles or chunks in flight a
+// block; gemv.cu expert_*_stream_kernel) rather than a block per tile or chunk (CK_EXPERT_STREAM=0
+// for gate/up, CK_EXPERT_DOWN_STREAM=0 for down): the same bits. set_expert_stream(1 or 0) sets both
+// (tests), -1 goes back to the environment's; blocks > 0 (tests): that many blocks, so each runs many
+// tiles through its two stages, instead of every resident one.
+void set_expert_stream(int on, int blocks = 0);
 // expert_down_tc4's contract with its caller: the pairs were written two or more kernels before it (the
 // route, then gate/up), not by the kernel just before: its tiled form reads them before its
 // programmatic-launch wait (CK_EXPERT_DOWN_EARLY). h is the kernel just before's output.

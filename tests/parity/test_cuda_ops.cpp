@@ -805,6 +805,29 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
     expert_gate_up_tc4(to_device(pairs, &pd), n_pairs, std::max(I, SI), H, to_device(x, &xd), H, rows, hd.get(), ldh,
                        nullptr, nullptr, tiled);
     expert_down_tc4(pd.get(), n_pairs, std::max(I, SI), H, hd.get(), ldh, yd.get(), ldy, nullptr, tiled);
+    if (tiled) {
+      // The streaming kernels (the default) against the bulk kernels, and against themselves with 7
+      // blocks (runs of ~60 tiles or ~9 chunks through their two stages, the shared expert's tiles past
+      // its rows inside them): the same bits of h and y.
+      const std::vector<float> h_default = to_host(hd.get(), n_pairs * ldh), y_default = to_host(yd.get(), n_pairs * ldy);
+      for (int blocks : {0, 7}) {
+        if (blocks == 0) set_expert_stream(0);
+        else set_expert_stream(1, blocks);
+        DeviceBuffer<float> h2(n_pairs * ldh), y2(n_pairs * ldy);
+        CUDA_CHECK(cudaMemcpy(h2.get(), hd.get(), h2.bytes(), cudaMemcpyDeviceToDevice));  // rows past a pair's inter
+        CUDA_CHECK(cudaMemset(y2.get(), 0xff, y2.bytes()));
+        expert_gate_up_tc4(pd.get(), n_pairs, std::max(I, SI), H, xd.get(), H, rows, h2.get(), ldh, nullptr, nullptr,
+                           true);
+        expert_down_tc4(pd.get(), n_pairs, std::max(I, SI), H, h2.get(), ldh, y2.get(), ldy, nullptr, true);
+        const std::vector<float> h_other = to_host(h2.get(), n_pairs * ldh), y_other = to_host(y2.get(), n_pairs * ldy);
+        const char* what = blocks == 0 ? "the bulk kernels" : "the streaming kernels with 7 blocks";
+        EXPECT_EQ(std::memcmp(h_other.data(), h_default.data(), h_other.size() * sizeof(float)), 0)
+            << what << ": h differs from the default's";
+        EXPECT_EQ(std::memcmp(y_other.data(), y_default.data(), y_other.size() * sizeof(float)), 0)
+            << what << ": y differs from the default's";
+      }
+      set_expert_stream(-1);
+    }
   } else {
     expert_gate_up(to_device(pairs, &pd), n_pairs, std::max(I, SI), H, to_device(x, &xd), H, hd.get(), ldh, codes48,
                    nullptr);
@@ -1650,6 +1673,25 @@ TEST(CudaOps, SharedExpertEarlyGivesTheSameLogits) {
                                "the shared expert's early copy changed the logits");
   }
   EXPECT_GE(tiled, 1) << "no geometry has its experts in tiles: the early copy's path did not run";
+}
+
+// The tiled experts through the streaming kernels (set_expert_stream, the default; 5 blocks, so each
+// runs many tiles) and through a block per tile or chunk: logits bit for bit at steps of 1-8 rows on
+// every tiled geometry.
+TEST(CudaOps, ExpertStreamGivesTheSameLogits) {
+  REQUIRE_GPU();
+  int tiled = 0;
+  for (const Geometry& g : geometries()) {
+    SCOPED_TRACE(g.name);
+    auto rm = make_random_model(g.cfg, g.opt);
+    auto dm = Model::create(rm->weights, rm->experts);
+    ASSERT_TRUE(dm.ok()) << dm.status().message();
+    if (!(*dm)->tiled_experts()) continue;
+    ++tiled;
+    expect_switch_keeps_logits(**dm, g, 13, [](int on) { set_expert_stream(on, on > 0 ? 5 : 0); },
+                               "the streaming expert kernels changed the logits");
+  }
+  EXPECT_GE(tiled, 1) << "no geometry has its experts in tiles: the streaming kernel did not run";
 }
 
 // A model whose experts cannot all be resident fails at creation with one error naming the sizes
