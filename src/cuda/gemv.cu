@@ -1272,19 +1272,13 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
   uint2 fb[kStreamWarpGroups][4];
   float fx[kStreamWarpGroups];
   int frag_vec = -1;
-  // Tile i's pair's rows and vector, read again only when the pair changes (a run is mostly one pair).
-  int rows = 0, vec = 0, pair = -1;
   for (int i = 0; i < n; ++i) {
-    const int s = i & 1, p = (first + i) / tiles_per_pair, row0 = ((first + i) % tiles_per_pair) * kTileRows;
-    if (p != pair) {
-      DMatrix gate, up;
-      int r0;
-      tile_of(i, gate, up, vec, r0);
-      if (!gate.tiled() || !up.tiled() || gate.cols != vec_groups * 64 || up.cols != gate.cols) __trap();
-      rows = gate.rows;
-      pair = p;
-    }
-    const bool valid = row0 < rows;  // block-uniform
+    const int s = i & 1;
+    DMatrix gate, up;
+    int vec, row0;
+    tile_of(i, gate, up, vec, row0);
+    const bool valid = row0 < gate.rows;  // block-uniform
+    if (valid && (!gate.tiled() || !up.tiled() || gate.cols != vec_groups * 64 || up.cols != gate.cols)) __trap();
     if (valid && vec != frag_vec) {
       const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * kOneFragWords + tc4_one_frag_lane(g, t);
       const float* gv = gsum + static_cast<size_t>(vec) * vec_groups;
@@ -1313,7 +1307,8 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
     }
     __syncthreads();  // stage s read, red[s] written
     if (threadIdx.x == kAsker && i + 2 < n) ask(i + 2);
-    if (valid && warp == 0 && lane < 16 && row0 + lane < rows) {
+    if (valid && warp == 0 && lane < 16 && row0 + lane < gate.rows) {
+      const int p = (first + i) / tiles_per_pair;
       const float v0 = one_row_value<2>(red[s], 8, 0, lane), v1 = one_row_value<2>(red[s], 8, 1, lane);
       out[static_cast<size_t>(p) * ldo + row0 + lane] = siluf_(v0) * v1;
     }
@@ -1468,14 +1463,10 @@ __global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const Expert
     if (n > 1) ask(1);
   }
   pdl_begin();  // h comes from the kernel before
-  int frag_pair = -1, pair = -1;
-  DMatrix w;  // chunk i's pair's down matrix, read again only when the pair changes
+  int frag_pair = -1;
   for (int i = 0; i < n; ++i) {
     const int c = first + i, p = c / bpp, T0 = (c % bpp) * 8, row0 = (T0 + warp) * kTileRows;
-    if (p != pair) {
-      w = pairs[p].down;
-      pair = p;
-    }
+    const DMatrix w = pairs[p].down;
     const int groups = w.cols / 64, n_tiles = min(8, w.rows / kTileRows - T0);
     if (n_tiles > 0 && (!w.tiled() || groups > max_groups)) __trap();  // the launch's promise
     if (n_tiles > 0 && p != frag_pair) {  // block-uniform; the last barrier ended every read of them
