@@ -25,8 +25,21 @@ struct DeviceMatrices {
   std::vector<DMatrix> copies;
 };
 
-// Random codes, valid bf16 scales and biases, `copies` times.
-DeviceMatrices make_copies(int rows, int cols, int bits, int group, size_t min_total, std::mt19937_64& rng) {
+// Random bytes in 16-row tiles (dmatrix.h WLayout::Tiles16): each 576-byte (tile, group) block's 512
+// code bytes at random, its 16 scale words (bf16 scale low, bf16 bias high) valid numbers.
+void fill_tiles(uint8_t* p, size_t bytes, std::mt19937_64& rng) {
+  for (size_t i = 0; i + 8 <= bytes; i += 8) { uint64_t v = rng(); std::memcpy(p + i, &v, 8); }
+  for (size_t b = 0; b + kTileGroupBytes <= bytes; b += kTileGroupBytes)
+    for (int w = 0; w < 16; ++w) {
+      const uint32_t v = (0x3c00u + (rng() & 0xff)) | ((0xbd00u + (rng() & 0xff)) << 16);
+      std::memcpy(p + b + 512 + 4 * w, &v, 4);
+    }
+}
+
+// Random codes, valid bf16 scales and biases, `copies` times; `tiles`: in 16-row tiles (the engine's
+// layout for its 4-bit matrices, Model's weight_tiles_on), else the row layout.
+DeviceMatrices make_copies(int rows, int cols, int bits, int group, size_t min_total, std::mt19937_64& rng,
+                           bool tiles = false) {
   DMatrix proto;
   proto.rows = rows;
   proto.cols = cols;
@@ -34,6 +47,22 @@ DeviceMatrices make_copies(int rows, int cols, int bits, int group, size_t min_t
   proto.fmt.bits = static_cast<uint8_t>(bits);
   proto.fmt.group = static_cast<uint16_t>(group);
   proto.fmt.scale_kind = static_cast<uint8_t>(WKind::BF16);
+  if (tiles) {
+    proto.fmt.layout = static_cast<uint8_t>(WLayout::Tiles16);
+    const size_t one = align256(proto.stored_bytes());
+    const size_t n = std::clamp<size_t>((min_total + one - 1) / one, 1, 256);
+    DeviceMatrices d;
+    d.buf.resize(n * one);
+    std::vector<uint8_t> bytes(proto.stored_bytes());
+    fill_tiles(bytes.data(), bytes.size(), rng);
+    for (size_t c = 0; c < n; ++c) {
+      CUDA_CHECK(cudaMemcpy(d.buf.get() + c * one, bytes.data(), bytes.size(), cudaMemcpyHostToDevice));
+      DMatrix m = proto;
+      m.data = d.buf.get() + c * one;
+      d.copies.push_back(m);
+    }
+    return d;
+  }
   const size_t db = align256(proto.data_bytes()), sb = align256(proto.scale_bytes()), one = db + 2 * sb;
   const size_t n = std::clamp<size_t>((min_total + one - 1) / one, 1, 256);
   DeviceMatrices d;
@@ -102,17 +131,23 @@ void run_kernel_benchmarks(double copy_gbs, FILE* out) {
     CUDA_CHECK(cudaMemcpy(x.get(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
   }
   char line[512];
+  // Each shape in the row layout and, for the 4-bit ones, in 16-row tiles: the engine's layout for
+  // them (the row-layout lines are what CK_WEIGHT_TILES=0 runs, and the 8-bit router's only layout).
   for (const Shape& s : shapes) {
-    DeviceMatrices dm = make_copies(s.rows, s.cols, s.bits, 64, size_t{512} << 20, rng);
-    const double bytes = static_cast<double>(dm.copies[0].stored_bytes());
-    for (int rows : {1, 4, 8}) {
-      const double ms = time_ms(20, [&](int i) {
-        matvec(dm.copies[i % dm.copies.size()], x.get(), s.cols, y.get(), s.rows, rows, nullptr);
-      });
-      std::snprintf(line, sizeof(line), "kernel   gemv %-16s %6dx%-6d q%d rows %d  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw)\n",
-                    s.name, s.rows, s.cols, s.bits, rows, ms * 1e3, bytes / (ms * 1e-3) / 1e9,
-                    100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
-      emit(line);
+    for (bool tiles : {false, true}) {
+      if (tiles && s.bits != 4) continue;
+      DeviceMatrices dm = make_copies(s.rows, s.cols, s.bits, 64, size_t{512} << 20, rng, tiles);
+      const double bytes = static_cast<double>(dm.copies[0].stored_bytes());
+      for (int rows : {1, 4, 8}) {
+        const double ms = time_ms(20, [&](int i) {
+          matvec(dm.copies[i % dm.copies.size()], x.get(), s.cols, y.get(), s.rows, rows, nullptr);
+        });
+        std::snprintf(line, sizeof(line),
+                      "kernel   gemv %-16s %6dx%-6d q%d %-5s rows %d  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw)\n", s.name,
+                      s.rows, s.cols, s.bits, tiles ? "tiles" : "rows", rows, ms * 1e3, bytes / (ms * 1e-3) / 1e9,
+                      100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+        emit(line);
+      }
     }
   }
   // Routed + shared experts of one MoE block: 11 (row, expert) pairs per row over a pool of 96 records.
@@ -159,8 +194,52 @@ void run_kernel_benchmarks(double copy_gbs, FILE* out) {
       expert_down(ps, n_pairs, I, H, h.get(), I, yo.get(), H, true, nullptr);
     });
     const double bytes = n_pairs * rec_bytes;
-    std::snprintf(line, sizeof(line), "kernel   experts %2d pairs (rows %d, top-%d + shared)  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw; "
+    std::snprintf(line, sizeof(line), "kernel   experts rows v3  %2d pairs (rows %d, top-%d + shared)  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw; "
                   "per-pair reads, no sharing between rows)\n",
+                  n_pairs, rows, k, ms * 1e3, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+    emit(line);
+  }
+  // The same pairs over records in 16-row tiles through the tensor-core kernels the engine's decode
+  // steps run (expert_*_tc4 with all_tiled: the streaming kernels unless CK_EXPERT_STREAM=0 /
+  // CK_EXPERT_DOWN_STREAM=0), x's fragments made by their own kernel (the engine's come from the mix).
+  WFormat ft = f;
+  ft.layout = static_cast<uint8_t>(WLayout::Tiles16);
+  const ExpertLayout tlay = expert_layout(ft, I, H);
+  DeviceBuffer<uint8_t> tpool(tlay.bytes * n_rec);
+  {
+    std::vector<uint8_t> rec(tlay.bytes, 0);
+    DMatrix tg, tu, td;
+    expert_views(nullptr, ft, I, H, &tg, &tu, &td);
+    fill_tiles(rec.data() + tlay.gate, tg.stored_bytes(), rng);
+    fill_tiles(rec.data() + tlay.up, tu.stored_bytes(), rng);
+    fill_tiles(rec.data() + tlay.down, td.stored_bytes(), rng);
+    for (int r = 0; r < n_rec; ++r)
+      CUDA_CHECK(cudaMemcpy(tpool.get() + r * tlay.bytes, rec.data(), rec.size(), cudaMemcpyHostToDevice));
+  }
+  DMatrix tg0, tu0, td0;
+  expert_views(tpool.get(), ft, I, H, &tg0, &tu0, &td0);
+  const double trec_bytes = static_cast<double>(2 * tg0.stored_bytes() + td0.stored_bytes());
+  for (int rows : {1, 4, 8}) {
+    const int n_pairs = rows * (k + 1), n_sets = 8;
+    std::vector<ExpertPair> hp(static_cast<size_t>(n_pairs) * n_sets);
+    for (int sidx = 0; sidx < n_sets; ++sidx)
+      for (int p = 0; p < n_pairs; ++p) {
+        ExpertPair& e = hp[sidx * n_pairs + p];
+        expert_views(tpool.get() + (rng() % n_rec) * tlay.bytes, ft, I, H, &e.gate, &e.up, &e.down);
+        e.x_row = p / (k + 1);
+        e.weight = 0.1f;
+      }
+    DeviceBuffer<ExpertPair> dp(hp.size());
+    CUDA_CHECK(cudaMemcpy(dp.get(), hp.data(), hp.size() * sizeof(ExpertPair), cudaMemcpyHostToDevice));
+    DeviceBuffer<float> h(static_cast<size_t>(n_pairs) * I), yo(static_cast<size_t>(n_pairs) * H);
+    const double ms = time_ms(20, [&](int i) {
+      const ExpertPair* ps = dp.get() + (i % n_sets) * n_pairs;
+      expert_gate_up_tc4(ps, n_pairs, I, H, x.get(), H, rows, h.get(), I, nullptr, nullptr, true);
+      expert_down_tc4(ps, n_pairs, I, H, h.get(), I, yo.get(), H, nullptr, true);
+    });
+    const double bytes = n_pairs * trec_bytes;
+    std::snprintf(line, sizeof(line), "kernel   experts tiles tc %2d pairs (rows %d, top-%d + shared)  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw; "
+                  "per-pair reads, with x's fragment kernel)\n",
                   n_pairs, rows, k, ms * 1e3, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
     emit(line);
   }
