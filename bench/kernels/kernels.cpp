@@ -172,33 +172,41 @@ void run_kernel_benchmarks(double copy_gbs, FILE* out) {
     }
     for (int r = 0; r < n_rec; ++r) CUDA_CHECK(cudaMemcpy(pool.get() + r * lay.bytes, rec.data(), rec.size(), cudaMemcpyHostToDevice));
   }
-  DMatrix g0, u0, d0;
-  expert_views(pool.get(), f, I, H, &g0, &u0, &d0);
-  const double rec_bytes = static_cast<double>(2 * g0.stored_bytes() + d0.stored_bytes());
-  for (int rows : {1, 4, 8}) {
-    const int n_pairs = rows * (k + 1), n_sets = 8;
-    std::vector<ExpertPair> hp(static_cast<size_t>(n_pairs) * n_sets);
-    for (int sidx = 0; sidx < n_sets; ++sidx)
-      for (int p = 0; p < n_pairs; ++p) {
-        ExpertPair& e = hp[sidx * n_pairs + p];
-        expert_views(pool.get() + (rng() % n_rec) * lay.bytes, f, I, H, &e.gate, &e.up, &e.down);
-        e.x_row = p / (k + 1);
-        e.weight = 0.1f;
-      }
-    DeviceBuffer<ExpertPair> dp(hp.size());
-    CUDA_CHECK(cudaMemcpy(dp.get(), hp.data(), hp.size() * sizeof(ExpertPair), cudaMemcpyHostToDevice));
-    DeviceBuffer<float> h(static_cast<size_t>(n_pairs) * I), yo(static_cast<size_t>(n_pairs) * H);
-    const double ms = time_ms(20, [&](int i) {
-      const ExpertPair* ps = dp.get() + (i % n_sets) * n_pairs;
-      expert_gate_up(ps, n_pairs, I, H, x.get(), H, h.get(), I, true, nullptr);
-      expert_down(ps, n_pairs, I, H, h.get(), I, yo.get(), H, true, nullptr);
-    });
-    const double bytes = n_pairs * rec_bytes;
-    std::snprintf(line, sizeof(line), "kernel   experts rows v3  %2d pairs (rows %d, top-%d + shared)  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw; "
-                  "per-pair reads, no sharing between rows)\n",
-                  n_pairs, rows, k, ms * 1e3, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
-    emit(line);
-  }
+  // Each row count's pairs over the pool (8 sets of random records), gate/up then down by `run`.
+  auto time_experts = [&](const uint8_t* base, WFormat fm, uint64_t rec_stride, const char* label, const char* note,
+                          auto run) {
+    DMatrix g0, u0, d0;
+    expert_views(base, fm, I, H, &g0, &u0, &d0);
+    const double rec_bytes = static_cast<double>(2 * g0.stored_bytes() + d0.stored_bytes());
+    for (int rows : {1, 4, 8}) {
+      const int n_pairs = rows * (k + 1), n_sets = 8;
+      std::vector<ExpertPair> hp(static_cast<size_t>(n_pairs) * n_sets);
+      for (int sidx = 0; sidx < n_sets; ++sidx)
+        for (int p = 0; p < n_pairs; ++p) {
+          ExpertPair& e = hp[sidx * n_pairs + p];
+          expert_views(base + (rng() % n_rec) * rec_stride, fm, I, H, &e.gate, &e.up, &e.down);
+          e.x_row = p / (k + 1);
+          e.weight = 0.1f;
+        }
+      DeviceBuffer<ExpertPair> dp(hp.size());
+      CUDA_CHECK(cudaMemcpy(dp.get(), hp.data(), hp.size() * sizeof(ExpertPair), cudaMemcpyHostToDevice));
+      DeviceBuffer<float> h(static_cast<size_t>(n_pairs) * I), yo(static_cast<size_t>(n_pairs) * H);
+      const double ms = time_ms(20, [&](int i) {
+        run(dp.get() + (i % n_sets) * n_pairs, n_pairs, rows, h.get(), yo.get());
+      });
+      const double bytes = n_pairs * rec_bytes;
+      std::snprintf(line, sizeof(line), "kernel   experts %-8s %2d pairs (rows %d, top-%d + shared)  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw; "
+                    "per-pair reads, %s)\n",
+                    label, n_pairs, rows, k, ms * 1e3, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs,
+                    note);
+      emit(line);
+    }
+  };
+  time_experts(pool.get(), f, lay.bytes, "rows v3", "no sharing between rows",
+               [&](const ExpertPair* ps, int n_pairs, int, float* h, float* yo) {
+                 expert_gate_up(ps, n_pairs, I, H, x.get(), H, h, I, true, nullptr);
+                 expert_down(ps, n_pairs, I, H, h, I, yo, H, true, nullptr);
+               });
   // The same pairs over records in 16-row tiles through the tensor-core kernels the engine's decode
   // steps run (expert_*_tc4 with all_tiled: the streaming kernels unless CK_EXPERT_STREAM=0 /
   // CK_EXPERT_DOWN_STREAM=0), x's fragments made by their own kernel (the engine's come from the mix).
@@ -216,33 +224,11 @@ void run_kernel_benchmarks(double copy_gbs, FILE* out) {
     for (int r = 0; r < n_rec; ++r)
       CUDA_CHECK(cudaMemcpy(tpool.get() + r * tlay.bytes, rec.data(), rec.size(), cudaMemcpyHostToDevice));
   }
-  DMatrix tg0, tu0, td0;
-  expert_views(tpool.get(), ft, I, H, &tg0, &tu0, &td0);
-  const double trec_bytes = static_cast<double>(2 * tg0.stored_bytes() + td0.stored_bytes());
-  for (int rows : {1, 4, 8}) {
-    const int n_pairs = rows * (k + 1), n_sets = 8;
-    std::vector<ExpertPair> hp(static_cast<size_t>(n_pairs) * n_sets);
-    for (int sidx = 0; sidx < n_sets; ++sidx)
-      for (int p = 0; p < n_pairs; ++p) {
-        ExpertPair& e = hp[sidx * n_pairs + p];
-        expert_views(tpool.get() + (rng() % n_rec) * tlay.bytes, ft, I, H, &e.gate, &e.up, &e.down);
-        e.x_row = p / (k + 1);
-        e.weight = 0.1f;
-      }
-    DeviceBuffer<ExpertPair> dp(hp.size());
-    CUDA_CHECK(cudaMemcpy(dp.get(), hp.data(), hp.size() * sizeof(ExpertPair), cudaMemcpyHostToDevice));
-    DeviceBuffer<float> h(static_cast<size_t>(n_pairs) * I), yo(static_cast<size_t>(n_pairs) * H);
-    const double ms = time_ms(20, [&](int i) {
-      const ExpertPair* ps = dp.get() + (i % n_sets) * n_pairs;
-      expert_gate_up_tc4(ps, n_pairs, I, H, x.get(), H, rows, h.get(), I, nullptr, nullptr, true);
-      expert_down_tc4(ps, n_pairs, I, H, h.get(), I, yo.get(), H, nullptr, true);
-    });
-    const double bytes = n_pairs * trec_bytes;
-    std::snprintf(line, sizeof(line), "kernel   experts tiles tc %2d pairs (rows %d, top-%d + shared)  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw; "
-                  "per-pair reads, with x's fragment kernel)\n",
-                  n_pairs, rows, k, ms * 1e3, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
-    emit(line);
-  }
+  time_experts(tpool.get(), ft, tlay.bytes, "tiles tc", "with x's fragment kernel",
+               [&](const ExpertPair* ps, int n_pairs, int rows, float* h, float* yo) {
+                 expert_gate_up_tc4(ps, n_pairs, I, H, x.get(), H, rows, h, I, nullptr, nullptr, true);
+                 expert_down_tc4(ps, n_pairs, I, H, h, I, yo, H, nullptr, true);
+               });
 }
 
 }  // namespace ck::bench

@@ -1982,6 +1982,24 @@ bool expert_down_stream_on() {
   return g_expert_stream < 0 ? env_on : g_expert_stream != 0;
 }
 
+// A streaming kernel's run length: `units` (tiles or chunks) spread over every block that can be
+// resident at once (256 threads and `smem` bytes of dynamic shared memory each; the occupancy asked
+// once per size), or over set_expert_stream's block count (tests): per = ceil(units / blocks).
+struct OccupancyCache {
+  size_t smem = 0;
+  int blocks_per_sm = 0;
+};
+template <class Kernel>
+int stream_run_length(Kernel kernel, size_t smem, int units, OccupancyCache& c) {
+  if (c.blocks_per_sm == 0 || c.smem != smem) {
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c.blocks_per_sm, kernel, 256, smem));
+    c.blocks_per_sm = std::max(1, c.blocks_per_sm);
+    c.smem = smem;
+  }
+  const int blocks = g_expert_stream_blocks > 0 ? g_expert_stream_blocks : sm_count() * c.blocks_per_sm;
+  return static_cast<int>(ceil_div(units, blocks));
+}
+
 int g_shared_early = -1;  // set_expert_shared_early; -1: the environment's
 bool expert_shared_early_on() {
   static const bool env_on = !env_is("CK_EXPERT_SHARED_EARLY", "0");
@@ -2029,16 +2047,8 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
         return true;
       }();
       (void)attr2;
-      // Every block resident: runs of ceil(tiles / resident) tiles (the occupancy asked once per size).
-      static size_t occ_smem = 0;
-      static int occ = 0;
-      if (occ_smem != 2 * bulk_smem) {
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, expert_gate_up_stream_kernel, 256, 2 * bulk_smem));
-        occ = std::max(1, occ);
-        occ_smem = 2 * bulk_smem;
-      }
-      const int blocks = g_expert_stream_blocks > 0 ? g_expert_stream_blocks : sm_count() * occ;
-      const int per = static_cast<int>(ceil_div(tiles, blocks));
+      static OccupancyCache occ;
+      const int per = stream_run_length(expert_gate_up_stream_kernel, 2 * bulk_smem, tiles, occ);
       launch(expert_gate_up_stream_kernel, static_cast<unsigned>(ceil_div(tiles, per)), 256, 2 * bulk_smem, s, pairs,
              tiles_per_pair, tiles, per, frag, gsum, groups, out, ldo, sh);
       CUDA_CHECK_LAUNCH();
@@ -2102,16 +2112,9 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
         return true;
       }();
       (void)attr2;
-      static size_t occ_smem = 0;
-      static int occ = 0;
-      if (occ_smem != ssmem) {
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, expert_down_stream_kernel, 256, ssmem));
-        occ = std::max(1, occ);
-        occ_smem = ssmem;
-      }
+      static OccupancyCache occ;
       const int chunks = n_pairs * bpp;
-      const int blocks = g_expert_stream_blocks > 0 ? g_expert_stream_blocks : sm_count() * occ;
-      const int per = static_cast<int>(ceil_div(chunks, blocks));
+      const int per = stream_run_length(expert_down_stream_kernel, ssmem, chunks, occ);
       launch(expert_down_stream_kernel, static_cast<unsigned>(ceil_div(chunks, per)), 256, ssmem, stream, pairs, bpp,
              chunks, per, max_groups, h, ldh, y, ldy);
       CUDA_CHECK_LAUNCH();

@@ -1656,11 +1656,10 @@ TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
   }
 }
 
-// The shared expert's gate/up blocks copying their tiles before their wait (set_expert_shared_early,
-// the default) read the same matrices and vector as after it: logits bit for bit at steps of 1-8 rows,
-// on every geometry whose experts are in tiles (the bulk kernel's path; at least one is).
-TEST(CudaOps, SharedExpertEarlyGivesTheSameLogits) {
-  REQUIRE_GPU();
+// expect_switch_keeps_logits on every geometry whose experts are in tiles (Model::tiled_experts; at
+// least one is, or the switch's path did not run).
+template <class Set>
+void expect_tiled_switch_keeps_logits(uint64_t seed, Set set, const char* what) {
   int tiled = 0;
   for (const Geometry& g : geometries()) {
     SCOPED_TRACE(g.name);
@@ -1669,29 +1668,25 @@ TEST(CudaOps, SharedExpertEarlyGivesTheSameLogits) {
     ASSERT_TRUE(dm.ok()) << dm.status().message();
     if (!(*dm)->tiled_experts()) continue;
     ++tiled;
-    expect_switch_keeps_logits(**dm, g, 12, [](int on) { set_expert_shared_early(on); },
-                               "the shared expert's early copy changed the logits");
+    expect_switch_keeps_logits(**dm, g, seed, set, what);
   }
-  EXPECT_GE(tiled, 1) << "no geometry has its experts in tiles: the early copy's path did not run";
+  EXPECT_GE(tiled, 1) << "no geometry has its experts in tiles, so this switch's path did not run (" << what << ")";
+}
+
+// The shared expert's gate/up blocks copying their tiles before their wait (set_expert_shared_early,
+// the default) read the same matrices and vector as after it: logits bit for bit at steps of 1-8 rows.
+TEST(CudaOps, SharedExpertEarlyGivesTheSameLogits) {
+  REQUIRE_GPU();
+  expect_tiled_switch_keeps_logits(12, [](int on) { set_expert_shared_early(on); },
+                                   "the shared expert's early copy changed the logits");
 }
 
 // The tiled experts through the streaming kernels (set_expert_stream, the default; 5 blocks, so each
-// runs many tiles) and through a block per tile or chunk: logits bit for bit at steps of 1-8 rows on
-// every tiled geometry.
+// runs many tiles) and through a block per tile or chunk: logits bit for bit at steps of 1-8 rows.
 TEST(CudaOps, ExpertStreamGivesTheSameLogits) {
   REQUIRE_GPU();
-  int tiled = 0;
-  for (const Geometry& g : geometries()) {
-    SCOPED_TRACE(g.name);
-    auto rm = make_random_model(g.cfg, g.opt);
-    auto dm = Model::create(rm->weights, rm->experts);
-    ASSERT_TRUE(dm.ok()) << dm.status().message();
-    if (!(*dm)->tiled_experts()) continue;
-    ++tiled;
-    expect_switch_keeps_logits(**dm, g, 13, [](int on) { set_expert_stream(on, on > 0 ? 5 : 0); },
-                               "the streaming expert kernels changed the logits");
-  }
-  EXPECT_GE(tiled, 1) << "no geometry has its experts in tiles: the streaming kernel did not run";
+  expect_tiled_switch_keeps_logits(13, [](int on) { set_expert_stream(on, on > 0 ? 5 : 0); },
+                                   "the streaming expert kernels changed the logits");
 }
 
 // A model whose experts cannot all be resident fails at creation with one error naming the sizes
