@@ -1984,13 +1984,19 @@ bool expert_down_stream_on() {
 
 // A streaming kernel's run length: `units` (tiles or chunks) spread over every block that can be
 // resident at once (256 threads and `smem` bytes of dynamic shared memory each; the occupancy asked
-// once per size), or over set_expert_stream's block count (tests): per = ceil(units / blocks).
-struct OccupancyCache {
+// once per size), or over set_expert_stream's block count (tests): per = ceil(units / blocks). The
+// kernel's dynamic shared memory limit is raised to `max_smem` on its first call.
+struct StreamLaunchCache {
+  bool smem_limit_set = false;
   size_t smem = 0;
   int blocks_per_sm = 0;
 };
 template <class Kernel>
-int stream_run_length(Kernel kernel, size_t smem, int units, OccupancyCache& c) {
+int stream_run_length(Kernel kernel, size_t max_smem, size_t smem, int units, StreamLaunchCache& c) {
+  if (!c.smem_limit_set) {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_smem)));
+    c.smem_limit_set = true;
+  }
   if (c.blocks_per_sm == 0 || c.smem != smem) {
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c.blocks_per_sm, kernel, 256, smem));
     c.blocks_per_sm = std::max(1, c.blocks_per_sm);
@@ -2041,14 +2047,8 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
     SharedSlot sh;
     if (expert_shared_early_on() && shared && shared->k1 > 0 && n_pairs % shared->k1 == 0) sh = *shared;
     if (expert_stream_on() && 2 * bulk_smem <= kBulkMaxSmem && ceil_div(groups, 8) <= kStreamWarpGroups) {
-      static const bool attr2 = [] {
-        CUDA_CHECK(cudaFuncSetAttribute(expert_gate_up_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kBulkMaxSmem));
-        return true;
-      }();
-      (void)attr2;
-      static OccupancyCache occ;
-      const int per = stream_run_length(expert_gate_up_stream_kernel, 2 * bulk_smem, tiles, occ);
+      static StreamLaunchCache cache;
+      const int per = stream_run_length(expert_gate_up_stream_kernel, kBulkMaxSmem, 2 * bulk_smem, tiles, cache);
       launch(expert_gate_up_stream_kernel, static_cast<unsigned>(ceil_div(tiles, per)), 256, 2 * bulk_smem, s, pairs,
              tiles_per_pair, tiles, per, frag, gsum, groups, out, ldo, sh);
       CUDA_CHECK_LAUNCH();
@@ -2106,15 +2106,9 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
     static const int early = env_is("CK_EXPERT_DOWN_EARLY", "0") ? 0 : 1;
     const size_t ssmem = bulk_down_stream_smem(max_groups);
     if (expert_down_stream_on() && early && ssmem <= kDownStreamMaxSmem) {
-      static const bool attr2 = [] {
-        CUDA_CHECK(cudaFuncSetAttribute(expert_down_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kDownStreamMaxSmem));
-        return true;
-      }();
-      (void)attr2;
-      static OccupancyCache occ;
+      static StreamLaunchCache cache;
       const int chunks = n_pairs * bpp;
-      const int per = stream_run_length(expert_down_stream_kernel, ssmem, chunks, occ);
+      const int per = stream_run_length(expert_down_stream_kernel, kDownStreamMaxSmem, ssmem, chunks, cache);
       launch(expert_down_stream_kernel, static_cast<unsigned>(ceil_div(chunks, per)), 256, ssmem, stream, pairs, bpp,
              chunks, per, max_groups, h, ldh, y, ldy);
       CUDA_CHECK_LAUNCH();

@@ -456,8 +456,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   L.prefetch = prefetch ? 1 : 0;
   static const bool norm_prefetch = !env_is("CK_HC_NORM_PREFETCH", "0");
   L.norm_prefetch = norm_prefetch ? 1 : 0;
-  static const bool r_prefetch = !env_is("CK_HC_R_PREFETCH", "0");
-  L.r_prefetch = r_prefetch ? 1 : 0;
+  L.r_prefetch = hc_r_prefetch_on() ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };

@@ -2119,6 +2119,11 @@ void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int 
   CUDA_CHECK_LAUNCH();
 }
 
+bool hc_r_prefetch_on() {
+  static const bool on = !env_is("CK_HC_R_PREFETCH", "0");
+  return on;
+}
+
 bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H,
                         const float* scale, float eps, float* out, int rows, cudaStream_t stream) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
@@ -2126,9 +2131,8 @@ bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float*
   if (H < 2048 || H % 4 != 0 || H > 16 * 1024 || ldR % 4 != 0 || ldo % 4 != 0 || !aligned(R) || !aligned(o) ||
       !aligned(out) || !aligned(scale))
     return false;
-  static const bool r_prefetch = !env_is("CK_HC_R_PREFETCH", "0");  // (as the one-row mix's)
   launch(hc_combine_rmsnorm_kernel, dim3(static_cast<unsigned>(S), static_cast<unsigned>(rows)), rmsnorm_wide_block(H),
-         0, stream, R, int64_t{ldR}, o, int64_t{ldo}, w, ldw, int64_t{H}, scale, eps, out, r_prefetch ? 1 : 0);
+         0, stream, R, int64_t{ldR}, o, int64_t{ldo}, w, ldw, int64_t{H}, scale, eps, out, hc_r_prefetch_on() ? 1 : 0);
   CUDA_CHECK_LAUNCH();
   return true;
 }

@@ -41,6 +41,9 @@ void embed_wide(const DMatrix& embed, const StepParams* sp, int rows, int S, int
 void hc_gate_mean(const float* g, const float* X, int ldgx, int S, int H, float* u, int ldu, int rows,
                   cudaStream_t stream, uint2* frag = nullptr, float* gsum = nullptr, uint2* rfrag = nullptr,
                   float* rgsum = nullptr);
+// Whether the mixes ask L2 for their residual R (and its combine weights) before their wait: the
+// one-row mix (hc_mix.cu) and the 2-8-row norm (hc_combine_rmsnorm). CK_HC_R_PREFETCH=0: not.
+bool hc_r_prefetch_on();
 // Hyper-connection combine: R_s += o · w_s for s < S.
 void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H, int rows,
                 cudaStream_t stream);
