@@ -839,6 +839,101 @@ __global__ void __launch_bounds__(256, BITS == 8 ? 2 : R <= 2 ? 4 : 3) gemv_tc4_
   }
 }
 
+// One activation row through tiled 4-bit matrices with each warp on two tiles: block b takes tiles 2b
+// and 2b + 1 (any jobs), and warp w groups [w per, (w + 1) per) of both (per = ceil(groups / 8)), both
+// tiles' loads of a group issued before either's products, the eight parts of a tile added in warp
+// order through shared memory; then the epilogue of gemv_tc4_kernel<1> (the DeltaNet conv for job 0's
+// channels with L.conv.y, else y = epi(value)). No K split over blocks (L.kb is 1).
+// Why: gemv_tc4_kernel<1> gives each warp one tile and a quarter of its groups (ks = 4: 10 groups at
+// K = 2,560), one group's loads in flight at a time (its Tc4Rows load branches on the layout, and the
+// compiler does not hoist the next group's loads over it): ten dependent round trips to L2 a warp. In
+// Nsight Compute (H200 2026-12-02 07:22Z, the in_proj at one row, 515 blocks): 16.4 us for 24 MB, 51%
+// of the warps' samples on long scoreboard, 21% of them on the first group's weights. Here the same
+// warps (4,120 for 1,030 tiles: one wave at 4 blocks per SM) make five round trips, each twice the
+// bytes. The parts are eight of five groups instead of four of ten, so the sums round differently
+// from gemv_tc4_kernel<1> (CK_GEMV_PAIRS=0 launches that instead).
+// grid ceil(tiles / 2), block 256.
+template <bool BF16S>
+__global__ void __launch_bounds__(256, 4) gemv_tc4_pair_kernel(const __grid_constant__ TcLaunch L, int nx) {
+  __shared__ float red[8][2][16][3];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int n_tiles = L.first_tile[L.n_jobs];
+  int jq[2], rq[2];  // each tile's job and first row (a block's second tile past the end repeats the first)
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int tile = min(static_cast<int>(blockIdx.x) * 2 + q, n_tiles - 1);
+    int j = 0;
+    while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
+    jq[q] = j;
+    rq[q] = (tile - L.first_tile[j]) * 16;
+  }
+  const bool second = static_cast<int>(blockIdx.x) * 2 + 1 < n_tiles;
+  const int per = (L.groups + 7) / 8, G0 = min(L.groups, warp * per), G1 = min(L.groups, G0 + per);
+  Tc4Rows<BF16S, 4, true> tr[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const DMatrix& w = L.job[jq[q]].w;
+    tr[q].init(w, min(rq[q] + g, w.rows - 1), min(rq[q] + g + 8, w.rows - 1), t);
+    if (L.prefetch && (q == 0 || second)) tr[q].prefetch(G0, G1, t);
+  }
+  // The conv channels' taps and state (gemv_tc4_kernel's prefetch): warp q for tile q.
+  if (L.conv_prefetch && L.conv.y && warp < 2 && jq[warp] == 0 && (warp == 0 || second)) {
+    const int K = L.conv.K, C = L.conv.C, row0 = rq[warp];
+    const float* at = nullptr;
+    if (lane * 32 < 16 * K) at = L.conv.taps + static_cast<size_t>(row0) * K + 32 * lane;
+    else if (lane >= 8 && lane - 8 < K - 1) at = L.conv.state + static_cast<size_t>(lane - 8) * C + row0;
+    if (at) prefetch_l2(at);
+  }
+  pdl_begin();  // the fragments and group sums come from the kernel before
+  const uint2* fv = L.frag + tc4_one_frag_lane(g, t);
+  float acc[2][4] = {};
+#pragma unroll 2
+  for (int G = G0; G < G1; ++G) {
+    uint2 wa[2], wb[2];
+    float sa[2], ba[2], sb[2], bb[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) tr[q].load(G, wa[q], wb[q], sa[q], ba[q], sb[q], bb[q]);
+    uint2 b[4];
+    const float x0 = tc4_one_frags_group(fv, L.gsum, G, t, b);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) tc4_one_mma_regs(wa[q], wb[q], sa[q], ba[q], sb[q], bb[q], b, x0, acc[q]);
+  }
+  // Columns 0-2 (hi, mid, lo) of rows g and g + 8: lanes t = 0 (columns 0, 1) and t = 1 (column 2).
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    if (t == 0) {
+      red[warp][q][g][0] = acc[q][0];
+      red[warp][q][g][1] = acc[q][1];
+      red[warp][q][g + 8][0] = acc[q][2];
+      red[warp][q][g + 8][1] = acc[q][3];
+    } else if (t == 1) {
+      red[warp][q][g][2] = acc[q][0];
+      red[warp][q][g + 8][2] = acc[q][2];
+    }
+  }
+  __syncthreads();
+  // Warp q (of 0, 1) finishes tile q: lane m < 16 its row m, the parts in warp order.
+  if (warp >= 2 || lane >= 16 || (warp == 1 && !second)) return;
+  const int q = warp, m = lane, j = jq[q], row = rq[q] + m;
+  const DMatrix& w = L.job[j].w;
+  if (row >= w.rows) return;
+  float c[3];
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    float v = 0.0f;
+#pragma unroll
+    for (int pw = 0; pw < 8; ++pw) v += red[pw][q][m][k];
+    c[k] = v;
+  }
+  const float value = (c[0] + c[1]) + c[2];
+  if (L.conv.y && j == 0) {  // the DeltaNet conv of channel `row` (one activation row)
+    gdn_conv_channel(L.conv, L.conv_sp->snap != 0, row, nx, [&](int) { return value; });
+    return;
+  }
+  const GemvJob& jb = L.job[j];
+  jb.y[row] = apply_epilogue(value, jb.epi, jb.epi_arg);
+}
+
 // grid ceil(tiles 16 R / 256), block 256: y = epi(Σ_z partial_z) for each (job row, activation row),
 // the kb slices of gemv_tc4_kernel added in slice order.
 template <int R>
@@ -1547,6 +1642,19 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bit
     while (L.kb < 8 && static_cast<int>(grid) * L.kb < tc_split_below() && L.groups >= 4 * L.ks * L.kb) L.kb *= 2;
   if (L.kb > 1)
     L.partial = static_cast<decltype(L.partial)>(scratch_alloc(sizeof(float) * L.kb * n_tiles * 16 * R, s));
+  // One row over tiles only, no K split: two tiles a warp (gemv_tc4_pair_kernel; CK_GEMV_PAIRS=0: not).
+  if constexpr (R == 1) {
+    static const bool pairs_on = !env_is("CK_GEMV_PAIRS", "0");
+    bool all_tiled = true;
+    for (int j = 0; j < L.n_jobs; ++j) all_tiled = all_tiled && L.job[j].w.tiled();
+    if (pairs_on && bits == 4 && all_tiled && L.kb == 1 && L.groups >= 16) {
+      const unsigned pgrid = static_cast<unsigned>(ceil_div(n_tiles, 2));
+      launch(bf16s ? gemv_tc4_pair_kernel<true> : gemv_tc4_pair_kernel<false>, pgrid, 256, 0, s, L, nx);
+      CUDA_CHECK_LAUNCH();
+      if (scratch) scratch_free(scratch, s);
+      return;
+    }
+  }
   const dim3 g2(grid, static_cast<unsigned>(L.kb));
   auto kernel = bf16s ? gemv_tc4_kernel<R, true> : gemv_tc4_kernel<R, false>;
   if constexpr (R > 1)  // gemv_tc4's 8-bit rows

@@ -471,7 +471,9 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
   // in-warp kernel up to 16,384 tile-groups, else from 4,096 rows; at 2-8 rows from 1,024 x 1,024;
   // over kMaxRows gemm_q4, where it has blocks enough (not at 48 rows).
   auto same_path = [](const Case& c, int n) {
-    if (n == 1) return (c.rows / 16) * (c.cols / 64) <= 16384 || c.rows >= 4096;
+    // (Past 16,384 tile-groups at one row the tiles take gemv_tc4_pair_kernel, whose sums round
+    // differently: InProjGemvConvolvesInItsEpilogue checks it. No case here is that large.)
+    if (n == 1) return (c.rows / 16) * (c.cols / 64) <= 16384;
     if (n <= kMaxRows) return c.rows >= 1024 && c.cols >= 1024;
     return c.rows >= 1024;
   };
@@ -1007,25 +1009,34 @@ TEST(CudaOps, RouterSoftmaxTopkAndTable) {
 
 // The DeltaNet in_proj GEMV of a row-path step with the conv in its epilogue (gemv_conv) against the
 // GEMV followed by the conv kernel: the same conv output, snapshots, final state and other jobs'
-// outputs, bit for bit, at 1, 3 and 8 rows (the last two keeping snapshots).
+// outputs, bit for bit, at 1, 3 and 8 rows (the last two keeping snapshots), in the row layout (rows
+// that are no tile multiple) and in 16-row tiles (at one row the tiles take gemv_tc4_pair_kernel: 413
+// + 6 tiles, so one block's two tiles are in different jobs and the last block's second is past the
+// end); each GEMV's outputs also against the CPU.
 TEST(CudaOps, InProjGemvConvolvesInItsEpilogue) {
   REQUIRE_GPU();
   std::mt19937_64 rng(32);
-  // Above the one-row kernel's size (tiles x groups > 16,384), so both forms take gemv_tc4_kernel.
-  const int C = 6600, cols = 2560, K = 4, nz = 70;
+  const int cols = 2560, K = 4;
   const WeightForm q4{DType::U32, 4, 64, DType::BF16};
-  HostMatrix qkv = make_matrix(C, cols, q4, rng), z = make_matrix(nz, cols, q4, rng);
   DeviceArena arena;
   DenseUploader up(&arena);
+  for (WLayout layout : {WLayout::Rows, WLayout::Tiles16}) {
+  // Above the one-row kernel's size (tiles x groups > 16,384), so both forms take gemv_tc4_kernel (or,
+  // tiled at one row, gemv_tc4_pair_kernel).
+  const bool tiles = layout == WLayout::Tiles16;
+  const int C = tiles ? 6608 : 6600, nz = tiles ? 96 : 70;
+  HostMatrix qkv = make_matrix(C, cols, q4, rng), z = make_matrix(nz, cols, q4, rng);
   const std::vector<float> taps = randn(static_cast<size_t>(C) * K, rng, 0.5f);
   const std::vector<float> state0 = randn(static_cast<size_t>(K - 1) * C, rng);
   DeviceBuffer<float> tapd, stated, snaps(static_cast<size_t>(kMaxRows) * (K - 1) * C), xd;
   for (int rows : {1, 3, 8}) {
+    const std::string what = std::string(layout == WLayout::Tiles16 ? "tiles, " : "rows, ") + std::to_string(rows) + " rows";
     const std::vector<float> x = randn(static_cast<size_t>(rows) * cols, rng);
     DeviceBuffer<float> gx(static_cast<size_t>(rows) * C), gy(static_cast<size_t>(rows) * C), gz(static_cast<size_t>(rows) * nz);
     GemvJob jobs[2];
-    jobs[0].w = *up.matrix(qkv.m); jobs[0].y = gx.get(); jobs[0].ldy = C;
-    jobs[1].w = *up.matrix(z.m); jobs[1].y = gz.get(); jobs[1].ldy = nz;
+    jobs[0].w = *up.matrix(qkv.m, layout); jobs[0].y = gx.get(); jobs[0].ldy = C;
+    jobs[1].w = *up.matrix(z.m, layout); jobs[1].y = gz.get(); jobs[1].ldy = nz;
+    ASSERT_EQ(jobs[0].w.tiled(), layout == WLayout::Tiles16);
     StepParams sp;
     sp.rows = rows;
     sp.snap = rows > 1 ? 1 : 0;
@@ -1044,6 +1055,7 @@ TEST(CudaOps, InProjGemvConvolvesInItsEpilogue) {
         ASSERT_TRUE(gemv_conv(jobs, 2, xd.get(), cols, rows, nullptr, nullptr, ca, spd.get())) << rows << " rows";
       } else {
         gemv(jobs, 2, xd.get(), cols, rows, nullptr);
+        report_job_vs_cpu(what + ": in_proj before the conv", qkv.m, x, cols, rows, gx.get(), C);
         gdn_conv(ca, spd.get(), rows, nullptr);
       }
       CUDA_CHECK(cudaDeviceSynchronize());
@@ -1052,11 +1064,13 @@ TEST(CudaOps, InProjGemvConvolvesInItsEpilogue) {
       sn[fused] = to_host(snaps.get(), static_cast<size_t>(kMaxRows) * (K - 1) * C);
       zo[fused] = to_host(gz.get(), static_cast<size_t>(rows) * nz);
     }
-    EXPECT_EQ(0, std::memcmp(y[0].data(), y[1].data(), y[0].size() * sizeof(float))) << rows << " rows: conv output";
-    EXPECT_EQ(0, std::memcmp(st[0].data(), st[1].data(), st[0].size() * sizeof(float))) << rows << " rows: state";
-    EXPECT_EQ(0, std::memcmp(sn[0].data(), sn[1].data(), sn[0].size() * sizeof(float))) << rows << " rows: snapshots";
-    EXPECT_EQ(0, std::memcmp(zo[0].data(), zo[1].data(), zo[0].size() * sizeof(float))) << rows << " rows: job 1";
+    EXPECT_EQ(0, std::memcmp(y[0].data(), y[1].data(), y[0].size() * sizeof(float))) << what << ": conv output";
+    EXPECT_EQ(0, std::memcmp(st[0].data(), st[1].data(), st[0].size() * sizeof(float))) << what << ": state";
+    EXPECT_EQ(0, std::memcmp(sn[0].data(), sn[1].data(), sn[0].size() * sizeof(float))) << what << ": snapshots";
+    EXPECT_EQ(0, std::memcmp(zo[0].data(), zo[1].data(), zo[0].size() * sizeof(float))) << what << ": job 1";
+    report_job_vs_cpu(what + ": job 1", z.m, x, cols, rows, gz.get(), nz);
     EXPECT_NE(st[1], state0) << "the state moved";
+  }
   }
 }
 
