@@ -839,11 +839,12 @@ __global__ void __launch_bounds__(256, BITS == 8 ? 2 : R <= 2 ? 4 : 3) gemv_tc4_
   }
 }
 
-// One activation row through tiled 4-bit matrices with each warp on two tiles: block b takes tiles 2b
+// R activation rows through tiled 4-bit matrices with each warp on two tiles: block b takes tiles 2b
 // and 2b + 1 (any jobs), and warp w groups [w per, (w + 1) per) of both (per = ceil(groups / 8)), both
 // tiles' loads of a group issued before either's products, the eight parts of a tile added in warp
-// order through shared memory; then the epilogue of gemv_tc4_kernel<1> (the DeltaNet conv for job 0's
-// channels with L.conv.y, else y = epi(value)). No K split over blocks (L.kb is 1).
+// order through shared memory; then the epilogue of gemv_tc4_kernel<R> (the DeltaNet conv for job 0's
+// channels with L.conv.y, else y = epi(value)). No K split over blocks (L.kb is 1). R = 1 reads the
+// compact one-row fragments; R = 2, 4 gemv_tc4_kernel<R>'s fragments, loaded once for both tiles.
 // Why: gemv_tc4_kernel<1> gives each warp one tile and a quarter of its groups (ks = 4: 10 groups at
 // K = 2,560), one group's loads in flight at a time (its Tc4Rows load branches on the layout, and the
 // compiler does not hoist the next group's loads over it): ten dependent round trips to L2 a warp. In
@@ -856,10 +857,17 @@ __global__ void __launch_bounds__(256, BITS == 8 ? 2 : R <= 2 ? 4 : 3) gemv_tc4_
 // are eight of five groups instead of four of ten, so the sums round differently from
 // gemv_tc4_kernel<1> (CK_GEMV_PAIRS=0 launches that instead). The one-row out projections stay on
 // gemv_tc4_one_kernel: on this kernel with x's fragment kernel before it, decode lost 3.5%.
+// R = 2, 4 (CK_GEMV_PAIRS_ROWS=1; off by default, not yet run on a GPU): the same pairing for the
+// 2-8-row in_proj and q/k/v, whose gemv_tc4_kernel<R> has the same ks = 4 and ten groups a warp. Its
+// check: CK_GEMV_PAIRS_ROWS=1 test_cuda_ops --gtest_filter='CudaOps.InProj*' (the tiled 3-row case).
+// R = 8 is not taken: unrolled once it still spills 208 bytes at the 3-blocks-an-SM cap.
 // grid ceil(tiles / 2), block 256.
-template <bool BF16S>
-__global__ void __launch_bounds__(256, 4) gemv_tc4_pair_kernel(const __grid_constant__ TcLaunch L, int nx) {
-  __shared__ float red[8][2][16][3];
+template <int R, bool BF16S>
+__global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_pair_kernel(const __grid_constant__ TcLaunch L,
+                                                                          int nx) {
+  // Columns kept per tile row: one row's (hi, mid, lo), or gemv_tc4_kernel<R>'s NC (+1: its padding).
+  constexpr int NB = (3 * R + 7) / 8, NC = 8 * NB, NR = R == 1 ? 3 : NC + 1;
+  __shared__ float red[8][2][16][NR];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n_tiles = L.first_tile[L.n_jobs];
   int jq[2], rq[2];  // each tile's job and first row (a block's second tile past the end repeats the first)
@@ -889,53 +897,108 @@ __global__ void __launch_bounds__(256, 4) gemv_tc4_pair_kernel(const __grid_cons
     if (at) prefetch_l2(at);
   }
   pdl_begin();  // the fragments and group sums come from the kernel before
-  const uint2* fv = L.frag + tc4_one_frag_lane(g, t);
-  float acc[2][4] = {};
-#pragma unroll 2
+  float acc[2][NB][4] = {};
+  constexpr int kUnroll = R == 1 ? 2 : 1;  // (2-8 rows unrolled twice spilled: 68 bytes at R = 4)
+#pragma unroll kUnroll
   for (int G = G0; G < G1; ++G) {
     uint2 wa[2], wb[2];
     float sa[2], ba[2], sb[2], bb[2];
 #pragma unroll
     for (int q = 0; q < 2; ++q) tr[q].load(G, wa[q], wb[q], sa[q], ba[q], sb[q], bb[q]);
-    uint2 b[4];
-    const float x0 = tc4_one_frags_group(fv, L.gsum, G, t, b);
+    if constexpr (R == 1) {  // the compact one-row fragments and one Σ x per group
+      uint2 b[4];
+      const float x0 = tc4_one_frags_group(L.frag + tc4_one_frag_lane(g, t), L.gsum, G, t, b);
 #pragma unroll
-    for (int q = 0; q < 2; ++q) tc4_one_mma_regs(wa[q], wb[q], sa[q], ba[q], sb[q], bb[q], b, x0, acc[q]);
+      for (int q = 0; q < 2; ++q) tc4_one_mma_regs(wa[q], wb[q], sa[q], ba[q], sb[q], bb[q], b, x0, acc[q][0]);
+    } else {  // gemv_tc4_kernel<R>'s loads and arithmetic, the fragments once for both tiles
+      const uint2* fg = L.frag + static_cast<size_t>(G) * 4 * NB * 32 + t * 8 + g;
+      uint2 b[4][NB];
+#pragma unroll
+      for (int st = 0; st < 4; ++st)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) b[st][nb] = __ldg(fg + (st * NB + nb) * 32);
+      const float* gs = L.gsum + G * NC + 2 * t;
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        float d[NB][4] = {};
+        tc4_group_mma<NB>(wa[q], wb[q], [&](int st, int nb) { return b[st][nb]; }, d);
+        tc4_group_accumulate<NB, true>(d, sa[q], ba[q], sb[q], bb[q], [&](int nb, int c) { return __ldg(gs + nb * 8 + c); },
+                                       acc[q]);
+      }
+    }
   }
-  // Columns 0-2 (hi, mid, lo) of rows g and g + 8: lanes t = 0 (columns 0, 1) and t = 1 (column 2).
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
-    if (t == 0) {
-      red[warp][q][g][0] = acc[q][0];
-      red[warp][q][g][1] = acc[q][1];
-      red[warp][q][g + 8][0] = acc[q][2];
-      red[warp][q][g + 8][1] = acc[q][3];
-    } else if (t == 1) {
-      red[warp][q][g][2] = acc[q][0];
-      red[warp][q][g + 8][2] = acc[q][2];
+    if constexpr (R == 1) {  // columns 0-2 (hi, mid, lo) of rows g and g + 8: lanes t = 0 (0, 1) and t = 1 (2)
+      if (t == 0) {
+        red[warp][q][g][0] = acc[q][0][0];
+        red[warp][q][g][1] = acc[q][0][1];
+        red[warp][q][g + 8][0] = acc[q][0][2];
+        red[warp][q][g + 8][1] = acc[q][0][3];
+      } else if (t == 1) {
+        red[warp][q][g][2] = acc[q][0][0];
+        red[warp][q][g + 8][2] = acc[q][0][2];
+      }
+    } else {  // rows g, g + 8 x columns (2t, 2t + 1) of each MMA
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        red[warp][q][g][nb * 8 + 2 * t] = acc[q][nb][0];
+        red[warp][q][g][nb * 8 + 2 * t + 1] = acc[q][nb][1];
+        red[warp][q][g + 8][nb * 8 + 2 * t] = acc[q][nb][2];
+        red[warp][q][g + 8][nb * 8 + 2 * t + 1] = acc[q][nb][3];
+      }
     }
   }
   __syncthreads();
-  // Warp q (of 0, 1) finishes tile q: lane m < 16 its row m, the parts in warp order.
-  if (warp >= 2 || lane >= 16 || (warp == 1 && !second)) return;
-  const int q = warp, m = lane, j = jq[q], row = rq[q] + m;
-  const DMatrix& w = L.job[j].w;
-  if (row >= w.rows) return;
-  float c[3];
+  // Warp q (of 0, 1) finishes tile q: each row's columns summed over the parts in warp order, then
+  // (hi + mid) + lo.
+  if constexpr (R == 1) {  // lane m < 16: row m
+    if (warp >= 2 || lane >= 16 || (warp == 1 && !second)) return;
+    const int q = warp, m = lane, j = jq[q], row = rq[q] + m;
+    const DMatrix& w = L.job[j].w;
+    if (row >= w.rows) return;
+    float c[3];
 #pragma unroll
-  for (int k = 0; k < 3; ++k) {
-    float v = 0.0f;
+    for (int k = 0; k < 3; ++k) {
+      float v = 0.0f;
 #pragma unroll
-    for (int pw = 0; pw < 8; ++pw) v += red[pw][q][m][k];
-    c[k] = v;
+      for (int pw = 0; pw < 8; ++pw) v += red[pw][q][m][k];
+      c[k] = v;
+    }
+    const float value = (c[0] + c[1]) + c[2];
+    if (L.conv.y && j == 0) {  // the DeltaNet conv of channel `row` (one activation row)
+      gdn_conv_channel(L.conv, L.conv_sp->snap != 0, row, nx, [&](int) { return value; });
+      return;
+    }
+    const GemvJob& jb = L.job[j];
+    jb.y[row] = apply_epilogue(value, jb.epi, jb.epi_arg);
+    return;
   }
-  const float value = (c[0] + c[1]) + c[2];
-  if (L.conv.y && j == 0) {  // the DeltaNet conv of channel `row` (one activation row)
-    gdn_conv_channel(L.conv, L.conv_sp->snap != 0, row, nx, [&](int) { return value; });
+  if (warp >= 2 || (warp == 1 && !second)) return;
+  const int q = warp, j = jq[q], row0 = rq[q];
+  const DMatrix& w = L.job[j].w;
+  auto value = [&](int m, int r) {
+    float c[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      float v = 0.0f;
+#pragma unroll
+      for (int pw = 0; pw < 8; ++pw) v += red[pw][q][m][3 * r + k];
+      c[k] = v;
+    }
+    return (c[0] + c[1]) + c[2];
+  };
+  if (L.conv.y && j == 0) {  // the DeltaNet conv of channel row0 + lane over the rows, in order
+    if (lane < 16 && row0 + lane < w.rows)
+      gdn_conv_channel(L.conv, L.conv_sp->snap != 0, row0 + lane, nx, [&](int r) { return value(lane, r); });
     return;
   }
   const GemvJob& jb = L.job[j];
-  jb.y[row] = apply_epilogue(value, jb.epi, jb.epi_arg);
+  for (int o = lane; o < 16 * R; o += 32) {
+    const int m = o / R, r = o % R;
+    if (r >= nx || row0 + m >= w.rows) continue;
+    jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue(value(m, r), jb.epi, jb.epi_arg);
+  }
 }
 
 // grid ceil(tiles 16 R / 256), block 256: y = epi(Σ_z partial_z) for each (job row, activation row),
@@ -1646,14 +1709,15 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bit
     while (L.kb < 8 && static_cast<int>(grid) * L.kb < tc_split_below() && L.groups >= 4 * L.ks * L.kb) L.kb *= 2;
   if (L.kb > 1)
     L.partial = static_cast<decltype(L.partial)>(scratch_alloc(sizeof(float) * L.kb * n_tiles * 16 * R, s));
-  // One row over tiles only, no K split: two tiles a warp (gemv_tc4_pair_kernel; CK_GEMV_PAIRS=0: not).
-  if constexpr (R == 1) {
-    static const bool pairs_on = !env_is("CK_GEMV_PAIRS", "0");
+  // Tiles only, no K split: two tiles a warp (gemv_tc4_pair_kernel). CK_GEMV_PAIRS=0: not; at 2 and 4
+  // rows only with CK_GEMV_PAIRS_ROWS=1 (written, not yet measured; at 8 rows it spills 208 bytes).
+  {
+    static const bool pairs_on = !env_is("CK_GEMV_PAIRS", "0"), pairs_rows = env_is("CK_GEMV_PAIRS_ROWS", "1");
     bool all_tiled = true;
     for (int j = 0; j < L.n_jobs; ++j) all_tiled = all_tiled && L.job[j].w.tiled();
-    if (pairs_on && bits == 4 && all_tiled && L.kb == 1 && L.groups >= 16) {
+    if (pairs_on && (R == 1 || (pairs_rows && R <= 4)) && bits == 4 && all_tiled && L.kb == 1 && L.groups >= 16) {
       const unsigned pgrid = static_cast<unsigned>(ceil_div(n_tiles, 2));
-      launch(bf16s ? gemv_tc4_pair_kernel<true> : gemv_tc4_pair_kernel<false>, pgrid, 256, 0, s, L, nx);
+      launch(bf16s ? gemv_tc4_pair_kernel<R, true> : gemv_tc4_pair_kernel<R, false>, pgrid, 256, 0, s, L, nx);
       CUDA_CHECK_LAUNCH();
       if (scratch) scratch_free(scratch, s);
       return;
