@@ -85,18 +85,18 @@ DeviceMatrices make_copies(int rows, int cols, int bits, int group, size_t min_t
   return d;
 }
 
-// Milliseconds per call of f(i), median over batches of launches.
+// Milliseconds per call of f(i), median over batches of launches (f launches on `stream`).
 template <class F>
-double time_ms(int iters, F&& f) {
+double time_ms(int iters, F&& f, cudaStream_t stream = nullptr) {
   cudaEvent_t e0, e1;
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
   for (int i = 0; i < 3; ++i) f(i);
   std::vector<double> t;
   for (int b = 0; b < 5; ++b) {
-    CUDA_CHECK(cudaEventRecord(e0));
+    CUDA_CHECK(cudaEventRecord(e0, stream));
     for (int i = 0; i < iters; ++i) f(b * iters + i);
-    CUDA_CHECK(cudaEventRecord(e1));
+    CUDA_CHECK(cudaEventRecord(e1, stream));
     CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
@@ -131,25 +131,67 @@ void run_kernel_benchmarks(double copy_gbs, FILE* out) {
     CUDA_CHECK(cudaMemcpy(x.get(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
   }
   char line[512];
+  // x's fragments for the "graph" lines (the largest K and R: 160 groups at 8 rows).
+  DeviceBuffer<uint2> frag_buf(static_cast<size_t>(160) * tc4_rows_frag_words(kMaxRows));
+  DeviceBuffer<float> gsum_buf(static_cast<size_t>(160) * tc4_rows_gsum_floats(kMaxRows));
+  cudaStream_t gs;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
+  constexpr int kGraphCalls = 20;
+  // The graphs' kernel scratch (split-K partials) from a stack, as a step's: no memory nodes.
+  DeviceBuffer<uint8_t> scratch_buf(kStepScratchBytes);
+  StepScratch step_scratch;
+  step_scratch.base = scratch_buf.get();
+  step_scratch.size = kStepScratchBytes;
   // Each shape in the row layout and, for the 4-bit ones, in 16-row tiles: the engine's layout for
   // them (the row-layout lines are what CK_WEIGHT_TILES=0 runs, and the 8-bit router's only layout).
+  // The "rows" and "tiles" lines time each call alone, with x's fragment kernel where the GEMV needs
+  // one. The "graph" lines time the tiled GEMVs as a decode step runs them: x's fragments made
+  // beforehand (the step's producers write them; the in-warp one-row kernel makes its own anyway) and
+  // kGraphCalls calls on rotating copies captured in one graph, so each call's blocks start early
+  // (programmatic dependent launch) and ask L2 for their weights while the call before runs.
   for (const Shape& s : shapes) {
-    for (bool tiles : {false, true}) {
+    for (int form = 0; form < 3; ++form) {
+      const bool tiles = form > 0, graph = form == 2;
       if (tiles && s.bits != 4) continue;
+      if (graph && s.cols / 64 > 160) continue;
       DeviceMatrices dm = make_copies(s.rows, s.cols, s.bits, 64, size_t{512} << 20, rng, tiles);
       const double bytes = static_cast<double>(dm.copies[0].stored_bytes());
       for (int rows : {1, 4, 8}) {
-        const double ms = time_ms(20, [&](int i) {
-          matvec(dm.copies[i % dm.copies.size()], x.get(), s.cols, y.get(), s.rows, rows, nullptr);
-        });
+        double ms = 0.0;
+        if (!graph) {
+          ms = time_ms(20, [&](int i) {
+            matvec(dm.copies[i % dm.copies.size()], x.get(), s.cols, y.get(), s.rows, rows, nullptr);
+          });
+        } else {
+          Tc4Frags pre;
+          tc4_make_frags(x.get(), s.cols, rows, s.cols / 64, frag_buf.get(), gsum_buf.get(), &pre, gs);
+          cudaGraph_t g;
+          cudaGraphExec_t exec;
+          CUDA_CHECK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
+          ScratchScope scope(&step_scratch);
+          for (int i = 0; i < kGraphCalls; ++i) {
+            GemvJob job;
+            job.w = dm.copies[i % dm.copies.size()];
+            job.y = y.get();
+            job.ldy = s.rows;
+            gemv(&job, 1, x.get(), s.cols, rows, gs, &pre);
+          }
+          CUDA_CHECK(cudaStreamEndCapture(gs, &g));
+          CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+          ms = time_ms(5, [&](int) { CUDA_CHECK(cudaGraphLaunch(exec, gs)); }, gs) / kGraphCalls;
+          CUDA_CHECK(cudaGraphExecDestroy(exec));
+          CUDA_CHECK(cudaGraphDestroy(g));
+        }
         std::snprintf(line, sizeof(line),
                       "kernel   gemv %-16s %6dx%-6d q%d %-5s rows %d  %8.1f us  %7.1f GB/s  (%3.0f%% of copy bw)\n", s.name,
-                      s.rows, s.cols, s.bits, tiles ? "tiles" : "rows", rows, ms * 1e3, bytes / (ms * 1e-3) / 1e9,
-                      100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
+                      s.rows, s.cols, s.bits, graph ? "graph" : tiles ? "tiles" : "rows", rows, ms * 1e3,
+                      bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gbs);
         emit(line);
       }
     }
   }
+  CUDA_CHECK(cudaStreamSynchronize(gs));
+  CUDA_CHECK(cudaStreamDestroy(gs));
   // Routed + shared experts of one MoE block: 11 (row, expert) pairs per row over a pool of 96 records.
   const int I = 640, H = 2560, k = 10, n_rec = 96;
   WFormat f;

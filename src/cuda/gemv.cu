@@ -2012,6 +2012,35 @@ bool gemv_conv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int row
   return gemv_tc4(jobs, n_jobs, x, ldx, rows, stream, pre, &ct);
 }
 
+void tc4_make_frags(const float* x, int ldx, int rows, int groups, uint2* frag, float* gsum, Tc4Frags* f,
+                    cudaStream_t stream) {
+  CK_REQUIRE(rows >= 1 && rows <= kMaxRows && groups >= 1 && frag && gsum && f, "tc4_make_frags: %d rows, %d groups",
+             rows, groups);
+  *f = Tc4Frags{};
+  f->x = x;
+  f->ldx = ldx;
+  f->rows = rows;
+  f->groups = groups;
+  const unsigned grid = static_cast<unsigned>(groups);
+  const int64_t z = 0;
+  switch (tc4_rows_R(rows)) {
+    case 1:
+      launch(tc4_frag_kernel<1>, dim3(grid, 1), 128, 0, stream, x, ldx, 1, frag, gsum, z, z, z);
+      f->frag = frag;
+      f->gsum = gsum;
+      break;
+    case 2: launch(tc4_frag_kernel<2>, grid, 128, 0, stream, x, ldx, rows, frag, gsum, z, z, z); break;
+    case 4: launch(tc4_frag_kernel<4>, grid, 128, 0, stream, x, ldx, rows, frag, gsum, z, z, z); break;
+    default: launch(tc4_frag_kernel<8>, grid, 128, 0, stream, x, ldx, rows, frag, gsum, z, z, z); break;
+  }
+  CUDA_CHECK_LAUNCH();
+  if (rows > 1) {
+    f->rfrag = frag;
+    f->rgsum = gsum;
+    f->rR = tc4_rows_R(rows);
+  }
+}
+
 void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,
           const Tc4Frags* pre) {
   CK_REQUIRE(n_jobs >= 1 && n_jobs <= kMaxGemvJobs, "invariant");

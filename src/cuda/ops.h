@@ -82,6 +82,12 @@ constexpr int tc4_rows_frag_words(int R) { return 4 * ((3 * R + 7) / 8) * 32; }
 constexpr int tc4_rows_gsum_floats(int R) { return 8 * ((3 * R + 7) / 8); }
 void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream,
           const Tc4Frags* pre = nullptr);
+// x's v4 fragments as a GEMV's producer would hand them on (`pre`): one row in the compact layout
+// (frag: groups x kOneFragWords words, gsum: groups floats), 2-8 rows in the R-row layout (groups x
+// tc4_rows_frag_words(R) words, groups x tc4_rows_gsum_floats(R) floats, R = tc4_rows_R(rows)); the
+// same bits as the GEMV's own fragment kernel. For the kernel lab and tests.
+void tc4_make_frags(const float* x, int ldx, int rows, int groups, uint2* frag, float* gsum, Tc4Frags* f,
+                    cudaStream_t stream);
 
 // The twin of cpu::matvec for `rows` rows: y (rows, w.rows) = x (rows, w.cols) · wᵀ.
 void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int rows, cudaStream_t stream);

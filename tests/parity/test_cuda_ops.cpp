@@ -547,6 +547,40 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
   }
 }
 
+// tc4_make_frags (the kernel lab's stand-in for a producer) hands a GEMV the bits of its own fragment
+// kernel: a tiled in_proj-sized matrix at one row (gemv_tc4_pair_kernel, compact fragments) and at 3
+// rows (gemv_tc4_kernel<4>, the R-row layout).
+TEST(CudaOps, MadeFragmentsGiveTheGemvsOwnBits) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(41);
+  const int out = 10240, cols = 2560, groups = cols / 64;
+  HostMatrix hm = make_matrix(out, cols, WeightForm{DType::U32, 4, 64, DType::BF16}, rng);
+  DeviceArena arena;
+  DenseUploader up(&arena);
+  GemvJob job;
+  job.w = *up.matrix(hm.m, WLayout::Tiles16);
+  job.ldy = out;
+  ASSERT_TRUE(job.w.tiled());
+  DeviceBuffer<uint2> frag(static_cast<size_t>(groups) * tc4_rows_frag_words(kMaxRows));
+  DeviceBuffer<float> gsum(static_cast<size_t>(groups) * tc4_rows_gsum_floats(kMaxRows));
+  for (int n : {1, 3}) {
+    const std::vector<float> x = randn(static_cast<size_t>(n) * cols, rng);
+    DeviceBuffer<float> xd, y[2];
+    to_device(x, &xd);
+    std::vector<float> got[2];
+    for (int made : {0, 1}) {
+      y[made].resize(static_cast<size_t>(n) * out);
+      job.y = y[made].get();
+      Tc4Frags pre;
+      if (made) tc4_make_frags(xd.get(), cols, n, groups, frag.get(), gsum.get(), &pre, nullptr);
+      gemv(&job, 1, xd.get(), cols, n, nullptr, made ? &pre : nullptr);
+      got[made] = to_host(y[made].get(), y[made].size());
+    }
+    EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(float))) << n << " rows";
+    report_job_vs_cpu("made fragments, " + std::to_string(n) + " rows", hm.m, x, cols, n, y[1].get(), out);
+  }
+}
+
 // Fragments made by the producer of a 2-8-row GEMV's input (cuda/ops.h Tc4Frags::rfrag) give the bits
 // of the GEMV's own fragment kernel: the mix's down projection handing d on from its reduce
 // (GemvJob::frags_out, the hyper-connection's shapes: 320 + 16 rows, K = 10,240, split over blocks),
