@@ -848,15 +848,15 @@ __global__ void __launch_bounds__(256, BITS == 8 ? 2 : R <= 2 ? 4 : 3) gemv_tc4_
 // Why: gemv_tc4_kernel<1> gives each warp one tile and a quarter of its groups (ks = 4: 10 groups at
 // K = 2,560), one group's loads in flight at a time (its Tc4Rows load branches on the layout, and the
 // compiler does not hoist the next group's loads over it): ten dependent round trips to L2 a warp. In
-// Nsight Compute (H200 2026-12-02 07:22Z, the in_proj at one row, 515 blocks): 16.4 us for 24 MB, 51%
-// of the warps' samples on long scoreboard, 21% of them on the first group's weights. Here the same
+// Nsight Compute (H200 2026-12-02 07:11Z, the in_proj at one row, 515 blocks): 16.4 us for 24 MB, 51%
+// of the warps' samples on long scoreboard, 21% of all on the first group's weights. Here the same
 // warps (4,120 for 1,030 tiles: one wave at 4 blocks per SM) make five round trips, each twice the
 // bytes: 13.86 us alone (Nsight Compute, 07:23Z), one-row decode +1.1% in the second of two calls
 // (07:30Z: 648.1 / 653.2 / 652.8 tok/s against 642.9 / 644.6 / 645.6; 07:21Z: 653.4 / 653.8 / 655.9
-// against 651.4 / 644.2 / 638.2). The parts
-// are eight of five groups instead of four of ten, so the sums round differently from
-// gemv_tc4_kernel<1> (CK_GEMV_PAIRS=0 launches that instead). The one-row out projections stay on
-// gemv_tc4_one_kernel: on this kernel with x's fragment kernel before it, decode lost 3.5%.
+// against 651.4 / 644.2 / 638.2). The parts are eight of five groups instead of four of ten, so the
+// sums round differently from gemv_tc4_kernel<1> (CK_GEMV_PAIRS=0 launches that instead). The one-row
+// out projections stay on gemv_tc4_one_kernel: on this kernel with x's fragment kernel before it,
+// decode lost 4.1%.
 // R = 2, 4 (CK_GEMV_PAIRS_ROWS=1; off by default, not yet run on a GPU): the same pairing for the
 // 2-8-row in_proj and q/k/v, whose gemv_tc4_kernel<R> has the same ks = 4 and ten groups a warp. Its
 // check: CK_GEMV_PAIRS_ROWS=1 test_cuda_ops --gtest_filter='CudaOps.InProj*' (the tiled 3-row case).
