@@ -727,6 +727,35 @@ __global__ void __launch_bounds__(128) tc4_frag_kernel(const float* __restrict__
   }
 }
 
+// The conv of a tile's 16 channels in a GEMV's epilogue reads their taps (16 K floats) and state (K - 1
+// rows of 16 floats): first touches of the step, otherwise a DRAM round trip at the end. One warp asks
+// L2 for them (lane by lane) before its pdl_begin.
+__device__ __forceinline__ void conv_tile_prefetch(const GdnConvArgs& c, int row0, int lane) {
+  const float* at = nullptr;
+  if (lane * 32 < 16 * c.K) at = c.taps + static_cast<size_t>(row0) * c.K + 32 * lane;
+  else if (lane >= 8 && lane - 8 < c.K - 1) at = c.state + static_cast<size_t>(lane - 8) * c.C + row0;
+  if (at) prefetch_l2(at);
+}
+
+// The tile at rows row0.. of job j, one warp: value(m, r) is row m's sum for activation row r. Job 0's
+// rows are the DeltaNet conv's channels with L.conv.y (lanes < 16, each channel over the rows in
+// order); otherwise y = epi(value).
+template <int R, class Value>
+__device__ __forceinline__ void tc4_tile_epilogue(const TcLaunch& L, int j, int row0, int nx, const Value& value) {
+  const int lane = threadIdx.x & 31;
+  const GemvJob& jb = L.job[j];
+  if (L.conv.y && j == 0) {
+    if (lane < 16 && row0 + lane < jb.w.rows)
+      gdn_conv_channel(L.conv, L.conv_sp->snap != 0, row0 + lane, nx, [&](int r) { return value(lane, r); });
+    return;
+  }
+  for (int o = lane; o < 16 * R; o += 32) {
+    const int m = o / R, r = o % R;
+    if (r >= nx || row0 + m >= jb.w.rows) continue;
+    jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue(value(m, r), jb.epi, jb.epi_arg);
+  }
+}
+
 // block 256 = 8 warps = 8/ks tiles of 16 rows, each tile's groups split over ks warps (added in a
 // fixed order through shared memory). grid: (tiles / (8/ks), kb): with kb > 1 block y takes the y-th
 // of kb slices of the groups and writes its sums to L.partial, which gemv_tc4_reduce_kernel adds in
@@ -756,15 +785,7 @@ __global__ void __launch_bounds__(256, BITS == 8 ? 2 : R <= 2 ? 4 : 3) gemv_tc4_
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
     if (L.prefetch) tr.prefetch(G0, G1, t);
-    // The conv of the tile's 16 channels in the epilogue reads their taps (16 K floats) and state
-    // (K - 1 rows of 16 floats): first touches of the step, otherwise a DRAM round trip at the end.
-    if (L.conv_prefetch && L.conv.y && j == 0 && part == 0) {
-      const int K = L.conv.K, C = L.conv.C;
-      const float* at = nullptr;
-      if (lane * 32 < 16 * K) at = L.conv.taps + static_cast<size_t>(row0) * K + 32 * lane;
-      else if (lane >= 8 && lane - 8 < K - 1) at = L.conv.state + static_cast<size_t>(lane - 8) * C + row0;
-      if (at) prefetch_l2(at);
-    }
+    if (L.conv_prefetch && L.conv.y && j == 0 && part == 0) conv_tile_prefetch(L.conv, row0, lane);
   }
   pdl_begin();  // the fragments and group sums come from the kernel before
   if (tile < n_tiles) {
@@ -831,12 +852,7 @@ __global__ void __launch_bounds__(256, BITS == 8 ? 2 : R <= 2 ? 4 : 3) gemv_tc4_
     }
     return;
   }
-  const GemvJob& jb = L.job[j];
-  for (int o = lane; o < 16 * R; o += 32) {
-    const int m = o / R, r = o % R;
-    if (r >= nx || row0 + m >= w.rows) continue;
-    jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue(value(m, r), jb.epi, jb.epi_arg);
-  }
+  tc4_tile_epilogue<R>(L, j, row0, nx, value);
 }
 
 // R activation rows through tiled 4-bit matrices with each warp on two tiles: block b takes tiles 2b
@@ -888,14 +904,9 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_pair_kernel(cons
     tr[q].init(w, min(rq[q] + g, w.rows - 1), min(rq[q] + g + 8, w.rows - 1), t);
     if (L.prefetch && (q == 0 || second)) tr[q].prefetch(G0, G1, t);
   }
-  // The conv channels' taps and state (gemv_tc4_kernel's prefetch): warp q for tile q.
-  if (L.conv_prefetch && L.conv.y && warp < 2 && jq[warp] == 0 && (warp == 0 || second)) {
-    const int K = L.conv.K, C = L.conv.C, row0 = rq[warp];
-    const float* at = nullptr;
-    if (lane * 32 < 16 * K) at = L.conv.taps + static_cast<size_t>(row0) * K + 32 * lane;
-    else if (lane >= 8 && lane - 8 < K - 1) at = L.conv.state + static_cast<size_t>(lane - 8) * C + row0;
-    if (at) prefetch_l2(at);
-  }
+  // The conv channels' taps and state: warp q for tile q.
+  if (L.conv_prefetch && L.conv.y && warp < 2 && jq[warp] == 0 && (warp == 0 || second))
+    conv_tile_prefetch(L.conv, rq[warp], lane);
   pdl_begin();  // the fragments and group sums come from the kernel before
   float acc[2][NB][4] = {};
   constexpr int kUnroll = R == 1 ? 2 : 1;  // (2-8 rows unrolled twice spilled: 68 bytes at R = 4)
@@ -976,7 +987,6 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_pair_kernel(cons
   }
   if (warp >= 2 || (warp == 1 && !second)) return;
   const int q = warp, j = jq[q], row0 = rq[q];
-  const DMatrix& w = L.job[j].w;
   auto value = [&](int m, int r) {
     float c[3];
 #pragma unroll
@@ -988,17 +998,7 @@ __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_pair_kernel(cons
     }
     return (c[0] + c[1]) + c[2];
   };
-  if (L.conv.y && j == 0) {  // the DeltaNet conv of channel row0 + lane over the rows, in order
-    if (lane < 16 && row0 + lane < w.rows)
-      gdn_conv_channel(L.conv, L.conv_sp->snap != 0, row0 + lane, nx, [&](int r) { return value(lane, r); });
-    return;
-  }
-  const GemvJob& jb = L.job[j];
-  for (int o = lane; o < 16 * R; o += 32) {
-    const int m = o / R, r = o % R;
-    if (r >= nx || row0 + m >= w.rows) continue;
-    jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue(value(m, r), jb.epi, jb.epi_arg);
-  }
+  tc4_tile_epilogue<R>(L, j, row0, nx, value);
 }
 
 // grid ceil(tiles 16 R / 256), block 256: y = epi(Σ_z partial_z) for each (job row, activation row),
@@ -1694,9 +1694,8 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bit
     scratch = static_cast<decltype(scratch)>(scratch_alloc(frag_bytes + sizeof(float) * L.groups * 8 * NB, s));
     uint2* frag = reinterpret_cast<uint2*>(scratch);
     float* gsum = reinterpret_cast<float*>(scratch + frag_bytes);
-    launch(tc4_frag_kernel<R>, static_cast<unsigned>(L.groups), 128, 0, s, x, ldx, nx, frag, gsum, int64_t{0},
-           int64_t{0}, int64_t{0});
-    CUDA_CHECK_LAUNCH();
+    Tc4Frags own;
+    tc4_make_frags(x, ldx, nx, L.groups, frag, gsum, &own, s);  // (tc4_frag_kernel<R>: nx rows make this R)
     L.frag = frag;
     L.gsum = gsum;
   }

@@ -1064,13 +1064,13 @@ TEST(CudaOps, InProjGemvConvolvesInItsEpilogue) {
   const std::vector<float> state0 = randn(static_cast<size_t>(K - 1) * C, rng);
   DeviceBuffer<float> tapd, stated, snaps(static_cast<size_t>(kMaxRows) * (K - 1) * C), xd;
   for (int rows : {1, 3, 8}) {
-    const std::string what = std::string(layout == WLayout::Tiles16 ? "tiles, " : "rows, ") + std::to_string(rows) + " rows";
+    const std::string what = std::string(tiles ? "tiles, " : "rows, ") + std::to_string(rows) + " rows";
     const std::vector<float> x = randn(static_cast<size_t>(rows) * cols, rng);
     DeviceBuffer<float> gx(static_cast<size_t>(rows) * C), gy(static_cast<size_t>(rows) * C), gz(static_cast<size_t>(rows) * nz);
     GemvJob jobs[2];
     jobs[0].w = *up.matrix(qkv.m, layout); jobs[0].y = gx.get(); jobs[0].ldy = C;
     jobs[1].w = *up.matrix(z.m, layout); jobs[1].y = gz.get(); jobs[1].ldy = nz;
-    ASSERT_EQ(jobs[0].w.tiled(), layout == WLayout::Tiles16);
+    ASSERT_EQ(jobs[0].w.tiled(), tiles);
     StepParams sp;
     sp.rows = rows;
     sp.snap = rows > 1 ? 1 : 0;
