@@ -873,10 +873,12 @@ __global__ void __launch_bounds__(256, BITS == 8 ? 2 : R <= 2 ? 4 : 3) gemv_tc4_
 // sums round differently from gemv_tc4_kernel<1> (CK_GEMV_PAIRS=0 launches that instead). The one-row
 // out projections stay on gemv_tc4_one_kernel: on this kernel with x's fragment kernel before it,
 // decode lost 4.1%.
-// R = 2, 4 (CK_GEMV_PAIRS_ROWS=1; off by default, not yet run on a GPU): the same pairing for the
-// 2-8-row in_proj and q/k/v, whose gemv_tc4_kernel<R> has the same ks = 4 and ten groups a warp. Its
-// check: CK_GEMV_PAIRS_ROWS=1 test_cuda_ops --gtest_filter='CudaOps.InProj*' (the tiled 3-row case).
-// R = 8 is not taken: unrolled once it still spills 208 bytes at the 3-blocks-an-SM cap.
+// R = 2, 4: the same pairing for the 2-4-row in_proj and q/k/v, whose gemv_tc4_kernel<R> has the same
+// ks = 4 and ten groups a warp. Measured (H200 2026-12-02 12:33Z, three interleaved rounds against
+// CK_GEMV_PAIRS_ROWS=0): 4-row decode 1,461 / 1,470 / 1,465 tok/s against 1,419 / 1,431 / 1,420
+// (+3.0%), 2-row 1,027 / 1,021 against 1,001 / 1,004 (+2.2%). Its CPU checks: InProjGemvConvolvesInItsEpilogue
+// (the tiled 3-row case) and the 2-8-row model tests. R = 8 is not taken: unrolled once it still
+// spills 208 bytes at the 3-blocks-an-SM cap.
 // grid ceil(tiles / 2), block 256.
 template <int R, bool BF16S>
 __global__ void __launch_bounds__(256, R <= 2 ? 4 : 3) gemv_tc4_pair_kernel(const __grid_constant__ TcLaunch L,
@@ -1704,14 +1706,23 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bit
   // tiles, K = 10,240, on the tile kernel because its weights are tiles) ran on 21 blocks, 16.7 us a
   // call at 4 rows (Nsight Compute, 2026-12-01 08:29Z), ~0.1 TB/s.
   const int n_tiles = L.first_tile[L.n_jobs];
-  if (R > 1 && !L.conv.y)  // (L.kb is 1 from tc_launch_of)
+  // No split of a K under split_min_groups groups (CK_GEMV_SPLIT_MIN_GROUPS; default 8): the 2-8-row
+  // mix's up projection (K = 320: 5 groups) was cut into slices of 3 and 2 groups a warp with a reduce
+  // kernel after them, one more kernel per mix (33 a step) for two groups less on each warp's chain.
+  // Unsplit (H200 2026-12-02 12:42Z, two interleaved rounds, 4 rows): 1,495.9 / 1,492.2 tok/s against
+  // 1,478.5 / 1,490.1 (+0.6%), 390 kernels a step instead of 423. CK_GEMV_SPLIT_MIN_GROUPS=0: split as
+  // before.
+  static const int split_min_groups = [] {
+    const char* e = std::getenv("CK_GEMV_SPLIT_MIN_GROUPS");
+    return e ? std::max(0, std::atoi(e)) : 8;
+  }();
+  if (R > 1 && !L.conv.y && L.groups >= split_min_groups)  // (L.kb is 1 from tc_launch_of)
     while (L.kb < 8 && static_cast<int>(grid) * L.kb < tc_split_below() && L.groups >= 4 * L.ks * L.kb) L.kb *= 2;
-  if (L.kb > 1)
-    L.partial = static_cast<decltype(L.partial)>(scratch_alloc(sizeof(float) * L.kb * n_tiles * 16 * R, s));
-  // Tiles only, no K split: two tiles a warp (gemv_tc4_pair_kernel). CK_GEMV_PAIRS=0: not; at 2 and 4
-  // rows only with CK_GEMV_PAIRS_ROWS=1 (written, not yet measured; at 8 rows it spills 208 bytes).
+  // Tiles only, no K split: two tiles a warp (gemv_tc4_pair_kernel) at 1, 2 and 4 rows (at 8 it
+  // spills 208 bytes). CK_GEMV_PAIRS=0: at no row count; CK_GEMV_PAIRS_ROWS=0: at one row only. (The
+  // pair kernel instead of a K split, for the 2-4-row out projections' 160 tiles: level, 12:42Z.)
   {
-    static const bool pairs_on = !env_is("CK_GEMV_PAIRS", "0"), pairs_rows = env_is("CK_GEMV_PAIRS_ROWS", "1");
+    static const bool pairs_on = !env_is("CK_GEMV_PAIRS", "0"), pairs_rows = !env_is("CK_GEMV_PAIRS_ROWS", "0");
     bool all_tiled = true;
     for (int j = 0; j < L.n_jobs; ++j) all_tiled = all_tiled && L.job[j].w.tiled();
     if (pairs_on && (R == 1 || (pairs_rows && R <= 4)) && bits == 4 && all_tiled && L.kb == 1 && L.groups >= 16) {
@@ -1722,6 +1733,8 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bit
       return;
     }
   }
+  if (L.kb > 1)
+    L.partial = static_cast<decltype(L.partial)>(scratch_alloc(sizeof(float) * L.kb * n_tiles * 16 * R, s));
   const dim3 g2(grid, static_cast<unsigned>(L.kb));
   auto kernel = bf16s ? gemv_tc4_kernel<R, true> : gemv_tc4_kernel<R, false>;
   if constexpr (R > 1)  // gemv_tc4's 8-bit rows
