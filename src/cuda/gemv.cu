@@ -1706,18 +1706,19 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bit
   // tiles, K = 10,240, on the tile kernel because its weights are tiles) ran on 21 blocks, 16.7 us a
   // call at 4 rows (Nsight Compute, 2026-12-01 08:29Z), ~0.1 TB/s.
   const int n_tiles = L.first_tile[L.n_jobs];
-  // No split of a K under split_min_groups groups (CK_GEMV_SPLIT_MIN_GROUPS; default 48, K < 3,072).
-  // A split adds a reduce kernel after the GEMV, one more boundary on the step's chain, and at short K
-  // takes only a few groups off each warp's chain: the 2-8-row mix's up projection (K = 320, 5 groups:
-  // slices of 3 and 2; 33 calls a step) and the 8-bit routers (K = 2,560, 40 groups; 16 calls). H200
-  // 2026-12-02, interleaved rounds at 4 rows: the up projection unsplit (a floor of 8 or 16 groups)
-  // 1,495.9 / 1,492.2 tok/s against 1,478.5 / 1,490.1 (12:42Z) and 1,470.0 / 1,475.6 against 1,460.8 /
-  // 1,458.6 (12:57Z); the routers too (48) 1,487.7 / 1,484.3 in that call: 374 kernels a step instead
-  // of 423. At 2 rows the up projection's floor was level (1,025.7 / 1,018.2 against 1,030.6 / 1,017.6).
-  // CK_GEMV_SPLIT_MIN_GROUPS=0: split as before.
+  // No split of a K under split_min_groups groups (CK_GEMV_SPLIT_MIN_GROUPS; default 8): the 2-8-row
+  // mix's up projection (K = 320: 5 groups) was cut into slices of 3 and 2 groups a warp with a reduce
+  // kernel after them, one more kernel per mix (33 a step) for two groups less on each warp's chain.
+  // Unsplit (H200 2026-12-02 12:42Z, two interleaved rounds, 4 rows): 1,495.9 / 1,492.2 tok/s against
+  // 1,478.5 / 1,490.1 (+0.6%), 390 kernels a step instead of 423; 12:57Z 1,470.0 / 1,475.6 against
+  // 1,460.8 / 1,458.6; at 2 rows level (1,025.7 / 1,018.2 against 1,030.6 / 1,017.6).
+  // CK_GEMV_SPLIT_MIN_GROUPS=0: split as before. A floor of 48 (the 8-bit routers, K = 2,560, unsplit
+  // too; 374 kernels) read +1.0% at 12:57Z and level at 13:09Z (1,450.2 / 1,466.3 against 1,464.8 /
+  // 1,460.0), and sends tiled K = 2,560 calls that had split to gemv_tc4_pair_kernel, whose sums round
+  // differently from the row layout's (TiledWeightsGiveTheRowLayoutsBits): not taken.
   static const int split_min_groups = [] {
     const char* e = std::getenv("CK_GEMV_SPLIT_MIN_GROUPS");
-    return e ? std::max(0, std::atoi(e)) : 48;
+    return e ? std::max(0, std::atoi(e)) : 8;
   }();
   if (R > 1 && !L.conv.y && L.groups >= split_min_groups)  // (L.kb is 1 from tc_launch_of)
     while (L.kb < 8 && static_cast<int>(grid) * L.kb < tc_split_below() && L.groups >= 4 * L.ks * L.kb) L.kb *= 2;
