@@ -1,0 +1,226 @@
+// Layer-level kernels of the qwen4_exp forward (declared in cuda/layers.h), MoE: the router (top-k
+// experts and their weights, the route's pairs) and the slot-ordered expert sum, then their launchers.
+// Each kernel is the device twin of a piece of src/cpu/qwen4_exp.cpp and written to be read beside it.
+// Where the CPU rounds a product before adding it, the kernels use __fmul_rn/__fadd_rn so no FMA
+// contraction changes the bits.
+#include <algorithm>
+
+#include "cuda/common.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/layers.h"
+#include "cuda/ops.h"
+
+namespace ck::cuda {
+namespace {
+
+// ------------------------------------------------------------------ MoE
+
+// Slot t of row r's pairs: routed expert e with its weight (t < k), or the shared expert (t == k).
+__device__ __forceinline__ void write_route_pair(const MoeRouteArgs& a, int r, int t, int e, float weight) {
+  ExpertPair pr;
+  pr.x_row = r;
+  if (t < a.k) {
+    const ExpertSlot slot = a.table[e];
+    expert_views(slot.addr, slot.fmt, a.inter, a.hidden, &pr.gate, &pr.up, &pr.down);
+    pr.weight = weight;
+    pr.group = e;
+  } else {
+    pr.gate = a.sh_gate;
+    pr.up = a.sh_up;
+    pr.down = a.sh_down;
+    pr.weight = 0.0f;
+    pr.group = a.E;
+  }
+  a.pairs[static_cast<size_t>(r) * (a.k + 1) + t] = pr;
+}
+
+// grid (rows), block 256, dynamic shared memory E floats + E bytes. Any E (moe_route_warp_kernel
+// takes E <= 1,024).
+__global__ void moe_route_kernel(const MoeRouteArgs a) {
+  pdl_begin();
+  extern __shared__ float prob[];
+  __shared__ float scratch[32];
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  __shared__ int top[64];
+  __shared__ float top_sum;
+  uint8_t* flags = reinterpret_cast<uint8_t*>(prob + a.E);
+  const int r = blockIdx.x;
+  const float* lg = a.logits + static_cast<size_t>(r) * a.ld;
+  const float* lg2 = a.logits2 ? a.logits2 + static_cast<size_t>(r) * a.ld : nullptr;
+  auto logit = [&](int e) { return lg2 ? lg[e] + lg2[e] : lg[e]; };
+  float mx = -INFINITY;
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) mx = fmaxf(mx, logit(e));
+  mx = block_max(mx, scratch);
+  float sum = 0.0f;
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) {
+    const float v = expf(logit(e) - mx);
+    prob[e] = v;
+    sum += v;
+  }
+  sum = block_sum(sum, scratch);
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) prob[e] /= sum;
+  __syncthreads();
+  block_topk(prob, a.E, a.k, top, flags, sv, si);
+  if (threadIdx.x == 0) {
+    float ts = 0.0f;
+    for (int t = 0; t < a.k; ++t) ts += prob[top[t]];
+    top_sum = ts;
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t <= a.k; t += blockDim.x) {
+    const int e = t < a.k ? top[t] : 0;
+    write_route_pair(a, r, t, e, t < a.k ? (a.norm_topk ? prob[e] / top_sum : prob[e]) : 0.0f);
+  }
+}
+
+// The same routing with one warp per row and no block barriers, for E <= 32 VPL: lane l holds the
+// probabilities of experts [VPL l, VPL l + VPL) in registers, and each of the k rounds is a scan of
+// the lane's unused values and a warp argmax (ties to the lower index, NaN never wins: block_topk's
+// rules). (The rounds as a lane max tree of order keys, a REDUX max and a ballot measured 0.4-0.6%
+// slower, H200 2026-12-01 21:04Z.) Routing cost ~8 us per layer inside a one-row decode step's graph
+// with the block kernel (CK_HOLLOW, 2026-11-30); this kernel takes 0.4-1.4 us of it away (decode
+// +0.3-1.2%, same call), so the block kernel's k rounds of barriers were a small part of that time. The softmax sums in
+// another order than the block kernel (a warp's butterfly): probabilities may differ from it in the
+// last bit.
+// grid (ceil(rows / 8)), block 32 min(rows, 8).
+template <int VPL>
+__global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs a, int rows, int prefetch_table) {
+  // The expert table (param_prefetch_on()): constant during a step, read once the picks are known, and
+  // out of L2 again by the next step (8 KB of lines at E = 512: a DRAM round trip in the route's tail).
+  if (prefetch_table && blockIdx.x == 0) {
+    const uint8_t* tb = reinterpret_cast<const uint8_t*>(a.table);
+    const int bytes = a.E * static_cast<int>(sizeof(ExpertSlot));
+    for (int off = 128 * static_cast<int>(threadIdx.x); off < bytes; off += 128 * static_cast<int>(blockDim.x))
+      prefetch_l2(tb + off);
+  }
+  pdl_begin();
+  const int lane = threadIdx.x & 31, r = static_cast<int>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  const float* lg = a.logits + static_cast<size_t>(r) * a.ld;
+  const float* lg2 = a.logits2 ? a.logits2 + static_cast<size_t>(r) * a.ld : nullptr;
+  const int e0 = VPL * lane;
+  float p[VPL];
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) p[j] = e0 + j < a.E ? lg[e0 + j] : -INFINITY;
+  if (lg2)
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (e0 + j < a.E) p[j] += lg2[e0 + j];
+  float mx = p[0];
+#pragma unroll
+  for (int j = 1; j < VPL; ++j) mx = fmaxf(mx, p[j]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    p[j] = e0 + j < a.E ? expf(p[j] - mx) : 0.0f;
+    sum += p[j];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) p[j] /= sum;
+  uint32_t used = 0;  // bit j: expert e0 + j taken (or past E)
+#pragma unroll
+  for (int j = 0; j < VPL; ++j)
+    if (e0 + j >= a.E) used |= 1u << j;
+  int mine0 = 0, mine1 = 0;  // lane l keeps the picks of rounds l and l + 32 (k <= 64)
+  float mine0_p = 0.0f, mine1_p = 0.0f;
+  float ts = 0.0f;
+#pragma unroll 1
+  for (int t = 0; t < a.k; ++t) {
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (!(used >> j & 1u) && arg_better(p[j], e0 + j, bv, bi)) { bv = p[j]; bi = e0 + j; }
+    warp_argmax(bv, bi);
+    if (bi == INT_MAX) {  // only NaNs left: the lowest unused index
+      int lo = INT_MAX;
+#pragma unroll
+      for (int j = VPL - 1; j >= 0; --j)
+        if (!(used >> j & 1u)) lo = e0 + j;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+      bi = lo;
+    }
+    const int owner = bi / VPL, jb = bi - owner * VPL;
+    float pv = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (j == jb) pv = p[j];
+    pv = __shfl_sync(0xffffffffu, pv, owner);  // the pick's probability (bv, or the NaN)
+    if (lane == owner) used |= 1u << jb;
+    ts += pv;  // block kernel's order: the picks' probabilities in round order
+    if (t == lane) {
+      mine0 = bi;
+      mine0_p = pv;
+    } else if (t == lane + 32) {
+      mine1 = bi;
+      mine1_p = pv;
+    }
+  }
+  // The lane's slots t = lane + 32 h: its picks of rounds lane and lane + 32, and (t == k) the shared
+  // expert's, through one call site (three inlined copies of write_route_pair, and the rounds' loop
+  // unrolled, made 35 KB of SASS at E = 512; now 26 KB; decode level, H200 2026-12-01 18:30Z).
+#pragma unroll 1
+  for (int h = 0; h < 3; ++h) {
+    const int t = lane + 32 * h;
+    if (t > a.k) break;
+    const int e = h == 0 ? mine0 : h == 1 ? mine1 : 0;
+    const float pv = h == 0 ? mine0_p : h == 1 ? mine1_p : 0.0f;
+    write_route_pair(a, r, t, e, t < a.k ? (a.norm_topk ? pv / ts : pv) : 0.0f);
+  }
+}
+
+// grid (ceil(H/256), rows), block 256.
+__global__ void moe_combine_kernel(const float* y, int ldy, const ExpertPair* pairs, int k, const float* gl, int ldgl,
+                                   float* out, int ldo, int H) {
+  pdl_begin();
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= H) return;
+  const int r = blockIdx.y;
+  const size_t p0 = static_cast<size_t>(r) * (k + 1);
+  const float gamma = sigmoidf_(gl[static_cast<size_t>(r) * ldgl]);
+  out[static_cast<size_t>(r) * ldo + i] = moe_combine_elem(y + p0 * ldy, ldy, pairs + p0, k, gamma, i);
+}
+
+}  // namespace
+
+SharedSlot route_shared_slot(const MoeRouteArgs& a) {  // write_route_pair's layout
+  SharedSlot sh;
+  sh.k1 = a.k + 1;
+  sh.gate = a.sh_gate;
+  sh.up = a.sh_up;
+  return sh;
+}
+
+void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
+  CK_REQUIRE(a.k >= 1 && a.k <= 64 && a.k <= a.E && a.E <= 8192, "invariant");
+  // A warp per row up to 1,024 experts (CK_ROUTE_WARP=0: the block kernel, to compare).
+  static const bool warp = !env_is("CK_ROUTE_WARP", "0");
+  const int vpl = static_cast<int>(ceil_div(a.E, 32));
+  if (warp && vpl <= 32) {
+    const unsigned grid = static_cast<unsigned>(ceil_div(rows, 8)), block = 32 * std::min(rows, 8);
+    const int pt = param_prefetch_on() ? 1 : 0;
+    if (vpl <= 1) launch(moe_route_warp_kernel<1>, grid, block, 0, stream, a, rows, pt);
+    else if (vpl <= 2) launch(moe_route_warp_kernel<2>, grid, block, 0, stream, a, rows, pt);
+    else if (vpl <= 4) launch(moe_route_warp_kernel<4>, grid, block, 0, stream, a, rows, pt);
+    else if (vpl <= 8) launch(moe_route_warp_kernel<8>, grid, block, 0, stream, a, rows, pt);
+    else if (vpl <= 16) launch(moe_route_warp_kernel<16>, grid, block, 0, stream, a, rows, pt);
+    else launch(moe_route_warp_kernel<32>, grid, block, 0, stream, a, rows, pt);
+  } else {
+    launch(moe_route_kernel, rows, 256, sizeof(float) * a.E + a.E, stream, a);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_combine(const float* y, int ldy, const ExpertPair* pairs, int k, const float* gl, int ldgl, float* out,
+                 int ldo, int H, int rows, cudaStream_t stream) {
+  launch(moe_combine_kernel, dim3(static_cast<unsigned>(ceil_div(H, 256)), rows), 256, 0, stream, y, ldy, pairs, k, gl,
+                                                                                                ldgl, out, ldo, H);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace ck::cuda
