@@ -2,7 +2,7 @@
 // or MLX affine quantized codes + per-group scales and biases, bytes as stored or, for the 4-bit
 // matrices the tensor-core kernels read, repacked into 16-row tiles: WLayout), and the routed expert
 // record layout that the expert table points into. Plain structs, usable on host and device.
-// Uploading a host Matrix lives in cuda/weights.h; the kernels that read these live in cuda/gemv.cu.
+// Uploading a host Matrix lives in cuda/weights.h; the kernels that read these live in cuda/gemv*.cu.
 #pragma once
 #include <cstddef>
 #include <cstdint>

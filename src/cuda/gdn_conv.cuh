@@ -1,6 +1,6 @@
 // The Gated DeltaNet's causal depthwise conv over the in_proj_qkv channels (spec §6), one channel at a
 // time: the decode conv kernel's code (layers_deltanet.cu), and the epilogue of the one-row in_proj GEMV
-// (gemv.cu), which convolves each channel as it finishes it instead of handing it to that kernel.
+// (gemv_tc4.cu), which convolves each channel as it finishes it instead of handing it to that kernel.
 #pragma once
 
 #include "cuda/common.h"

@@ -576,7 +576,8 @@ XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts
 }  // namespace
 
 bool expert_q4_ok(const DMatrix& m) {
-  // Groups of 64 x 2^k: the decode kernels (gemv.cu, Tc4Rows) find a code's scale group by a shift.
+  // Groups of 64 x 2^k: the decode kernels (gemv_tc4.cu, gemv_experts.cu: Tc4Rows) find a code's scale
+  // group by a shift.
   const int gpg = m.fmt.group / 64;
   return m.quantized() && m.fmt.bits == 4 && m.fmt.group % 64 == 0 && (gpg & (gpg - 1)) == 0 &&
          m.cols % m.fmt.group == 0 && m.rows >= 1;

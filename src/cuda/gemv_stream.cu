@@ -2,7 +2,7 @@
 // head: 9,496 tiles x 40 groups at the released geometry) with the weights streamed into shared memory
 // by the tensor memory accelerator (TMA), instead of each warp loading them into registers.
 //
-// Why: the two-kernel v4 form (fragment kernel + gemv_tc4_kernel, gemv.cu) reached 1.66 TB/s on the
+// Why: the two-kernel v4 form (fragment kernel + gemv_tc4_kernel, gemv_tc4.cu) reached 1.66 TB/s on the
 // LM head against a copy rate of ~4.2 TB/s: with registers capped for 3-4 blocks per SM, a warp keeps
 // few loads in flight. Here every warp owns a ring of kStages shared-memory stages; a stage (16 rows x
 // 8 groups of codes, their scales and biases) is filled by four 2D tensor-map copies issued by one

@@ -1,4 +1,4 @@
-// Tensor-core pieces shared by the 4-bit GEMV (gemv.cu, v4) and the prefill experts (gemm_q4.cu):
+// Tensor-core pieces shared by the 4-bit GEMV (gemv_tc4.cu, gemv_experts.cu) and the prefill experts (gemm_q4.cu):
 // MLX 4-bit codes are small integers, exact in bf16, so they can be an MMA operand as they are, with
 // the group's scale and bias applied after the product (s * Σ q x + b * Σ x). The fp32 activations
 // are split into three bf16 parts (hi + mid + lo carry fp32's 24 bits), each multiplied exactly.
@@ -299,7 +299,7 @@ __device__ __forceinline__ void tile_words(const uint4& c, uint2 sw, uint2& wa, 
 }
 
 // Lane (g, t)'s words of one Tiles16 (tile, group) block `tg` in shared memory, as Tc4Rows::load gives
-// them from global (the kernels that bulk-copy whole tiles: gemv.cu expert_*_bulk_kernel).
+// them from global (the kernels that bulk-copy whole tiles: gemv_experts.cu expert_*_bulk_kernel).
 __device__ __forceinline__ void tile_group_lds(const uint8_t* tg, int lane, uint2& wa, uint2& wb, float& sa, float& ba,
                                                float& sb, float& bb) {
   tile_words(*reinterpret_cast<const uint4*>(tg + 16 * lane), *reinterpret_cast<const uint2*>(tg + 512 + 8 * (lane >> 2)),

@@ -1,5 +1,5 @@
 // The small CUDA ops that have a CPU twin in src/cpu/ops.h: grouped RMS norm, L2 norm, RoPE, top-k,
-// argmax, and dequantized row gathers (the embedding). GEMVs live in gemv.cu; the layer kernels in
+// argmax, and dequantized row gathers (the embedding). GEMVs live in gemv*.cu; the layer kernels in
 // layers_*.cu. Each kernel handles one activation row per blockIdx.y (or blockIdx.x when it is the only
 // grid dimension) and states its block shape.
 #include <algorithm>

@@ -3,7 +3,7 @@
 // a buffer starts at ptr + r * ld. Ops that have a twin in src/cpu/ops.h keep its name and argument
 // order, with rows/ld/stream appended; tests/parity/test_cuda_ops.cpp checks each against the twin.
 // The layer-level kernels (hyper-connections, GDN, QSA attention, PLE, MoE) are declared in
-// cuda/layers.h. Kernel files: gemv.cu (matvec, experts), ops.cu (the rest of this header).
+// cuda/layers.h. Kernel files: gemv*.cu (matvec, experts), ops.cu (the rest of this header).
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -55,7 +55,7 @@ inline bool all_tiled(const GemvJob* jobs, int n_jobs) {
 // one launch. Preconditions: every job's w.cols equals the x width; x is 16-byte aligned and ldx % 4
 // == 0 whenever a job is quantized (quantized cols are multiples of 32). rows > kMaxRows go to gemm_tc.
 // v4 B fragments and group sums of `rows` vectors (row r at x + r * ldx, K = 64 * groups), laid out
-// and rounded as the fragment kernel makes them one vector at a time (gemv.cu tc4_frag_kernel<1>):
+// and rounded as the fragment kernel makes them one vector at a time (gemv_tc4.cu tc4_frag_kernel<1>):
 // hc_gate_mean writes them for the mix output u, and the one-row tensor-core GEMVs and the decode
 // experts that read u take them instead of launching their own fragment kernel.
 // Beside them (or alone), the layout a 2-8-row tensor-core GEMV of rR rows reads (tc4_frag_kernel<rR>:
@@ -151,7 +151,7 @@ void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hid
 void expert_down(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
                  int ldy, bool codes48, cudaStream_t stream);
 
-// The same two products on the tensor cores (the v4 GEMV arithmetic, gemv.cu), for the decode steps.
+// The same two products on the tensor cores (the v4 GEMV arithmetic, gemv_experts.cu), for the decode steps.
 // Preconditions: every pair's matrices are 4-bit codes in groups of 64 x 2^k (expert_q4_ok), hidden and
 // max_inter multiples of 64; x has x_rows rows (the pairs' x_row values). expert_tc4_enabled():
 // the GEMV arithmetic is v4 and CK_EXPERT_TC4 is not 0.
@@ -166,7 +166,7 @@ void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int
                         bool all_tiled = false, const SharedSlot* shared = nullptr);
 void set_expert_shared_early(int on);
 // The tiled form's gate/up and down as one streaming loop per block (two tiles or chunks in flight a
-// block; gemv.cu expert_*_stream_kernel) rather than a block per tile or chunk (CK_EXPERT_STREAM=0
+// block; gemv_experts.cu expert_*_stream_kernel) rather than a block per tile or chunk (CK_EXPERT_STREAM=0
 // for gate/up, CK_EXPERT_DOWN_STREAM=0 for down): the same bits. set_expert_stream(1 or 0) sets both
 // (tests), -1 goes back to the environment's; blocks > 0 (tests): that many blocks, so each runs many
 // tiles through its two stages, instead of every resident one.

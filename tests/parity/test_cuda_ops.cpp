@@ -467,7 +467,7 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
     int rows, cols;
   };
   const Case cases[] = {{4160, 2560}, {2560, 6144}, {1024, 1024}, {48, 256}, {320, 10240}};
-  // Whether the row layout takes the same kernel as the tiles (gemv.cu's gemv_tc4): at one row the
+  // Whether the row layout takes the same kernel as the tiles (gemv_tc4.cu's gemv_tc4): at one row the
   // in-warp kernel up to 16,384 tile-groups, else from 4,096 rows; at 2-8 rows from 1,024 x 1,024;
   // over kMaxRows gemm_q4, where it has blocks enough (not at 48 rows).
   auto same_path = [](const Case& c, int n) {
