@@ -126,6 +126,10 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
 // as one thread-block cluster instead of by a second kernel (the same bits; default on,
 // CK_GDN_CLUSTER_NORM=0 for off).
 void set_gdn_cluster_norm(bool on);
+// With the cluster norm, the rows' norms after the row loop behind one cluster barrier (1) or one
+// barrier per row (0, the default); -1: CK_GDN_NORM_DEFER decides (1: defer). Written 2026-12-02, not
+// yet run on a GPU: GdnClusterNormEqualsNormKernel compares its bits.
+void set_gdn_norm_defer(int on);
 
 // The same delta rule and norm in the chunked form (64 rows at a time, WY representation; spec §6
 // "Chunked prefill"): equal to gdn_recurrent up to fp32 rounding, much faster for long inputs. Takes

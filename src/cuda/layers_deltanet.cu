@@ -90,11 +90,18 @@ enum class GdnNorm : int { Block = 0, Kernel = 1, Cluster = 2 };
 // last write, or a rollback's copy, finished before the step began), and the kernels that may still
 // run then are the one before and its predecessor's tail: the state's 64 KB a head came from DRAM
 // after the wait, a dependent round trip on the step's critical path (param_prefetch_on()).
+// DEFER_NORM (GdnNorm::Cluster only; CK_GDN_NORM_DEFER=1, off by default, written 2026-12-02 and not
+// yet run on a GPU; the default instance's SASS is the kernel's from before): the rows' output norms after the row loop, behind one cluster barrier instead of
+// one per row. Warp 0 keeps each row's o (its 32 columns) in shared memory; the sums, their order and
+// the outputs are the per-row form's (the same bits); a 4-row step has three cluster barriers fewer
+// per DeltaNet layer on its chain (the delta rule of later rows never reads the norm).
+template <bool DEFER_NORM>
 __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, const StepParams* sp, int rows,
                                                             GdnNorm norm_mode, int early) {
   extern __shared__ float sh[];
   __shared__ float scratch[32];
   __shared__ float ss_part[kMaxRows];  // GdnNorm::Cluster: this block's Σ o² per row, read by the cluster
+  __shared__ float o_rows[DEFER_NORM ? kMaxRows : 1][32];  // warp 0's o of each row (cols == 32 in a cluster)
   const int h = blockIdx.x, dk = a.dk, dv = a.dv, parts = (dk + kKeyPart - 1) / kKeyPart;
   // Value columns are independent in the delta rule (column j of S only needs (Sᵀk)_j): block y owns
   // `cols` of them. With one block per head the norm is fused; with a cluster of the head's blocks
@@ -194,12 +201,15 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
       if (tid < 32) {
         const float v = warp_sum(o * o);
         if (tid == 0) ss_part[r] = v;
+        if constexpr (DEFER_NORM) o_rows[r][tid] = o;
       }
-      cluster.sync();
-      float ss = 0.0f;
-      for (unsigned y = 0; y < gridDim.y; ++y) ss += *cluster.map_shared_rank(ss_part + r, y);
-      const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
-      if (active && p == 0) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, r, h, j, o, rr);
+      if constexpr (!DEFER_NORM) {
+        cluster.sync();
+        float ss = 0.0f;
+        for (unsigned y = 0; y < gridDim.y; ++y) ss += *cluster.map_shared_rank(ss_part + r, y);
+        const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
+        if (active && p == 0) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, r, h, j, o, rr);
+      }
     } else if (active && p == 0) {
       a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = o;  // normed by gdn_out_norm_kernel
     }
@@ -217,6 +227,17 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   for (int t = 0; t < kKeyPart; ++t) {
     const int i = p * kKeyPart + t;
     if (active && i < dk) S[static_cast<size_t>(i) * dv + j] = Sreg[t];
+  }
+  if constexpr (DEFER_NORM) {  // every row's norm, after one cluster barrier (GdnNorm::Cluster only)
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every block's ss_part (and this block's o_rows: the barrier orders the block too)
+    for (int r = 0; r < rows; ++r) {
+      float ss = 0.0f;
+      for (unsigned y = 0; y < gridDim.y; ++y) ss += *cluster.map_shared_rank(ss_part + r, y);
+      const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
+      if (active && p == 0)
+        a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, r, h, j, o_rows[r][jl], rr);
+    }
   }
   if (norm_mode == GdnNorm::Cluster) cg::this_cluster().sync();  // the others may still read ss_part
 }
@@ -894,6 +915,12 @@ int g_gdn_cluster_norm = -1;  // -1: not yet read from CK_GDN_CLUSTER_NORM
 
 void set_gdn_cluster_norm(bool on) { g_gdn_cluster_norm = on ? 1 : 0; }
 
+namespace {
+int g_gdn_norm_defer = -1;  // -1: not yet read from CK_GDN_NORM_DEFER
+}  // namespace
+
+void set_gdn_norm_defer(int on) { g_gdn_norm_defer = on < 0 ? -1 : (on ? 1 : 0); }
+
 void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
   const int parts = static_cast<int>(ceil_div(a.dk, kKeyPart));
   CK_REQUIRE(a.dk <= 256 && a.dv * parts <= 512 && a.nv % a.nk == 0, "GDN dims dk %d dv %d nk %d nv %d", a.dk, a.dv,
@@ -909,8 +936,10 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
   if (g_gdn_cluster_norm < 0) g_gdn_cluster_norm = env_is("CK_GDN_CLUSTER_NORM", "0") ? 0 : 1;
   const bool cluster = g_gdn_cluster_norm == 1 && split > 1 && split <= 8 && cols == 32 && rows <= kMaxRows;
   const GdnNorm mode = split == 1 ? GdnNorm::Block : cluster ? GdnNorm::Cluster : GdnNorm::Kernel;
-  launch_cluster(gdn_recurrent_kernel, dim3(a.nv, split), threads, smem, stream, dim3(1, cluster ? split : 1, 1), a,
-                 sp, rows, mode, param_prefetch_on() ? 1 : 0);
+  if (g_gdn_norm_defer < 0) g_gdn_norm_defer = env_is("CK_GDN_NORM_DEFER", "1") ? 1 : 0;  // (gdn_recurrent_kernel)
+  launch_cluster(g_gdn_norm_defer == 1 && mode == GdnNorm::Cluster ? gdn_recurrent_kernel<true> : gdn_recurrent_kernel<false>,
+                 dim3(a.nv, split), threads, smem, stream, dim3(1, cluster ? split : 1, 1), a, sp, rows, mode,
+                 param_prefetch_on() ? 1 : 0);
   CUDA_CHECK_LAUNCH();
   if (mode == GdnNorm::Kernel) {
     launch(gdn_out_norm_kernel, dim3(a.nv, rows), static_cast<unsigned>(round_up(a.dv, 32)), 0, stream, a);

@@ -1526,25 +1526,31 @@ TEST(CudaOps, GdnChunkedAndRecurrentMatchDouble) {
 
 // A decode step's split heads make their output norm as a thread-block cluster (set_gdn_cluster_norm):
 // the same bits as the recurrence followed by gdn_out_norm_kernel, and within the double-precision
-// bound. Row counts of the row path (<= kMaxRows), one to eight 32-column blocks per head.
+// bound. Row counts of the row path (<= kMaxRows), one to eight 32-column blocks per head. Variant 2:
+// the cluster's norms deferred to after the row loop (set_gdn_norm_defer), the same bits again.
 TEST(CudaOps, GdnClusterNormEqualsNormKernel) {
   REQUIRE_GPU();
   init_kernels();
   std::mt19937_64 rng(22);
   const GdnCase cases[] = {{2, 4, 32, 64, 1}, {16, 48, 128, 128, 1}, {16, 48, 128, 128, 3}, {1, 3, 40, 96, 8},
-                           {2, 2, 64, 256, 5}};
+                           {2, 2, 64, 256, 5}, {16, 48, 128, 128, 4}};
   for (const GdnCase& g : cases) {
     GdnProblem p(g, rng);
-    std::vector<float> outs[2], states[2];
-    for (int cluster : {0, 1}) {
-      set_gdn_cluster_norm(cluster == 1);
+    std::vector<float> outs[3], states[3];
+    for (int variant : {0, 1, 2}) {
+      set_gdn_cluster_norm(variant >= 1);
+      set_gdn_norm_defer(variant == 2 ? 1 : 0);
       p.reset_state();
       gdn_recurrent(p.ra, p.spd.get(), g.rows, nullptr);
       CUDA_CHECK(cudaDeviceSynchronize());
-      outs[cluster] = p.out();
-      states[cluster] = p.state();
+      outs[variant] = p.out();
+      states[variant] = p.state();
     }
     set_gdn_cluster_norm(true);
+    set_gdn_norm_defer(-1);
+    EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[2].data(), outs[0].size() * sizeof(float))) << "deferred norms differ";
+    EXPECT_EQ(0, std::memcmp(states[0].data(), states[2].data(), states[0].size() * sizeof(float)))
+        << "states differ (deferred norms)";
     const double e_out = rel_l2(outs[1].data(), p.ref_out.data(), p.ref_out.size());
     std::printf("  gdn cluster norm nk %2d nv %2d dk %3d dv %3d rows %d: out rel_l2 %.3e\n", g.nk, g.nv, g.dk, g.dv,
                 g.rows, e_out);
