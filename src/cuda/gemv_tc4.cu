@@ -575,6 +575,25 @@ int tc_split_below() {
   return v;
 }
 
+// That split is made only for a K of at least this many groups (CK_GEMV_SPLIT_MIN_GROUPS; default 8):
+// the 2-8-row mix's up projection (K = 320: 5 groups) was cut into slices of 3 and 2 groups a warp
+// with a reduce kernel after them, one more kernel per mix (33 a step) for two groups less on each
+// warp's chain.
+// Unsplit (H200 2026-12-02 12:42Z, two interleaved rounds, 4 rows): 1,495.9 / 1,492.2 tok/s against
+// 1,478.5 / 1,490.1 (+0.6%), 390 kernels a step instead of 423; 12:57Z 1,470.0 / 1,475.6 against
+// 1,460.8 / 1,458.6; at 2 rows level (1,025.7 / 1,018.2 against 1,030.6 / 1,017.6).
+// CK_GEMV_SPLIT_MIN_GROUPS=0: split as before. A floor of 48 (the 8-bit routers, K = 2,560, unsplit
+// too; 374 kernels) read +1.0% at 12:57Z and level at 13:09Z (1,450.2 / 1,466.3 against 1,464.8 /
+// 1,460.0), and sends tiled K = 2,560 calls that had split to gemv_tc4_pair_kernel, whose sums round
+// differently from the row layout's (TiledWeightsGiveTheRowLayoutsBits): not taken.
+int tc_split_min_groups() {
+  static const int v = [] {
+    const char* e = std::getenv("CK_GEMV_SPLIT_MIN_GROUPS");
+    return e ? std::max(0, std::atoi(e)) : 8;
+  }();
+  return v;
+}
+
 template <int R>
 void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bits, cudaStream_t s, const Tc4Frags* pre) {
   constexpr int NB = (3 * R + 7) / 8;
@@ -597,26 +616,12 @@ void launch_tc4(TcLaunch L, const float* x, int ldx, int nx, bool bf16s, int bit
     L.frag = frag;
     L.gsum = gsum;
   }
-  // K split over blocks (2-8 rows, no conv) while the grid has fewer blocks than tc_split_below() and
-  // each warp keeps at least two groups: the hyper-connection mix's down projection at 2-8 rows (21
+  // K split over blocks (2-8 rows, no conv, K of tc_split_min_groups() groups or more) while the grid
+  // has fewer blocks than tc_split_below() and each warp keeps at least two groups: the hyper-connection mix's down projection at 2-8 rows (21
   // tiles, K = 10,240, on the tile kernel because its weights are tiles) ran on 21 blocks, 16.7 us a
   // call at 4 rows (Nsight Compute, 2026-12-01 08:29Z), ~0.1 TB/s.
   const int n_tiles = L.first_tile[L.n_jobs];
-  // No split of a K under split_min_groups groups (CK_GEMV_SPLIT_MIN_GROUPS; default 8): the 2-8-row
-  // mix's up projection (K = 320: 5 groups) was cut into slices of 3 and 2 groups a warp with a reduce
-  // kernel after them, one more kernel per mix (33 a step) for two groups less on each warp's chain.
-  // Unsplit (H200 2026-12-02 12:42Z, two interleaved rounds, 4 rows): 1,495.9 / 1,492.2 tok/s against
-  // 1,478.5 / 1,490.1 (+0.6%), 390 kernels a step instead of 423; 12:57Z 1,470.0 / 1,475.6 against
-  // 1,460.8 / 1,458.6; at 2 rows level (1,025.7 / 1,018.2 against 1,030.6 / 1,017.6).
-  // CK_GEMV_SPLIT_MIN_GROUPS=0: split as before. A floor of 48 (the 8-bit routers, K = 2,560, unsplit
-  // too; 374 kernels) read +1.0% at 12:57Z and level at 13:09Z (1,450.2 / 1,466.3 against 1,464.8 /
-  // 1,460.0), and sends tiled K = 2,560 calls that had split to gemv_tc4_pair_kernel, whose sums round
-  // differently from the row layout's (TiledWeightsGiveTheRowLayoutsBits): not taken.
-  static const int split_min_groups = [] {
-    const char* e = std::getenv("CK_GEMV_SPLIT_MIN_GROUPS");
-    return e ? std::max(0, std::atoi(e)) : 8;
-  }();
-  if (R > 1 && !L.conv.y && L.groups >= split_min_groups)  // (L.kb is 1 from tc_launch_of)
+  if (R > 1 && !L.conv.y && L.groups >= tc_split_min_groups())  // (L.kb is 1 from tc_launch_of)
     while (L.kb < 8 && static_cast<int>(grid) * L.kb < tc_split_below() && L.groups >= 4 * L.ks * L.kb) L.kb *= 2;
   // Tiles only, no K split: two tiles a warp (gemv_tc4_pair_kernel) at 1, 2 and 4 rows (at 8 it
   // spills 208 bytes). CK_GEMV_PAIRS=0: at no row count; CK_GEMV_PAIRS_ROWS=0: at one row only. (The
