@@ -127,9 +127,12 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
 // CK_GDN_CLUSTER_NORM=0 for off).
 void set_gdn_cluster_norm(bool on);
 // With the cluster norm, the rows' norms after the row loop behind one cluster barrier (1) or one
-// barrier per row (0, the default); -1: CK_GDN_NORM_DEFER decides (1: defer). Written 2026-12-02, not
-// yet run on a GPU: GdnClusterNormEqualsNormKernel compares its bits.
+// barrier per row (0, the default); -1: CK_GDN_NORM_DEFER decides (1: defer). The same bits
+// (GdnClusterNormEqualsNormKernel); level at 4 rows (H200 2026-12-02 17:5xZ), so not the default.
 void set_gdn_norm_defer(int on);
+// The DeltaNet recurrence with every row's inputs loaded before its row loop from `rows` rows on
+// (default 2; -1: CK_GDN_PRELOAD_MIN_ROWS again). The same bits as the per-row form.
+void set_gdn_preload_min_rows(int rows);
 
 // The same delta rule and norm in the chunked form (64 rows at a time, WY representation; spec §6
 // "Chunked prefill"): equal to gdn_recurrent up to fp32 rounding, much faster for long inputs. Takes

@@ -75,10 +75,12 @@ constexpr int kKeyPart = 32;  // state rows (key dims) held in registers per thr
 // Dynamic shared memory: (2*dk + parts*dv) floats.
 // The gated RMS norm (N2) of value column j of head h, row r: plain weight, then act(z). `rr` is the
 // head's 1 / rms.
-__device__ __forceinline__ float gdn_gated_out(const GdnRecArgs& a, int r, int h, int j, float o, float rr) {
-  const float zz = a.z[static_cast<size_t>(r) * a.ldz + static_cast<size_t>(h) * a.dv + j];
+__device__ __forceinline__ float gdn_gated_out_z(const GdnRecArgs& a, int j, float o, float rr, float zz) {
   const float act = a.sigmoid_gate ? sigmoidf_(zz) : siluf_(zz);
   return __fmul_rn(__fmul_rn(a.norm[j], __fmul_rn(o, rr)), act);
+}
+__device__ __forceinline__ float gdn_gated_out(const GdnRecArgs& a, int r, int h, int j, float o, float rr) {
+  return gdn_gated_out_z(a, j, o, rr, a.z[static_cast<size_t>(r) * a.ldz + static_cast<size_t>(h) * a.dv + j]);
 }
 
 // How a split head's output norm is made: in the kernel when one block holds the head (or when the
@@ -95,11 +97,21 @@ enum class GdnNorm : int { Block = 0, Kernel = 1, Cluster = 2 };
 // one per row. Warp 0 keeps each row's o (its 32 columns) in shared memory; the sums, their order and
 // the outputs are the per-row form's (the same bits); a 4-row step has three cluster barriers fewer
 // per DeltaNet layer on its chain (the delta rule of later rows never reads the norm).
-template <bool DEFER_NORM>
+// PRELOAD (2-8-row steps: gdn_preload_min_rows(), CK_GDN_PRELOAD_MIN_ROWS; written 2026-12-02): every
+// row's inputs before the row loop. The per-row form waits, row by row, for q and k (then two block
+// sums, four barriers), for β and the decay's inputs, for v and for z: three to four dependent L2
+// round trips and nine barriers a row (~5 us a row of the 4-row step's ~22 us a layer). Here all the
+// rows' loads go out together after the wait; the q/k norms of all rows come from one reduction
+// (block_sums: each value's warp butterfly and warp order as block_sum's, so the same bits); v, z, β
+// and the decay wait in shared memory; and the row loop is the state's two sums, two barriers a row
+// (the partials of m and of o in separate buffers, so neither needs a barrier before its reuse). The
+// arithmetic of each value is the per-row form's: the same bits (GdnClusterNormEqualsNormKernel).
+// Dynamic shared memory: gdn_rec_smem().
+template <bool DEFER_NORM, bool PRELOAD>
 __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, const StepParams* sp, int rows,
                                                             GdnNorm norm_mode, int early) {
   extern __shared__ float sh[];
-  __shared__ float scratch[32];
+  __shared__ float scratch[PRELOAD ? 2 * kMaxRows * 32 : 32];
   __shared__ float ss_part[kMaxRows];  // GdnNorm::Cluster: this block's Σ o² per row, read by the cluster
   __shared__ float o_rows[DEFER_NORM ? kMaxRows : 1][32];  // warp 0's o of each row (cols == 32 in a cluster)
   const int h = blockIdx.x, dk = a.dk, dv = a.dv, parts = (dk + kKeyPart - 1) / kKeyPart;
@@ -108,9 +120,15 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   // (cols == 32: warp 0 holds the block's columns) too; otherwise gdn_out_norm_kernel follows.
   const int cols = dv / static_cast<int>(gridDim.y), jc0 = static_cast<int>(blockIdx.y) * cols;
   const bool fused_norm = norm_mode == GdnNorm::Block;
-  float* sq = sh;
-  float* sk = sh + dk;
-  float* red = sh + 2 * dk;
+  const int nr = PRELOAD ? rows : 1;  // rows of q and k kept in shared memory
+  float* sq = sh;                      // [nr][dk]
+  float* sk = sh + nr * dk;            // [nr][dk]
+  float* red = sh + 2 * nr * dk;       // [parts][cols]: the partials of m (and of o without PRELOAD)
+  float* red_o = red + parts * cols;   // PRELOAD: [parts][cols], the partials of o
+  float* rv = red_o + parts * cols;    // PRELOAD: [rows][blockDim] each thread's v, then z
+  float* rz = rv + rows * blockDim.x;
+  float* rbeta = rz + rows * blockDim.x;  // PRELOAD: [rows] β, then [rows] the decay
+  float* rdecay = rbeta + rows;
   const int tid = threadIdx.x, jl = tid % cols, j = jc0 + jl, p = tid / cols;
   const bool active = p < parts;
   const int kh = h / (a.nv / a.nk);  // repeat_interleave grouping (trap 12)
@@ -137,8 +155,143 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   pdl_begin();
   if (!early) load_state();
   const bool snap = sp->snap != 0;
+  // Row r's output o of column j, normed where this kernel makes the norm.
+  auto row_out = [&](int r, float o) {
+    auto gated = [&](float rr) {
+      if constexpr (PRELOAD) return gdn_gated_out_z(a, j, o, rr, rz[r * blockDim.x + tid]);
+      else return gdn_gated_out(a, r, h, j, o, rr);
+    };
+    if (fused_norm) {
+      // Gated RMS norm (N2) over the head's dv outputs: plain weight, then act(z).
+      const float ss = block_sum((active && p == 0) ? o * o : 0.0f, scratch);
+      const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
+      if (active && p == 0) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gated(rr);
+    } else if (norm_mode == GdnNorm::Cluster) {
+      // The same norm across the head's blocks: block y's warp 0 sums its 32 columns (warp y of
+      // gdn_out_norm_kernel's block_sum), then every block adds the blocks' sums in rank order from
+      // distributed shared memory (that block_sum's warp order): the same bits as the two kernels.
+      cg::cluster_group cluster = cg::this_cluster();
+      if (tid < 32) {
+        const float v = warp_sum(o * o);
+        if (tid == 0) ss_part[r] = v;
+        if constexpr (DEFER_NORM) o_rows[r][tid] = o;
+      }
+      if constexpr (!DEFER_NORM) {
+        cluster.sync();
+        float ss = 0.0f;
+        for (unsigned y = 0; y < gridDim.y; ++y) ss += *cluster.map_shared_rank(ss_part + r, y);
+        const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
+        if (active && p == 0) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gated(rr);
+      }
+    } else if (active && p == 0) {
+      a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = o;  // normed by gdn_out_norm_kernel
+    }
+  };
+  if constexpr (PRELOAD) {
+    // Every row's loads, then the sums of squares of all rows' q and k in one reduction.
+    float ss[2 * kMaxRows];
+#pragma unroll
+    for (int v = 0; v < 2 * kMaxRows; ++v) ss[v] = 0.0f;
+    for (int i = tid; i < dk; i += blockDim.x) {
+      float qv[kMaxRows], kv[kMaxRows];
+#pragma unroll
+      for (int r = 0; r < kMaxRows; ++r)
+        if (r < rows) {
+          const float* yr = a.y + static_cast<size_t>(r) * a.ldy;
+          qv[r] = yr[kh * dk + i];
+          kv[r] = yr[Kd + kh * dk + i];
+        }
+#pragma unroll
+      for (int r = 0; r < kMaxRows; ++r)
+        if (r < rows) {
+          sq[r * dk + i] = qv[r];
+          sk[r * dk + i] = kv[r];
+          ss[2 * r] += qv[r] * qv[r];
+          ss[2 * r + 1] += kv[r] * kv[r];
+        }
+    }
+    const bool gated = norm_mode != GdnNorm::Kernel && active && p == 0;
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r)
+      if (r < rows) {
+        const float* yr = a.y + static_cast<size_t>(r) * a.ldy;
+        rv[r * blockDim.x + tid] = yr[2 * Kd + h * dv + j];
+        if (gated) rz[r * blockDim.x + tid] = a.z[static_cast<size_t>(r) * a.ldz + static_cast<size_t>(h) * a.dv + j];
+      }
+    if (tid < rows) {
+      rbeta[tid] = sigmoidf_(a.b[static_cast<size_t>(tid) * a.ldab + h]);
+      const float gate = -expf(a.a_log[h]) * softplusf_(a.a[static_cast<size_t>(tid) * a.ldab + h] + a.dt_bias[h]);
+      rdecay[tid] = expf(gate);
+    }
+    // block_sum of each value (its butterfly, its warp order), all values behind one barrier.
+    const int lane = tid & 31, warp = tid >> 5, n_warps = (blockDim.x + 31) >> 5;
+#pragma unroll
+    for (int v = 0; v < 2 * kMaxRows; ++v)
+      if (v < 2 * rows) {
+        const float w = warp_sum(ss[v]);
+        if (lane == 0) scratch[v * 32 + warp] = w;
+      }
+    __syncthreads();
+    for (int v = 0; v < 2 * rows; v += 2) {
+      float tq = 0.0f, tk = 0.0f;
+      for (int w = 0; w < n_warps; ++w) {
+        tq += scratch[v * 32 + w];
+        tk += scratch[(v + 1) * 32 + w];
+      }
+      const float rq = 1.0f / sqrtf(tq + 1e-6f), rk = 1.0f / sqrtf(tk + 1e-6f);
+      const int r = v >> 1;
+      for (int i = tid; i < dk; i += blockDim.x) {  // this thread's own elements: no barrier before
+        sq[r * dk + i] = (sq[r * dk + i] * rq) * q_scale;
+        sk[r * dk + i] = sk[r * dk + i] * rk;
+      }
+    }
+    __syncthreads();
+  }
   for (int r = 0; r < rows; ++r) {
     const float* yr = a.y + static_cast<size_t>(r) * a.ldy;
+    if constexpr (PRELOAD) {
+      // The state's two sums over the key dimension (the per-row form's arithmetic, below).
+      const float* sqr = sq + r * dk;
+      const float* skr = sk + r * dk;
+      const float decay = rdecay[r], beta = rbeta[r];
+      float pm = 0.0f;
+#pragma unroll
+      for (int t = 0; t < kKeyPart; ++t) {
+        const int i = p * kKeyPart + t;
+        if (active && i < dk) {
+          Sreg[t] *= decay;
+          pm += Sreg[t] * skr[i];
+        }
+      }
+      if (active) red[p * cols + jl] = pm;
+      __syncthreads();
+      float m = 0.0f;
+      for (int pp = 0; pp < parts; ++pp) m += red[pp * cols + jl];
+      const float delta = beta * (rv[r * blockDim.x + tid] - m);
+      float po = 0.0f;
+#pragma unroll
+      for (int t = 0; t < kKeyPart; ++t) {
+        const int i = p * kKeyPart + t;
+        if (active && i < dk) {
+          Sreg[t] += skr[i] * delta;
+          po += Sreg[t] * sqr[i];
+        }
+      }
+      if (active) red_o[p * cols + jl] = po;
+      __syncthreads();
+      float o = 0.0f;
+      for (int pp = 0; pp < parts; ++pp) o += red_o[pp * cols + jl];
+      row_out(r, o);
+      if (snap && r + 1 < rows) {
+        float* Sn = a.snaps + static_cast<size_t>(r) * a.snap_stride + static_cast<size_t>(h) * dk * dv;
+#pragma unroll
+        for (int t = 0; t < kKeyPart; ++t) {
+          const int i = p * kKeyPart + t;
+          if (active && i < dk) Sn[static_cast<size_t>(i) * dv + j] = Sreg[t];
+        }
+      }
+      continue;  // red and red_o alternate: the next row's first write follows this row's second barrier
+    }
     // L2 norms of this head's q and k (N3), then q / sqrt(dk) (trap 13).
     float ssq = 0.0f, ssk = 0.0f;
     for (int i = tid; i < dk; i += blockDim.x) {
@@ -188,31 +341,7 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
     __syncthreads();
     float o = 0.0f;
     for (int pp = 0; pp < parts; ++pp) o += red[pp * cols + jl];
-    if (fused_norm) {
-      // Gated RMS norm (N2) over the head's dv outputs: plain weight, then act(z).
-      const float ss = block_sum((active && p == 0) ? o * o : 0.0f, scratch);
-      const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
-      if (active && p == 0) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, r, h, j, o, rr);
-    } else if (norm_mode == GdnNorm::Cluster) {
-      // The same norm across the head's blocks: block y's warp 0 sums its 32 columns (warp y of
-      // gdn_out_norm_kernel's block_sum), then every block adds the blocks' sums in rank order from
-      // distributed shared memory (that block_sum's warp order): the same bits as the two kernels.
-      cg::cluster_group cluster = cg::this_cluster();
-      if (tid < 32) {
-        const float v = warp_sum(o * o);
-        if (tid == 0) ss_part[r] = v;
-        if constexpr (DEFER_NORM) o_rows[r][tid] = o;
-      }
-      if constexpr (!DEFER_NORM) {
-        cluster.sync();
-        float ss = 0.0f;
-        for (unsigned y = 0; y < gridDim.y; ++y) ss += *cluster.map_shared_rank(ss_part + r, y);
-        const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
-        if (active && p == 0) a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, r, h, j, o, rr);
-      }
-    } else if (active && p == 0) {
-      a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = o;  // normed by gdn_out_norm_kernel
-    }
+    row_out(r, o);
     if (snap && r + 1 < rows) {
       float* Sn = a.snaps + static_cast<size_t>(r) * a.snap_stride + static_cast<size_t>(h) * dk * dv;
 #pragma unroll
@@ -236,7 +365,9 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
       for (unsigned y = 0; y < gridDim.y; ++y) ss += *cluster.map_shared_rank(ss_part + r, y);
       const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
       if (active && p == 0)
-        a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gdn_gated_out(a, r, h, j, o_rows[r][jl], rr);
+        a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] =
+            PRELOAD ? gdn_gated_out_z(a, j, o_rows[r][jl], rr, rz[r * blockDim.x + tid])
+                    : gdn_gated_out(a, r, h, j, o_rows[r][jl], rr);
     }
   }
   if (norm_mode == GdnNorm::Cluster) cg::this_cluster().sync();  // the others may still read ss_part
@@ -921,6 +1052,19 @@ int g_gdn_norm_defer = -1;  // -1: not yet read from CK_GDN_NORM_DEFER
 
 void set_gdn_norm_defer(int on) { g_gdn_norm_defer = on < 0 ? -1 : (on ? 1 : 0); }
 
+namespace {
+int g_gdn_preload_min_rows = -1;  // -1: not yet read from CK_GDN_PRELOAD_MIN_ROWS
+int gdn_preload_min_rows() {
+  if (g_gdn_preload_min_rows < 0) {
+    const char* e = std::getenv("CK_GDN_PRELOAD_MIN_ROWS");
+    g_gdn_preload_min_rows = e ? std::max(1, std::atoi(e)) : 2;
+  }
+  return g_gdn_preload_min_rows;
+}
+}  // namespace
+
+void set_gdn_preload_min_rows(int rows) { g_gdn_preload_min_rows = rows < 0 ? -1 : std::max(1, rows); }
+
 void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
   const int parts = static_cast<int>(ceil_div(a.dk, kKeyPart));
   CK_REQUIRE(a.dk <= 256 && a.dv * parts <= 512 && a.nv % a.nk == 0, "GDN dims dk %d dv %d nk %d nv %d", a.dk, a.dv,
@@ -931,15 +1075,22 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
   const int cols = a.dv / split;
   const int threads = static_cast<int>(round_up(cols * parts, 32));
   const size_t smem = sizeof(float) * (2 * a.dk + parts * cols);
+  // Every row's inputs before the row loop (gdn_recurrent_kernel's PRELOAD) from 2 rows on
+  // (CK_GDN_PRELOAD_MIN_ROWS=N: from N rows; 9 turns it off), where its shared memory fits the default.
+  const size_t smem_pre = sizeof(float) * (2 * static_cast<size_t>(rows) * a.dk + 2 * parts * cols +
+                                           2 * static_cast<size_t>(rows) * threads + 2 * rows);
+  const bool preload = rows >= gdn_preload_min_rows() && rows <= kMaxRows && smem_pre <= 48 * 1024;
   // A split head's blocks as one thread-block cluster make the norm themselves (no second kernel and
   // its hand-over); CK_GDN_CLUSTER_NORM=0 keeps gdn_out_norm_kernel, to compare.
   if (g_gdn_cluster_norm < 0) g_gdn_cluster_norm = env_is("CK_GDN_CLUSTER_NORM", "0") ? 0 : 1;
   const bool cluster = g_gdn_cluster_norm == 1 && split > 1 && split <= 8 && cols == 32 && rows <= kMaxRows;
   const GdnNorm mode = split == 1 ? GdnNorm::Block : cluster ? GdnNorm::Cluster : GdnNorm::Kernel;
   if (g_gdn_norm_defer < 0) g_gdn_norm_defer = env_is("CK_GDN_NORM_DEFER", "1") ? 1 : 0;  // (gdn_recurrent_kernel)
-  launch_cluster(g_gdn_norm_defer == 1 && mode == GdnNorm::Cluster ? gdn_recurrent_kernel<true> : gdn_recurrent_kernel<false>,
-                 dim3(a.nv, split), threads, smem, stream, dim3(1, cluster ? split : 1, 1), a, sp, rows, mode,
-                 param_prefetch_on() ? 1 : 0);
+  const bool defer = g_gdn_norm_defer == 1 && mode == GdnNorm::Cluster;
+  auto kernel = preload ? (defer ? gdn_recurrent_kernel<true, true> : gdn_recurrent_kernel<false, true>)
+                        : (defer ? gdn_recurrent_kernel<true, false> : gdn_recurrent_kernel<false, false>);
+  launch_cluster(kernel, dim3(a.nv, split), threads, preload ? smem_pre : smem, stream, dim3(1, cluster ? split : 1, 1),
+                 a, sp, rows, mode, param_prefetch_on() ? 1 : 0);
   CUDA_CHECK_LAUNCH();
   if (mode == GdnNorm::Kernel) {
     launch(gdn_out_norm_kernel, dim3(a.nv, rows), static_cast<unsigned>(round_up(a.dv, 32)), 0, stream, a);

@@ -1526,26 +1526,39 @@ TEST(CudaOps, GdnChunkedAndRecurrentMatchDouble) {
 
 // A decode step's split heads make their output norm as a thread-block cluster (set_gdn_cluster_norm):
 // the same bits as the recurrence followed by gdn_out_norm_kernel, and within the double-precision
-// bound. Row counts of the row path (<= kMaxRows), one to eight 32-column blocks per head. Variant 2:
-// the cluster's norms deferred to after the row loop (set_gdn_norm_defer), the same bits again.
+// bound. Row counts of the row path (<= kMaxRows), one to eight 32-column blocks per head, and one
+// head in one block (dv 40: the block's own norm). Variant 2: the cluster's norms deferred to after the
+// row loop (set_gdn_norm_defer), the same bits again. Each variant also with every row's inputs loaded
+// before the row loop (set_gdn_preload_min_rows(1)): the same bits as without.
 TEST(CudaOps, GdnClusterNormEqualsNormKernel) {
   REQUIRE_GPU();
   init_kernels();
   std::mt19937_64 rng(22);
   const GdnCase cases[] = {{2, 4, 32, 64, 1}, {16, 48, 128, 128, 1}, {16, 48, 128, 128, 3}, {1, 3, 40, 96, 8},
-                           {2, 2, 64, 256, 5}, {16, 48, 128, 128, 4}};
+                           {2, 2, 64, 256, 5}, {16, 48, 128, 128, 4}, {1, 2, 48, 40, 6}, {16, 48, 128, 128, 8}};
   for (const GdnCase& g : cases) {
     GdnProblem p(g, rng);
     std::vector<float> outs[3], states[3];
-    for (int variant : {0, 1, 2}) {
-      set_gdn_cluster_norm(variant >= 1);
-      set_gdn_norm_defer(variant == 2 ? 1 : 0);
-      p.reset_state();
-      gdn_recurrent(p.ra, p.spd.get(), g.rows, nullptr);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      outs[variant] = p.out();
-      states[variant] = p.state();
+    for (int preload : {0, 1}) {
+      set_gdn_preload_min_rows(preload ? 1 : kMaxRows + 1);
+      for (int variant : {0, 1, 2}) {
+        set_gdn_cluster_norm(variant >= 1);
+        set_gdn_norm_defer(variant == 2 ? 1 : 0);
+        p.reset_state();
+        gdn_recurrent(p.ra, p.spd.get(), g.rows, nullptr);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        if (preload == 0) {
+          outs[variant] = p.out();
+          states[variant] = p.state();
+        } else {
+          EXPECT_EQ(0, std::memcmp(outs[variant].data(), p.out().data(), outs[variant].size() * sizeof(float)))
+              << "preloaded rows: outputs differ, variant " << variant << ", rows " << g.rows;
+          EXPECT_EQ(0, std::memcmp(states[variant].data(), p.state().data(), states[variant].size() * sizeof(float)))
+              << "preloaded rows: states differ, variant " << variant << ", rows " << g.rows;
+        }
+      }
     }
+    set_gdn_preload_min_rows(-1);
     set_gdn_cluster_norm(true);
     set_gdn_norm_defer(-1);
     EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[2].data(), outs[0].size() * sizeof(float))) << "deferred norms differ";
