@@ -62,12 +62,7 @@ struct HcMixLaunch {
   int prefetch;          // ask L2 for the block's weights before pdl_begin (CK_HC_OWN_PREFETCH)
   int norm_prefetch;     // and for its part of the norm's scale (CK_HC_NORM_PREFETCH=0: not)
   int r_prefetch;        // and for its chunk of R and the injection weights w_in (CK_HC_R_PREFETCH=0: not)
-  int rtiles0, rtiles1;  // 16-row tiles of the router and of its second matrix (the shared expert's gate)
 };
-
-// The router's tiles a warp takes in phase 3 (tiles w and w + kHcWarps, w + 2 kHcWarps), their loads
-// issued together before the gate mean (hc_mix_row_router_ok caps the tiles at this many a warp).
-constexpr int kHcRouterTilesPerWarp = 3;
 
 // All blocks of the grid arrive here; those that `wait` leave once all have arrived, and then see
 // every block's writes before the barrier (read other blocks' data with __ldcg: L1 is not coherent).
@@ -168,15 +163,12 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 // inject head's tiles keep it); hc_layout_kernels_on(), the default (CK_HC_LAYOUT_KERNELS=0: the
 // branching instance). Measured 2026-12-01 22:2xZ: one-row decode +1.1 to +1.8% in four interleaved
 // rounds (mean +1.35%).
-template <bool BF16S, bool TILES = false, bool ROUTER = false>
+template <bool BF16S, bool TILES = false>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
-  __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], rinv[kHcMaxStreams], scratch[32];
-  __shared__ __align__(16) float su[64];  // u's group (16-byte aligned: hc_frag reads it as float4)
+  __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
   __shared__ float sss[kHcMaxChunks];
-  __shared__ __align__(16) uint2 rfrag[128];  // phase 3 with the router: u's group b as B fragments
-  __shared__ float rgs;                        // and its Σ u
   extern __shared__ __align__(16) float sp[];  // phase 2: every chunk's partial products
   const HcMixArgs& a = L.a;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -230,19 +222,6 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
         prefetch_l2(m.scales + r0 * gpr * es + off, 1);
         prefetch_l2(m.biases + r0 * gpr * es + off, 1);
       }
-    }
-  }
-  // The router's group b (8-bit rows: 64 bytes a row, and each row's scale and bias).
-  if (ROUTER && blockIdx.x < H / 64 && L.prefetch) {
-    const int n0 = a.router.rows, n = n0 + a.router2.rows;
-    for (int r = tid; r < n; r += kHcThreads) {
-      const DMatrix& m = r < n0 ? a.router : a.router2;
-      const int row = r < n0 ? r : r - n0;
-      prefetch_l2(m.data + static_cast<size_t>(row) * m.cols + 64 * blockIdx.x, 64);
-      const int es = wkind_bytes(m.fmt.scale_kind);
-      const size_t si = (static_cast<size_t>(row) * (m.cols / 64) + blockIdx.x) * es;
-      prefetch_l2(m.scales + si, es);
-      prefetch_l2(m.biases + si, es);
     }
   }
   // The norm's scale (40 KB a mix at the released geometry): phase 1 reads the chunk's part, phase 3
@@ -381,24 +360,6 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
         gl[s][r0 + g + 8] = y1;
       }
     }
-    // The router's codes and scales of group b for this warp's tiles (they do not depend on u): their
-    // round trip overlaps the gate mean's.
-    const int rt = ROUTER ? L.rtiles0 + L.rtiles1 : 0;  // (0: the instance has none of the router's code)
-    uint4 rwa[kHcRouterTilesPerWarp], rwb[kHcRouterTilesPerWarp];
-    float rsa[kHcRouterTilesPerWarp], rba[kHcRouterTilesPerWarp], rsb[kHcRouterTilesPerWarp],
-        rbb[kHcRouterTilesPerWarp];
-    if (ROUTER) {
-#pragma unroll
-      for (int i = 0; i < kHcRouterTilesPerWarp; ++i) {
-        const int ti = min(warp + i * kHcWarps, rt - 1);  // past the last tile: the last again (not stored)
-        const bool second = ti >= L.rtiles0;
-        const DMatrix& m = second ? a.router2 : a.router;
-        const int row0 = 16 * (second ? ti - L.rtiles0 : ti);
-        Tc4Rows<BF16S, 8> tr;
-        tr.init(m, min(row0 + g, m.rows - 1), min(row0 + g + 8, m.rows - 1), t);
-        tr.load(b, rwa[i], rwb[i], rsa[i], rba[i], rsb[i], rbb[i]);
-      }
-    }
     __syncthreads();
     mark(7);
     if (tid < 64) {  // hc_gate_mean_kernel's order
@@ -413,41 +374,14 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       a.u[i] = v;
       su[tid] = v;
     }
-    if (a.frag || rt > 0) __syncthreads();  // su is complete
     if (a.frag) {  // u's compact v4 fragments and group sum (hc_gate_mean_kernel<true>'s layout and rounding)
+      __syncthreads();
 #pragma unroll 1
       for (int e = tid; e < kOneFragWords; e += kHcThreads)
         a.frag[static_cast<size_t>(b) * kOneFragWords + e] = tc4_one_frag_elem(su, e);
       if (warp == 0) {
         const float s = tc4_group_sum(su);
         if (lane == 0) a.gsum[b] = s;
-      }
-    }
-    if (ROUTER) {
-      // The router's partial products of group b: gemv_tc4_one_kernel's 8-bit group (two nibble MMAs a
-      // step, s Σ q x + b Σ x), its three columns added as that kernel adds them, (hi + mid) + lo.
-      if (warp == kHcWarps - 1) hc_frag(su, rfrag, &rgs);  // (warp 0 makes u's fragments above)
-      __syncthreads();
-      const float xs = t == 0 ? rgs : 0.0f;
-#pragma unroll
-      for (int i = 0; i < kHcRouterTilesPerWarp; ++i) {
-        const int ti = warp + i * kHcWarps;
-        if (ti >= rt) break;  // (the same on every lane)
-        const bool second = ti >= L.rtiles0;
-        const DMatrix& m = second ? a.router2 : a.router;
-        const int row0 = 16 * (second ? ti - L.rtiles0 : ti);
-        float dd[1][4] = {};
-        tc8_group_mma<1>(rwa[i], rwb[i], [&](int st, int) { return rfrag[32 * st + lane]; }, dd);
-        float acc[4];
-        acc[0] = fmaf(rsa[i], dd[0][0], fmaf(rba[i], xs, 0.0f));
-        acc[1] = fmaf(rsa[i], dd[0][1], 0.0f);
-        acc[2] = fmaf(rsb[i], dd[0][2], fmaf(rbb[i], xs, 0.0f));
-        acc[3] = fmaf(rsb[i], dd[0][3], 0.0f);
-        float y0, y1;
-        hc_tile_rows(acc, y0, y1);
-        float* pp = a.router_parts + static_cast<size_t>(b) * a.router_ld + (second ? a.router.rows : 0);
-        if (t == 0 && row0 + g < m.rows) pp[row0 + g] = y0;
-        if (t == 0 && row0 + g + 8 < m.rows) pp[row0 + g + 8] = y1;
       }
     }
     __syncthreads();  // gl and su are reused by the next group
@@ -463,7 +397,7 @@ bool q4_suits(const DMatrix& m, int64_t rows, int64_t cols) { return expert_q4_o
 
 void hc_mix_init() {
   for (auto k : {hc_mix_row_kernel<true>, hc_mix_row_kernel<false>, hc_mix_row_kernel<true, true>,
-                 hc_mix_row_kernel<false, true>, hc_mix_row_kernel<true, true, true>, hc_mix_row_kernel<false, true, true>})
+                 hc_mix_row_kernel<false, true>})
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kHcMaxPartialBytes));
 }
 
@@ -472,27 +406,7 @@ size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
   return chunks * (lowrank + kHcMaxInject) + chunks;
 }
 
-namespace {
-int g_router_in_mix = -1;  // -1: not yet read from CK_ROUTER_IN_MIX
-}  // namespace
-
-void set_router_in_mix(int on) { g_router_in_mix = on < 0 ? -1 : (on ? 1 : 0); }
-
-bool hc_mix_row_router_ok(const DMatrix& router, const DMatrix& router2, int H) {
-  if (g_router_in_mix < 0) g_router_in_mix = env_is("CK_ROUTER_IN_MIX", "1") ? 1 : 0;
-  const bool on = g_router_in_mix == 1;
-  auto suits = [&](const DMatrix& m) {
-    return m.data && m.quantized() && m.fmt.bits == 8 && m.fmt.group == 64 && !m.tiled() && m.cols == H && m.scales && m.biases;
-  };
-  const int64_t rows = router.rows + router2.rows;
-  return on && H % 64 == 0 && suits(router) && (router2.rows == 0 || (suits(router2) &&
-         router2.fmt.scale_kind == router.fmt.scale_kind)) &&
-         ceil_div(router.rows, 16) + ceil_div(router2.rows, 16) <= kHcRouterTilesPerWarp * kHcWarps &&
-         rows <= kRoutePartsThreads && H / 64 <= kRouteMaxParts;
-}
-
-bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream, bool* router_done) {
-  if (router_done) *router_done = false;
+bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   static const bool on = !env_is("CK_HC_FUSED", "0");
   static const int blocks = [] {  // one block per SM, if one fits
     int n = 0;
@@ -529,16 +443,9 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream, bool* router_done) {
   L.part = a.scratch;  // 256-byte aligned (cudaMalloc): phase 2 reads it in 16-byte loads
   L.ss = L.part + L.n_chunks * (L.tiles_d + L.tiles_i) * 16;
   L.bar = a.barrier;
-  const bool router = a.router.rows > 0;
-  if (router && (!hc_mix_row_router_ok(a.router, a.router2, a.H) || !a.router_parts ||
-                 a.router_ld < a.router.rows + a.router2.rows))
-    return false;
-  L.rtiles0 = router ? static_cast<int>(ceil_div(a.router.rows, 16)) : 0;
-  L.rtiles1 = router ? static_cast<int>(ceil_div(a.router2.rows, 16)) : 0;
   const bool bf16s = a.down.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16) &&
                      a.up.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16) &&
-                     (a.inject.rows == 0 || a.inject.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16)) &&
-                     (!router || a.router.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16));
+                     (a.inject.rows == 0 || a.inject.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16));
   // A block per chunk of phase 1 or group of u, whichever is more: the SMs beyond are free for the
   // next kernel's blocks (resident early under programmatic dependent launch, asking L2 for their
   // weights), and so are the chunk-only blocks' SMs after phase 1.
@@ -553,13 +460,8 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream, bool* router_done) {
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };
-  // The router's instance only where it runs: its code in the other mixes' kernel cost them as much as
-  // the router's GEMV saved (H200 2026-12-02 19:0xZ: one-row decode 622 against 648.5 tok/s with one
-  // instance for all 33 mixes of the step).
-  if (tiles && router) bf16s ? go(hc_mix_row_kernel<true, true, true>) : go(hc_mix_row_kernel<false, true, true>);
-  else if (tiles) bf16s ? go(hc_mix_row_kernel<true, true>) : go(hc_mix_row_kernel<false, true>);
+  if (tiles) bf16s ? go(hc_mix_row_kernel<true, true>) : go(hc_mix_row_kernel<false, true>);
   else bf16s ? go(hc_mix_row_kernel<true>) : go(hc_mix_row_kernel<false>);
-  if (router_done) *router_done = tiles && router;
   return true;
 }
 

@@ -74,13 +74,6 @@ struct HcMixArgs {
   int S = 0, H = 0;
   float* scratch = nullptr; size_t scratch_floats = 0;    // hc_mix_scratch_floats(S, H, low rank)
   unsigned* barrier = nullptr;                            // 64 words, zero before the first call
-  // The MoE router's product in phase 3 (hc_mix_row_router_ok: 8-bit codes in groups of 64 in rows,
-  // H columns): each block of u's 64-group b writes the group's partial products of every router row
-  // (router_parts[b * router_ld + e], e < router.rows) and of the shared expert's gate row (at e =
-  // router.rows; router2.rows == 0: none), which moe_route adds in group order (MoeRouteArgs::parts).
-  // router.rows == 0: no router here.
-  DMatrix router, router2;
-  float* router_parts = nullptr; int router_ld = 0;
   // Debug (CK_HC_TIMING=1): per block, kHcStampWords words: its start (%globaltimer, ns), then the SM
   // cycles of each piece (kHcStampNames; 0 where the block has no share of it). nullptr: none.
   unsigned long long* stamps = nullptr;
@@ -89,14 +82,7 @@ constexpr int kHcStampWords = 9;
 inline constexpr const char* kHcStampNames[kHcStampWords] = {
     "start after the first (ns)", "prefetch, wait for inputs", "combine + norm", "fragments + down tiles",
     "grid barrier", "partials to shared", "d: sum + fragments", "up tiles", "gate mean + fragments"};
-// router_done: whether the kernel made the router's products (HcMixArgs::router; not where the mix's
-// matrices are not in tiles).
-bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream, bool* router_done = nullptr);
-// Whether hc_mix_row can make these router matrices' products (HcMixArgs::router): 8-bit codes in
-// groups of 64 in rows, H columns, at most 1,023 rows with the gate row, scales of one kind. And
-// whether CK_ROUTER_IN_MIX=1 (off by default: see hc_mix_row_kernel's ROUTER) allows it.
-bool hc_mix_row_router_ok(const DMatrix& router, const DMatrix& router2, int H);
-void set_router_in_mix(int on);  // 1 on, 0 off, -1: CK_ROUTER_IN_MIX again (tests)
+bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream);
 size_t hc_mix_scratch_floats(int S, int H, int lowrank);
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
 
@@ -208,7 +194,6 @@ void ple_conv(const PleConvArgs& a, const StepParams* sp, int rows, cudaStream_t
 // MoE router (spec §8): softmax over all experts, top-k (ties to the lower index), optional
 // renormalisation; writes each row's k routed pairs in top-k order (views built from the expert table)
 // then its shared-expert pair: pairs[r*(k+1) + t].
-constexpr int kRoutePartsThreads = 576, kRouteMaxParts = 64;  // moe_route's partial products (one row)
 struct MoeRouteArgs {
   const float* logits = nullptr; int ld = 0;  // (rows, E)
   const float* logits2 = nullptr;             // (rows, E) at ld, added to logits when set (a split router)
@@ -217,11 +202,6 @@ struct MoeRouteArgs {
   int inter = 0, hidden = 0;
   DMatrix sh_gate, sh_up, sh_down;
   ExpertPair* pairs = nullptr;                // (rows * (k+1))
-  // One row whose logits are still partial products per 64-group of u (hc_mix_row's router): logit e
-  // = Σ_b parts[b * ld_parts + e] in group order (b < n_parts), e < E; at e = E the shared expert's
-  // gate logit, written to gl_out when set. logits/logits2 are then not read.
-  const float* parts = nullptr; int n_parts = 0, ld_parts = 0;  // E < kRoutePartsThreads, n_parts <= kRouteMaxParts
-  float* gl_out = nullptr;
 };
 void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream);
 // The pair layout moe_route writes (k + 1 pairs a row, the shared expert last), for the experts'

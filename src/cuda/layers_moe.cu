@@ -84,19 +84,21 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
 // another order than the block kernel (a warp's butterfly): probabilities may differ from it in the
 // last bit.
 // grid (ceil(rows / 8)), block 32 min(rows, 8).
-// The expert table (param_prefetch_on()): constant during a step, read once the picks are known, and
-// out of L2 again by the next step (8 KB of lines at E = 512: a DRAM round trip in the route's tail).
-__device__ __forceinline__ void prefetch_expert_table(const MoeRouteArgs& a) {
-  const uint8_t* tb = reinterpret_cast<const uint8_t*>(a.table);
-  const int bytes = a.E * static_cast<int>(sizeof(ExpertSlot));
-  for (int off = 128 * static_cast<int>(threadIdx.x); off < bytes; off += 128 * static_cast<int>(blockDim.x))
-    prefetch_l2(tb + off);
-}
-
-// Row r's routing by one warp from its logits lg (+ lg2 when set; global or shared memory).
 template <int VPL>
-__device__ __forceinline__ void route_row_warp(const MoeRouteArgs& a, int r, const float* lg, const float* lg2) {
-  const int lane = threadIdx.x & 31;
+__global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs a, int rows, int prefetch_table) {
+  // The expert table (param_prefetch_on()): constant during a step, read once the picks are known, and
+  // out of L2 again by the next step (8 KB of lines at E = 512: a DRAM round trip in the route's tail).
+  if (prefetch_table && blockIdx.x == 0) {
+    const uint8_t* tb = reinterpret_cast<const uint8_t*>(a.table);
+    const int bytes = a.E * static_cast<int>(sizeof(ExpertSlot));
+    for (int off = 128 * static_cast<int>(threadIdx.x); off < bytes; off += 128 * static_cast<int>(blockDim.x))
+      prefetch_l2(tb + off);
+  }
+  pdl_begin();
+  const int lane = threadIdx.x & 31, r = static_cast<int>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  const float* lg = a.logits + static_cast<size_t>(r) * a.ld;
+  const float* lg2 = a.logits2 ? a.logits2 + static_cast<size_t>(r) * a.ld : nullptr;
   const int e0 = VPL * lane;
   float p[VPL];
 #pragma unroll
@@ -172,45 +174,6 @@ __device__ __forceinline__ void route_row_warp(const MoeRouteArgs& a, int r, con
   }
 }
 
-template <int VPL>
-__global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs a, int rows, int prefetch_table) {
-  if (prefetch_table && blockIdx.x == 0) prefetch_expert_table(a);
-  pdl_begin();
-  const int r = static_cast<int>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  if (r >= rows) return;
-  route_row_warp<VPL>(a, r, a.logits + static_cast<size_t>(r) * a.ld,
-                      a.logits2 ? a.logits2 + static_cast<size_t>(r) * a.ld : nullptr);
-}
-
-// One row whose router logits are partial products per group of u (MoeRouteArgs::parts, written by
-// the one-row mix): thread e adds expert e's parts in group order (all its loads issued together;
-// thread E the shared expert's gate logit), then warp 0 routes from shared memory as
-// moe_route_warp_kernel does from global.
-// grid 1, block round_up(E + 1, 32) <= kRoutePartsThreads, dynamic shared memory E floats; n_parts <=
-// kRouteMaxParts (all of a thread's loads in one round trip: one after another in batches, the first
-// form of this kernel spent five dependent L2 round trips here).
-template <int VPL>
-__global__ void __launch_bounds__(kRoutePartsThreads) moe_route_parts_kernel(const MoeRouteArgs a, int prefetch_table) {
-  extern __shared__ float slog[];
-  if (prefetch_table) prefetch_expert_table(a);
-  pdl_begin();
-  const int e = threadIdx.x;
-  if (e <= a.E) {
-    float p[kRouteMaxParts];
-#pragma unroll
-    for (int i = 0; i < kRouteMaxParts; ++i)
-      p[i] = i < a.n_parts ? __ldcg(a.parts + static_cast<size_t>(i) * a.ld_parts + e) : 0.0f;
-    float v = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kRouteMaxParts; ++i)
-      if (i < a.n_parts) v += p[i];
-    if (e < a.E) slog[e] = v;
-    else if (a.gl_out) *a.gl_out = v;
-  }
-  __syncthreads();
-  if (threadIdx.x < 32) route_row_warp<VPL>(a, 0, slog, nullptr);
-}
-
 // grid (ceil(H/256), rows), block 256.
 __global__ void moe_combine_kernel(const float* y, int ldy, const ExpertPair* pairs, int k, const float* gl, int ldgl,
                                    float* out, int ldo, int H) {
@@ -238,19 +201,7 @@ void moe_route(const MoeRouteArgs& a, int rows, cudaStream_t stream) {
   // A warp per row up to 1,024 experts (CK_ROUTE_WARP=0: the block kernel, to compare).
   static const bool warp = !env_is("CK_ROUTE_WARP", "0");
   const int vpl = static_cast<int>(ceil_div(a.E, 32));
-  if (a.parts) {  // one row, logits from the mix's partial products
-    CK_REQUIRE(rows == 1 && a.E < kRoutePartsThreads && a.n_parts <= kRouteMaxParts && vpl <= 32,
-               "moe_route: partial products are one row of E < %d, at most %d parts", kRoutePartsThreads, kRouteMaxParts);
-    const unsigned block = static_cast<unsigned>(round_up(a.E + 1, 32));
-    const size_t smem = sizeof(float) * a.E;
-    const int pt = param_prefetch_on() ? 1 : 0;
-    if (vpl <= 1) launch(moe_route_parts_kernel<1>, 1, block, smem, stream, a, pt);
-    else if (vpl <= 2) launch(moe_route_parts_kernel<2>, 1, block, smem, stream, a, pt);
-    else if (vpl <= 4) launch(moe_route_parts_kernel<4>, 1, block, smem, stream, a, pt);
-    else if (vpl <= 8) launch(moe_route_parts_kernel<8>, 1, block, smem, stream, a, pt);
-    else if (vpl <= 16) launch(moe_route_parts_kernel<16>, 1, block, smem, stream, a, pt);
-    else launch(moe_route_parts_kernel<32>, 1, block, smem, stream, a, pt);
-  } else if (warp && vpl <= 32) {
+  if (warp && vpl <= 32) {
     const unsigned grid = static_cast<unsigned>(ceil_div(rows, 8)), block = 32 * std::min(rows, 8);
     const int pt = param_prefetch_on() ? 1 : 0;
     if (vpl <= 1) launch(moe_route_warp_kernel<1>, grid, block, 0, stream, a, rows, pt);

@@ -370,8 +370,6 @@ struct Session::Buffers {
   float* ugsum = nullptr;
   float* hc_scratch = nullptr;  // hc_mix_row's partial products, one row
   size_t hc_scratch_n = 0;
-  float* router_parts = nullptr;  // hc_mix_row's router products: (H / 64) x ld_router_parts
-  int ld_router_parts = 0;
   unsigned* hc_barrier = nullptr;
   unsigned long long* hc_stamps = nullptr;  // CK_HC_TIMING=1: the last one-row mix's per-block timing
   Tc4Frags ufr;
@@ -451,8 +449,6 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
     b.hc_scratch_n = hc_mix_scratch_floats(S, H, c.hc_lowrank);
     b.hc_scratch = fbuf(static_cast<int64_t>(b.hc_scratch_n));
     b.hc_barrier = reinterpret_cast<unsigned*>(fbuf(64));  // zeroed by fbuf
-    b.ld_router_parts = static_cast<int>(ld4(c.num_experts + 1));
-    b.router_parts = fbuf(groups * b.ld_router_parts);
     if (env_is("CK_HC_TIMING", "1"))  // kHcStampWords words per block, one block per SM
       b.hc_stamps = reinterpret_cast<unsigned long long*>(fbuf(2 * kHcStampWords * sm_count()));
   }
@@ -570,8 +566,7 @@ void Session::flush_combine() {
 
 // §4 mix: u (rows, H) and, when hc has an injection head, w (rows, S). A deferred combine of the same
 // rows goes into the input norm's kernel.
-void Session::hc_mix(const DHc& hc, int rows, float* u, float* w, const DMoe* router) {
-  router_in_mix_ = false;
+void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   const ModelConfig& c = m_.cfg();
   Buffers& b = *b_;
   const int H = c.hidden_size, S = c.hc_count, W = c.wide();
@@ -610,14 +605,7 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w, const DMoe* ro
     a.scratch_floats = b.hc_scratch_n;
     a.barrier = b.hc_barrier;
     a.stamps = b.hc_stamps;
-    // The MoE's router in the mix's last phase (one kernel boundary and a latency-bound GEMV fewer).
-    if (router && b.router_parts && hc_mix_row_router_ok(router->router, router->sh_expert_gate, H)) {
-      a.router = router->router;
-      a.router2 = router->sh_expert_gate;
-      a.router_parts = b.router_parts;
-      a.router_ld = b.ld_router_parts;
-    }
-    if (hc_mix_row(a, stream_, &router_in_mix_)) {
+    if (hc_mix_row(a, stream_)) {
       pending_combine_.reset();
       if (u == b.u) b.ufr = frags ? Tc4Frags{b.u, static_cast<int>(b.ldH), rows, H / 64, b.ufrag, b.ugsum} : Tc4Frags{};
       return;
@@ -799,7 +787,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
   defer_combine(b.o, b.w, rows);  // into the MoE mix's norm
   tap(pre + "post_attn", b.R, rows, W, b.ldW);
 
-  hc_mix(d.hc_mlp, rows, b.u, b.w, &d.moe);  // c
+  hc_mix(d.hc_mlp, rows, b.u, b.w);  // c
   mark("hc mix");
   tap(pre + "moe_u", b.u, rows, H, b.ldH);
   const int k = c.num_experts_per_tok;
@@ -815,17 +803,9 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     rj[0].w = mo.router_hi; rj[0].y = b.mlog; rj[0].ldy = b.ldEx;
     rj[1].w = mo.router_lo; rj[1].y = b.mlog2; rj[1].ldy = b.ldEx;
     const bool split = rows > kMaxRows && mo.router_hi.data && gemm_q4(rj, 2, b.u, b.ldH, rows, stream_, 3);
-    if (!router_in_mix_) {  // (else the mix made the router's products: the route adds them)
-      gemv(split ? &jobs[1] : jobs, split ? 1 : 2, b.u, b.ldH, rows, stream_, &b.ufr);  // (2-8 rows: u's fragments)
-      mark("moe router");
-    }
+    gemv(split ? &jobs[1] : jobs, split ? 1 : 2, b.u, b.ldH, rows, stream_, &b.ufr);  // (2-8 rows: u's fragments)
+    mark("moe router");
     MoeRouteArgs ra;
-    if (router_in_mix_) {
-      ra.parts = b.router_parts;
-      ra.n_parts = H / 64;
-      ra.ld_parts = b.ld_router_parts;
-      ra.gl_out = mo.sh_expert_gate.rows > 0 ? b.mgl : nullptr;
-    }
     ra.logits = b.mlog; ra.ld = b.ldEx; ra.E = c.num_experts; ra.k = k; ra.norm_topk = c.norm_topk_prob ? 1 : 0;
     ra.logits2 = split ? b.mlog2 : nullptr;
     ra.table = table;

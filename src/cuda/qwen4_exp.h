@@ -228,9 +228,7 @@ class Session {
   void enqueue_step(int rows, bool want_logits);
   void enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* table, const StepParams* sp,
                      const std::string& tap_prefix, int rows);
-  // router: the MoE whose router the one-row mix may make (router_in_mix_ then says whether it did).
-  void hc_mix(const DHc& hc, int rows, float* u, float* w, const DMoe* router = nullptr);
-  bool router_in_mix_ = false;
+  void hc_mix(const DHc& hc, int rows, float* u, float* w);
   // The hyper-connection combine R_s += o · w_s that ends a block's attention or MoE part (and the MTP's
   // R0) is deferred, so that the next mix's input norm takes it in the same kernel
   // (hc_combine_rmsnorm); flush_combine() launches it alone where something else reads R first (the

@@ -1723,43 +1723,6 @@ TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
   }
 }
 
-// The one-row mix making the MoE router's products (set_router_in_mix; the route adds the groups'
-// partial products): one kernel fewer per MoE layer in the one-row step's graph, and logits within
-// fp32 rounding of the router's own GEMV (the same products, added in another order), over 20 one-row
-// steps of the fused one-row mix's geometry (8-bit router in groups of 64).
-TEST(CudaOps, RouterInMixMatchesRouterGemv) {
-  REQUIRE_GPU();
-  const Geometry g = geometries()[3];
-  SCOPED_TRACE(g.name);
-  auto rm = make_random_model(g.cfg, g.opt);
-  auto dm = Model::create(rm->weights, rm->experts);
-  ASSERT_TRUE(dm.ok()) << dm.status().message();
-  const int T = 20;
-  const std::vector<int32_t> tokens = random_tokens(T, g.cfg.vocab_size, g.cfg.ple_eos(), 5);
-  std::vector<float> out[2];
-  int kernels[2] = {0, 0};
-  for (int on : {0, 1}) {
-    set_router_in_mix(on);
-    auto s = (*dm)->new_session(64);
-    StepResult res;
-    for (int pos = 0; pos < T; ++pos) {
-      ASSERT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, 1), false, true, &res).ok());
-      s->commit(1);
-      out[on].insert(out[on].end(), res.logits.begin(), res.logits.end());
-    }
-    const GraphShape* gs = s->step_graph_shape(1, true);
-    ASSERT_NE(gs, nullptr) << "no one-row graph was captured";
-    kernels[on] = gs->kernels;
-  }
-  set_router_in_mix(-1);
-  ASSERT_EQ(out[0].size(), out[1].size());
-  const double e = rel_l2(out[1].data(), out[0].data(), out[0].size());
-  std::printf("  router in the mix: logits rel_l2 %.3e against the router GEMV; %d kernels a step against %d\n", e,
-              kernels[1], kernels[0]);
-  EXPECT_LE(e, 1e-5);
-  EXPECT_EQ(kernels[0] - kernels[1], g.cfg.num_hidden_layers) << "the router GEMV should leave each MoE layer's step";
-}
-
 // expect_switch_keeps_logits on every geometry whose experts are in tiles (Model::tiled_experts; at
 // least one is, or the switch's path did not run).
 template <class Set>
