@@ -92,12 +92,13 @@ enum class GdnNorm : int { Block = 0, Kernel = 1, Cluster = 2 };
 // last write, or a rollback's copy, finished before the step began), and the kernels that may still
 // run then are the one before and its predecessor's tail: the state's 64 KB a head came from DRAM
 // after the wait, a dependent round trip on the step's critical path (param_prefetch_on()).
-// DEFER_NORM (GdnNorm::Cluster only; CK_GDN_NORM_DEFER=1, off by default, written 2026-12-02 and not
-// yet run on a GPU; the default instance's SASS is the kernel's from before): the rows' output norms after the row loop, behind one cluster barrier instead of
-// one per row. Warp 0 keeps each row's o (its 32 columns) in shared memory; the sums, their order and
+// DEFER_NORM (GdnNorm::Cluster only; the default, CK_GDN_NORM_DEFER=0 for one barrier a row): the
+// rows' output norms after the row loop, behind one cluster barrier instead of one per row (H200
+// 2026-12-02 18:3xZ, three interleaved rounds each: +0.4% at 4 rows, +0.2% at 8 and at 2). Warp 0 keeps each row's o (its 32 columns) in shared memory; the sums, their order and
 // the outputs are the per-row form's (the same bits); a 4-row step has three cluster barriers fewer
 // per DeltaNet layer on its chain (the delta rule of later rows never reads the norm).
-// PRELOAD (2-8-row steps: gdn_preload_min_rows(), CK_GDN_PRELOAD_MIN_ROWS; written 2026-12-02): every
+// PRELOAD (2-8-row steps: gdn_preload_min_rows(), CK_GDN_PRELOAD_MIN_ROWS; H200 2026-12-02: level at 2
+// and 4 rows, +1.3% and +1.5% at 8 rows in two calls, level at one row, where it is off): every
 // row's inputs before the row loop. The per-row form waits, row by row, for q and k (then two block
 // sums, four barriers), for β and the decay's inputs, for v and for z: three to four dependent L2
 // round trips and nine barriers a row (~5 us a row of the 4-row step's ~22 us a layer). Here all the
@@ -1085,7 +1086,7 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
   if (g_gdn_cluster_norm < 0) g_gdn_cluster_norm = env_is("CK_GDN_CLUSTER_NORM", "0") ? 0 : 1;
   const bool cluster = g_gdn_cluster_norm == 1 && split > 1 && split <= 8 && cols == 32 && rows <= kMaxRows;
   const GdnNorm mode = split == 1 ? GdnNorm::Block : cluster ? GdnNorm::Cluster : GdnNorm::Kernel;
-  if (g_gdn_norm_defer < 0) g_gdn_norm_defer = env_is("CK_GDN_NORM_DEFER", "1") ? 1 : 0;  // (gdn_recurrent_kernel)
+  if (g_gdn_norm_defer < 0) g_gdn_norm_defer = env_is("CK_GDN_NORM_DEFER", "0") ? 0 : 1;  // (gdn_recurrent_kernel)
   const bool defer = g_gdn_norm_defer == 1 && mode == GdnNorm::Cluster;
   auto kernel = preload ? (defer ? gdn_recurrent_kernel<true, true> : gdn_recurrent_kernel<false, true>)
                         : (defer ? gdn_recurrent_kernel<true, false> : gdn_recurrent_kernel<false, false>);
