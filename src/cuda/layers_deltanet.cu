@@ -250,69 +250,34 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   }
   for (int r = 0; r < rows; ++r) {
     const float* yr = a.y + static_cast<size_t>(r) * a.ldy;
+    const float* sqr = sq + (PRELOAD ? r * dk : 0);  // this row's normed q and k
+    const float* skr = sk + (PRELOAD ? r * dk : 0);
+    float beta, decay;
     if constexpr (PRELOAD) {
-      // The state's two sums over the key dimension (the per-row form's arithmetic, below).
-      const float* sqr = sq + r * dk;
-      const float* skr = sk + r * dk;
-      const float decay = rdecay[r], beta = rbeta[r];
-      float pm = 0.0f;
-#pragma unroll
-      for (int t = 0; t < kKeyPart; ++t) {
-        const int i = p * kKeyPart + t;
-        if (active && i < dk) {
-          Sreg[t] *= decay;
-          pm += Sreg[t] * skr[i];
-        }
+      beta = rbeta[r];
+      decay = rdecay[r];
+    } else {
+      // L2 norms of this head's q and k (N3), then q / sqrt(dk) (trap 13).
+      float ssq = 0.0f, ssk = 0.0f;
+      for (int i = tid; i < dk; i += blockDim.x) {
+        const float qv = yr[kh * dk + i], kv = yr[Kd + kh * dk + i];
+        sq[i] = qv;
+        sk[i] = kv;
+        ssq += qv * qv;
+        ssk += kv * kv;
       }
-      if (active) red[p * cols + jl] = pm;
+      ssq = block_sum(ssq, scratch);
+      ssk = block_sum(ssk, scratch);
+      const float rq = 1.0f / sqrtf(ssq + 1e-6f), rk = 1.0f / sqrtf(ssk + 1e-6f);
+      for (int i = tid; i < dk; i += blockDim.x) {
+        sq[i] = (sq[i] * rq) * q_scale;
+        sk[i] = sk[i] * rk;
+      }
       __syncthreads();
-      float m = 0.0f;
-      for (int pp = 0; pp < parts; ++pp) m += red[pp * cols + jl];
-      const float delta = beta * (rv[r * blockDim.x + tid] - m);
-      float po = 0.0f;
-#pragma unroll
-      for (int t = 0; t < kKeyPart; ++t) {
-        const int i = p * kKeyPart + t;
-        if (active && i < dk) {
-          Sreg[t] += skr[i] * delta;
-          po += Sreg[t] * sqr[i];
-        }
-      }
-      if (active) red_o[p * cols + jl] = po;
-      __syncthreads();
-      float o = 0.0f;
-      for (int pp = 0; pp < parts; ++pp) o += red_o[pp * cols + jl];
-      row_out(r, o);
-      if (snap && r + 1 < rows) {
-        float* Sn = a.snaps + static_cast<size_t>(r) * a.snap_stride + static_cast<size_t>(h) * dk * dv;
-#pragma unroll
-        for (int t = 0; t < kKeyPart; ++t) {
-          const int i = p * kKeyPart + t;
-          if (active && i < dk) Sn[static_cast<size_t>(i) * dv + j] = Sreg[t];
-        }
-      }
-      continue;  // red and red_o alternate: the next row's first write follows this row's second barrier
+      beta = sigmoidf_(a.b[static_cast<size_t>(r) * a.ldab + h]);
+      const float gate = -expf(a.a_log[h]) * softplusf_(a.a[static_cast<size_t>(r) * a.ldab + h] + a.dt_bias[h]);
+      decay = expf(gate);
     }
-    // L2 norms of this head's q and k (N3), then q / sqrt(dk) (trap 13).
-    float ssq = 0.0f, ssk = 0.0f;
-    for (int i = tid; i < dk; i += blockDim.x) {
-      const float qv = yr[kh * dk + i], kv = yr[Kd + kh * dk + i];
-      sq[i] = qv;
-      sk[i] = kv;
-      ssq += qv * qv;
-      ssk += kv * kv;
-    }
-    ssq = block_sum(ssq, scratch);
-    ssk = block_sum(ssk, scratch);
-    const float rq = 1.0f / sqrtf(ssq + 1e-6f), rk = 1.0f / sqrtf(ssk + 1e-6f);
-    for (int i = tid; i < dk; i += blockDim.x) {
-      sq[i] = (sq[i] * rq) * q_scale;
-      sk[i] = sk[i] * rk;
-    }
-    __syncthreads();
-    const float beta = sigmoidf_(a.b[static_cast<size_t>(r) * a.ldab + h]);
-    const float gate = -expf(a.a_log[h]) * softplusf_(a.a[static_cast<size_t>(r) * a.ldab + h] + a.dt_bias[h]);
-    const float decay = expf(gate);
     // m = Sᵀ k after the decay.
     float pm = 0.0f;
 #pragma unroll
@@ -320,28 +285,31 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
       const int i = p * kKeyPart + t;
       if (active && i < dk) {
         Sreg[t] *= decay;
-        pm += Sreg[t] * sk[i];
+        pm += Sreg[t] * skr[i];
       }
     }
     if (active) red[p * cols + jl] = pm;
     __syncthreads();
     float m = 0.0f;
     for (int pp = 0; pp < parts; ++pp) m += red[pp * cols + jl];
-    __syncthreads();  // red is reused below
-    const float delta = beta * (yr[2 * Kd + h * dv + j] - m);
+    // PRELOAD: the partials of o go to red_o, so red needs no barrier before its reuse by the next row
+    // (whose first write follows this row's second barrier); without it red is reused below.
+    if constexpr (!PRELOAD) __syncthreads();
+    float* ro = PRELOAD ? red_o : red;
+    const float delta = beta * ((PRELOAD ? rv[r * blockDim.x + tid] : yr[2 * Kd + h * dv + j]) - m);
     float po = 0.0f;
 #pragma unroll
     for (int t = 0; t < kKeyPart; ++t) {
       const int i = p * kKeyPart + t;
       if (active && i < dk) {
-        Sreg[t] += sk[i] * delta;
-        po += Sreg[t] * sq[i];
+        Sreg[t] += skr[i] * delta;
+        po += Sreg[t] * sqr[i];
       }
     }
-    if (active) red[p * cols + jl] = po;
+    if (active) ro[p * cols + jl] = po;
     __syncthreads();
     float o = 0.0f;
-    for (int pp = 0; pp < parts; ++pp) o += red[pp * cols + jl];
+    for (int pp = 0; pp < parts; ++pp) o += ro[pp * cols + jl];
     row_out(r, o);
     if (snap && r + 1 < rows) {
       float* Sn = a.snaps + static_cast<size_t>(r) * a.snap_stride + static_cast<size_t>(h) * dk * dv;
@@ -351,7 +319,7 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
         if (active && i < dk) Sn[static_cast<size_t>(i) * dv + j] = Sreg[t];
       }
     }
-    __syncthreads();  // sq/sk/red are rewritten by the next row
+    if constexpr (!PRELOAD) __syncthreads();  // sq/sk/red are rewritten by the next row
   }
 #pragma unroll
   for (int t = 0; t < kKeyPart; ++t) {
