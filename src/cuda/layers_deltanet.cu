@@ -94,20 +94,21 @@ enum class GdnNorm : int { Block = 0, Kernel = 1, Cluster = 2 };
 // after the wait, a dependent round trip on the step's critical path (param_prefetch_on()).
 // DEFER_NORM (GdnNorm::Cluster only; the default, CK_GDN_NORM_DEFER=0 for one barrier a row): the
 // rows' output norms after the row loop, behind one cluster barrier instead of one per row (H200
-// 2026-12-02 18:3xZ, three interleaved rounds each: +0.4% at 4 rows, +0.2% at 8 and at 2). Warp 0 keeps each row's o (its 32 columns) in shared memory; the sums, their order and
-// the outputs are the per-row form's (the same bits); a 4-row step has three cluster barriers fewer
-// per DeltaNet layer on its chain (the delta rule of later rows never reads the norm).
+// 2026-12-02 18:27Z, three interleaved rounds each: +0.4% at 4 rows, +0.2% at 8 and at 2). Warp 0
+// keeps each row's o (its 32 columns) in shared memory; the sums, their order and the outputs are
+// the per-row form's (the same bits); a 4-row step has three cluster barriers fewer per DeltaNet
+// layer on its chain (the delta rule of later rows never reads the norm).
 // PRELOAD (2-8-row steps: gdn_preload_min_rows(), CK_GDN_PRELOAD_MIN_ROWS; H200 2026-12-02: level at 2
 // and 4 rows, +1.3% and +1.5% at 8 rows in two calls, level at one row, where it is off): every
 // row's inputs before the row loop. The per-row form waits, row by row, for q and k (then two block
 // sums, four barriers), for β and the decay's inputs, for v and for z: three to four dependent L2
-// round trips and nine barriers a row (~5 us a row of the 4-row step's ~22 us a layer). Here all the
-// rows' loads go out together after the wait; the q/k norms of all rows come from one reduction
-// (block_sums: each value's warp butterfly and warp order as block_sum's, so the same bits); v, z, β
-// and the decay wait in shared memory; and the row loop is the state's two sums, two barriers a row
-// (the partials of m and of o in separate buffers, so neither needs a barrier before its reuse). The
-// arithmetic of each value is the per-row form's: the same bits (GdnClusterNormEqualsNormKernel).
-// Dynamic shared memory: gdn_rec_smem().
+// round trips and nine barriers a row. Here all the rows' loads go out together after the wait; the
+// q/k norms of all rows come from one reduction (each value's warp butterfly and warp order as
+// block_sum's, so the same bits); v, z, β and the decay wait in shared memory; and the row loop is the
+// state's two sums, two barriers a row (the partials of m and of o in separate buffers, so neither
+// needs a barrier before its reuse). The arithmetic of each value is the per-row form's: the same bits
+// (GdnClusterNormEqualsNormKernel). That it is level at 4 rows says the 4-row step's ~22 us a layer
+// in this kernel (hollowed) is not these waits. Dynamic shared memory: gdn_recurrent()'s smem_pre.
 template <bool DEFER_NORM, bool PRELOAD>
 __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, const StepParams* sp, int rows,
                                                             GdnNorm norm_mode, int early) {
