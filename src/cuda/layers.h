@@ -128,7 +128,7 @@ void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStre
 void set_gdn_cluster_norm(bool on);
 // With the cluster norm, the rows' norms after the row loop behind one cluster barrier (1, the
 // default) or one barrier per row (0); -1: CK_GDN_NORM_DEFER decides (0: one a row). The same bits
-// (GdnClusterNormEqualsNormKernel); +0.2-0.4% at 2-8 rows (H200 2026-12-02 18:3xZ).
+// (GdnClusterNormEqualsNormKernel); +0.2-0.4% at 2-8 rows (H200 2026-12-02 18:27Z).
 void set_gdn_norm_defer(int on);
 // The DeltaNet recurrence with every row's inputs loaded before its row loop from `rows` rows on
 // (default 2; -1: CK_GDN_PRELOAD_MIN_ROWS again). The same bits as the per-row form.

@@ -157,12 +157,14 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   pdl_begin();
   if (!early) load_state();
   const bool snap = sp->snap != 0;
+  // Row r's gated norm of o (its z preloaded or read now).
+  auto gated_out = [&](int r, float o, float rr) {
+    if constexpr (PRELOAD) return gdn_gated_out_z(a, j, o, rr, rz[r * blockDim.x + tid]);
+    else return gdn_gated_out(a, r, h, j, o, rr);
+  };
   // Row r's output o of column j, normed where this kernel makes the norm.
   auto row_out = [&](int r, float o) {
-    auto gated = [&](float rr) {
-      if constexpr (PRELOAD) return gdn_gated_out_z(a, j, o, rr, rz[r * blockDim.x + tid]);
-      else return gdn_gated_out(a, r, h, j, o, rr);
-    };
+    auto gated = [&](float rr) { return gated_out(r, o, rr); };
     if (fused_norm) {
       // Gated RMS norm (N2) over the head's dv outputs: plain weight, then act(z).
       const float ss = block_sum((active && p == 0) ? o * o : 0.0f, scratch);
@@ -335,9 +337,7 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
       for (unsigned y = 0; y < gridDim.y; ++y) ss += *cluster.map_shared_rank(ss_part + r, y);
       const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
       if (active && p == 0)
-        a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] =
-            PRELOAD ? gdn_gated_out_z(a, j, o_rows[r][jl], rr, rz[r * blockDim.x + tid])
-                    : gdn_gated_out(a, r, h, j, o_rows[r][jl], rr);
+        a.out[static_cast<size_t>(r) * a.ldo + h * dv + j] = gated_out(r, o_rows[r][jl], rr);
     }
   }
   if (norm_mode == GdnNorm::Cluster) cg::this_cluster().sync();  // the others may still read ss_part
