@@ -7,6 +7,7 @@
 # CK_BENCH_BIN=bench_cuda_prev in a case runs an older build's benchmark (scripts/prepare_devcarry.sh
 # with CK_PREV_BENCH). Decode only: `--no-prefill` in CK_AB_ARGS (builds before 238e6dd lack it:
 # give them `--prefill 32`, the smallest; a bare `--prefill` would take this script's `--out` as its sizes).
+# CK_AB_CHUNK=N in a case adds `--prefill-chunk N` to its bench_cuda arguments (chunk sizes as cases).
 #   CK_AB_CASES="heads: per-head:CK_ATTN_HEADS=0" CK_AB_ARGS="--synth-layers 16 --prefill 2048" \
 #     OUT=/tmp/out bash scripts/gpu_ab.sh
 set -uo pipefail
@@ -30,7 +31,7 @@ for case in ${CK_AB_CASES:-base:}; do
       timeout 150 "$D/test_cuda_ops" --gtest_color=no --gtest_filter='CudaOps.Prefill*:CudaOps.Grouped*' 2>&1 |
         grep -E "PASSED|FAILED|rel_l2" >> "$OUT/ab.txt"
     fi
-    timeout "${CK_BENCH_TIMEOUT:-150}" "$D/${CK_BENCH_BIN:-bench_cuda}" $ARGS --out "$OUT/case.txt" > "$OUT/case.log" 2>&1
+    timeout "${CK_BENCH_TIMEOUT:-150}" "$D/${CK_BENCH_BIN:-bench_cuda}" $ARGS ${CK_AB_CHUNK:+--prefill-chunk $CK_AB_CHUNK} --out "$OUT/case.txt" > "$OUT/case.log" 2>&1
     rc=$?
     grep -E "^(decode|graph|mtp|prefill|profile|hc_mix)" "$OUT/case.txt" >> "$OUT/ab.txt"
     grep -o "(built .* s, uploaded .* s)" "$OUT/case.log" >> "$OUT/ab.txt"  # the model's build and upload times

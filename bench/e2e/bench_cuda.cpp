@@ -4,7 +4,8 @@
 //             over pinned memory, and the bf16 matrix rate through cuBLAS (dlopen'ed; "not measured"
 //             when no libcublas is found);
 //   decode    1 row and 4 rows per step (tok/s) vs weight bytes per step / copy bandwidth;
-//   prefill   512, 2048, 8192 tokens (prefill chunks of kChunkRows rows on the tensor cores) vs FLOPs / bf16 rate;
+//   prefill   512, 2048, 8192 tokens (chunks of --prefill-chunk rows, kChunkRows by default, on the
+//             tensor cores) vs FLOPs / bf16 rate;
 //   kernels   single-layer-geometry GEMVs and the expert products in isolation (bench/kernels/).
 // Model: --model DIR (any checkpoint) or --synth-layers N (the released geometry, random MLX-style
 // 4-bit weights built in memory: no disk). Not a CMake target: scripts/prepare_devcarry.sh builds it.
@@ -177,6 +178,7 @@ struct Args {
   int decode_context = 64;  // prompt tokens before the timed decode steps
   bool kernels = true;
   bool mtp = false;  // the synthetic model gets an MTP head; its draft step is timed
+  int prefill_chunk = 0;  // rows of one prefill chunk (the sessions' buffers); 0: the model's default
 };
 
 // A whole decimal int, or -1 (every numeric flag here wants a positive value, so callers reject it).
@@ -202,6 +204,7 @@ int main(int argc, char** argv) {
     else if (s == "--no-prefill") a.prefill.clear();  // decode only (an empty --prefill, as one word)
     else if (s == "--decode-rows") a.decode_rows = {parse_int(next())};
     else if (s == "--decode-context") a.decode_context = parse_int(next());
+    else if (s == "--prefill-chunk") a.prefill_chunk = parse_int(next());
     else if (s == "--prefill") {
       a.prefill.clear();
       std::string v = next();
@@ -220,16 +223,17 @@ int main(int argc, char** argv) {
       }
     } else {
       std::fprintf(stderr, "usage: bench_cuda [--model DIR | --synth-layers N] [--prefill 512,2048,8192 | --no-prefill] "
-                           "[--decode-steps N] [--decode-rows R] [--decode-context T] [--no-kernels] [--mtp] "
-                           "[--out FILE]\n");
+                           "[--prefill-chunk N] [--decode-steps N] [--decode-rows R] [--decode-context T] "
+                           "[--no-kernels] [--mtp] [--out FILE]\n");
       return 2;
     }
   }
   if (a.synth_layers < 1 || a.decode_steps < 0 || a.decode_rows[0] < 1 || a.decode_rows[0] > cuda::kMaxRows ||
-      a.decode_context < 1) {
+      a.decode_context < 1 || (a.prefill_chunk != 0 && a.prefill_chunk <= cuda::kMaxRows) || a.prefill_chunk > cuda::kMaxChunkRows ||
+      a.prefill_chunk < 0) {
     std::fprintf(stderr, "bench_cuda: --synth-layers wants a number >= 1, --decode-steps >= 0, --decode-rows 1-%d, "
-                         "--decode-context >= 1\n",
-                 cuda::kMaxRows);
+                         "--decode-context >= 1, --prefill-chunk 0 or %d-%d\n",
+                 cuda::kMaxRows, cuda::kMaxRows + 1, cuda::kMaxChunkRows);
     return 2;
   }
   if (cuda::device_count() == 0) {
@@ -373,9 +377,10 @@ int main(int argc, char** argv) {
   // size timed does not pay the process's one-time costs: the chunk kernels' first launches (lazy
   // module loading) and the scratch pool's growth to its kept size. Without it the first prefill of
   // a process showed e.g. the mix's down projection at 11.7 instead of ~5 us per token (2026-12-01).
+  const int chunk = a.prefill_chunk > 0 ? a.prefill_chunk : m->default_chunk_rows();
   if (!a.prefill.empty()) {
-    const int T = std::min(*std::max_element(a.prefill.begin(), a.prefill.end()), cuda::kChunkRows + 2 * cuda::kMaxRows);
-    auto s = m->new_session(T + 16);
+    const int T = std::min(*std::max_element(a.prefill.begin(), a.prefill.end()), chunk + 2 * cuda::kMaxRows);
+    auto s = m->new_session(T + 16, chunk);
     std::vector<int32_t> prompt = rand_tokens(T);
     if (!s->step_rows(prompt, false, false, &res, cuda::RowOutputs::kLast).ok()) return 1;
   }
@@ -383,7 +388,7 @@ int main(int argc, char** argv) {
     // The first kMaxRows*2 tokens run untimed: they capture the session's graph (graphs are per
     // session); the rest, a multiple of kMaxRows rows, is timed.
     const int warm = 2 * cuda::kMaxRows;
-    auto s = m->new_session(T + 16);
+    auto s = m->new_session(T + 16, chunk);
     const bool profile = std::getenv("CK_PROFILE") != nullptr;  // per-piece GPU time of the chunks
     s->set_profile(profile);
     std::vector<int32_t> prompt = rand_tokens(T);
@@ -406,8 +411,9 @@ int main(int argc, char** argv) {
     const double step_bytes = dense_tok + c.num_hidden_layers * E * (1.0 - std::pow(1.0 - k / E, R)) * expert_rec;
     const double ceil_row = R / (step_bytes / (copy_gbs * 1e9));
     emit(out, "prefill  %5d tokens      %8.1f tok/s  (%.3f s for %d rows)   ceiling %8.0f tok/s (FLOPs / bf16 rate)%s; "
-              "row-path bound %.0f tok/s (weights once per %d rows)\n",
-         T, timed / sec, sec, timed, ceil_c, tflops > 0 ? "" : " [no bf16 rate: not measured]", ceil_row, cuda::kMaxRows);
+              "row-path bound %.0f tok/s (weights once per %d rows); chunks of %d rows\n",
+         T, timed / sec, sec, timed, ceil_c, tflops > 0 ? "" : " [no bf16 rate: not measured]", ceil_row, cuda::kMaxRows,
+         chunk);
     if (profile) {
       double total = 0;
       const auto prof = s->take_profile();

@@ -38,7 +38,7 @@ int run_generate(int argc, char** argv) {
   CLI::App app{"Greedy generation from token ids; prints the generated ids comma-separated on one line."};
   std::string model_dir, prompt, logits_out, backend = "auto";
   int max_tokens = 16;
-  int prefill_chunk = ck::engine::kDefaultPrefillChunk;
+  int prefill_chunk = 0;  // the backend's choice
   bool check = false;
   app.add_option("--model", model_dir, "checkpoint or store directory")->required();
   app.add_option("--prompt-ids", prompt, "prompt token ids, comma-separated (e.g. 1,2,3)")->required();
@@ -47,8 +47,9 @@ int run_generate(int argc, char** argv) {
   app.add_option("--backend", backend, "cpu (the reference), cuda, or auto (cuda when a GPU is visible)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   app.add_option("--prefill-chunk", prefill_chunk,
-                 "CUDA: prompt rows per tensor-core chunk; its per-row GPU buffers are sized by it")
-      ->check(CLI::Range(1, ck::engine::kDefaultPrefillChunk))
+                 "CUDA: prompt rows per tensor-core chunk; its per-row GPU buffers are sized by it. 0: 2048, or "
+                 "up to 8192 where a quarter of the GPU memory left after the weights holds them")
+      ->check(CLI::Range(0, ck::engine::kMaxPrefillChunk))
       ->capture_default_str();
   ck::cli::LoadOptions load_opts;
   app.add_option("--experts", load_opts.expert_bits, "store only: expert records of 4 (experts.bin), 3 or 2 bits")
@@ -81,6 +82,11 @@ int run_generate(int argc, char** argv) {
       return 2;
     }
   const int64_t max_ctx = static_cast<int64_t>(ids.size()) + max_tokens + 1;
+  if (prefill_chunk == 0) prefill_chunk = lm->engine->default_prefill_chunk();
+  if (const ck::Status fits = lm->engine->prefill_chunk_fits(max_ctx, prefill_chunk); !fits.ok()) {
+    std::fprintf(stderr, "error: %s\n", fits.message().c_str());
+    return 1;
+  }
   auto session = lm->engine->new_session(max_ctx, prefill_chunk);
   std::unique_ptr<ck::engine::Session> ref;  // --check: the CPU reference on the same tokens
   if (check) ref = ck::engine::CpuModel(*lm->model).new_session(max_ctx);

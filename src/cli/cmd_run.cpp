@@ -91,7 +91,9 @@ struct Chat {
     if (extends) {
       feed.assign(ids.begin() + static_cast<long>(fed.size()), ids.end());
     } else {
-      session = model.new_session(static_cast<int64_t>(ids.size()) + opt.max_tokens + 16, opt.prefill_chunk);
+      const int64_t max_ctx = static_cast<int64_t>(ids.size()) + opt.max_tokens + 16;
+      TRY(model.prefill_chunk_fits(max_ctx, opt.prefill_chunk));
+      session = model.new_session(max_ctx, opt.prefill_chunk);
       gen = std::make_unique<ck::engine::Generator>(*session, model.cfg());
       fed.clear();
       feed = ids;
@@ -146,10 +148,12 @@ int run_run(int argc, char** argv) {
   app.add_option("--enable-thinking", thinking, "pass enable_thinking to the template")->check(CLI::IsMember({"true", "false"}));
   app.add_flag("--raw", raw, "no chat template: the prompt is fed as is");
   app.add_option("--backend", backend, "cpu, cuda or auto")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  opt.prefill_chunk = 0;  // the backend's choice once the model is loaded
   app.add_option("--prefill-chunk", opt.prefill_chunk,
                  "prompt rows per prefill step; CUDA sizes its per-row GPU buffers by it (~0.8 MB a row at the "
-                 "released geometry): fewer rows, less memory, slower prefill")
-      ->check(CLI::Range(1, ck::engine::kDefaultPrefillChunk))
+                 "released geometry): fewer rows, less memory, slower prefill. 0: 2048, or up to 8192 where a "
+                 "quarter of the GPU memory left after the weights holds them")
+      ->check(CLI::Range(0, ck::engine::kMaxPrefillChunk))
       ->capture_default_str();
   ck::cli::LoadOptions load_opts;
   app.add_option("--experts", load_opts.expert_bits, "store only: expert records of 4 (experts.bin), 3 or 2 bits")
@@ -184,6 +188,7 @@ int run_run(int argc, char** argv) {
   }
   const ck::ModelConfig& cfg = (*loaded)->engine->cfg();
   opt.stop_ids = stop_ids(model_dir, cfg);
+  if (opt.prefill_chunk == 0) opt.prefill_chunk = (*loaded)->engine->default_prefill_chunk();
   Chat chat{*(*loaded)->engine, *tok, tmpl ? &*tmpl : nullptr, extra, opt, raw, {}, ck::JsonDoc::array(true), {}, {}, {}};
   if (!thinking.empty()) chat.thinking = thinking == "true";
   if (!system.empty()) chat.messages.push_back(message("system", system));

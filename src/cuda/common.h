@@ -47,12 +47,15 @@
 namespace ck::cuda {
 
 constexpr int kMaxRows = 8;  // rows of one row-path step (decode rows, MTP verification): GEMV, CUDA graph
-// The most rows of one prefill chunk (the tensor-core path, cuda/gemm.cu), and a session's default:
-// longer prompts run in chunks of this many rows, and every per-row buffer of a session holds its
-// chunk's rows (Session's chunk_rows: ~0.8 MB of GPU memory per row at the released geometry, so
-// ~1.6 GB at 2,048 rows). 2,048 rather than 1,024: each expert's weights are read once per chunk and
-// its tiles are fuller, prefill +7-8% at 2k and 8k tokens (docs/performance.md, eighteenth session).
+// A session's default rows of one prefill chunk (the tensor-core path, cuda/gemm.cu): longer prompts
+// run in chunks of this many rows, and every per-row buffer of a session holds its chunk's rows
+// (Session's chunk_rows: ~0.8 MB of GPU memory per row at the released geometry, so ~1.6 GB at 2,048
+// rows). 2,048 rather than 1,024: each expert's weights are read once per chunk and its tiles are
+// fuller, prefill +7-8% at 2k and 8k tokens (docs/performance.md, eighteenth session).
 constexpr int kChunkRows = 2048;
+// The most rows a session's chunk may have (--prefill-chunk): larger chunks trade GPU memory for
+// fewer reads of each expert (docs/performance.md, thirty-fourth session).
+constexpr int kMaxChunkRows = 8192;
 // Rows of one LM-head slice in a prefill chunk (bounds the logits buffer: kLmRows x vocab floats).
 constexpr int kLmRows = 64;
 

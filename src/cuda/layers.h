@@ -20,7 +20,7 @@ struct StepParams {
   int64_t pos = 0;                 // position of row 0
   int32_t rows = 0;
   int32_t snap = 0;                // keep the recurrent state after every row but the last
-  int32_t tokens[kChunkRows] = {};
+  int32_t tokens[kMaxChunkRows] = {};
 };
 
 // One-time kernel attributes (large dynamic shared memory); call before any step or graph capture.

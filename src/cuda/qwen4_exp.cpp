@@ -1,7 +1,7 @@
 // The CUDA forward of qwen4_exp (cuda/qwen4_exp.h). enqueue_step() reads top to bottom like the CPU's
 // token_forward/layer_token and puts a whole step on one stream with no host synchronisation; the
 // same function is captured into a graph per (rows, want_logits) and replayed. Every buffer is fp32;
-// activation buffers hold one prefill chunk's rows (the session's chunk_rows, at most kChunkRows; a
+// activation buffers hold one prefill chunk's rows (the session's chunk_rows, at most kMaxChunkRows; a
 // row-path step uses kMaxRows of them) at a leading dimension rounded up to 4 floats (16 bytes).
 #include "cuda/qwen4_exp.h"
 
@@ -254,6 +254,13 @@ Status Model::init() {
   const uint64_t session_bytes = Session::buffer_bytes(c, max_inter_, 4096, kChunkRows);
   TRY(upload_experts(*experts_src_, record_layers, c.num_experts, c.moe_intermediate_size, c.hidden_size, session_bytes,
                      &pool_, expert_tiles_));
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  for (int rows = kMaxChunkRows; rows > kChunkRows; rows /= 2)
+    if (Session::buffer_bytes(c, max_inter_, 4096, rows) <= free_bytes / 4) {
+      default_chunk_rows_ = rows;
+      break;
+    }
   DMatrix g, u, dn;
   expert_views(nullptr, pool_.fmt, c.moe_intermediate_size, c.hidden_size, &g, &u, &dn);
   // CK_Q4_EXPERTS=0 keeps prefill's experts on gemm.cu's dequantizing kernels (gemm_q4.cu; to compare).
@@ -267,14 +274,27 @@ Status Model::init() {
   if (mtp_) set_codes48(mtp_->layer.moe);
   for (const DLayer& d : layers_)  // expert_tiles_fit promised the kernels that read tiles
     CK_REQUIRE(!expert_tiles_ || d.moe.q4, "experts in 16-row tiles without the 4-bit expert kernels");
-  LOG_INF("cuda", "model: {} layers{}, H {}, {} experts top-{}; dense {:.2f} GB on device; {} matrices{} in 16-row tiles",
+  LOG_INF("cuda", "model: {} layers{}, H {}, {} experts top-{}; dense {:.2f} GB on device; {} matrices{} in 16-row tiles; "
+          "prefill chunks of {} rows ({:.1f} GB free)",
           w_.layers.size(), mtp_ ? " + MTP" : "", c.hidden_size, c.num_experts, c.num_experts_per_tok,
-          dense_bytes_ / 1e9, tiled_dense_, tiled_experts() ? " and the routed experts" : "");
+          dense_bytes_ / 1e9, tiled_dense_, tiled_experts() ? " and the routed experts" : "", default_chunk_rows_,
+          free_bytes / 1e9);
+  return {};
+}
+
+Status Model::chunk_fits(int64_t max_ctx, int chunk_rows) const {
+  const int rows = std::clamp(chunk_rows > 0 ? chunk_rows : default_chunk_rows_, kMaxRows, kMaxChunkRows);
+  const uint64_t need = Session::buffer_bytes(cfg(), max_inter_, max_ctx, rows);
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (need > free_bytes)
+    return error("a prefill chunk of {} rows needs {:.2f} GB of GPU memory for its buffers and {:.2f} GB is free: "
+                 "ask for fewer rows (--prefill-chunk)", rows, need / 1e9, free_bytes / 1e9);
   return {};
 }
 
 std::unique_ptr<Session> Model::new_session(int64_t max_ctx, int chunk_rows) const {
-  return std::make_unique<Session>(*this, max_ctx, chunk_rows);
+  return std::make_unique<Session>(*this, max_ctx, chunk_rows > 0 ? chunk_rows : default_chunk_rows_);
 }
 
 double Model::active_bytes_per_token() const {
@@ -404,7 +424,7 @@ uint64_t Session::buffer_bytes(const ModelConfig& c, int max_inter, int64_t max_
 }
 
 Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
-    : m_(m), max_ctx_(max_ctx), chunk_rows_(std::clamp(chunk_rows, kMaxRows, kChunkRows)), prefill_chunk_(chunk_rows_) {
+    : m_(m), max_ctx_(max_ctx), chunk_rows_(std::clamp(chunk_rows, kMaxRows, kMaxChunkRows)), prefill_chunk_(chunk_rows_) {
   const ModelConfig& c = m.cfg();
   CHECK(max_ctx_ >= 1);
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));

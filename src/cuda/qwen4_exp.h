@@ -3,7 +3,7 @@
 // per-row snapshots of the DeltaNet/conv/PLE state on the device, commit(n) with rollback). Each step
 // of up to kMaxRows rows is one stream submission: a CUDA graph captured per (rows, want_logits) and
 // replayed, with positions and tokens read on the device. Longer calls without snapshots run as prefill
-// chunks of up to kChunkRows rows on the tensor cores (cuda/gemm.cu: dense projections as GEMMs, experts
+// chunks of up to kMaxChunkRows rows (kChunkRows by default) on the tensor cores (cuda/gemm.cu: dense projections as GEMMs, experts
 // grouped per expert, the other kernels over all the chunk's rows). The MTP draft head (spec §10) runs
 // as Session::mtp_step, one token at a time with direct launches (no graph yet).
 // Host-compiled header: no device code here.
@@ -105,9 +105,21 @@ class Model {
     return !layers_.empty();
   }
   // max_ctx: positions the session's caches hold (attention KV, indexer keys).
-  // chunk_rows: the rows of one prefill chunk, kMaxRows..kChunkRows (clamped); the session's
+  // chunk_rows: the rows of one prefill chunk, kMaxRows..kMaxChunkRows (clamped); the session's
   // per-row buffers hold that many rows (~0.8 MB of GPU memory per row at the released geometry).
-  std::unique_ptr<Session> new_session(int64_t max_ctx = 4096, int chunk_rows = kChunkRows) const;
+  // chunk_rows 0: default_chunk_rows().
+  std::unique_ptr<Session> new_session(int64_t max_ctx = 4096, int chunk_rows = 0) const;
+  // A session's chunk rows unless its caller asks: the largest of kMaxChunkRows, half that, ... down to
+  // kChunkRows whose buffers (at 4,096 positions) take at most a quarter of the GPU memory left free
+  // after the weights, when the model was loaded. Larger chunks read each expert's weights fewer times
+  // (prefill at 8k tokens: chunks of 8,192 rows +9% against 2,048 on the H200, docs/performance.md,
+  // thirty-fourth session); a 16-32 GB GPU keeps kChunkRows. (vLLM also sizes its default batched
+  // tokens by the GPU's memory.)
+  int default_chunk_rows() const { return default_chunk_rows_; }
+  // Whether a session's per-row buffers at chunk_rows rows fit the GPU memory free now (an error that
+  // names the chunk, the bytes and what is free, for a front end to report before new_session, whose
+  // allocations would otherwise abort).
+  Status chunk_fits(int64_t max_ctx, int chunk_rows) const;
 
   // Sizes, for the banner and the benchmark ceilings.
   size_t dense_bytes() const { return dense_bytes_; }
@@ -153,6 +165,7 @@ class Model {
   ExpertPool pool_;  // record layers 0..L-1 of the trunk, then the MTP's layer L when it exists
   DeviceBuffer<float> inv_freq_;  // (rotary_dim / 2)
   int max_inter_ = 0;
+  int default_chunk_rows_ = kChunkRows;
   int n_ple_ = 0;
   bool expert_tiles_ = false;  // the routed and shared experts in 16-row tiles (expert_tiles_fit)
   int tiled_dense_ = 0;

@@ -20,8 +20,10 @@ using StepResult = cpu::StepResult;
 using RowOutputs = cpu::RowOutputs;
 
 // Prompt rows per prefill step unless a front end asks otherwise (--prefill-chunk): cuda::kChunkRows,
-// the CUDA engine's largest and fastest chunk.
+// the CUDA engine's default chunk (it takes up to cuda::kMaxChunkRows, for more GPU memory).
 constexpr int kDefaultPrefillChunk = 2048;
+// The most a front end may ask for (cuda::kMaxChunkRows).
+constexpr int kMaxPrefillChunk = 8192;
 
 // One sequence. Same contract as cpu::Session: step_rows runs rows at pos().., commit(n) accepts the
 // first n (rolling the recurrent state back when n < rows, which needs snap).
@@ -44,9 +46,15 @@ class Model {
   virtual const char* backend() const = 0;  // "cpu" or "cuda"
   // max_ctx: the positions the session must hold (the CPU grows its caches and ignores it).
   // prefill_chunk: the most prompt rows one step runs at once; the CUDA engine sizes its per-row GPU
-  // buffers by it (clamped to cuda::kChunkRows), the CPU ignores it.
+  // buffers by it (clamped to cuda::kMaxChunkRows), the CPU ignores it.
   virtual std::unique_ptr<Session> new_session(int64_t max_ctx, int prefill_chunk) const = 0;
-  std::unique_ptr<Session> new_session(int64_t max_ctx) const { return new_session(max_ctx, kDefaultPrefillChunk); }
+  std::unique_ptr<Session> new_session(int64_t max_ctx) const { return new_session(max_ctx, default_prefill_chunk()); }
+  // What a front end uses when its user does not say (--prefill-chunk 0): the CUDA engine's choice by
+  // its free GPU memory (cuda::Model::default_chunk_rows), kDefaultPrefillChunk on the CPU.
+  virtual int default_prefill_chunk() const { return kDefaultPrefillChunk; }
+  // Whether a session of this chunk fits (the CUDA engine's GPU memory; always on the CPU): a front end
+  // asks before new_session, so a chunk too large for the GPU is a clear error, not an abort.
+  virtual Status prefill_chunk_fits(int64_t /*max_ctx*/, int /*prefill_chunk*/) const { return {}; }
 };
 
 template <class S>
@@ -82,7 +90,8 @@ class CpuModel final : public Model {
 };
 
 #if CHERENKOV_HAVE_CUDA
-static_assert(kDefaultPrefillChunk == cuda::kChunkRows, "the default chunk is the CUDA engine's largest");
+static_assert(kDefaultPrefillChunk == cuda::kChunkRows, "the default chunk is the CUDA engine's");
+static_assert(kMaxPrefillChunk == cuda::kMaxChunkRows, "the largest chunk is the CUDA engine's");
 
 // The CUDA engine (owns the device model).
 class CudaModel final : public Model {
@@ -93,6 +102,10 @@ class CudaModel final : public Model {
   using Model::new_session;
   std::unique_ptr<Session> new_session(int64_t max_ctx, int prefill_chunk) const override {
     return std::make_unique<SessionAdapter<cuda::Session>>(m_->new_session(max_ctx, prefill_chunk));
+  }
+  int default_prefill_chunk() const override { return m_->default_chunk_rows(); }
+  Status prefill_chunk_fits(int64_t max_ctx, int prefill_chunk) const override {
+    return m_->chunk_fits(max_ctx, prefill_chunk);
   }
   const cuda::Model& impl() const { return *m_; }
 

@@ -18,4 +18,9 @@ out=$("$bin" run --backend cpu --model /nonexistent "hi" 2>&1); rc=$?
 [ $rc -ne 0 ] && [ $rc -lt 128 ] && grep -q "nonexistent" <<<"$out" && echo "ok   bad --model" || { echo "FAIL bad --model: rc $rc: $out"; fail=1; }
 out=$("$bin" run --backend cpu --model "$model" --temperature -1 "hi" 2>&1); rc=$?
 [ $rc -ne 0 ] && [ $rc -lt 128 ] && echo "ok   bad --temperature" || { echo "FAIL bad --temperature: rc $rc: $out"; fail=1; }
+out=$("$bin" run --backend cpu --model "$model" --prefill-chunk 9000 "hi" 2>&1); rc=$?
+[ $rc -ne 0 ] && [ $rc -lt 128 ] && grep -q "prefill-chunk" <<<"$out" && echo "ok   bad --prefill-chunk" \
+  || { echo "FAIL bad --prefill-chunk: rc $rc: $out"; fail=1; }
+"$bin" run --backend cpu --model "$model" --raw --max-tokens 4 --prefill-chunk 8192 "import os" >/dev/null 2>&1 \
+  && echo "ok   --prefill-chunk 8192 (the largest)" || { echo "FAIL --prefill-chunk 8192"; fail=1; }
 exit $fail

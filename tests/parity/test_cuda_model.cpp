@@ -151,34 +151,39 @@ TEST_P(CudaOracle, PrefillChunksMatchRowPath) {
   EXPECT_LE(test::rel_l2(b.logits.data(), a.logits.data(), V), kChunkTol);
 }
 
-// A prompt longer than one full chunk (kChunkRows + 37 rows: the fixture's prompt repeated with
-// shifted ids): one kChunkRows chunk and a tail against chunks of 256 rows, with far fewer rows per
-// expert. Every kernel of the chunk path at its largest size: grouping ~22k expert pairs, attention
-// over 2k queries, the mixes' and the delta rule's chunks. (The fixtures' K are under 512, so their
-// dense products stay on q4_tile_kernel at any size; test_cuda_ops runs the warpgroup kernel.)
+// A prompt longer than one full chunk (chunk + 37 rows: the fixture's prompt repeated with shifted
+// ids): one full chunk and a tail against chunks of 256 rows, with far fewer rows per expert, for the
+// default chunk (kChunkRows) and the largest (kMaxChunkRows; past the fixtures' 4,096 positions, which
+// nothing here bounds: both sides run the same positions). Every kernel of the chunk path at its
+// largest size: grouping ~90k expert pairs, attention over 8k queries, the mixes' and the delta rule's
+// chunks. (The fixtures' K are under 512, so their dense products stay on q4_tile_kernel at any size;
+// test_cuda_ops runs the warpgroup kernel.)
 TEST_P(CudaOracle, FullChunkMatchesSmallerChunks) {
   SETUP();
-  const int T = cuda::kChunkRows + 37;
-  std::vector<int32_t> prompt(T);
-  for (int i = 0; i < T; ++i)
-    prompt[i] = static_cast<int32_t>((fx->prompt[i % fx->prompt.size()] + i / fx->prompt.size()) % V);
-  auto full = l.model->new_session(T + 8);
-  auto small = l.model->new_session(T + 8, 256);
-  ASSERT_EQ(full->chunk_rows(), cuda::kChunkRows);
-  ASSERT_EQ(small->chunk_rows(), 256);
-  cuda::StepResult a, b;
-  ASSERT_TRUE(full->step_rows(prompt, false, true, &a).ok());
-  ASSERT_TRUE(small->step_rows(prompt, false, true, &b).ok());
-  ASSERT_EQ(a.logits.size(), static_cast<size_t>(T) * V);
-  double worst = 0;
-  int argmax_diff = 0;
-  for (int t = 0; t < T; ++t) {
-    worst = std::max(worst, test::rel_l2(a.logits.data() + t * V, b.logits.data() + t * V, V));
-    argmax_diff += a.argmax[t] != b.argmax[t];
+  for (const int chunk : {cuda::kChunkRows, cuda::kMaxChunkRows}) {
+    const int T = chunk + 37;
+    std::vector<int32_t> prompt(T);
+    for (int i = 0; i < T; ++i)
+      prompt[i] = static_cast<int32_t>((fx->prompt[i % fx->prompt.size()] + i / fx->prompt.size()) % V);
+    auto full = l.model->new_session(T + 8, chunk);
+    auto small = l.model->new_session(T + 8, 256);
+    ASSERT_EQ(full->chunk_rows(), chunk);
+    ASSERT_EQ(small->chunk_rows(), 256);
+    cuda::StepResult a, b;
+    ASSERT_TRUE(full->step_rows(prompt, false, true, &a).ok());
+    ASSERT_TRUE(small->step_rows(prompt, false, true, &b).ok());
+    ASSERT_EQ(a.logits.size(), static_cast<size_t>(T) * V);
+    double worst = 0;
+    int argmax_diff = 0;
+    for (int t = 0; t < T; ++t) {
+      worst = std::max(worst, test::rel_l2(a.logits.data() + static_cast<size_t>(t) * V,
+                                           b.logits.data() + static_cast<size_t>(t) * V, V));
+      argmax_diff += a.argmax[t] != b.argmax[t];
+    }
+    std::printf("  %s: one %d-row chunk vs chunks of 256, worst rel L2 %.3g over %d positions, argmax differs at %d\n",
+                fixture_name({GetParam(), 0}).c_str(), chunk, worst, T, argmax_diff);
+    EXPECT_LE(worst, kChunkTol) << "chunk " << chunk;
   }
-  std::printf("  %s: one %d-row chunk vs chunks of 256, worst rel L2 %.3g over %d positions, argmax differs at %d\n",
-              fixture_name({GetParam(), 0}).c_str(), cuda::kChunkRows, worst, T, argmax_diff);
-  EXPECT_LE(worst, kChunkTol);
 }
 
 // RowOutputs::kLast (the LM head skips every row but the last): the same last row as a full step and
