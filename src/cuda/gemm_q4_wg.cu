@@ -398,205 +398,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
 #endif
 }
 
-// ---- The experts' gate/up product of a prefill chunk on the same MMAs
-//
-// Why: in a prefill chunk the experts' gate/up product was the largest piece on q4_tile_kernel
-// (mma.sync): 9.0 us of an 8k token's ~51 at chunks of 8,192 rows (thirty-fourth session). Here a
-// block takes one of group_pairs' wide tiles (up to kWgExpertRows = 64 pairs of one expert) and 128
-// intermediate features: warpgroup 0 the gate rows, warpgroup 1 the up rows, each as two m64n64k16
-// tiles, with q4_wg_dense_kernel's staging (cp.async, the tile's pairs' activation rows gathered from
-// q4_xfrag_kernel's row layout), unpacking, MMAs and group sums (the same helpers, in the same order).
-// At the end warpgroup 1 hands its up sums to warpgroup 0 through shared memory (thread to thread: the
-// two hold the same features and tokens), which stores h = silu(gate) * up as q4_tile_kernel does.
-// grid (ceil(max_inter / 128), max wide tiles).
-template <int PARTS>
-__global__ void __launch_bounds__(kWgThreads, 1) q4_wg_gate_up_kernel(const __grid_constant__ Q4WgExpertArgs a) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
-  constexpr int TN = kWgExpertRows, NJ = TN / 8, ND = TN / 2, kStages = kWgStages;
-  constexpr int kBBytes = WgStage<TN>::kBBytes;
-  using Stage = WgStage<TN>;
-  if (static_cast<int>(blockIdx.y) >= *a.n_tiles) return;  // uniform over the block
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int wg = warp >> 2, wq = warp & 3;  // warpgroup (0: gate, 1: up); warp within it
-  const int2 tile = a.tiles[blockIdx.y];
-  const ExpertPair& p0 = a.pairs[a.order[tile.x]];
-  const DMatrix um[2] = {p0.gate, p0.up};  // unit u's matrix
-  const DMatrix w0 = wg ? um[1] : um[0];   // this warpgroup's
-  const int f0 = static_cast<int>(blockIdx.x) * kQ4WgUnitFeatures;  // both units' first feature row
-  if (f0 >= um[0].rows) return;  // a routed expert narrower than the widest (block-uniform)
-  __shared__ int drow[TN];
-  __shared__ int srow[TN];
-  if (tid < TN) {
-    const int d = tid < tile.y ? a.order[tile.x + tid] : -1;
-    drow[tid] = d;
-    srow[tid] = d < 0 ? 0 : a.pairs[d].x_row;  // slots past the tile read row 0 (never stored)
-  }
-  __syncthreads();
-  const int K = w0.cols, gpg_shift = __ffs(w0.fmt.group / 64) - 1;
-  const int n_groups = K / 64;
-  const size_t row_bytes = static_cast<size_t>(K) / 2, n_sg = K / w0.fmt.group;
-  const uint8_t sk = w0.fmt.scale_kind;
-  int par0[2][2];
-#pragma unroll
-  for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int fr = min(f0 + 64 * mf + 16 * wq + 8 * h + g, w0.rows - 1);
-      par0[mf][h] = static_cast<int>((static_cast<int64_t>(fr) * n_sg) & 1);
-    }
-  extern __shared__ __align__(128) uint8_t wg_smem[];
-  Stage* stage = reinterpret_cast<Stage*>(wg_smem);
-  constexpr int kXCopies = PARTS * TN / 32;
-  uint32_t xf_src[kXCopies], xf_dst[kXCopies];
-#pragma unroll
-  for (int j = 0; j < kXCopies; ++j) {
-    const int i = tid + j * kWgThreads, j1 = i & 1, q = (i >> 1) % (4 * PARTS), r = (i >> 1) / (4 * PARTS);
-    const int s = q / PARTS, p = q % PARTS;
-    xf_src[j] = static_cast<uint32_t>(srow[r] * a.groups * kWgGroupU2 + (s * 3 + p) * 4 + j1 * 2);
-    xf_dst[j] = static_cast<uint32_t>(offsetof(Stage, xb) + (s * PARTS + p) * kBBytes + (r >> 3) * 256 + j1 * 128 +
-                                      (r & 7) * 16);
-  }
-  const bool tiled = w0.tiled();
-  bool utiled[2];
-  int ushift[2], ues[2];
-  size_t un_sg[2];
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    utiled[u] = um[u].tiled();
-    ushift[u] = __ffs(um[u].fmt.group / 64) - 1;
-    ues[u] = um[u].fmt.scale_kind == static_cast<uint8_t>(WKind::F32) ? 4 : 2;
-    un_sg[u] = K / um[u].fmt.group;
-  }
-  auto tile_base = [&](int tl) {  // tile tl of the block (unit tl / 8's tile tl % 8) at group 0, clamped
-    const DMatrix& m = wg_pick(um, tl >> 3);
-    const int n_tiles = (m.rows + kTileRows - 1) / kTileRows;
-    return m.tile_group(min(f0 / kTileRows + (tl & 7), n_tiles - 1), 0);
-  };
-  const uint8_t* code_src[2];
-  const uint8_t* sb_src[2];
-  size_t code_step[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int i = tid + j * kWgThreads;
-    const DMatrix& m = um[j];
-    const size_t row = static_cast<size_t>(min(f0 + ((i >> 1) & 127), m.rows - 1));
-    code_src[j] = utiled[j] ? tile_base(i >> 5) + 16 * (i & 31) : m.data + row * row_bytes + (i & 1) * 16;
-    code_step[j] = utiled[j] ? kTileGroupBytes : 32;
-    sb_src[j] = utiled[j] ? nullptr : ((i & 1) ? m.biases : m.scales) + row * un_sg[j] * ues[j];
-  }
-  const bool sb_tile = tid < 64 && wg_pick(utiled, (tid >> 5) & 1);
-  const uint8_t* sb_tile_src = tile_base((tid >> 2) & 15) + 512 + 16 * (tid & 3);
-  const int sb_tile_dst = 256 * ((tid >> 5) & 1) + 4 * (tid & 31);
-  const size_t gsum_src = static_cast<size_t>(srow[tid % TN]) * a.groups;
-  auto stage_group = [&](int G, Stage& st) {
-    uint8_t* base = reinterpret_cast<uint8_t*>(&st);
-#pragma unroll
-    for (int j = 0; j < kXCopies; ++j)
-      cp_async16(base + xf_dst[j], a.xf + xf_src[j] + static_cast<size_t>(G) * kWgGroupU2);
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      cp_async16(&st.codes[0][0] + 2 * (tid + j * kWgThreads), code_src[j] + static_cast<size_t>(G) * code_step[j]);
-    if (tid < TN) cp_async4(&st.gsum[tid], a.gsum + gsum_src + G);
-    if (sb_tile) cp_async16(&st.sb[sb_tile_dst], sb_tile_src + static_cast<size_t>(G) * kTileGroupBytes);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if (utiled[j]) continue;
-      const uintptr_t at = reinterpret_cast<uintptr_t>(sb_src[j] + static_cast<size_t>(G >> ushift[j]) * ues[j]);
-      cp_async4(&st.sb[tid + j * kWgThreads], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
-    }
-  };
-  const StagedScales scales(sk);
-
-  float acc[2][ND] = {};
-  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
-  stage_group(0, stage[0]);
-  cp_async_commit();
-  if (1 < n_groups) stage_group(1, stage[1]);
-  cp_async_commit();
-  float d[2][ND];
-  uint32_t af[4][2][4];
-  for (int G = 0; G < n_groups; ++G) {
-    cp_async_wait<1>();
-    fence_proxy_async();
-    __syncthreads();
-    if (G + 2 < n_groups) stage_group(G + 2, stage[(G + 2) % kStages]);
-    cp_async_commit();
-    const int sidx = G % kStages;
-    const Stage& st = stage[sidx];
-#pragma unroll
-    for (int mf = 0; mf < 2; ++mf) {
-      const int fl = 128 * wg + 64 * mf + 16 * wq + g;
-      uint2 c0, c8;
-      if (tiled) {
-        const uint4 c = reinterpret_cast<const uint4*>(&st.codes[0][0])[(8 * wg + 4 * mf + wq) * 32 + lane];
-        c0 = make_uint2(c.x, c.y);
-        c8 = make_uint2(c.z, c.w);
-      } else {
-        c0 = st.codes[fl][t];
-        c8 = st.codes[fl + 8][t];
-      }
-      wg_a_frags(c0, c8, mf, af);
-    }
-    wg_fence();
-    wg_issue<PARTS>(smem_base + static_cast<uint32_t>(sidx * sizeof(Stage) + offsetof(Stage, xb)), kBBytes, af, d);
-    wg_commit();
-    wg_wait<0>();
-    float2 sx[NJ];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) sx[j] = *reinterpret_cast<const float2*>(&st.gsum[8 * j + 2 * t]);
-    const int sp = (G >> gpg_shift) & 1;
-#pragma unroll
-    for (int mf = 0; mf < 2; ++mf) {
-      const int fl = 128 * wg + 64 * mf + 16 * wq + g;
-      float s0, b0, s1, b1;
-      if (tiled) {
-        tile_scales(*reinterpret_cast<const uint2*>(&st.sb[256 * wg + ((4 * mf + wq) * 8 + g) * 2]), s0, b0, s1, b1);
-      } else {
-        const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[fl * 2]);
-        const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(fl + 8) * 2]);
-        const uint32_t sel0 = scales.sel(par0[mf][0] ^ sp), sel1 = scales.sel(par0[mf][1] ^ sp);
-        s0 = scales.value(sb_g.x, sel0), b0 = scales.value(sb_g.y, sel0);
-        s1 = scales.value(sb_g8.x, sel1), b1 = scales.value(sb_g8.y, sel1);
-      }
-      wg_add_group(acc[mf], d[mf], s0, b0, s1, b1, sx);
-    }
-  }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-  __syncthreads();  // every warp is past its last stage: the stages' memory is free
-  // Warpgroup 1's up sums to warpgroup 0's thread of the same (warp, lane): value k at word 128 k + tw.
-  float* up = reinterpret_cast<float*>(wg_smem);
-  const int tw = tid & 127;
-  if (wg == 1) {
-#pragma unroll
-    for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-      for (int i = 0; i < ND; ++i) up[(mf * ND + i) * 128 + tw] = acc[mf][i];
-  }
-  __syncthreads();
-  if (wg == 1) return;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int row = drow[8 * j + 2 * t + c];
-      if (row < 0) continue;
-      float* hr = a.h + static_cast<size_t>(row) * a.ldh;
-#pragma unroll
-      for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int f = f0 + 64 * mf + 16 * wq + 8 * h + g;
-          if (f >= w0.rows) continue;
-          const int i = 4 * j + 2 * h + c;
-          hr[f] = siluf_(acc[mf][i]) * up[(mf * ND + i) * 128 + tw];
-        }
-    }
-#else
-  __trap();  // built for sm_90a only (CMakeLists.txt); q4_wg_ready() keeps other devices off this path
-#endif
-}
-
 // ---- The same product when every unit is in 16-row tiles, fed by bulk copies
 //
 // Why: Nsight Compute on q4_wg_dense_kernel (the DeltaNet in_proj at 2,048 rows, 2026-12-01 03:05Z:
@@ -749,7 +550,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
 
 // The kernel for (parts, tokens per block) and its dynamic shared memory.
 using WgKernel = void (*)(Q4WgArgs);
-using WgExpertKernel = void (*)(Q4WgExpertArgs);
 WgKernel wg_kernel(int parts, int tokens, int* smem) {
   if (tokens == 32) {
     *smem = wg_smem<32>();
@@ -781,12 +581,6 @@ bool q4_wg_ready() {
     for (const auto& [k, smem] : bulk)
       if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
           cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return false;
-      }
-    for (const WgExpertKernel k : {q4_wg_gate_up_kernel<2>, q4_wg_gate_up_kernel<3>})
-      if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
-          cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, wg_smem<kWgExpertRows>()) != cudaSuccess) {
         (void)cudaGetLastError();
         return false;
       }
@@ -822,15 +616,6 @@ void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& 
   else if (tokens == 128) q4_wg_bulk_kernel<2, 128><<<grid, kWgThreads, smem, stream>>>(a);
   else if (parts == 3) q4_wg_bulk_kernel<3, 64><<<grid, kWgThreads, smem, stream>>>(a);
   else q4_wg_bulk_kernel<2, 64><<<grid, kWgThreads, smem, stream>>>(a);
-  CUDA_CHECK_LAUNCH();
-}
-
-void launch_q4_wg_gate_up(unsigned feature_blocks, unsigned max_tiles, const Q4WgExpertArgs& a, int parts,
-                          cudaStream_t stream) {
-  const dim3 grid(feature_blocks, max_tiles);
-  const int smem = wg_smem<kWgExpertRows>();
-  if (parts == 3) q4_wg_gate_up_kernel<3><<<grid, kWgThreads, smem, stream>>>(a);
-  else q4_wg_gate_up_kernel<2><<<grid, kWgThreads, smem, stream>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 
