@@ -837,16 +837,19 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     if (rows > kMaxRows) {  // prefill chunk: each expert's weights once for all the rows that chose it
       group_pairs(b.pairs, n_pairs, c.num_experts + 1, b.order, b.tiles, b.n_tiles, stream_);
       mark("moe group pairs");
+      // The grids cover this chunk's most tiles, not the session's (blocks past the tile count return
+      // at once, but a 512-row chunk in an 8,192-row session launched ~5x the blocks it needs).
+      const int max_tiles = std::min(b.max_tiles, grouped_max_tiles(n_pairs, std::min(n_pairs, c.num_experts + 1)));
       if (mo.q4) {
-        expert_gate_up_q4(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, m_.max_inter_, b.u, b.ldH, rows, H, b.mh,
+        expert_gate_up_q4(b.pairs, b.order, b.tiles, b.n_tiles, max_tiles, m_.max_inter_, b.u, b.ldH, rows, H, b.mh,
                           b.ldMI, stream_);
         mark("moe experts gate/up");  // (then "moe experts" is the down product)
-        expert_down_q4(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, H, m_.max_inter_, b.mh, b.ldMI, n_pairs,
+        expert_down_q4(b.pairs, b.order, b.tiles, b.n_tiles, max_tiles, H, m_.max_inter_, b.mh, b.ldMI, n_pairs,
                        b.my, b.ldH, stream_);
       } else {
-        expert_gate_up_grouped(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, m_.max_inter_, b.u, b.ldH, b.mh,
+        expert_gate_up_grouped(b.pairs, b.order, b.tiles, b.n_tiles, max_tiles, m_.max_inter_, b.u, b.ldH, b.mh,
                                b.ldMI, stream_);
-        expert_down_grouped(b.pairs, b.order, b.tiles, b.n_tiles, b.max_tiles, H, b.mh, b.ldMI, b.my, b.ldH, stream_);
+        expert_down_grouped(b.pairs, b.order, b.tiles, b.n_tiles, max_tiles, H, b.mh, b.ldMI, b.my, b.ldH, stream_);
       }
       mark("moe experts");
     } else {
