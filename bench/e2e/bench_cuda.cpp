@@ -4,8 +4,9 @@
 //             over pinned memory, and the bf16 matrix rate through cuBLAS (dlopen'ed; "not measured"
 //             when no libcublas is found);
 //   decode    1 row and 4 rows per step (tok/s) vs weight bytes per step / copy bandwidth;
-//   prefill   512, 2048, 8192 tokens (chunks of --prefill-chunk rows, kChunkRows by default, on the
-//             tensor cores) vs FLOPs / bf16 rate;
+//   prefill   512, 2048, 8192 tokens (chunks of --prefill-chunk rows, by default the model's
+//             default_chunk_rows, on the tensor cores) vs FLOPs / bf16 rate; every session, decode's
+//             too, has that many rows of buffers;
 //   kernels   single-layer-geometry GEMVs and the expert products in isolation (bench/kernels/).
 // Model: --model DIR (any checkpoint) or --synth-layers N (the released geometry, random MLX-style
 // 4-bit weights built in memory: no disk). Not a CMake target: scripts/prepare_devcarry.sh builds it.
@@ -305,12 +306,17 @@ int main(int argc, char** argv) {
     return t;
   };
   cuda::StepResult res;
+  // Every session's chunk rows (its per-row buffers), decode's too: a session serves both.
+  const int chunk = a.prefill_chunk > 0 ? a.prefill_chunk : m->default_chunk_rows();
+  emit(out, "session  chunks of %d rows (every session's per-row buffers: %.2f GB)%s\n", chunk,
+       cuda::Session::buffer_bytes(c, std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size), 4096, chunk) / 1e9,
+       a.prefill_chunk > 0 ? " (--prefill-chunk)" : " (the model's default)");
 
   // ---- decode, 1 and 4 rows per step, after a prompt of decode_context tokens (--decode-steps 0: none)
   if (a.decode_steps == 0) emit(out, "decode   not timed (--decode-steps 0)\n");
   for (int rows : a.decode_steps > 0 ? a.decode_rows : std::vector<int>{}) {
     const int ctx = a.decode_context;
-    auto s = m->new_session(std::max(4096, ctx + (a.decode_steps + 3) * rows + 16));
+    auto s = m->new_session(std::max(4096, ctx + (a.decode_steps + 3) * rows + 16), chunk);
     std::vector<int32_t> prompt = rand_tokens(ctx);
     if (!s->step_rows(prompt, false, false, &res, cuda::RowOutputs::kLast).ok()) return 1;
     s->commit(ctx);
@@ -347,7 +353,7 @@ int main(int argc, char** argv) {
   // 64-token prompt
   for (const bool graphs : {true, false}) {
     if (!m->has_mtp() || a.decode_steps == 0) break;
-    auto s = m->new_session(4096);
+    auto s = m->new_session(4096, chunk);
     s->set_use_graphs(graphs);
     std::vector<int32_t> prompt = rand_tokens(64);
     if (!s->step_rows(prompt, false, false, &res).ok()) return 1;
@@ -377,7 +383,6 @@ int main(int argc, char** argv) {
   // size timed does not pay the process's one-time costs: the chunk kernels' first launches (lazy
   // module loading) and the scratch pool's growth to its kept size. Without it the first prefill of
   // a process showed e.g. the mix's down projection at 11.7 instead of ~5 us per token (2026-12-01).
-  const int chunk = a.prefill_chunk > 0 ? a.prefill_chunk : m->default_chunk_rows();
   if (!a.prefill.empty()) {
     const int T = std::min(*std::max_element(a.prefill.begin(), a.prefill.end()), chunk + 2 * cuda::kMaxRows);
     auto s = m->new_session(T + 16, chunk);
