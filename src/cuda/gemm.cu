@@ -343,16 +343,14 @@ __device__ __forceinline__ void warp_inclusive_scan2(int& a, int& b) {
   }
 }
 
-// One block: counting sort of the pairs by expert (ExpertPair::group), then the tile lists: tiles of
-// at most bm pairs of one expert, and (tiles2 not null) a second list of the same order's pairs in
-// tiles of at most bm2 (the warpgroup gate/up kernel's wide tiles).
+// One block: counting sort of the pairs by expert (ExpertPair::group), then the tile list.
 // Order inside a group may differ between runs; no result depends on it (rows are independent).
 // The pair and tile offsets are block-wide scans over runs of groups (thread 0 walking all 512
 // experts alone took this kernel to ~36 us per MoE layer and prefill chunk, twelfth session).
 __global__ void group_pairs_kernel(const ExpertPair* pairs, int n_pairs, int n_groups, int bm, int32_t* order,
-                                   int2* tiles, int32_t* n_tiles, int bm2, int2* tiles2, int32_t* n_tiles2) {
+                                   int2* tiles, int32_t* n_tiles) {
   extern __shared__ int sh[];
-  __shared__ int warp_pairs[32], warp_tiles[32], warp_tiles2[32];
+  __shared__ int warp_pairs[32], warp_tiles[32];
   int* count = sh;
   int* start = sh + n_groups;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
@@ -364,46 +362,33 @@ __global__ void group_pairs_kernel(const ExpertPair* pairs, int n_pairs, int n_g
   // group order: warp scans, then a scan of the warps' totals).
   const int per = (n_groups + blockDim.x - 1) / blockDim.x;
   const int g0 = min(n_groups, static_cast<int>(threadIdx.x) * per), g1 = min(n_groups, g0 + per);
-  const bool second = tiles2 != nullptr;
-  int np = 0, nt = 0, nt2 = 0;
+  int np = 0, nt = 0;
   for (int g = g0; g < g1; ++g) {
     np += count[g];
     nt += (count[g] + bm - 1) / bm;
-    if (second) nt2 += (count[g] + bm2 - 1) / bm2;
   }
-  int ip = np, it = nt, it2 = nt2, unused = 0;
+  int ip = np, it = nt;
   warp_inclusive_scan2(ip, it);
-  if (second) warp_inclusive_scan2(it2, unused);
   if (lane == 31) {
     warp_pairs[warp] = ip;
     warp_tiles[warp] = it;
-    warp_tiles2[warp] = it2;
   }
   __syncthreads();
   if (warp == 0) {
     int vp = lane < n_warps ? warp_pairs[lane] : 0, vt = lane < n_warps ? warp_tiles[lane] : 0;
-    int vt2 = lane < n_warps ? warp_tiles2[lane] : 0;
     warp_inclusive_scan2(vp, vt);
-    if (second) warp_inclusive_scan2(vt2, unused);
     warp_pairs[lane] = vp;
     warp_tiles[lane] = vt;
-    warp_tiles2[lane] = vt2;
   }
   __syncthreads();
   int o = ip - np + (warp > 0 ? warp_pairs[warp - 1] : 0), ot = it - nt + (warp > 0 ? warp_tiles[warp - 1] : 0);
-  int ot2 = it2 - nt2 + (warp > 0 ? warp_tiles2[warp - 1] : 0);
   for (int g = g0; g < g1; ++g) {
     start[g] = o;
     for (int t = 0; t < count[g]; t += bm) tiles[ot++] = make_int2(o + t, min(bm, count[g] - t));
-    if (second)
-      for (int t = 0; t < count[g]; t += bm2) tiles2[ot2++] = make_int2(o + t, min(bm2, count[g] - t));
     o += count[g];
     count[g] = 0;
   }
-  if (threadIdx.x == blockDim.x - 1) {  // the last run ends at the totals
-    *n_tiles = ot;
-    if (second) *n_tiles2 = ot2;
-  }
+  if (threadIdx.x == blockDim.x - 1) *n_tiles = ot;  // the last run ends at the total
   __syncthreads();
   for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
     const int g = pairs[p].group;
@@ -446,9 +431,7 @@ void launch(const TcArgs& a, dim3 grid, cudaStream_t s) {
 
 }  // namespace
 
-int grouped_max_tiles(int n_pairs, int n_groups, int tile_rows) {
-  return static_cast<int>(ceil_div(n_pairs, tile_rows)) + n_groups;
-}
+int grouped_max_tiles(int n_pairs, int n_groups) { return static_cast<int>(ceil_div(n_pairs, kGroupRows)) + n_groups; }
 
 void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
   CK_REQUIRE(n_jobs >= 1 && n_jobs <= kMaxGemvJobs && rows >= 1, "invariant");
@@ -514,11 +497,10 @@ void split_k_finish(const SplitK& s, const GemvJob* jobs, int n_jobs, int splits
 }
 
 void group_pairs(const ExpertPair* pairs, int n_pairs, int n_groups, int32_t* order, int2* tiles, int32_t* n_tiles,
-                 cudaStream_t stream, int wide_rows, int2* wide_tiles, int32_t* n_wide) {
+                 cudaStream_t stream) {
   CK_REQUIRE(n_pairs >= 1 && n_groups >= 1 && n_groups <= 16384, "invariant");
-  CK_REQUIRE(!wide_tiles || (wide_rows >= 1 && n_wide), "group_pairs: wide tiles of %d rows", wide_rows);
   group_pairs_kernel<<<1, 1024, sizeof(int) * 2 * n_groups, stream>>>(pairs, n_pairs, n_groups, kGroupRows, order,
-                                                                        tiles, n_tiles, wide_rows, wide_tiles, n_wide);
+                                                                        tiles, n_tiles);
   CUDA_CHECK_LAUNCH();
 }
 

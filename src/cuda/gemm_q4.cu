@@ -653,28 +653,9 @@ void set_q4_wg_min_rows(int rows) {
 static int g_q4_wg_wide = -1;  // set_q4_wg_wide: -1, CK_Q4_WG_WIDE decides (on unless "0")
 void set_q4_wg_wide(int on) { g_q4_wg_wide = on < 0 ? -1 : (on ? 1 : 0); }
 
-bool expert_wg_gate_up_on() {
-  static const bool on = !env_is("CK_Q4_WG_EXPERTS", "0") && !env_is("CK_Q4_WGMMA", "0") &&
-                         device_attribute(cudaDevAttrComputeCapabilityMajor) == 9 &&
-                         device_attribute(cudaDevAttrComputeCapabilityMinor) == 0 && q4_wg_ready();
-  return on;
-}
-
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
-                       cudaStream_t stream, const int2* wide, const int32_t* n_wide, int max_wide) {
-  if (wide && expert_wg_gate_up_on()) {
-    CK_REQUIRE(hidden % 64 == 0 && x_rows >= 1 && n_wide && max_wide >= 1, "experts q4 (wgmma): K %d, rows %d", hidden,
-               x_rows);
-    const int groups = hidden / 64, parts = prefill_parts();
-    XFrag f = make_xfrag(x, ldx, x_rows, hidden, groups, parts, stream, 1);
-    Q4WgExpertArgs a;
-    a.pairs = pairs; a.order = order; a.tiles = wide; a.n_tiles = n_wide;
-    a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.h = h; a.ldh = ldh;
-    launch_q4_wg_gate_up(max_inter, static_cast<unsigned>(max_wide), a, parts, stream);
-    CUDA_CHECK(cudaFreeAsync(f.mem, stream));
-    return;
-  }
+                       cudaStream_t stream) {
   launch_experts_q4<kQ4GateUp>(pairs, order, tiles, n_tiles, max_tiles, max_inter, x, ldx, x_rows, hidden, h, ldh,
                                stream);
 }

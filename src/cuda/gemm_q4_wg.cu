@@ -398,190 +398,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
 #endif
 }
 
-// ---- The experts' gate/up product of a prefill chunk on the same MMAs
-//
-// Why: in a prefill chunk the experts' gate/up product is the largest piece on q4_tile_kernel
-// (mma.sync): 9.0 us of an 8k token's ~51 at chunks of 8,192 rows (thirty-fourth session). Here a
-// block takes one of group_pairs' wide tiles (up to kWgExpertRows = 64 pairs of one expert) and
-// kWgExpertFeatures = 64 intermediate features: warpgroup 0 their gate rows, warpgroup 1 their up rows,
-// each as one m64n64k16 tile, with q4_wg_dense_kernel's staging (cp.async, the tile's pairs'
-// activation rows gathered from q4_xfrag_kernel's row layout), unpacking, MMAs and group sums (the same
-// helpers, in the same order). Two blocks an SM (<= 128 registers): a first form with 128 features a
-// block (two m64 tiles a warpgroup, one block an SM) was slower than q4_tile_kernel (gate/up 11.5
-// against 9.0 us per 8k token), each warpgroup's unpack, MMAs, wait and sums in series with only one
-// other warpgroup to overlap them. At the end warpgroup 1 hands its up sums to warpgroup 0 through
-// shared memory (thread to thread: the two hold the same features and tokens), which stores
-// h = silu(gate) * up as q4_tile_kernel does. grid (ceil(max_inter / 64), max wide tiles).
-constexpr int kWgExpertFeatures = 64;
-struct WgExpertStage {
-  static constexpr int kBBytes = kWgExpertRows * 32;
-  alignas(128) uint8_t xb[4 * 3 * kBBytes];              // [step][part] (PARTS used): the B core matrices
-  alignas(16) uint2 codes[2 * kWgExpertFeatures][4];    // [unit][feature][lane t], or [tile][lane] pieces
-  alignas(16) uint32_t sb[4 * kWgExpertFeatures];       // unit u's scale words from word 128 u
-  float gsum[kWgExpertRows];
-};
-constexpr int wg_expert_smem() { return kWgStages * static_cast<int>(sizeof(WgExpertStage)); }
-
-template <int PARTS>
-__global__ void __launch_bounds__(kWgThreads, 2) q4_wg_gate_up_kernel(const __grid_constant__ Q4WgExpertArgs a) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
-  constexpr int TN = kWgExpertRows, NJ = TN / 8, ND = TN / 2, kStages = kWgStages, F = kWgExpertFeatures;
-  constexpr int kBBytes = WgExpertStage::kBBytes;
-  using Stage = WgExpertStage;
-  if (static_cast<int>(blockIdx.y) >= *a.n_tiles) return;  // uniform over the block
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int wg = warp >> 2, wq = warp & 3;  // warpgroup (0: gate, 1: up); warp within it (its 16 rows)
-  const int2 tile = a.tiles[blockIdx.y];
-  const ExpertPair& p0 = a.pairs[a.order[tile.x]];
-  const DMatrix um[2] = {p0.gate, p0.up};  // unit u's matrix
-  const DMatrix w0 = wg_pick(um, wg);  // this warpgroup's
-  const int f0 = static_cast<int>(blockIdx.x) * F;  // both units' first feature row
-  if (f0 >= um[0].rows) return;  // a routed expert narrower than the widest (block-uniform)
-  __shared__ int drow[TN];
-  __shared__ int srow[TN];
-  if (tid < TN) {
-    const int d = tid < tile.y ? a.order[tile.x + tid] : -1;
-    drow[tid] = d;
-    srow[tid] = d < 0 ? 0 : a.pairs[d].x_row;  // slots past the tile read row 0 (never stored)
-  }
-  __syncthreads();
-  const int K = w0.cols, gpg_shift = __ffs(w0.fmt.group / 64) - 1;
-  const int n_groups = K / 64;
-  const size_t row_bytes = static_cast<size_t>(K) / 2, n_sg = K / w0.fmt.group;
-  const StagedScales scales(w0.fmt.scale_kind);
-  int par0[2];  // rows g and g + 8 of this warp's slice: their scales' word parity
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int fr = min(f0 + 16 * wq + 8 * h + g, w0.rows - 1);
-    par0[h] = static_cast<int>((static_cast<int64_t>(fr) * n_sg) & 1);
-  }
-  extern __shared__ __align__(128) uint8_t wg_smem[];
-  Stage* stage = reinterpret_cast<Stage*>(wg_smem);
-  // Activation copy j: token r, step s, part p, k half j1 (q4_wg_dense_kernel's plan, rows gathered).
-  constexpr int kXCopies = PARTS * TN / 32;
-  uint32_t xf_src[kXCopies], xf_dst[kXCopies];
-#pragma unroll
-  for (int j = 0; j < kXCopies; ++j) {
-    const int i = tid + j * kWgThreads, j1 = i & 1, q = (i >> 1) % (4 * PARTS), r = (i >> 1) / (4 * PARTS);
-    const int s = q / PARTS, p = q % PARTS;
-    xf_src[j] = static_cast<uint32_t>(srow[r] * a.groups * kWgGroupU2 + (s * 3 + p) * 4 + j1 * 2);
-    xf_dst[j] = static_cast<uint32_t>(offsetof(Stage, xb) + (s * PARTS + p) * kBBytes + (r >> 3) * 256 + j1 * 128 +
-                                      (r & 7) * 16);
-  }
-  // Codes: 256 copies of 16 bytes, thread i's of unit i / 128. In 16-row tiles: tile i / 32 of the
-  // block (unit tl / 4's tile tl % 4), lane i % 32's piece; in rows: feature (i / 2) % 64, half i % 2.
-  // Scale words: tiled, threads 16 u .. 16 u + 15 copy unit u's 4 tiles' 64 bytes each; in rows,
-  // thread i the word (i % 2: bias) of unit i / 128's feature (i / 2) % 64.
-  const bool tiled = w0.tiled();
-  const int cu = tid >> 7;  // the unit of this thread's code and row-layout scale copies
-  const DMatrix cm = wg_pick(um, cu);
-  const size_t crow = static_cast<size_t>(min(f0 + ((tid >> 1) & (F - 1)), cm.rows - 1));
-  auto tile_base = [&](int tl) {  // tile tl of the block at group 0, clamped to its matrix
-    const DMatrix m = wg_pick(um, tl >> 2);
-    const int n_tiles = (m.rows + kTileRows - 1) / kTileRows;
-    return m.tile_group(min(f0 / kTileRows + (tl & 3), n_tiles - 1), 0);
-  };
-  const bool ctiled = cm.tiled();
-  const uint8_t* code_src = ctiled ? tile_base(tid >> 5) + 16 * (tid & 31) : cm.data + crow * row_bytes + (tid & 1) * 16;
-  const size_t code_step = ctiled ? kTileGroupBytes : 32;
-  const int cshift = __ffs(cm.fmt.group / 64) - 1;
-  const int ces = cm.fmt.scale_kind == static_cast<uint8_t>(WKind::F32) ? 4 : 2;
-  const uint8_t* sb_src = ctiled ? nullptr : ((tid & 1) ? cm.biases : cm.scales) + crow * (K / cm.fmt.group) * ces;
-  const int su = (tid >> 4) & 1;  // tiled scale copies: threads < 32, unit tid / 16
-  const bool sb_tile = tid < 32 && wg_pick(um, su).tiled();
-  const uint8_t* sb_tile_src = tile_base((tid >> 2) & 7) + 512 + 16 * (tid & 3);
-  const int sb_tile_dst = 128 * su + 4 * (tid & 15);
-  const int sb_row_dst = 128 * cu + (tid & 127);
-  const size_t gsum_src = static_cast<size_t>(srow[tid % TN]) * a.groups;
-  auto stage_group = [&](int G, Stage& st) {
-    uint8_t* base = reinterpret_cast<uint8_t*>(&st);
-#pragma unroll
-    for (int j = 0; j < kXCopies; ++j)
-      cp_async16(base + xf_dst[j], a.xf + xf_src[j] + static_cast<size_t>(G) * kWgGroupU2);
-    cp_async16(&st.codes[0][0] + 2 * tid, code_src + static_cast<size_t>(G) * code_step);
-    if (tid < TN) cp_async4(&st.gsum[tid], a.gsum + gsum_src + G);
-    if (sb_tile) cp_async16(&st.sb[sb_tile_dst], sb_tile_src + static_cast<size_t>(G) * kTileGroupBytes);
-    if (!ctiled) {
-      const uintptr_t at = reinterpret_cast<uintptr_t>(sb_src + static_cast<size_t>(G >> cshift) * ces);
-      cp_async4(&st.sb[sb_row_dst], reinterpret_cast<const void*>(at & ~uintptr_t{3}));
-    }
-  };
-
-  float acc[1][ND] = {};
-  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
-  stage_group(0, stage[0]);
-  cp_async_commit();
-  if (1 < n_groups) stage_group(1, stage[1]);
-  cp_async_commit();
-  float d[1][ND];
-  uint32_t af[4][1][4];
-  const int fl = F * wg + 16 * wq + g;  // this lane's row g in the block's [unit][feature] order
-  for (int G = 0; G < n_groups; ++G) {
-    cp_async_wait<1>();   // this thread's copies of group G are done
-    fence_proxy_async();  // ... and visible to the wgmmas (async proxy)
-    __syncthreads();      // everyone's are; and every warpgroup is done with group G - 1's buffer
-    if (G + 2 < n_groups) stage_group(G + 2, stage[(G + 2) % kStages]);
-    cp_async_commit();
-    const int sidx = G % kStages;
-    const Stage& st = stage[sidx];
-    if (tiled) {
-      const uint4 c = reinterpret_cast<const uint4*>(&st.codes[0][0])[(4 * wg + wq) * 32 + lane];
-      wg_a_frags(make_uint2(c.x, c.y), make_uint2(c.z, c.w), 0, af);
-    } else {
-      wg_a_frags(st.codes[fl][t], st.codes[fl + 8][t], 0, af);
-    }
-    wg_fence();
-    wg_issue<PARTS>(smem_base + static_cast<uint32_t>(sidx * sizeof(Stage) + offsetof(Stage, xb)), kBBytes, af, d);
-    wg_commit();
-    wg_wait<0>();
-    float2 sx[NJ];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) sx[j] = *reinterpret_cast<const float2*>(&st.gsum[8 * j + 2 * t]);
-    float s0, b0, s1, b1;
-    if (tiled) {  // [tile][g]: (scale, bias) of row g, then of row g + 8, bf16
-      tile_scales(*reinterpret_cast<const uint2*>(&st.sb[128 * wg + (wq * 8 + g) * 2]), s0, b0, s1, b1);
-    } else {
-      const int sp = (G >> gpg_shift) & 1;
-      const uint2 sb_g = *reinterpret_cast<const uint2*>(&st.sb[fl * 2]);
-      const uint2 sb_g8 = *reinterpret_cast<const uint2*>(&st.sb[(fl + 8) * 2]);
-      const uint32_t sel0 = scales.sel(par0[0] ^ sp), sel1 = scales.sel(par0[1] ^ sp);
-      s0 = scales.value(sb_g.x, sel0), b0 = scales.value(sb_g.y, sel0);
-      s1 = scales.value(sb_g8.x, sel1), b1 = scales.value(sb_g8.y, sel1);
-    }
-    wg_add_group(acc[0], d[0], s0, b0, s1, b1, sx);
-  }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-  __syncthreads();  // every warp is past its last stage: the stages' memory is free
-  // Warpgroup 1's up sums to warpgroup 0's thread of the same (warp, lane): value i at word 128 i + tw.
-  float* up = reinterpret_cast<float*>(wg_smem);
-  const int tw = tid & 127;
-  if (wg == 1) {
-#pragma unroll
-    for (int i = 0; i < ND; ++i) up[i * 128 + tw] = acc[0][i];
-  }
-  __syncthreads();
-  if (wg == 1) return;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int row = drow[8 * j + 2 * t + c];
-      if (row < 0) continue;
-      float* hr = a.h + static_cast<size_t>(row) * a.ldh;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int f = f0 + 16 * wq + 8 * h + g;
-        if (f >= w0.rows) continue;
-        const int i = 4 * j + 2 * h + c;
-        hr[f] = siluf_(acc[0][i]) * up[i * 128 + tw];
-      }
-    }
-#else
-  __trap();  // built for sm_90a only (CMakeLists.txt); q4_wg_ready() keeps other devices off this path
-#endif
-}
-
 // ---- The same product when every unit is in 16-row tiles, fed by bulk copies
 //
 // Why: Nsight Compute on q4_wg_dense_kernel (the DeltaNet in_proj at 2,048 rows, 2026-12-01 03:05Z:
@@ -734,7 +550,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
 
 // The kernel for (parts, tokens per block) and its dynamic shared memory.
 using WgKernel = void (*)(Q4WgArgs);
-using WgExpertKernel = void (*)(Q4WgExpertArgs);
 WgKernel wg_kernel(int parts, int tokens, int* smem) {
   if (tokens == 32) {
     *smem = wg_smem<32>();
@@ -766,12 +581,6 @@ bool q4_wg_ready() {
     for (const auto& [k, smem] : bulk)
       if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
           cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return false;
-      }
-    for (const WgExpertKernel k : {q4_wg_gate_up_kernel<2>, q4_wg_gate_up_kernel<3>})
-      if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
-          cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, wg_expert_smem()) != cudaSuccess) {
         (void)cudaGetLastError();
         return false;
       }
@@ -807,15 +616,6 @@ void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& 
   else if (tokens == 128) q4_wg_bulk_kernel<2, 128><<<grid, kWgThreads, smem, stream>>>(a);
   else if (parts == 3) q4_wg_bulk_kernel<3, 64><<<grid, kWgThreads, smem, stream>>>(a);
   else q4_wg_bulk_kernel<2, 64><<<grid, kWgThreads, smem, stream>>>(a);
-  CUDA_CHECK_LAUNCH();
-}
-
-void launch_q4_wg_gate_up(int max_inter, unsigned max_tiles, const Q4WgExpertArgs& a, int parts,
-                          cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((max_inter + kWgExpertFeatures - 1) / kWgExpertFeatures), max_tiles);
-  const int smem = wg_expert_smem();
-  if (parts == 3) q4_wg_gate_up_kernel<3><<<grid, kWgThreads, smem, stream>>>(a);
-  else q4_wg_gate_up_kernel<2><<<grid, kWgThreads, smem, stream>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -58,23 +58,6 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
 // included; a.gsum is not read).
 void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens,
                        cudaStream_t stream);
-// The experts' gate/up product of a prefill chunk (gemm_q4.cu's expert_gate_up_q4 hands it here on
-// Hopper): h[pair] = silu(gate · x[pair's row]) * (up · x[pair's row]) over group_pairs' wide tiles
-// (up to kWgExpertRows pairs of one expert each, ops.h), 64 intermediate features a block; grid
-// (ceil(max_inter / 64), max_tiles = the wide list's capacity).
-struct Q4WgExpertArgs {
-  const ExpertPair* pairs = nullptr;
-  const int32_t* order = nullptr;  // group_pairs' order
-  const int2* tiles = nullptr;     // its wide tiles: (first index into order, pairs), one expert each
-  const int32_t* n_tiles = nullptr;
-  const uint2* xf = nullptr;  // q4_xfrag_kernel's output for x's rows, its wgmma row layout
-  const float* gsum = nullptr;
-  int groups = 0;             // groups per x row in xf
-  float* h = nullptr;         // h[pair], ldh apart
-  int ldh = 0;
-};
-void launch_q4_wg_gate_up(int max_inter, unsigned max_tiles, const Q4WgExpertArgs& a, int parts,
-                          cudaStream_t stream);
 // One (tile of `rows` rows, group) block of the tile layout: (step s, part p) of B core matrices at
 // (s parts + p) q4_wg_b_bytes(rows) (the rows x 16 k values of bf16), then the rows' Σ x (floats).
 CK_HD constexpr int q4_wg_b_bytes(int rows) { return rows * 32; }

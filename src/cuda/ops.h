@@ -182,13 +182,10 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
 // each group into tiles of at most kGroupRows pairs; the grouped kernels then read each expert's
 // weights once per tile instead of once per pair. Tile count and list stay on the device (no sync);
 // launches are sized by grouped_max_tiles. Buffers: order (n_pairs), tiles (grouped_max_tiles).
-// wide_tiles (optional): the same order cut into tiles of at most wide_rows pairs as well, their count
-// in n_wide (expert_gate_up_q4's warpgroup kernel: kWgExpertRows; grouped_max_tiles(.., wide_rows)).
 constexpr int kGroupRows = 32;
-constexpr int kWgExpertRows = 64;
-int grouped_max_tiles(int n_pairs, int n_groups, int tile_rows = kGroupRows);
+int grouped_max_tiles(int n_pairs, int n_groups);
 void group_pairs(const ExpertPair* pairs, int n_pairs, int n_groups, int32_t* order, int2* tiles, int32_t* n_tiles,
-                 cudaStream_t stream, int wide_rows = 0, int2* wide_tiles = nullptr, int32_t* n_wide = nullptr);
+                 cudaStream_t stream);
 void expert_gate_up_grouped(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                             int max_tiles, int max_inter, const float* x, int ldx, float* h, int ldh,
                             cudaStream_t stream);
@@ -201,14 +198,9 @@ void expert_down_grouped(const ExpertPair* pairs, const int32_t* order, const in
 // set_prefill_parts), scale and bias per group after the product. gate/up reads x rows [0, x_rows)
 // of width hidden; down reads the n_pairs rows of h (width max_inter, a multiple of 64).
 bool expert_q4_ok(const DMatrix& m);
-// gate/up on Hopper (compute capability 9.0, q4_wg_ready; CK_Q4_WG_EXPERTS=0 keeps q4_tile_kernel) takes
-// the warpgroup kernel over the wide tiles when the caller has them (wide: group_pairs' wide_tiles of
-// kWgExpertRows rows, n_wide, max_wide their capacity); expert_wg_gate_up_on() says whether it would.
-bool expert_wg_gate_up_on();
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
-                       cudaStream_t stream, const int2* wide = nullptr, const int32_t* n_wide = nullptr,
-                       int max_wide = 0);
+                       cudaStream_t stream);
 void expert_down_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                     int max_tiles, int hidden, int max_inter, const float* h, int ldh, int n_pairs, float* y, int ldy,
                     cudaStream_t stream);

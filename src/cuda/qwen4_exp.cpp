@@ -383,9 +383,6 @@ struct Session::Buffers {
   int2* tiles = nullptr;
   int32_t* n_tiles = nullptr;
   int max_tiles = 0;
-  int2* wide_tiles = nullptr;  // the same order in tiles of kWgExpertRows (the warpgroup gate/up kernel)
-  int32_t* n_wide = nullptr;
-  int max_wide = 0;
   float *fy = nullptr, *logits = nullptr, *argmax_scratch = nullptr;
   // u's v4 fragments (row-path steps, H % 64 == 0), written by the mix that writes u; ufr describes
   // what u holds now (nothing after a prefill chunk's mix).
@@ -493,9 +490,6 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
   b.order = static_cast<int32_t*>(arena_.alloc(sizeof(int32_t) * n_pairs));
   b.tiles = static_cast<int2*>(arena_.alloc(sizeof(int2) * b.max_tiles));
   b.n_tiles = static_cast<int32_t*>(arena_.alloc(sizeof(int32_t)));
-  b.max_wide = grouped_max_tiles(n_pairs, c.num_experts + 1, kWgExpertRows);
-  b.wide_tiles = static_cast<int2*>(arena_.alloc(sizeof(int2) * b.max_wide));
-  b.n_wide = static_cast<int32_t*>(arena_.alloc(sizeof(int32_t)));
   b.fy = fbuf(R * b.ldH); b.logits = fbuf(static_cast<int64_t>(kLmRows) * b.ldV);
   b.argmax_scratch = fbuf(kLmRows * argmax_scratch_floats(c.vocab_size));
   b.argmax = static_cast<int32_t*>(arena_.alloc(sizeof(int32_t) * R));
@@ -841,18 +835,14 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     mark("moe route (top-k)");
     const int n_pairs = rows * (k + 1);
     if (rows > kMaxRows) {  // prefill chunk: each expert's weights once for all the rows that chose it
-      const bool wide = mo.q4 && expert_wg_gate_up_on();  // the warpgroup gate/up kernel's tiles too
-      group_pairs(b.pairs, n_pairs, c.num_experts + 1, b.order, b.tiles, b.n_tiles, stream_, kWgExpertRows,
-                  wide ? b.wide_tiles : nullptr, b.n_wide);
+      group_pairs(b.pairs, n_pairs, c.num_experts + 1, b.order, b.tiles, b.n_tiles, stream_);
       mark("moe group pairs");
       // The grids cover this chunk's most tiles, not the session's (blocks past the tile count return
       // at once, but a 512-row chunk in an 8,192-row session launched ~5x the blocks it needs).
-      const int n_used = std::min(n_pairs, c.num_experts + 1);
-      const int max_tiles = std::min(b.max_tiles, grouped_max_tiles(n_pairs, n_used));
-      const int max_wide = std::min(b.max_wide, grouped_max_tiles(n_pairs, n_used, kWgExpertRows));
+      const int max_tiles = std::min(b.max_tiles, grouped_max_tiles(n_pairs, std::min(n_pairs, c.num_experts + 1)));
       if (mo.q4) {
         expert_gate_up_q4(b.pairs, b.order, b.tiles, b.n_tiles, max_tiles, m_.max_inter_, b.u, b.ldH, rows, H, b.mh,
-                          b.ldMI, stream_, wide ? b.wide_tiles : nullptr, b.n_wide, max_wide);
+                          b.ldMI, stream_);
         mark("moe experts gate/up");  // (then "moe experts" is the down product)
         expert_down_q4(b.pairs, b.order, b.tiles, b.n_tiles, max_tiles, H, m_.max_inter_, b.mh, b.ldMI, n_pairs,
                        b.my, b.ldH, stream_);

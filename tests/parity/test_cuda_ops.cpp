@@ -888,13 +888,10 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
 // cores, against the CPU per pair. Experts of several formats and two intermediate sizes; one expert
 // chosen by more than kGroupRows pairs (several tiles), one by none.
 // `q4`: every form is 4-bit codes in groups of 64k, and the factored tensor-core kernels
-// (expert_*_q4) run instead of gemm.cu's; with `wide`, gate/up gets group_pairs' wide tiles (the
-// warpgroup kernel on Hopper; q4_tile_kernel elsewhere). `layout`: the experts' (Tiles16 where a form
-// fits tiles). `rows`: 40, or 72 so that expert 0 (every row) takes two wide tiles.
-void check_grouped_experts(const WeightForm (&forms)[7], bool q4, uint64_t seed, bool wide = false,
-                           WLayout layout = WLayout::Rows, int rows = 40) {
+// (expert_*_q4) run instead of gemm.cu's.
+void check_grouped_experts(const WeightForm (&forms)[7], bool q4, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  const int H = 256, I = 128, SI = 192, E = 6, k = 3;
+  const int H = 256, I = 128, SI = 192, E = 6, rows = 40, k = 3;
   DeviceArena arena;
   DenseUploader up(&arena);
   struct Ex { HostMatrix g, u, d; DMatrix dg, du, dd; };
@@ -903,7 +900,7 @@ void check_grouped_experts(const WeightForm (&forms)[7], bool q4, uint64_t seed,
     const int inter = e == E ? SI : I;
     Ex x{make_matrix(inter, H, forms[e], rng), make_matrix(inter, H, forms[e], rng), make_matrix(H, inter, forms[e], rng),
          {}, {}, {}};
-    auto g = up.matrix(x.g.m, layout), u = up.matrix(x.u.m, layout), d = up.matrix(x.d.m, layout);
+    auto g = up.matrix(x.g.m), u = up.matrix(x.u.m), d = up.matrix(x.d.m);
     ASSERT_TRUE(g.ok() && u.ok() && d.ok());
     x.dg = *g; x.du = *u; x.dd = *d;
     ex.push_back(std::move(x));
@@ -911,7 +908,7 @@ void check_grouped_experts(const WeightForm (&forms)[7], bool q4, uint64_t seed,
   std::vector<ExpertPair> pairs;
   for (int r = 0; r < rows; ++r)
     for (int t = 0; t <= k; ++t) {
-      // Expert 0 for every row (40 or 72 pairs: two or three tiles), expert 5 never, the rest at random.
+      // Expert 0 for every row (40 pairs: two tiles), expert 5 never, the rest at random.
       const int e = t == k ? E : t == 0 ? 0 : 1 + static_cast<int>(rng() % 4);
       ExpertPair p;
       p.gate = ex[e].dg; p.up = ex[e].du; p.down = ex[e].dd;
@@ -927,27 +924,12 @@ void check_grouped_experts(const WeightForm (&forms)[7], bool q4, uint64_t seed,
   DeviceBuffer<ExpertPair> pd;
   DeviceBuffer<int32_t> order(n_pairs), n_tiles(1);
   DeviceBuffer<int2> tiles(max_tiles);
-  const int max_wide = grouped_max_tiles(n_pairs, E + 1, kWgExpertRows);
-  DeviceBuffer<int2> wide_tiles(max_wide);
-  DeviceBuffer<int32_t> n_wide(1);
   to_device(pairs, &pd);
-  group_pairs(pd.get(), n_pairs, E + 1, order.get(), tiles.get(), n_tiles.get(), nullptr, kWgExpertRows,
-              wide ? wide_tiles.get() : nullptr, n_wide.get());
-  if (wide) {  // the wide list: consecutive runs of one expert's pairs, at most kWgExpertRows each
-    const std::vector<int2> wt = to_host(wide_tiles.get(), max_wide);
-    const std::vector<int32_t> nw = to_host(n_wide.get(), 1), ord = to_host(order.get(), n_pairs);
-    int covered = 0;
-    for (int i = 0; i < nw[0]; ++i) {
-      ASSERT_TRUE(wt[i].y >= 1 && wt[i].y <= kWgExpertRows) << "wide tile " << i;
-      for (int j = 1; j < wt[i].y; ++j) ASSERT_EQ(pairs[ord[wt[i].x + j]].group, pairs[ord[wt[i].x]].group);
-      covered += wt[i].y;
-    }
-    ASSERT_EQ(covered, n_pairs);
-  }
+  group_pairs(pd.get(), n_pairs, E + 1, order.get(), tiles.get(), n_tiles.get(), nullptr);
   if (q4) {
     for (const Ex& e : ex) ASSERT_TRUE(expert_q4_ok(e.dg) && expert_q4_ok(e.du) && expert_q4_ok(e.dd));
     expert_gate_up_q4(pd.get(), order.get(), tiles.get(), n_tiles.get(), max_tiles, SI, to_device(x, &xd), H, rows, H,
-                      hd.get(), ldh, nullptr, wide ? wide_tiles.get() : nullptr, n_wide.get(), max_wide);
+                      hd.get(), ldh, nullptr);
     expert_down_q4(pd.get(), order.get(), tiles.get(), n_tiles.get(), max_tiles, H, SI, hd.get(), ldh, n_pairs,
                    yd.get(), ldy, nullptr);
   } else {
@@ -994,25 +976,6 @@ TEST(CudaOps, GroupedExpertsQ4MatchCpu) {
     set_prefill_parts(parts);
     check_grouped_experts(forms, true, 4243);
   }
-  set_prefill_parts(-1);
-}
-
-// The same with group_pairs' wide tiles for gate/up: on Hopper the warpgroup kernel
-// (q4_wg_gate_up_kernel), experts in rows and in 16-row tiles, expert 0 in two wide tiles.
-TEST(CudaOps, GroupedExpertsQ4WideTilesMatchCpu) {
-  REQUIRE_GPU();
-  std::printf("  warpgroup gate/up kernel: %s\n", expert_wg_gate_up_on() ? "on" : "off (q4_tile_kernel)");
-  const WeightForm forms[7] = {WeightForm{DType::U32, 4, 64, DType::BF16},  WeightForm{DType::U32, 4, 128, DType::BF16},
-                               WeightForm{DType::U32, 4, 64, DType::F16},   WeightForm{DType::U32, 4, 64, DType::F32},
-                               WeightForm{DType::U32, 4, 128, DType::F16},  WeightForm{DType::U32, 4, 64, DType::BF16},
-                               WeightForm{DType::U32, 4, 64, DType::BF16}};
-  for (WLayout layout : {WLayout::Rows, WLayout::Tiles16})
-    for (int parts : {2, 3}) {
-      SCOPED_TRACE(std::string(layout == WLayout::Tiles16 ? "tiles16" : "rows") + ", bf16 parts " +
-                   std::to_string(parts));
-      set_prefill_parts(parts);
-      check_grouped_experts(forms, true, 4244, true, layout, 72);
-    }
   set_prefill_parts(-1);
 }
 
