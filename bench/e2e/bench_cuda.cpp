@@ -230,8 +230,7 @@ int main(int argc, char** argv) {
     }
   }
   if (a.synth_layers < 1 || a.decode_steps < 0 || a.decode_rows[0] < 1 || a.decode_rows[0] > cuda::kMaxRows ||
-      a.decode_context < 1 || (a.prefill_chunk != 0 && a.prefill_chunk <= cuda::kMaxRows) || a.prefill_chunk > cuda::kMaxChunkRows ||
-      a.prefill_chunk < 0) {
+      a.decode_context < 1 || (a.prefill_chunk != 0 && (a.prefill_chunk <= cuda::kMaxRows || a.prefill_chunk > cuda::kMaxChunkRows))) {
     std::fprintf(stderr, "bench_cuda: --synth-layers wants a number >= 1, --decode-steps >= 0, --decode-rows 1-%d, "
                          "--decode-context >= 1, --prefill-chunk 0 or %d-%d\n",
                  cuda::kMaxRows, cuda::kMaxRows + 1, cuda::kMaxChunkRows);
@@ -307,10 +306,9 @@ int main(int argc, char** argv) {
   };
   cuda::StepResult res;
   // Every session's chunk rows (its per-row buffers), decode's too: a session serves both.
-  const int chunk = a.prefill_chunk > 0 ? a.prefill_chunk : m->default_chunk_rows();
+  const int chunk = m->chunk_rows_for(a.prefill_chunk);
   emit(out, "session  chunks of %d rows (every session's per-row buffers: %.2f GB)%s\n", chunk,
-       cuda::Session::buffer_bytes(c, std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size), 4096, chunk) / 1e9,
-       a.prefill_chunk > 0 ? " (--prefill-chunk)" : " (the model's default)");
+       m->session_bytes(4096, chunk) / 1e9, a.prefill_chunk > 0 ? " (--prefill-chunk)" : " (the model's default)");
 
   // ---- decode, 1 and 4 rows per step, after a prompt of decode_context tokens (--decode-steps 0: none)
   if (a.decode_steps == 0) emit(out, "decode   not timed (--decode-steps 0)\n");

@@ -431,7 +431,11 @@ void launch(const TcArgs& a, dim3 grid, cudaStream_t s) {
 
 }  // namespace
 
-int grouped_max_tiles(int n_pairs, int n_groups) { return static_cast<int>(ceil_div(n_pairs, kGroupRows)) + n_groups; }
+// A group's tiles are ceil(count / kGroupRows) <= count / kGroupRows + 1 when it has pairs, none when it
+// has none, and at most min(n_groups, n_pairs) groups have pairs.
+int grouped_max_tiles(int n_pairs, int n_groups) {
+  return static_cast<int>(ceil_div(n_pairs, kGroupRows)) + std::min(n_groups, n_pairs);
+}
 
 void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
   CK_REQUIRE(n_jobs >= 1 && n_jobs <= kMaxGemvJobs && rows >= 1, "invariant");

@@ -251,13 +251,13 @@ Status Model::init() {
   // Record layer num_hidden_layers is the MTP's (format/weights.h ExpertSource); its table entries
   // follow the trunk's, at table + num_hidden_layers * num_experts.
   const int record_layers = static_cast<int>(w_.layers.size()) + (mtp_ ? 1 : 0);
-  const uint64_t session_bytes = Session::buffer_bytes(c, max_inter_, 4096, kChunkRows);
-  TRY(upload_experts(*experts_src_, record_layers, c.num_experts, c.moe_intermediate_size, c.hidden_size, session_bytes,
-                     &pool_, expert_tiles_));
+  const uint64_t default_session_bytes = session_bytes(4096, kChunkRows);
+  TRY(upload_experts(*experts_src_, record_layers, c.num_experts, c.moe_intermediate_size, c.hidden_size,
+                     default_session_bytes, &pool_, expert_tiles_));
   size_t free_bytes = 0, total_bytes = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   for (int rows = kMaxChunkRows; rows > kChunkRows; rows /= 2)
-    if (Session::buffer_bytes(c, max_inter_, 4096, rows) <= free_bytes / 4) {
+    if (session_bytes(4096, rows) <= free_bytes / 4) {
       default_chunk_rows_ = rows;
       break;
     }
@@ -282,9 +282,17 @@ Status Model::init() {
   return {};
 }
 
+int Model::chunk_rows_for(int chunk_rows) const {
+  return std::clamp(chunk_rows > 0 ? chunk_rows : default_chunk_rows_, kMaxRows, kMaxChunkRows);
+}
+
+uint64_t Model::session_bytes(int64_t max_ctx, int chunk_rows) const {
+  return Session::buffer_bytes(cfg(), max_inter_, max_ctx, chunk_rows_for(chunk_rows));
+}
+
 Status Model::chunk_fits(int64_t max_ctx, int chunk_rows) const {
-  const int rows = std::clamp(chunk_rows > 0 ? chunk_rows : default_chunk_rows_, kMaxRows, kMaxChunkRows);
-  const uint64_t need = Session::buffer_bytes(cfg(), max_inter_, max_ctx, rows);
+  const int rows = chunk_rows_for(chunk_rows);
+  const uint64_t need = session_bytes(max_ctx, rows);
   size_t free_bytes = 0, total_bytes = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   if (need > free_bytes)
@@ -294,7 +302,7 @@ Status Model::chunk_fits(int64_t max_ctx, int chunk_rows) const {
 }
 
 std::unique_ptr<Session> Model::new_session(int64_t max_ctx, int chunk_rows) const {
-  return std::make_unique<Session>(*this, max_ctx, chunk_rows > 0 ? chunk_rows : default_chunk_rows_);
+  return std::make_unique<Session>(*this, max_ctx, chunk_rows_for(chunk_rows));
 }
 
 double Model::active_bytes_per_token() const {
@@ -837,9 +845,10 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     if (rows > kMaxRows) {  // prefill chunk: each expert's weights once for all the rows that chose it
       group_pairs(b.pairs, n_pairs, c.num_experts + 1, b.order, b.tiles, b.n_tiles, stream_);
       mark("moe group pairs");
-      // The grids cover this chunk's most tiles, not the session's (blocks past the tile count return
-      // at once, but a 512-row chunk in an 8,192-row session launched ~5x the blocks it needs).
-      const int max_tiles = std::min(b.max_tiles, grouped_max_tiles(n_pairs, std::min(n_pairs, c.num_experts + 1)));
+      // The grids cover this chunk's most tiles, not the session's b.max_tiles (blocks past the tile
+      // count return at once, but a 512-row chunk in an 8,192-row session launched ~5x the blocks it
+      // needs).
+      const int max_tiles = grouped_max_tiles(n_pairs, c.num_experts + 1);
       if (mo.q4) {
         expert_gate_up_q4(b.pairs, b.order, b.tiles, b.n_tiles, max_tiles, m_.max_inter_, b.u, b.ldH, rows, H, b.mh,
                           b.ldMI, stream_);

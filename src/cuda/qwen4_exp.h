@@ -120,6 +120,10 @@ class Model {
   // names the chunk, the bytes and what is free, for a front end to report before new_session, whose
   // allocations would otherwise abort).
   Status chunk_fits(int64_t max_ctx, int chunk_rows) const;
+  // A session's chunk rows for a caller's chunk_rows (0: default_chunk_rows()), clamped as the
+  // session clamps them; and the GPU memory of its per-row buffers (Session::buffer_bytes).
+  int chunk_rows_for(int chunk_rows) const;
+  uint64_t session_bytes(int64_t max_ctx, int chunk_rows) const;
 
   // Sizes, for the banner and the benchmark ceilings.
   size_t dense_bytes() const { return dense_bytes_; }
