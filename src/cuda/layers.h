@@ -167,6 +167,7 @@ struct AttnArgs {
   int nh = 0, nkv = 0, hd = 0, inh = 0, ihd = 0, cr = 0, block_topk = 0;
   float eps = 1e-6f;
   int prefetch_kv = 0;  // set by attention(): 1 unless CK_ATTN_KV_PREFETCH=0 (attn_prefetch_kv)
+  int skip_dense = 0;   // set by attention(): the rows selecting every key went to the dense-rows kernel
 };
 void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
 // Most tokens one query attends to: (block_topk + 1) * cr - 1.
@@ -174,6 +175,10 @@ int64_t attention_max_selected(int block_topk, int cr);
 // Decode attention over the selected keys split across blocks, keys per split (tests, comparisons):
 // 0 turns the split off, -1 goes back to CK_ATTN_SPLIT (default 256).
 void set_attn_split_keys(int keys);
+// Prefill rows that select every key (no more complete blocks than block_topk) in blocks of several
+// rows with an online softmax (1, the default), or one block per row like the others (0); -1 goes
+// back to CK_ATTN_DENSE.
+void set_attn_dense(int on);
 
 // PLE (spec §5.5) after the key/value projections and the two grouped norms:
 // G (rows, W) = sigmoid(ssqrt(<kn_s, qn_s> / sqrt(H))) · val for each stream s.

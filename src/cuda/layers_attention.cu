@@ -192,6 +192,9 @@ __global__ void __launch_bounds__(256) attn_select_kernel(const AttnArgs a, cons
 
 // Most tokens one query attends to (attention_max_selected): the selected blocks and the last, incomplete one.
 __host__ __device__ inline int attn_cap(const AttnArgs& a) { return (a.block_topk + 1) * a.cr - 1; }
+// A query with n keys selects every one of them (0..n-1, in order) when its context has no more
+// complete blocks than block_topk (attn_select_kernel selects them all).
+__host__ __device__ inline bool attn_row_dense(const AttnArgs& a, int64_t n) { return n / a.cr <= a.block_topk; }
 
 // The token ids row r attends to, compacted in ascending order into idx (block-wide; returns how
 // many): every token of a selected block, and the tokens of the incomplete last block. Thread i takes
@@ -658,6 +661,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   const int kv = blockIdx.x, r = blockIdx.y, hpg = a.nh / a.nkv, h0 = kv * hpg;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t n = sp->pos + r + 1;
+  if (a.skip_dense && attn_row_dense(a, n)) return;  // uniform: attn_dense_rows_tc_kernel's row
   const int cap16 = attn_cap16(a), steps = a.hd / 16;
   int* idx = reinterpret_cast<int*>(smem);
   float* p = smem + cap16;                                 // [head][cap16]
@@ -776,10 +780,226 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   }
 }
 
+
+// ---- Prefill attention of the dense rows on the tensor cores (CK_ATTN_DENSE=0: attn_heads_tc_kernel)
+//
+// A row whose context has no more complete blocks than block_topk selects every key 0..n-1 (dense
+// causal attention): all of a 2k prompt's rows, the first 2,051 of an 8k prompt at the released
+// geometry. attn_heads_tc_kernel reads each of their K and V rows once per (row, KV head), with 12 of
+// an MMA's 16 rows busy, and spent ~5.4 us of a 2k prefill token on that (thirty-fourth session's
+// profile). Here a block takes R = 64 / hpg consecutive rows of one KV head (5 at 12 heads per group:
+// 60 MMA rows; M-row i is row i / hpg, head i % hpg), walks their keys in 64-key tiles with an
+// online softmax (flash attention) and reads each K and V row once for all R rows. Products are
+// attn_heads_tc_kernel's: two bf16 parts per operand, three MMAs, fp32 accumulators. Keys past a
+// row's n weigh exactly 0 and tiles past it rescale by exactly 1, so a row's bits do not depend on
+// which rows share its block or its chunk. The final division by the weights' sum comes after P V
+// (attn_heads_tc_kernel divides each weight first): fp32 rounding apart, within the parity tests'
+// tolerances (DenseAttentionRowsMatchThePerRowKernel).
+// grid (nkv, ceil(rows / R)), block 256, dynamic shared memory attn_dense_smem. The per-row kernel
+// skips these rows (AttnArgs::skip_dense).
+constexpr int kAttnDenseRowsM = 64;  // MMA rows of a block: R * hpg <= 64
+constexpr int kAttnDenseKeys = 64;   // keys of a tile: 8 warps x the MMA's 8
+constexpr int kAttnDenseLds = kAttnDenseKeys + 4;  // floats per row of the score/weight tile
+
+__host__ __device__ inline int attn_dense_rows_per_block(const AttnArgs& a) { return kAttnDenseRowsM / (a.nh / a.nkv); }
+__host__ __device__ inline int attn_dense_mtiles(const AttnArgs& a) {
+  return (attn_dense_rows_per_block(a) * (a.nh / a.nkv) + 15) / 16;
+}
+// The query fragments of every m16 tile and step, then the score/weight tile.
+__host__ __device__ inline size_t attn_dense_smem(const AttnArgs& a) {
+  return sizeof(uint4) * 2 * 32 * (a.hd / 16) * attn_dense_mtiles(a) + sizeof(float) * kAttnDenseRowsM * kAttnDenseLds;
+}
+
+__global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kernel(const AttnArgs a,
+                                                                                   const StepParams* sp, int rows) {
+  pdl_begin();
+  extern __shared__ __align__(16) float smem[];
+  __shared__ float alpha[kAttnDenseRowsM], lsum[kAttnDenseRowsM];
+  const int kv = blockIdx.x, hpg = a.nh / a.nkv, h0 = kv * hpg, R = attn_dense_rows_per_block(a);
+  const int r0 = blockIdx.y * R, MT = attn_dense_mtiles(a);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t n0 = sp->pos + r0 + 1;  // row r0's keys; row r0 + rr has n0 + rr
+  // Dense rows are a prefix of the chunk (n grows with the row): this block's are its first nr.
+  int nr = 0;
+  while (nr < R && r0 + nr < rows && attn_row_dense(a, n0 + nr)) ++nr;
+  if (nr == 0) return;  // uniform
+  const int64_t n_max = n0 + nr - 1;
+  const int mrows = nr * hpg, steps = a.hd / 16, ntiles = a.hd / 8;
+  const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
+  uint4* qf = reinterpret_cast<uint4*>(smem);  // [mt][step][part][lane]
+  float* sp_tile = smem + 4 * 2 * 32 * steps * MT;  // [M-row][kAttnDenseLds]: scores, then weights
+
+  // Q's A fragments of each m16 tile (attn_heads_tc_kernel's layout); M-rows past the block's rows are
+  // zeros.
+  for (int e = threadIdx.x; e < MT * steps * 32; e += blockDim.x) {
+    const int mt = e / (steps * 32), s = (e >> 5) % steps, l = e & 31, lg = l >> 2, lt = l & 3;
+    uint2 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = 16 * mt + lg + 8 * (i & 1), d = 16 * s + 2 * lt + 8 * (i >> 1);
+      float2 v = make_float2(0.0f, 0.0f);
+      if (row < mrows) {
+        const int rr = row / hpg, head = row % hpg;
+        v = *reinterpret_cast<const float2*>(a.q + static_cast<size_t>(r0 + rr) * a.ldq +
+                                             static_cast<size_t>(h0 + head) * a.hd + d);
+      }
+      w[i] = split_bf16x2(v.x, v.y);
+    }
+    qf[((mt * steps + s) * 2) * 32 + l] = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x);
+    qf[((mt * steps + s) * 2 + 1) * 32 + l] = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
+  }
+  __syncthreads();
+
+  const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
+  const float* kg = a.k_cache + static_cast<size_t>(kv) * a.hd + 2 * t;
+  const float* vg = a.v_cache + static_cast<size_t>(kv) * a.hd + g;
+  float o[4][4][4] = {};  // [m-tile][dimension tile 4 warp + nn][C fragment]
+  float mrun[kAttnDenseRowsM / kAttnTcWarps], lrun[kAttnDenseRowsM / kAttnTcWarps];
+#pragma unroll
+  for (int k = 0; k < kAttnDenseRowsM / kAttnTcWarps; ++k) { mrun[k] = -INFINITY; lrun[k] = 0.0f; }
+
+  for (int64_t j0 = 0; j0 < n_max; j0 += kAttnDenseKeys) {
+    // Scores of keys j0 + 8 warp + (0..7): lane (g, t) loads key g's dimensions 2t, 2t+1, 2t+8, 2t+9
+    // of every step (keys past n_max read key n_max - 1: a valid row, weighed 0 below).
+    if (j0 + 8 * warp < n_max) {
+      const int64_t key = min(j0 + 8 * warp + g, n_max - 1);
+      const float* kr = kg + static_cast<size_t>(key) * kvw;
+      float2 kx[kAttnTcMaxSteps][2];
+#pragma unroll
+      for (int s = 0; s < kAttnTcMaxSteps; ++s)
+        if (s < steps) {
+          kx[s][0] = *reinterpret_cast<const float2*>(kr + 16 * s);
+          kx[s][1] = *reinterpret_cast<const float2*>(kr + 16 * s + 8);
+        }
+      float d[4][4] = {};
+#pragma unroll
+      for (int s = 0; s < kAttnTcMaxSteps; ++s)
+        if (s < steps) {
+          const uint2 b0 = split_bf16x2(kx[s][0].x, kx[s][0].y), b1 = split_bf16x2(kx[s][1].x, kx[s][1].y);
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt)
+            if (mt < MT)
+              mma_split(d[mt], qf[((mt * steps + s) * 2) * 32 + lane], qf[((mt * steps + s) * 2 + 1) * 32 + lane], b0,
+                        b1);
+        }
+      // d[mt] 0, 1: M-row 16 mt + g, keys 8 warp + 2t, + 1; 2, 3: M-row 16 mt + g + 8.
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+        if (mt < MT)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            float* srow = sp_tile + (16 * mt + g + 8 * hh) * kAttnDenseLds + 8 * warp + 2 * t;
+            *reinterpret_cast<float2*>(srow) = make_float2(d[mt][2 * hh] * scale, d[mt][2 * hh + 1] * scale);
+          }
+    }
+    __syncthreads();
+    // Online softmax: warp w owns M-rows w, w + 8, ...; lane takes keys lane and lane + 32 of the tile.
+#pragma unroll
+    for (int k = 0; k < kAttnDenseRowsM / kAttnTcWarps; ++k) {
+      const int row = warp + kAttnTcWarps * k;
+      if (row >= 16 * MT) break;  // uniform
+      const int64_t keys = row < mrows ? n0 + row / hpg - j0 : 0;  // keys of this row in the tile
+      float* srow = sp_tile + row * kAttnDenseLds;
+      const bool v0 = lane < keys, v1 = lane + 32 < keys;
+      const float s0 = srow[lane], s1 = srow[lane + 32];
+      const float mx = warp_max(fmaxf(v0 ? s0 : -INFINITY, v1 ? s1 : -INFINITY));
+      const float mnew = fmaxf(mrun[k], mx);
+      const float f = mnew == -INFINITY ? 1.0f : expf(mrun[k] - mnew);
+      const float p0 = v0 ? expf(s0 - mnew) : 0.0f, p1 = v1 ? expf(s1 - mnew) : 0.0f;
+      lrun[k] = lrun[k] * f + warp_sum(p0 + p1);
+      mrun[k] = mnew;
+      srow[lane] = p0;
+      srow[lane + 32] = p1;
+      if (lane == 0) alpha[row] = f;
+    }
+    __syncthreads();
+    // O = alpha O + P V: warp w takes 8-dimension tiles 4w .. 4w+3; per 16-key step, A = the weights of
+    // M-rows (g, g+8) for keys 2t, 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3) of each m16 tile, B = those
+    // keys' values at dimension g of each tile.
+    if (4 * warp < ntiles) {
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+        if (mt < MT) {
+          const float f0 = alpha[16 * mt + g], f1 = alpha[16 * mt + g + 8];
+#pragma unroll
+          for (int nn = 0; nn < 4; ++nn) {
+            o[mt][nn][0] *= f0; o[mt][nn][1] *= f0;
+            o[mt][nn][2] *= f1; o[mt][nn][3] *= f1;
+          }
+        }
+#pragma unroll
+      for (int u = 0; u < kAttnDenseKeys / 16; ++u) {
+        const int jb = 16 * u;
+        if (j0 + jb >= n_max) break;  // uniform: weights of 0 from here
+        const int64_t last = n_max - 1;
+        const int64_t key[4] = {min(j0 + jb + 2 * t, last), min(j0 + jb + 2 * t + 1, last),
+                                min(j0 + jb + 2 * t + 8, last), min(j0 + jb + 2 * t + 9, last)};
+        float v[4][4];  // [tile][key 2t, 2t+1, 2t+8, 2t+9]
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            v[nn][c] = 4 * warp + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (4 * warp + nn) * 8] : 0.0f;
+        uint2 vb[4][2];
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn) {
+          vb[nn][0] = split_bf16x2(v[nn][0], v[nn][1]);
+          vb[nn][1] = split_bf16x2(v[nn][2], v[nn][3]);
+        }
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+          if (mt < MT) {
+            uint2 w[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float2 pw = *reinterpret_cast<const float2*>(sp_tile + (16 * mt + g + 8 * (i & 1)) * kAttnDenseLds +
+                                                                 jb + 2 * t + 8 * (i >> 1));
+              w[i] = split_bf16x2(pw.x, pw.y);
+            }
+            const uint4 ah = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x);
+            const uint4 al = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
+#pragma unroll
+            for (int nn = 0; nn < 4; ++nn) mma_split(o[mt][nn], ah, al, vb[nn][0], vb[nn][1]);
+          }
+      }
+    }
+    __syncthreads();  // the tile's weights are read before the next scores overwrite them
+  }
+
+  // out = O / l * sigmoid(gate): the row sums through shared memory to the warps holding O.
+#pragma unroll
+  for (int k = 0; k < kAttnDenseRowsM / kAttnTcWarps; ++k) {
+    const int row = warp + kAttnTcWarps * k;
+    if (row < kAttnDenseRowsM && lane == 0) lsum[row] = lrun[k];
+  }
+  __syncthreads();
+  if (4 * warp >= ntiles) return;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+    if (mt < MT)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = 16 * mt + g + 8 * hh;
+        if (row >= mrows) continue;
+        const int rr = row / hpg, head = row % hpg;
+        const float l = lsum[row];
+        const float* gate = a.qg + static_cast<size_t>(r0 + rr) * a.ldqg + static_cast<size_t>(h0 + head) * 2 * a.hd + a.hd;
+        float* out = a.out + static_cast<size_t>(r0 + rr) * a.ldo + static_cast<size_t>(h0 + head) * a.hd;
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn) {
+          if (4 * warp + nn >= ntiles) break;
+          const int dim = 8 * (4 * warp + nn) + 2 * t;
+          out[dim] = (o[mt][nn][2 * hh] / l) * sigmoidf_(gate[dim]);
+          out[dim + 1] = (o[mt][nn][2 * hh + 1] / l) * sigmoidf_(gate[dim + 1]);
+        }
+      }
+}
+
 }  // namespace
 
 void init_attention_kernels() {
   CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
@@ -808,6 +1028,16 @@ int attn_decode_splits(int cap) {
 
 void set_attn_split_keys(int keys) { g_attn_split_keys = keys; }
 
+namespace {
+int g_attn_dense = -1;  // -1: CK_ATTN_DENSE decides (on unless "0")
+bool attn_dense_on() {
+  if (g_attn_dense < 0) g_attn_dense = env_is("CK_ATTN_DENSE", "0") ? 0 : 1;
+  return g_attn_dense == 1;
+}
+}  // namespace
+
+void set_attn_dense(int on) { g_attn_dense = on; }
+
 void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_t stream) {
   static const bool prefetch_kv = !env_is("CK_ATTN_KV_PREFETCH", "0");
   AttnArgs a = args;
@@ -830,6 +1060,15 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
   static const bool tc_on = !env_is("CK_ATTN_TC", "0");
   if (tc_on && rows > kMaxRows && a.hd % 16 == 0 && a.hd <= 16 * kAttnTcMaxSteps && hpg <= 16 &&
       attn_tc_smem(a) <= kAttnMaxSmem) {
+    // The rows that select every key first, in blocks of several rows (a block past them returns at
+    // once: the launch does not know the position, which the step reads on the device).
+    if (attn_dense_on() && attn_dense_smem(a) <= kAttnMaxSmem) {
+      a.skip_dense = 1;
+      const int per = attn_dense_rows_per_block(a);
+      launch(attn_dense_rows_tc_kernel, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(ceil_div(rows, per))),
+             kAttnTcWarps * 32, attn_dense_smem(a), stream, a, sp, rows);
+      CUDA_CHECK_LAUNCH();
+    }
     launch(attn_heads_tc_kernel, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32,
            attn_tc_smem(a), stream, a, sp);
     CUDA_CHECK_LAUNCH();

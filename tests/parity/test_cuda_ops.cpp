@@ -1854,6 +1854,59 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
   }
 }
 
+// Prefill rows that select every key go to attn_dense_rows_tc_kernel (R = 64 / hpg rows of one KV head
+// per block, online softmax over 64-key tiles): against one block per row (set_attn_dense(0)) and the
+// CPU. A budget of 160 keys, so the dense rows span three tiles; chunks of 48 rows (one chunk holds
+// dense and selecting rows, the later ones none of the first kind) and one chunk of all 240 rows;
+// 3, 12 and 16 query heads per KV head (21, 5 and 4 rows per block), head dims 32 and 64.
+TEST(CudaOps, DenseAttentionRowsMatchThePerRowKernel) {
+  REQUIRE_GPU();
+  const std::vector<Geometry> all = geometries();
+  std::vector<Geometry> gs = {all[0], all[0], all[0], all[1]};
+  gs[1].name += ", 24 heads over 2 KV heads";
+  gs[1].cfg.num_attention_heads = 24;
+  gs[1].cfg.num_key_value_heads = 2;
+  gs[2].name += ", 16 heads over 1 KV head";
+  gs[2].cfg.num_attention_heads = 16;
+  for (Geometry& g : gs) g.cfg.indexer_budget = 160;
+  const int T = 240;
+  for (const Geometry& g : gs) {
+    SCOPED_TRACE(g.name);
+    const int cr = g.cfg.indexer_compress_ratio, topk = g.cfg.indexer_budget / cr;
+    ASSERT_GT((topk + 1) * cr - 1, 128) << "the dense rows must span more than two 64-key tiles";
+    ASSERT_LT((topk + 1) * cr - 1, T) << "the prompt must go past the dense rows";
+    auto rm = make_random_model(g.cfg, g.opt);
+    ck::cpu::Model cm(rm->weights, rm->experts);
+    auto dm = Model::create(rm->weights, rm->experts);
+    ASSERT_TRUE(dm.ok()) << dm.status().message();
+    const std::vector<int32_t> tokens = random_tokens(T, g.cfg.vocab_size, g.cfg.ple_eos(), 19);
+    std::map<std::string, std::vector<float>> ref;
+    std::vector<float> ref_logits;
+    cpu_taps(cm, tokens, &ref, &ref_logits);
+    for (int chunk : {48, T}) {
+      std::vector<float> logits[2];
+      for (int dense : {0, 1}) {
+        set_attn_dense(dense);
+        auto s = (*dm)->new_session(256);
+        s->set_prefill_chunk(chunk);
+        StepResult res;
+        ASSERT_TRUE(s->step_rows(tokens, false, true, &res).ok());
+        ASSERT_EQ(res.logits.size(), ref_logits.size());
+        logits[dense] = res.logits;
+      }
+      const double cpu_dense = rel_l2(logits[1].data(), ref_logits.data(), ref_logits.size());
+      const double cpu_rows = rel_l2(logits[0].data(), ref_logits.data(), ref_logits.size());
+      const double dense_rows = rel_l2(logits[1].data(), logits[0].data(), ref_logits.size());
+      std::printf("  %s, chunks of %d: logits rel_l2 dense-rows kernel %.3e, per-row kernel %.3e (vs CPU), "
+                  "between them %.3e\n", g.name.c_str(), chunk, cpu_dense, cpu_rows, dense_rows);
+      EXPECT_LE(cpu_dense, 1e-4);
+      EXPECT_LE(cpu_rows, 1e-4);
+      EXPECT_LE(dense_rows, 2e-5);  // the same products, another order of the softmax's divisions
+    }
+  }
+  set_attn_dense(-1);
+}
+
 // Attention over a context of more compressed blocks than a block has threads (attn_gather_selected
 // gives each thread a run of blocks): 880 tokens of prefill chunks, then one-row decode steps, every
 // row's logits against the CPU; decode attention in one block per head, then split over blocks of 4
