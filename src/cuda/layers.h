@@ -176,9 +176,9 @@ int64_t attention_max_selected(int block_topk, int cr);
 // 0 turns the split off, -1 goes back to CK_ATTN_SPLIT (default 256).
 void set_attn_split_keys(int keys);
 // Prefill rows that select every key (no more complete blocks than block_topk) in blocks of several
-// rows with an online softmax (1, the default), or one block per row like the others (0); -1 goes
-// back to CK_ATTN_DENSE.
-void set_attn_dense(int on);
+// rows with an online softmax, 64 (the default) or 32 MMA rows a block, or one block per row like the
+// others (0); -1 goes back to CK_ATTN_DENSE.
+void set_attn_dense(int mma_rows);
 
 // PLE (spec §5.5) after the key/value projections and the two grouped norms:
 // G (rows, W) = sigmoid(ssqrt(<kn_s, qn_s> / sqrt(H))) · val for each stream s.

@@ -796,27 +796,32 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
 // (attn_heads_tc_kernel divides each weight first): fp32 rounding apart, within the parity tests'
 // tolerances (DenseAttentionRowsMatchThePerRowKernel).
 // grid (nkv, ceil(rows / R)), block 256, dynamic shared memory attn_dense_smem. The per-row kernel
-// skips these rows (AttnArgs::skip_dense).
-constexpr int kAttnDenseRowsM = 64;  // MMA rows of a block: R * hpg <= 64
+// skips these rows (AttnArgs::skip_dense). MAXM = 32 (CK_ATTN_DENSE=32) halves R: twice the blocks,
+// two an SM, the same bits.
+// MMA rows of a block (R * hpg <= MAXM): 64 (one block an SM, 217 registers) or 32 (CK_ATTN_DENSE=32:
+// two blocks an SM, more blocks with fewer rows each).
 constexpr int kAttnDenseKeys = 64;   // keys of a tile: 8 warps x the MMA's 8
 constexpr int kAttnDenseLds = kAttnDenseKeys + 4;  // floats per row of the score/weight tile
 
-__host__ __device__ inline int attn_dense_rows_per_block(const AttnArgs& a) { return kAttnDenseRowsM / (a.nh / a.nkv); }
-__host__ __device__ inline int attn_dense_mtiles(const AttnArgs& a) {
-  return (attn_dense_rows_per_block(a) * (a.nh / a.nkv) + 15) / 16;
+__host__ __device__ inline int attn_dense_rows_per_block(const AttnArgs& a, int maxm) { return maxm / (a.nh / a.nkv); }
+__host__ __device__ inline int attn_dense_mtiles(const AttnArgs& a, int maxm) {
+  return (attn_dense_rows_per_block(a, maxm) * (a.nh / a.nkv) + 15) / 16;
 }
 // The query fragments of every m16 tile and step, then the score/weight tile.
-__host__ __device__ inline size_t attn_dense_smem(const AttnArgs& a) {
-  return sizeof(uint4) * 2 * 32 * (a.hd / 16) * attn_dense_mtiles(a) + sizeof(float) * kAttnDenseRowsM * kAttnDenseLds;
+__host__ __device__ inline size_t attn_dense_smem(const AttnArgs& a, int maxm) {
+  return sizeof(uint4) * 2 * 32 * (a.hd / 16) * attn_dense_mtiles(a, maxm) + sizeof(float) * maxm * kAttnDenseLds;
 }
 
-__global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kernel(const AttnArgs a,
-                                                                                   const StepParams* sp, int rows) {
+template <int MAXM>
+__global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_tc_kernel(const AttnArgs a,
+                                                                                          const StepParams* sp,
+                                                                                          int rows) {
+  constexpr int MAXMT = MAXM / 16, ROWS_PER_WARP = MAXM / kAttnTcWarps;
   pdl_begin();
   extern __shared__ __align__(16) float smem[];
-  __shared__ float alpha[kAttnDenseRowsM], lsum[kAttnDenseRowsM];
-  const int kv = blockIdx.x, hpg = a.nh / a.nkv, h0 = kv * hpg, R = attn_dense_rows_per_block(a);
-  const int r0 = blockIdx.y * R, MT = attn_dense_mtiles(a);
+  __shared__ float alpha[MAXM], lsum[MAXM];
+  const int kv = blockIdx.x, hpg = a.nh / a.nkv, h0 = kv * hpg, R = attn_dense_rows_per_block(a, MAXM);
+  const int r0 = blockIdx.y * R, MT = attn_dense_mtiles(a, MAXM);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t n0 = sp->pos + r0 + 1;  // row r0's keys; row r0 + rr has n0 + rr
   // Dense rows are a prefix of the chunk (n grows with the row): this block's are its first nr.
@@ -853,10 +858,10 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
   const float* kg = a.k_cache + static_cast<size_t>(kv) * a.hd + 2 * t;
   const float* vg = a.v_cache + static_cast<size_t>(kv) * a.hd + g;
-  float o[4][4][4] = {};  // [m-tile][dimension tile 4 warp + nn][C fragment]
-  float mrun[kAttnDenseRowsM / kAttnTcWarps], lrun[kAttnDenseRowsM / kAttnTcWarps];
+  float o[MAXMT][4][4] = {};  // [m-tile][dimension tile 4 warp + nn][C fragment]
+  float mrun[ROWS_PER_WARP], lrun[ROWS_PER_WARP];
 #pragma unroll
-  for (int k = 0; k < kAttnDenseRowsM / kAttnTcWarps; ++k) { mrun[k] = -INFINITY; lrun[k] = 0.0f; }
+  for (int k = 0; k < ROWS_PER_WARP; ++k) { mrun[k] = -INFINITY; lrun[k] = 0.0f; }
 
   for (int64_t j0 = 0; j0 < n_max; j0 += kAttnDenseKeys) {
     // Scores of keys j0 + 8 warp + (0..7): lane (g, t) loads key g's dimensions 2t, 2t+1, 2t+8, 2t+9
@@ -871,20 +876,20 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
           kx[s][0] = *reinterpret_cast<const float2*>(kr + 16 * s);
           kx[s][1] = *reinterpret_cast<const float2*>(kr + 16 * s + 8);
         }
-      float d[4][4] = {};
+      float d[MAXMT][4] = {};
 #pragma unroll
       for (int s = 0; s < kAttnTcMaxSteps; ++s)
         if (s < steps) {
           const uint2 b0 = split_bf16x2(kx[s][0].x, kx[s][0].y), b1 = split_bf16x2(kx[s][1].x, kx[s][1].y);
 #pragma unroll
-          for (int mt = 0; mt < 4; ++mt)
+          for (int mt = 0; mt < MAXMT; ++mt)
             if (mt < MT)
               mma_split(d[mt], qf[((mt * steps + s) * 2) * 32 + lane], qf[((mt * steps + s) * 2 + 1) * 32 + lane], b0,
                         b1);
         }
       // d[mt] 0, 1: M-row 16 mt + g, keys 8 warp + 2t, + 1; 2, 3: M-row 16 mt + g + 8.
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
+      for (int mt = 0; mt < MAXMT; ++mt)
         if (mt < MT)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
@@ -895,7 +900,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
     __syncthreads();
     // Online softmax: warp w owns M-rows w, w + 8, ...; lane takes keys lane and lane + 32 of the tile.
 #pragma unroll
-    for (int k = 0; k < kAttnDenseRowsM / kAttnTcWarps; ++k) {
+    for (int k = 0; k < ROWS_PER_WARP; ++k) {
       const int row = warp + kAttnTcWarps * k;
       if (row >= 16 * MT) break;  // uniform
       const int64_t keys = row < mrows ? n0 + row / hpg - j0 : 0;  // keys of this row in the tile
@@ -918,7 +923,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
     // keys' values at dimension g of each tile.
     if (4 * warp < ntiles) {
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
+      for (int mt = 0; mt < MAXMT; ++mt)
         if (mt < MT) {
           const float f0 = alpha[16 * mt + g], f1 = alpha[16 * mt + g + 8];
 #pragma unroll
@@ -947,7 +952,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
           vb[nn][1] = split_bf16x2(v[nn][2], v[nn][3]);
         }
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt)
+        for (int mt = 0; mt < MAXMT; ++mt)
           if (mt < MT) {
             uint2 w[4];
 #pragma unroll
@@ -968,14 +973,14 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
 
   // out = O / l * sigmoid(gate): the row sums through shared memory to the warps holding O.
 #pragma unroll
-  for (int k = 0; k < kAttnDenseRowsM / kAttnTcWarps; ++k) {
+  for (int k = 0; k < ROWS_PER_WARP; ++k) {
     const int row = warp + kAttnTcWarps * k;
-    if (row < kAttnDenseRowsM && lane == 0) lsum[row] = lrun[k];
+    if (row < MAXM && lane == 0) lsum[row] = lrun[k];
   }
   __syncthreads();
   if (4 * warp >= ntiles) return;
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
+  for (int mt = 0; mt < MAXMT; ++mt)
     if (mt < MT)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -999,7 +1004,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
 
 void init_attention_kernels() {
   CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
@@ -1029,14 +1035,17 @@ int attn_decode_splits(int cap) {
 void set_attn_split_keys(int keys) { g_attn_split_keys = keys; }
 
 namespace {
-int g_attn_dense = -1;  // -1: CK_ATTN_DENSE decides (on unless "0")
-bool attn_dense_on() {
-  if (g_attn_dense < 0) g_attn_dense = env_is("CK_ATTN_DENSE", "0") ? 0 : 1;
-  return g_attn_dense == 1;
+int g_attn_dense = -1;  // -1: CK_ATTN_DENSE decides: 0, 32 or 64 (the default) MMA rows a block
+int attn_dense_rows() {
+  if (g_attn_dense < 0) {
+    const char* e = std::getenv("CK_ATTN_DENSE");
+    g_attn_dense = e && std::atoi(e) == 0 ? 0 : e && std::atoi(e) == 32 ? 32 : 64;
+  }
+  return g_attn_dense;
 }
 }  // namespace
 
-void set_attn_dense(int on) { g_attn_dense = on; }
+void set_attn_dense(int mma_rows) { g_attn_dense = mma_rows < 0 ? -1 : mma_rows == 0 ? 0 : mma_rows == 32 ? 32 : 64; }
 
 void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_t stream) {
   static const bool prefetch_kv = !env_is("CK_ATTN_KV_PREFETCH", "0");
@@ -1062,11 +1071,13 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
       attn_tc_smem(a) <= kAttnMaxSmem) {
     // The rows that select every key first, in blocks of several rows (a block past them returns at
     // once: the launch does not know the position, which the step reads on the device).
-    if (attn_dense_on() && attn_dense_smem(a) <= kAttnMaxSmem) {
+    const int maxm = attn_dense_rows();
+    if (maxm > 0 && attn_dense_smem(a, maxm) <= kAttnMaxSmem && attn_dense_rows_per_block(a, maxm) >= 1) {
       a.skip_dense = 1;
-      const int per = attn_dense_rows_per_block(a);
-      launch(attn_dense_rows_tc_kernel, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(ceil_div(rows, per))),
-             kAttnTcWarps * 32, attn_dense_smem(a), stream, a, sp, rows);
+      const dim3 grid(static_cast<unsigned>(a.nkv),
+                      static_cast<unsigned>(ceil_div(rows, attn_dense_rows_per_block(a, maxm))));
+      if (maxm == 32) launch(attn_dense_rows_tc_kernel<32>, grid, kAttnTcWarps * 32, attn_dense_smem(a, 32), stream, a, sp, rows);
+      else launch(attn_dense_rows_tc_kernel<64>, grid, kAttnTcWarps * 32, attn_dense_smem(a, 64), stream, a, sp, rows);
       CUDA_CHECK_LAUNCH();
     }
     launch(attn_heads_tc_kernel, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32,

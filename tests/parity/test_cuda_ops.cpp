@@ -1856,7 +1856,7 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
 
 // Prefill rows that select every key go to attn_dense_rows_tc_kernel (R = 64 / hpg rows of one KV head
 // per block, online softmax over 64-key tiles): against one block per row (set_attn_dense(0)) and the
-// CPU. A budget of 160 keys, so the dense rows span three tiles; chunks of 48 rows (one chunk holds
+// CPU, and 32 MMA rows a block against 64 bit for bit. A budget of 160 keys, so the dense rows span three tiles; chunks of 48 rows (one chunk holds
 // dense and selecting rows, the later ones none of the first kind) and one chunk of all 240 rows;
 // 3, 12 and 16 query heads per KV head (21, 5 and 4 rows per block), head dims 32 and 64.
 TEST(CudaOps, DenseAttentionRowsMatchThePerRowKernel) {
@@ -1884,9 +1884,9 @@ TEST(CudaOps, DenseAttentionRowsMatchThePerRowKernel) {
     std::vector<float> ref_logits;
     cpu_taps(cm, tokens, &ref, &ref_logits);
     for (int chunk : {48, T}) {
-      std::vector<float> logits[2];
-      for (int dense : {0, 1}) {
-        set_attn_dense(dense);
+      std::vector<float> logits[3];
+      for (int dense : {0, 1, 2}) {
+        set_attn_dense(dense == 0 ? 0 : dense == 1 ? 64 : 32);
         auto s = (*dm)->new_session(256);
         s->set_prefill_chunk(chunk);
         StepResult res;
@@ -1902,6 +1902,8 @@ TEST(CudaOps, DenseAttentionRowsMatchThePerRowKernel) {
       EXPECT_LE(cpu_dense, 1e-4);
       EXPECT_LE(cpu_rows, 1e-4);
       EXPECT_LE(dense_rows, 2e-5);  // the same products, another order of the softmax's divisions
+      // 32 MMA rows a block: other rows share a block, the same bits (a row's do not depend on them).
+      EXPECT_EQ(logits[2], logits[1]);
     }
   }
   set_attn_dense(-1);
