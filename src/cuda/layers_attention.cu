@@ -794,32 +794,26 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
 // row's n weigh exactly 0 and tiles past it rescale by exactly 1, so a row's bits do not depend on
 // which rows share its block or its chunk. The final division by the weights' sum comes after P V
 // (attn_heads_tc_kernel divides each weight first): fp32 rounding apart, within the parity tests'
-// tolerances (DenseAttentionRowsMatchThePerRowKernel). K and V tiles go through shared memory by
-// asynchronous copies, K one tile ahead: with one block of 8 warps an SM (226 registers, 212 KB),
-// nothing else hides a load's trip to L2.
+// tolerances (DenseAttentionRowsMatchThePerRowKernel).
 // grid (nkv, ceil(rows / R)), block 256, dynamic shared memory attn_dense_smem. The per-row kernel
-// skips these rows (AttnArgs::skip_dense). MAXM, the MMA rows of a block (R * hpg <= MAXM): 64, or 32
-// (CK_ATTN_DENSE=32: twice the blocks with half the rows, slower; the test checks it gives 64's bits).
+// skips these rows (AttnArgs::skip_dense). MAXM = 32 (CK_ATTN_DENSE=32) halves R: twice the blocks,
+// two an SM, the same bits.
+// MMA rows of a block (R * hpg <= MAXM): 64 (one block an SM, 217 registers) or 32 (CK_ATTN_DENSE=32:
+// two blocks an SM, more blocks with fewer rows each).
 constexpr int kAttnDenseKeys = 64;   // keys of a tile: 8 warps x the MMA's 8
 constexpr int kAttnDenseLds = kAttnDenseKeys + 4;  // floats per row of the score/weight tile
-// Floats per key of the staged K and V tiles: the padding keeps the fragment reads free of bank
-// conflicts (K: float2 at key g, dimension 2t; V: float at key 2t + c, dimension g).
-__host__ __device__ inline int attn_dense_ldk(const AttnArgs& a) { return a.hd + 8; }
-__host__ __device__ inline int attn_dense_ldv(const AttnArgs& a) { return a.hd + 4; }
-constexpr int kAttnDenseMaxSmem = 227 * 1024;  // the kernel's own limit: Hopper's 227 KB a block
 
 __host__ __device__ inline int attn_dense_rows_per_block(const AttnArgs& a, int maxm) { return maxm / (a.nh / a.nkv); }
 __host__ __device__ inline int attn_dense_mtiles(const AttnArgs& a, int maxm) {
   return (attn_dense_rows_per_block(a, maxm) * (a.nh / a.nkv) + 15) / 16;
 }
-// The query fragments of every m16 tile and step, the score/weight tile, the K and V tiles.
+// The query fragments of every m16 tile and step, then the score/weight tile.
 __host__ __device__ inline size_t attn_dense_smem(const AttnArgs& a, int maxm) {
-  return sizeof(uint4) * 2 * 32 * (a.hd / 16) * attn_dense_mtiles(a, maxm) + sizeof(float) * maxm * kAttnDenseLds +
-         sizeof(float) * kAttnDenseKeys * (attn_dense_ldk(a) + attn_dense_ldv(a));
+  return sizeof(uint4) * 2 * 32 * (a.hd / 16) * attn_dense_mtiles(a, maxm) + sizeof(float) * maxm * kAttnDenseLds;
 }
 
 template <int MAXM>
-__global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kernel(const AttnArgs a,
+__global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_tc_kernel(const AttnArgs a,
                                                                                           const StepParams* sp,
                                                                                           int rows) {
   constexpr int MAXMT = MAXM / 16, ROWS_PER_WARP = MAXM / kAttnTcWarps;
@@ -839,22 +833,6 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
   const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
   uint4* qf = reinterpret_cast<uint4*>(smem);  // [mt][step][part][lane]
   float* sp_tile = smem + 4 * 2 * 32 * steps * MT;  // [M-row][kAttnDenseLds]: scores, then weights
-  const int ldk = attn_dense_ldk(a), ldv = attn_dense_ldv(a);
-  float* ks = sp_tile + MAXM * kAttnDenseLds;  // [key][ldk]: the tile's K rows
-  float* vs = ks + kAttnDenseKeys * ldk;       // [key][ldv]: its V rows
-  // Keys j0 .. j0 + 63 of K or V into shared memory (keys past n_max copy key n_max - 1: a valid row,
-  // weighed 0), 16 bytes a copy, asynchronous: K one tile ahead (during the softmax and P V of the
-  // tile before), V during its own tile's scores and softmax.
-  const int chunks = a.hd / 4;
-  auto stage = [&](const float* cache, float* dst, int ld, int64_t j0) {
-    for (int e = threadIdx.x; e < kAttnDenseKeys * chunks; e += blockDim.x) {
-      const int key = e / chunks, c = e % chunks;
-      const int64_t j = min(j0 + key, n_max - 1);
-      cp_async16(dst + key * ld + 4 * c, cache + static_cast<size_t>(j) * kvw + static_cast<size_t>(kv) * a.hd + 4 * c);
-    }
-  };
-  stage(a.k_cache, ks, ldk, 0);
-  cp_async_commit();
 
   // Q's A fragments of each m16 tile (attn_heads_tc_kernel's layout); M-rows past the block's rows are
   // zeros.
@@ -875,22 +853,22 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
     qf[((mt * steps + s) * 2) * 32 + l] = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x);
     qf[((mt * steps + s) * 2 + 1) * 32 + l] = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
   }
-  cp_async_wait<0>();
   __syncthreads();
 
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
+  const float* kg = a.k_cache + static_cast<size_t>(kv) * a.hd + 2 * t;
+  const float* vg = a.v_cache + static_cast<size_t>(kv) * a.hd + g;
   float o[MAXMT][4][4] = {};  // [m-tile][dimension tile 4 warp + nn][C fragment]
   float mrun[ROWS_PER_WARP], lrun[ROWS_PER_WARP];
 #pragma unroll
   for (int k = 0; k < ROWS_PER_WARP; ++k) { mrun[k] = -INFINITY; lrun[k] = 0.0f; }
 
   for (int64_t j0 = 0; j0 < n_max; j0 += kAttnDenseKeys) {
-    stage(a.v_cache, vs, ldv, j0);
-    cp_async_commit();
-    // Scores of keys j0 + 8 warp + (0..7): lane (g, t) reads key g's dimensions 2t, 2t+1, 2t+8, 2t+9
-    // of every step from the staged K tile.
+    // Scores of keys j0 + 8 warp + (0..7): lane (g, t) loads key g's dimensions 2t, 2t+1, 2t+8, 2t+9
+    // of every step (keys past n_max read key n_max - 1: a valid row, weighed 0 below).
     if (j0 + 8 * warp < n_max) {
-      const float* kr = ks + (8 * warp + g) * ldk + 2 * t;
+      const int64_t key = min(j0 + 8 * warp + g, n_max - 1);
+      const float* kr = kg + static_cast<size_t>(key) * kvw;
       float2 kx[kAttnTcMaxSteps][2];
 #pragma unroll
       for (int s = 0; s < kAttnTcMaxSteps; ++s)
@@ -919,9 +897,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
             *reinterpret_cast<float2*>(srow) = make_float2(d[mt][2 * hh] * scale, d[mt][2 * hh + 1] * scale);
           }
     }
-    __syncthreads();  // the scores are complete and the K tile is read: the next one may come
-    if (j0 + kAttnDenseKeys < n_max) stage(a.k_cache, ks, ldk, j0 + kAttnDenseKeys);
-    cp_async_commit();  // (an empty group on the last tile keeps the count of the wait below)
+    __syncthreads();
     // Online softmax: warp w owns M-rows w, w + 8, ...; lane takes keys lane and lane + 32 of the tile.
 #pragma unroll
     for (int k = 0; k < ROWS_PER_WARP; ++k) {
@@ -941,7 +917,6 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
       srow[lane + 32] = p1;
       if (lane == 0) alpha[row] = f;
     }
-    cp_async_wait<1>();  // this tile's V rows (the next K tile may still be on its way)
     __syncthreads();
     // O = alpha O + P V: warp w takes 8-dimension tiles 4w .. 4w+3; per 16-key step, A = the weights of
     // M-rows (g, g+8) for keys 2t, 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3) of each m16 tile, B = those
@@ -961,17 +936,15 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
       for (int u = 0; u < kAttnDenseKeys / 16; ++u) {
         const int jb = 16 * u;
         if (j0 + jb >= n_max) break;  // uniform: weights of 0 from here
-        const float* vr = vs + (jb + 2 * t) * ldv + g;
+        const int64_t last = n_max - 1;
+        const int64_t key[4] = {min(j0 + jb + 2 * t, last), min(j0 + jb + 2 * t + 1, last),
+                                min(j0 + jb + 2 * t + 8, last), min(j0 + jb + 2 * t + 9, last)};
         float v[4][4];  // [tile][key 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
-        for (int nn = 0; nn < 4; ++nn) {
-          const int d = (4 * warp + nn) * 8;
-          const bool in = 4 * warp + nn < ntiles;
-          v[nn][0] = in ? vr[d] : 0.0f;
-          v[nn][1] = in ? vr[ldv + d] : 0.0f;
-          v[nn][2] = in ? vr[8 * ldv + d] : 0.0f;
-          v[nn][3] = in ? vr[9 * ldv + d] : 0.0f;
-        }
+        for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            v[nn][c] = 4 * warp + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (4 * warp + nn) * 8] : 0.0f;
         uint2 vb[4][2];
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn) {
@@ -995,8 +968,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
           }
       }
     }
-    cp_async_wait<0>();  // the next K tile
-    __syncthreads();     // the weights and the V tile are read before the next tile overwrites them
+    __syncthreads();  // the tile's weights are read before the next scores overwrite them
   }
 
   // out = O / l * sigmoid(gate): the row sums through shared memory to the warps holding O.
@@ -1032,10 +1004,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 1) attn_dense_rows_tc_kerne
 
 void init_attention_kernels() {
   CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  kAttnDenseMaxSmem));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  kAttnDenseMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
@@ -1102,7 +1072,7 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
     // The rows that select every key first, in blocks of several rows (a block past them returns at
     // once: the launch does not know the position, which the step reads on the device).
     const int maxm = attn_dense_rows();
-    if (maxm > 0 && attn_dense_smem(a, maxm) <= kAttnDenseMaxSmem && attn_dense_rows_per_block(a, maxm) >= 1) {
+    if (maxm > 0 && attn_dense_smem(a, maxm) <= kAttnMaxSmem && attn_dense_rows_per_block(a, maxm) >= 1) {
       a.skip_dense = 1;
       const dim3 grid(static_cast<unsigned>(a.nkv),
                       static_cast<unsigned>(ceil_div(rows, attn_dense_rows_per_block(a, maxm))));
