@@ -645,6 +645,17 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint4& ah, const 
   mma_bf16(d, ah.x, ah.y, ah.z, ah.w, b0.x, b1.x);
 }
 
+// Lane (g, t)'s K operands of one key row kr (already offset by 2t): dimensions 2t, 2t+1 and 2t+8,
+// 2t+9 of every 16-dimension step, all loads issued together.
+__device__ __forceinline__ void attn_load_key_steps(const float* kr, int steps, float2 (&kx)[kAttnTcMaxSteps][2]) {
+#pragma unroll
+  for (int s = 0; s < kAttnTcMaxSteps; ++s)
+    if (s < steps) {
+      kx[s][0] = *reinterpret_cast<const float2*>(kr + 16 * s);
+      kx[s][1] = *reinterpret_cast<const float2*>(kr + 16 * s + 8);
+    }
+}
+
 // Selectable keys rounded up to 16 (the 16-key steps of P V).
 __host__ __device__ inline int attn_cap16(const AttnArgs& a) { return (attn_cap(a) + 15) & ~15; }
 // Dynamic shared memory: the selected ids, the weights of hpg heads, the query fragments.
@@ -694,14 +705,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
   const float* kg = a.k_cache + static_cast<size_t>(kv) * a.hd + 2 * t;
   for (int kt = warp; kt * 8 < m; kt += kAttnTcWarps) {
-    const float* kr = kg + static_cast<size_t>(idx[kt * 8 + g]) * kvw;
     float2 kx[kAttnTcMaxSteps][2];
-#pragma unroll
-    for (int s = 0; s < kAttnTcMaxSteps; ++s)
-      if (s < steps) {
-        kx[s][0] = *reinterpret_cast<const float2*>(kr + 16 * s);
-        kx[s][1] = *reinterpret_cast<const float2*>(kr + 16 * s + 8);
-      }
+    attn_load_key_steps(kg + static_cast<size_t>(idx[kt * 8 + g]) * kvw, steps, kx);
     float d[4] = {};
 #pragma unroll
     for (int s = 0; s < kAttnTcMaxSteps; ++s)
@@ -780,7 +785,6 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   }
 }
 
-
 // ---- Prefill attention of the dense rows on the tensor cores (CK_ATTN_DENSE=0: attn_heads_tc_kernel)
 //
 // A row whose context has no more complete blocks than block_topk selects every key 0..n-1 (dense
@@ -796,10 +800,9 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
 // (attn_heads_tc_kernel divides each weight first): fp32 rounding apart, within the parity tests'
 // tolerances (DenseAttentionRowsMatchThePerRowKernel).
 // grid (nkv, ceil(rows / R)), block 256, dynamic shared memory attn_dense_smem. The per-row kernel
-// skips these rows (AttnArgs::skip_dense). MAXM = 32 (CK_ATTN_DENSE=32) halves R: twice the blocks,
-// two an SM, the same bits.
-// MMA rows of a block (R * hpg <= MAXM): 64 (one block an SM, 217 registers) or 32 (CK_ATTN_DENSE=32:
-// two blocks an SM, more blocks with fewer rows each).
+// skips these rows (AttnArgs::skip_dense). MAXM, the MMA rows of a block (R * hpg <= MAXM): 64 (one
+// block an SM, 217 registers), or 32 (CK_ATTN_DENSE=32: twice the blocks, two an SM, 2-3% slower;
+// the test checks it gives 64's bits).
 constexpr int kAttnDenseKeys = 64;   // keys of a tile: 8 warps x the MMA's 8
 constexpr int kAttnDenseLds = kAttnDenseKeys + 4;  // floats per row of the score/weight tile
 
@@ -868,14 +871,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
     // of every step (keys past n_max read key n_max - 1: a valid row, weighed 0 below).
     if (j0 + 8 * warp < n_max) {
       const int64_t key = min(j0 + 8 * warp + g, n_max - 1);
-      const float* kr = kg + static_cast<size_t>(key) * kvw;
       float2 kx[kAttnTcMaxSteps][2];
-#pragma unroll
-      for (int s = 0; s < kAttnTcMaxSteps; ++s)
-        if (s < steps) {
-          kx[s][0] = *reinterpret_cast<const float2*>(kr + 16 * s);
-          kx[s][1] = *reinterpret_cast<const float2*>(kr + 16 * s + 8);
-        }
+      attn_load_key_steps(kg + static_cast<size_t>(key) * kvw, steps, kx);
       float d[MAXMT][4] = {};
 #pragma unroll
       for (int s = 0; s < kAttnTcMaxSteps; ++s)
@@ -1036,16 +1033,17 @@ void set_attn_split_keys(int keys) { g_attn_split_keys = keys; }
 
 namespace {
 int g_attn_dense = -1;  // -1: CK_ATTN_DENSE decides: 0, 32 or 64 (the default) MMA rows a block
+int attn_dense_choice(int mma_rows) { return mma_rows == 0 ? 0 : mma_rows == 32 ? 32 : 64; }
 int attn_dense_rows() {
   if (g_attn_dense < 0) {
     const char* e = std::getenv("CK_ATTN_DENSE");
-    g_attn_dense = e && std::atoi(e) == 0 ? 0 : e && std::atoi(e) == 32 ? 32 : 64;
+    g_attn_dense = e ? attn_dense_choice(std::atoi(e)) : 64;
   }
   return g_attn_dense;
 }
 }  // namespace
 
-void set_attn_dense(int mma_rows) { g_attn_dense = mma_rows < 0 ? -1 : mma_rows == 0 ? 0 : mma_rows == 32 ? 32 : 64; }
+void set_attn_dense(int mma_rows) { g_attn_dense = mma_rows < 0 ? -1 : attn_dense_choice(mma_rows); }
 
 void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_t stream) {
   static const bool prefetch_kv = !env_is("CK_ATTN_KV_PREFETCH", "0");
@@ -1071,13 +1069,14 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
       attn_tc_smem(a) <= kAttnMaxSmem) {
     // The rows that select every key first, in blocks of several rows (a block past them returns at
     // once: the launch does not know the position, which the step reads on the device).
+    // hpg <= 16 here, so a block holds at least 2 rows.
     const int maxm = attn_dense_rows();
-    if (maxm > 0 && attn_dense_smem(a, maxm) <= kAttnMaxSmem && attn_dense_rows_per_block(a, maxm) >= 1) {
+    if (maxm > 0 && attn_dense_smem(a, maxm) <= kAttnMaxSmem) {
       a.skip_dense = 1;
       const dim3 grid(static_cast<unsigned>(a.nkv),
                       static_cast<unsigned>(ceil_div(rows, attn_dense_rows_per_block(a, maxm))));
-      if (maxm == 32) launch(attn_dense_rows_tc_kernel<32>, grid, kAttnTcWarps * 32, attn_dense_smem(a, 32), stream, a, sp, rows);
-      else launch(attn_dense_rows_tc_kernel<64>, grid, kAttnTcWarps * 32, attn_dense_smem(a, 64), stream, a, sp, rows);
+      launch(maxm == 32 ? attn_dense_rows_tc_kernel<32> : attn_dense_rows_tc_kernel<64>, grid, kAttnTcWarps * 32,
+             attn_dense_smem(a, maxm), stream, a, sp, rows);
       CUDA_CHECK_LAUNCH();
     }
     launch(attn_heads_tc_kernel, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32,

@@ -1856,9 +1856,10 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
 
 // Prefill rows that select every key go to attn_dense_rows_tc_kernel (R = 64 / hpg rows of one KV head
 // per block, online softmax over 64-key tiles): against one block per row (set_attn_dense(0)) and the
-// CPU, and 32 MMA rows a block against 64 bit for bit. A budget of 160 keys, so the dense rows span three tiles; chunks of 48 rows (one chunk holds
-// dense and selecting rows, the later ones none of the first kind) and one chunk of all 240 rows;
-// 3, 12 and 16 query heads per KV head (21, 5 and 4 rows per block), head dims 32 and 64.
+// CPU, and 32 MMA rows a block against 64 bit for bit. A budget of 160 keys, so the dense rows span
+// three tiles; chunks of 48 rows (one chunk holds dense and selecting rows, the later ones none of the
+// first kind) and one chunk of all 240 rows; 3, 12 and 16 query heads per KV head (21, 5 and 4 rows
+// per block), head dims 32 and 64.
 TEST(CudaOps, DenseAttentionRowsMatchThePerRowKernel) {
   REQUIRE_GPU();
   const std::vector<Geometry> all = geometries();
