@@ -645,36 +645,16 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint4& ah, const 
   mma_bf16(d, ah.x, ah.y, ah.z, ah.w, b0.x, b1.x);
 }
 
-// Which head dimensions an MMA's k index stands for. The sum over k inside one MMA may take the
-// dimensions in any order, as long as the A (Q) and B (K) fragments agree, so lane t's four k values
-// of a 16-dimension step (2t, 2t+1 of a0/b0 and 2t+8, 2t+9 of a2/b1) are the four consecutive
-// dimensions 16 s + 4t .. + 3: one 16-byte load of a key row per step, where the PTX layout's own
-// dimensions (2t, 2t+1 and 2t+8, 2t+9) took two 8-byte loads. Why: Nsight Compute on the per-row
-// kernel at 8k tokens (H200 2026-12-03 14:22Z) had the L1 at 77% of its throughput and L2 at 39%,
-// with the loads' wavefronts (not their bytes) as the L1's work.
-// Dimension of Q's A word i (a0..a3) of step s for lane t.
-__host__ __device__ inline int attn_q_dim(int s, int t, int i) { return 16 * s + 4 * t + 2 * (i >> 1); }
-
-// Lane (g, t)'s K operands of one key row kr (already offset by 4t): dimensions 4t .. 4t + 3 of every
-// 16-dimension step (attn_q_dim), all loads issued together.
-__device__ __forceinline__ void attn_load_key_steps(const float* kr, int steps, float4 (&kx)[kAttnTcMaxSteps]) {
+// Lane (g, t)'s K operands of one key row kr (already offset by 2t): dimensions 2t, 2t+1 and 2t+8,
+// 2t+9 of every 16-dimension step, all loads issued together.
+__device__ __forceinline__ void attn_load_key_steps(const float* kr, int steps, float2 (&kx)[kAttnTcMaxSteps][2]) {
 #pragma unroll
   for (int s = 0; s < kAttnTcMaxSteps; ++s)
-    if (s < steps) kx[s] = *reinterpret_cast<const float4*>(kr + 16 * s);
+    if (s < steps) {
+      kx[s][0] = *reinterpret_cast<const float2*>(kr + 16 * s);
+      kx[s][1] = *reinterpret_cast<const float2*>(kr + 16 * s + 8);
+    }
 }
-
-// P V the same way over n: a warp's ntl (4, or 2 for the last of a head dimension that is an odd
-// multiple of 16) 8-dimension tiles at dimension base, tile nn's column c standing for dimension
-// base + ntl c + nn. So lane g's B values of one key for all ntl tiles are the ntl consecutive floats
-// at base + ntl g: one 16-byte load a key where there were four of 4 bytes.
-__device__ __forceinline__ int attn_v_dim(int base, int ntl, int c, int nn) { return base + ntl * c + nn; }
-// Lane g's values of one key row vr (already offset by base + ntl g) for the ntl tiles.
-__device__ __forceinline__ float4 attn_load_value(const float* vr, int ntl) {
-  if (ntl == 4) return *reinterpret_cast<const float4*>(vr);
-  const float2 v = *reinterpret_cast<const float2*>(vr);
-  return make_float4(v.x, v.y, 0.0f, 0.0f);
-}
-__device__ __forceinline__ float f4_at(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 // Selectable keys rounded up to 16 (the 16-key steps of P V).
 __host__ __device__ inline int attn_cap16(const AttnArgs& a) { return (attn_cap(a) + 15) & ~15; }
@@ -709,7 +689,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
     uint2 w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int head = lg + 8 * (i & 1), d = attn_q_dim(s, lt, i);
+      const int head = lg + 8 * (i & 1), d = 16 * s + 2 * lt + 8 * (i >> 1);
       float2 v = make_float2(0.0f, 0.0f);
       if (head < hpg) v = *reinterpret_cast<const float2*>(qrow + static_cast<size_t>(head) * a.hd + d);
       w[i] = split_bf16x2(v.x, v.y);
@@ -721,18 +701,18 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   __syncthreads();
 
   // Scores: warp w takes key tiles w, w + 8, ... of 8 keys (the MMA's n); lane (g, t) loads key g's
-  // dimensions 4t .. 4t + 3 of every step (attn_q_dim), all steps' loads issued together.
+  // dimensions 2t, 2t+1, 2t+8, 2t+9 of every step, all steps' loads issued together.
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
-  const float* kg = a.k_cache + static_cast<size_t>(kv) * a.hd + 4 * t;
+  const float* kg = a.k_cache + static_cast<size_t>(kv) * a.hd + 2 * t;
   for (int kt = warp; kt * 8 < m; kt += kAttnTcWarps) {
-    float4 kx[kAttnTcMaxSteps];
+    float2 kx[kAttnTcMaxSteps][2];
     attn_load_key_steps(kg + static_cast<size_t>(idx[kt * 8 + g]) * kvw, steps, kx);
     float d[4] = {};
 #pragma unroll
     for (int s = 0; s < kAttnTcMaxSteps; ++s)
       if (s < steps)
-        mma_split(d, qf[(2 * s) * 32 + lane], qf[(2 * s + 1) * 32 + lane], split_bf16x2(kx[s].x, kx[s].y),
-                  split_bf16x2(kx[s].z, kx[s].w));
+        mma_split(d, qf[(2 * s) * 32 + lane], qf[(2 * s + 1) * 32 + lane], split_bf16x2(kx[s][0].x, kx[s][0].y),
+                  split_bf16x2(kx[s][1].x, kx[s][1].y));
     // d0, d1: head g, keys 8 kt + 2t, + 1; d2, d3: head g + 8.
     const int j = kt * 8 + 2 * t;
 #pragma unroll
@@ -750,23 +730,24 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
 
   // O = P V: warp w takes 8-dimension tiles 4w .. 4w+3 (then + 32); per 16-key step, A = the weights
   // of heads (g, g+8) for keys 2t, 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3); B = those keys' values at
-  // column g of each tile (attn_v_dim), kAttnTcVSteps steps' loads issued together.
-  const float* vg = a.v_cache + static_cast<size_t>(kv) * a.hd;
+  // dimension g of each tile, kAttnTcVSteps steps' loads issued together.
+  const float* vg = a.v_cache + static_cast<size_t>(kv) * a.hd + g;
   const int ntiles = a.hd / 8;
   const float* gate0 = a.qg + static_cast<size_t>(r) * a.ldqg + static_cast<size_t>(h0) * 2 * a.hd + a.hd;
   for (int nt0 = 4 * warp; nt0 < ntiles; nt0 += 4 * kAttnTcWarps) {
-    const int ntl = min(4, ntiles - nt0), base = 8 * nt0;
-    const float* vw = vg + base + ntl * g;
     float o[4][4] = {};
     for (int j0 = 0; j0 < m16; j0 += 16 * kAttnTcVSteps) {
-      float4 v[kAttnTcVSteps][4];  // [step][key 2t, 2t+1, 2t+8, 2t+9]: the warp's tiles' columns g
+      float v[kAttnTcVSteps][4][4];  // [step][tile][key 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
       for (int u = 0; u < kAttnTcVSteps; ++u) {
         const int jb = j0 + 16 * u;
         if (jb >= m16) break;
         const int key[4] = {idx[jb + 2 * t], idx[jb + 2 * t + 1], idx[jb + 2 * t + 8], idx[jb + 2 * t + 9]};
 #pragma unroll
-        for (int c = 0; c < 4; ++c) v[u][c] = attn_load_value(vw + static_cast<size_t>(key[c]) * kvw, ntl);
+        for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            v[u][nn][c] = nt0 + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (nt0 + nn) * 8] : 0.0f;
       }
 #pragma unroll
       for (int u = 0; u < kAttnTcVSteps; ++u) {
@@ -783,26 +764,22 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
         const uint4 ah = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x), al = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn)
-          if (nn < ntl)
-            mma_split(o[nn], ah, al, split_bf16x2(f4_at(v[u][0], nn), f4_at(v[u][1], nn)),
-                      split_bf16x2(f4_at(v[u][2], nn), f4_at(v[u][3], nn)));
+          mma_split(o[nn], ah, al, split_bf16x2(v[u][nn][0], v[u][nn][1]), split_bf16x2(v[u][nn][2], v[u][nn][3]));
       }
     }
-    // o[nn]: d0, d1 = head g, columns 2t, 2t+1 of tile nn; d2, d3 = head g + 8.
+    // o[nn]: d0, d1 = head g, dimensions 8 (nt0 + nn) + 2t, + 1; d2, d3 = head g + 8.
 #pragma unroll
     for (int nn = 0; nn < 4; ++nn) {
-      if (nn >= ntl) break;
+      if (nt0 + nn >= ntiles) break;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int head = g + 8 * hh;
         if (head >= hpg) continue;
+        const int dim = 8 * (nt0 + nn) + 2 * t;
         const float* gate = gate0 + static_cast<size_t>(head) * 2 * a.hd;
-        float* out = a.out + static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h0 + head) * a.hd;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int dim = attn_v_dim(base, ntl, 2 * t + c, nn);
-          out[dim] = o[nn][2 * hh + c] * sigmoidf_(gate[dim]);
-        }
+        float* out = a.out + static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h0 + head) * a.hd + dim;
+        out[0] = o[nn][2 * hh] * sigmoidf_(gate[dim]);
+        out[1] = o[nn][2 * hh + 1] * sigmoidf_(gate[dim + 1]);
       }
     }
   }
@@ -894,7 +871,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, SEL ? 2 : 64 / MAXM) attn_r
     uint2 w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int row = 16 * mt + lg + 8 * (i & 1), d = attn_q_dim(s, lt, i);
+      const int row = 16 * mt + lg + 8 * (i & 1), d = 16 * s + 2 * lt + 8 * (i >> 1);
       float2 v = make_float2(0.0f, 0.0f);
       if (row < mrows) {
         const int rr = row / hpg, head = row % hpg;
@@ -909,27 +886,25 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, SEL ? 2 : 64 / MAXM) attn_r
   __syncthreads();
 
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
-  const float* kg = a.k_cache + static_cast<size_t>(kv) * a.hd + 4 * t;
-  // P V: warp w's ntl dimension tiles from 32 w (attn_v_dim).
-  const int base = 32 * warp, ntl = max(0, min(4, ntiles - 4 * warp));
-  const float* vw = a.v_cache + static_cast<size_t>(kv) * a.hd + base + ntl * g;
+  const float* kg = a.k_cache + static_cast<size_t>(kv) * a.hd + 2 * t;
+  const float* vg = a.v_cache + static_cast<size_t>(kv) * a.hd + g;
   float o[MAXMT][4][4] = {};  // [m-tile][dimension tile 4 warp + nn][C fragment]
   float mrun[ROWS_PER_WARP], lrun[ROWS_PER_WARP];
 #pragma unroll
   for (int k = 0; k < ROWS_PER_WARP; ++k) { mrun[k] = -INFINITY; lrun[k] = 0.0f; }
 
   for (int64_t j0 = 0; j0 < n_max; j0 += kAttnDenseKeys) {
-    // Scores of keys j0 + 8 warp + (0..7): lane (g, t) loads key g's dimensions 4t .. 4t + 3 of every
-    // step (attn_q_dim).
+    // Scores of keys j0 + 8 warp + (0..7): lane (g, t) loads key g's dimensions 2t, 2t+1, 2t+8, 2t+9
+    // of every step.
     if (j0 + 8 * warp < n_max) {
       const int key = key_id(j0 + 8 * warp + g);
-      float4 kx[kAttnTcMaxSteps];
+      float2 kx[kAttnTcMaxSteps][2];
       attn_load_key_steps(kg + static_cast<size_t>(key) * kvw, steps, kx);
       float d[MAXMT][4] = {};
 #pragma unroll
       for (int s = 0; s < kAttnTcMaxSteps; ++s)
         if (s < steps) {
-          const uint2 b0 = split_bf16x2(kx[s].x, kx[s].y), b1 = split_bf16x2(kx[s].z, kx[s].w);
+          const uint2 b0 = split_bf16x2(kx[s][0].x, kx[s][0].y), b1 = split_bf16x2(kx[s][1].x, kx[s][1].y);
 #pragma unroll
           for (int mt = 0; mt < MAXMT; ++mt)
             if (mt < MT)
@@ -969,7 +944,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, SEL ? 2 : 64 / MAXM) attn_r
     __syncthreads();
     // O = alpha O + P V: warp w takes 8-dimension tiles 4w .. 4w+3; per 16-key step, A = the weights of
     // M-rows (g, g+8) for keys 2t, 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3) of each m16 tile, B = those
-    // keys' values at column g of each tile (attn_v_dim).
+    // keys' values at dimension g of each tile.
     if (4 * warp < ntiles) {
 #pragma unroll
       for (int mt = 0; mt < MAXMT; ++mt)
@@ -987,14 +962,17 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, SEL ? 2 : 64 / MAXM) attn_r
         if (j0 + jb >= n_max) break;  // uniform: weights of 0 from here
         const int key[4] = {key_id(j0 + jb + 2 * t), key_id(j0 + jb + 2 * t + 1), key_id(j0 + jb + 2 * t + 8),
                             key_id(j0 + jb + 2 * t + 9)};
-        float4 v[4];  // [key 2t, 2t+1, 2t+8, 2t+9]: the warp's tiles' columns g
+        float v[4][4];  // [tile][key 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
-        for (int c = 0; c < 4; ++c) v[c] = attn_load_value(vw + static_cast<size_t>(key[c]) * kvw, ntl);
+        for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            v[nn][c] = 4 * warp + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (4 * warp + nn) * 8] : 0.0f;
         uint2 vb[4][2];
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn) {
-          vb[nn][0] = split_bf16x2(f4_at(v[0], nn), f4_at(v[1], nn));
-          vb[nn][1] = split_bf16x2(f4_at(v[2], nn), f4_at(v[3], nn));
+          vb[nn][0] = split_bf16x2(v[nn][0], v[nn][1]);
+          vb[nn][1] = split_bf16x2(v[nn][2], v[nn][3]);
         }
 #pragma unroll
         for (int mt = 0; mt < MAXMT; ++mt)
@@ -1009,8 +987,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, SEL ? 2 : 64 / MAXM) attn_r
             const uint4 ah = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x);
             const uint4 al = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
 #pragma unroll
-            for (int nn = 0; nn < 4; ++nn)
-              if (nn < ntl) mma_split(o[mt][nn], ah, al, vb[nn][0], vb[nn][1]);
+            for (int nn = 0; nn < 4; ++nn) mma_split(o[mt][nn], ah, al, vb[nn][0], vb[nn][1]);
           }
       }
     }
@@ -1038,12 +1015,10 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, SEL ? 2 : 64 / MAXM) attn_r
         float* out = a.out + static_cast<size_t>(r0 + rr) * a.ldo + static_cast<size_t>(h0 + head) * a.hd;
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn) {
-          if (nn >= ntl) break;
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int dim = attn_v_dim(base, ntl, 2 * t + c, nn);
-            out[dim] = (o[mt][nn][2 * hh + c] / l) * sigmoidf_(gate[dim]);
-          }
+          if (4 * warp + nn >= ntiles) break;
+          const int dim = 8 * (4 * warp + nn) + 2 * t;
+          out[dim] = (o[mt][nn][2 * hh] / l) * sigmoidf_(gate[dim]);
+          out[dim + 1] = (o[mt][nn][2 * hh + 1] / l) * sigmoidf_(gate[dim + 1]);
         }
       }
 }
