@@ -179,10 +179,6 @@ void set_attn_split_keys(int keys);
 // rows with an online softmax, 64 (the default) or 32 MMA rows a block, or one block per row like the
 // others (0); -1 goes back to CK_ATTN_DENSE.
 void set_attn_dense(int mma_rows);
-// The other prefill rows (those that select among their blocks; all rows with set_attn_dense(0)): one
-// block each with an online softmax over the selected keys (1, the default), or the two-pass per-row
-// kernel that keeps every score (0); -1 goes back to CK_ATTN_SEL.
-void set_attn_sel(int on);
 
 // PLE (spec §5.5) after the key/value projections and the two grouped norms:
 // G (rows, W) = sigmoid(ssqrt(<kn_s, qn_s> / sqrt(H))) · val for each stream s.

@@ -672,7 +672,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   const int kv = blockIdx.x, r = blockIdx.y, hpg = a.nh / a.nkv, h0 = kv * hpg;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t n = sp->pos + r + 1;
-  if (a.skip_dense && attn_row_dense(a, n)) return;  // uniform: attn_rows_tc_kernel<M, false>'s row
+  if (a.skip_dense && attn_row_dense(a, n)) return;  // uniform: attn_dense_rows_tc_kernel's row
   const int cap16 = attn_cap16(a), steps = a.hd / 16;
   int* idx = reinterpret_cast<int*>(smem);
   float* p = smem + cap16;                                 // [head][cap16]
@@ -799,17 +799,10 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
 // which rows share its block or its chunk. The final division by the weights' sum comes after P V
 // (attn_heads_tc_kernel divides each weight first): fp32 rounding apart, within the parity tests'
 // tolerances (DenseAttentionRowsMatchThePerRowKernel).
-// grid (nkv, ceil(rows / R)), block 256, dynamic shared memory attn_dense_smem (SEL: grid (nkv, rows),
-// attn_dense_smem(a, 16, true)). The per-row kernels skip the dense rows (AttnArgs::skip_dense). MAXM, the MMA rows of a block (R * hpg <= MAXM): 64 (one
+// grid (nkv, ceil(rows / R)), block 256, dynamic shared memory attn_dense_smem. The per-row kernel
+// skips these rows (AttnArgs::skip_dense). MAXM, the MMA rows of a block (R * hpg <= MAXM): 64 (one
 // block an SM, 217 registers), or 32 (CK_ATTN_DENSE=32: twice the blocks, two an SM, 2-3% slower;
 // the test checks it gives 64's bits).
-//
-// SEL (attn_sel_rows_tc_kernel below): the same loop for one row of any kind, over the keys the row
-// selected (attn_gather_selected's ids, in order), MAXM 16 (one row's hpg <= 16 heads), two blocks an
-// SM. Why: attn_heads_tc_kernel keeps every score of the row (99 KB at the released geometry) for an
-// exact two-pass softmax, so one block of 8 warps runs an SM and each warp's K and V loads are one L2
-// round trip after another; at 8k tokens its selecting rows were ~85% of the attention core (9.6 us of
-// an 8k token's ~50, thirty-fifth session). Online, a block needs ~30 KB.
 constexpr int kAttnDenseKeys = 64;   // keys of a tile: 8 warps x the MMA's 8
 constexpr int kAttnDenseLds = kAttnDenseKeys + 4;  // floats per row of the score/weight tile
 
@@ -817,52 +810,32 @@ __host__ __device__ inline int attn_dense_rows_per_block(const AttnArgs& a, int 
 __host__ __device__ inline int attn_dense_mtiles(const AttnArgs& a, int maxm) {
   return (attn_dense_rows_per_block(a, maxm) * (a.nh / a.nkv) + 15) / 16;
 }
-// The query fragments of every m16 tile and step, then the score/weight tile (then, with SEL, the
-// row's selected ids).
-__host__ __device__ inline size_t attn_dense_smem(const AttnArgs& a, int maxm, bool sel = false) {
-  return sizeof(uint4) * 2 * 32 * (a.hd / 16) * attn_dense_mtiles(a, maxm) + sizeof(float) * maxm * kAttnDenseLds +
-         (sel ? sizeof(int) * attn_cap16(a) : 0);
+// The query fragments of every m16 tile and step, then the score/weight tile.
+__host__ __device__ inline size_t attn_dense_smem(const AttnArgs& a, int maxm) {
+  return sizeof(uint4) * 2 * 32 * (a.hd / 16) * attn_dense_mtiles(a, maxm) + sizeof(float) * maxm * kAttnDenseLds;
 }
 
-template <int MAXM, bool SEL>
-__global__ void __launch_bounds__(kAttnTcWarps * 32, SEL ? 2 : 64 / MAXM) attn_rows_tc_kernel(const AttnArgs a,
-                                                                                              const StepParams* sp,
-                                                                                              int rows) {
-  static_assert(!SEL || MAXM == 16, "a selecting block is one row");
+template <int MAXM>
+__global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_tc_kernel(const AttnArgs a,
+                                                                                          const StepParams* sp,
+                                                                                          int rows) {
   constexpr int MAXMT = MAXM / 16, ROWS_PER_WARP = MAXM / kAttnTcWarps;
   pdl_begin();
   extern __shared__ __align__(16) float smem[];
   __shared__ float alpha[MAXM], lsum[MAXM];
-  const int kv = blockIdx.x, hpg = a.nh / a.nkv, h0 = kv * hpg, R = SEL ? 1 : attn_dense_rows_per_block(a, MAXM);
+  const int kv = blockIdx.x, hpg = a.nh / a.nkv, h0 = kv * hpg, R = attn_dense_rows_per_block(a, MAXM);
   const int r0 = blockIdx.y * R, MT = attn_dense_mtiles(a, MAXM);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t n0 = sp->pos + r0 + 1;  // row r0's keys; row r0 + rr has n0 + rr
-  const int steps = a.hd / 16, ntiles = a.hd / 8;
+  // Dense rows are a prefix of the chunk (n grows with the row): this block's are its first nr.
+  int nr = 0;
+  while (nr < R && r0 + nr < rows && attn_row_dense(a, n0 + nr)) ++nr;
+  if (nr == 0) return;  // uniform
+  const int64_t n_max = n0 + nr - 1;
+  const int mrows = nr * hpg, steps = a.hd / 16, ntiles = a.hd / 8;
+  const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
   uint4* qf = reinterpret_cast<uint4*>(smem);  // [mt][step][part][lane]
   float* sp_tile = smem + 4 * 2 * 32 * steps * MT;  // [M-row][kAttnDenseLds]: scores, then weights
-  int* idx = reinterpret_cast<int*>(sp_tile + MAXM * kAttnDenseLds);  // SEL: the row's key ids
-  // Dense: the block's rows that select every key, a prefix of the chunk (n grows with the row), its
-  // first nr; n_max keys, row r0 + rr's first n0 + rr. SEL: row r0 (unless it is the dense kernel's),
-  // its n_max selected keys idx[0, n_max).
-  int nr = 0;
-  int64_t n_max = 0;
-  if constexpr (SEL) {
-    if (r0 >= rows || (a.skip_dense && attn_row_dense(a, n0))) return;  // uniform
-    nr = 1;
-    n_max = attn_gather_selected(a, r0, n0, idx);  // (synchronises: idx is complete)
-  } else {
-    while (nr < R && r0 + nr < rows && attn_row_dense(a, n0 + nr)) ++nr;
-    if (nr == 0) return;  // uniform
-    n_max = n0 + nr - 1;
-  }
-  // Key j's id (j past the last reads the last: a valid row, weighed 0 below).
-  const int last = static_cast<int>(n_max - 1);  // (a cache position: an int)
-  auto key_id = [&](int64_t j) -> int {
-    const int jj = static_cast<int>(min(j, static_cast<int64_t>(last)));
-    return SEL ? idx[jj] : jj;
-  };
-  const int mrows = nr * hpg;
-  const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
 
   // Q's A fragments of each m16 tile (attn_heads_tc_kernel's layout); M-rows past the block's rows are
   // zeros.
@@ -895,9 +868,9 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, SEL ? 2 : 64 / MAXM) attn_r
 
   for (int64_t j0 = 0; j0 < n_max; j0 += kAttnDenseKeys) {
     // Scores of keys j0 + 8 warp + (0..7): lane (g, t) loads key g's dimensions 2t, 2t+1, 2t+8, 2t+9
-    // of every step.
+    // of every step (keys past n_max read key n_max - 1: a valid row, weighed 0 below).
     if (j0 + 8 * warp < n_max) {
-      const int key = key_id(j0 + 8 * warp + g);
+      const int64_t key = min(j0 + 8 * warp + g, n_max - 1);
       float2 kx[kAttnTcMaxSteps][2];
       attn_load_key_steps(kg + static_cast<size_t>(key) * kvw, steps, kx);
       float d[MAXMT][4] = {};
@@ -927,7 +900,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, SEL ? 2 : 64 / MAXM) attn_r
     for (int k = 0; k < ROWS_PER_WARP; ++k) {
       const int row = warp + kAttnTcWarps * k;
       if (row >= 16 * MT) break;  // uniform
-      const int64_t keys = row < mrows ? (SEL ? n_max : n0 + row / hpg) - j0 : 0;  // this row's in the tile
+      const int64_t keys = row < mrows ? n0 + row / hpg - j0 : 0;  // keys of this row in the tile
       float* srow = sp_tile + row * kAttnDenseLds;
       const bool v0 = lane < keys, v1 = lane + 32 < keys;
       const float s0 = srow[lane], s1 = srow[lane + 32];
@@ -960,8 +933,9 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, SEL ? 2 : 64 / MAXM) attn_r
       for (int u = 0; u < kAttnDenseKeys / 16; ++u) {
         const int jb = 16 * u;
         if (j0 + jb >= n_max) break;  // uniform: weights of 0 from here
-        const int key[4] = {key_id(j0 + jb + 2 * t), key_id(j0 + jb + 2 * t + 1), key_id(j0 + jb + 2 * t + 8),
-                            key_id(j0 + jb + 2 * t + 9)};
+        const int64_t last = n_max - 1;
+        const int64_t key[4] = {min(j0 + jb + 2 * t, last), min(j0 + jb + 2 * t + 1, last),
+                                min(j0 + jb + 2 * t + 8, last), min(j0 + jb + 2 * t + 9, last)};
         float v[4][4];  // [tile][key 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn)
@@ -1027,9 +1001,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, SEL ? 2 : 64 / MAXM) attn_r
 
 void init_attention_kernels() {
   CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_rows_tc_kernel<64, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_rows_tc_kernel<32, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_rows_tc_kernel<16, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
@@ -1072,16 +1045,6 @@ int attn_dense_rows() {
 
 void set_attn_dense(int mma_rows) { g_attn_dense = mma_rows < 0 ? -1 : attn_dense_choice(mma_rows); }
 
-namespace {
-int g_attn_sel = -1;  // -1: CK_ATTN_SEL decides (0: attn_heads_tc_kernel for the other rows)
-bool attn_sel_on() {
-  if (g_attn_sel < 0) g_attn_sel = env_is("CK_ATTN_SEL", "0") ? 0 : 1;
-  return g_attn_sel == 1;
-}
-}  // namespace
-
-void set_attn_sel(int on) { g_attn_sel = on < 0 ? -1 : (on ? 1 : 0); }
-
 void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_t stream) {
   static const bool prefetch_kv = !env_is("CK_ATTN_KV_PREFETCH", "0");
   AttnArgs a = args;
@@ -1112,17 +1075,9 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
       a.skip_dense = 1;
       const dim3 grid(static_cast<unsigned>(a.nkv),
                       static_cast<unsigned>(ceil_div(rows, attn_dense_rows_per_block(a, maxm))));
-      launch(maxm == 32 ? attn_rows_tc_kernel<32, false> : attn_rows_tc_kernel<64, false>, grid, kAttnTcWarps * 32,
+      launch(maxm == 32 ? attn_dense_rows_tc_kernel<32> : attn_dense_rows_tc_kernel<64>, grid, kAttnTcWarps * 32,
              attn_dense_smem(a, maxm), stream, a, sp, rows);
       CUDA_CHECK_LAUNCH();
-    }
-    // The other rows (all of them when the dense kernel is off): one block each, online softmax over the
-    // selected keys, or the two-pass per-row kernel (CK_ATTN_SEL=0).
-    if (attn_sel_on() && attn_dense_smem(a, 16, true) <= kAttnMaxSmem) {
-      launch(attn_rows_tc_kernel<16, true>, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)),
-             kAttnTcWarps * 32, attn_dense_smem(a, 16, true), stream, a, sp, rows);
-      CUDA_CHECK_LAUNCH();
-      return;
     }
     launch(attn_heads_tc_kernel, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32,
            attn_tc_smem(a), stream, a, sp);
