@@ -179,6 +179,9 @@ void set_attn_split_keys(int keys);
 // rows with an online softmax, 64 (the default) or 32 MMA rows a block, or one block per row like the
 // others (0); -1 goes back to CK_ATTN_DENSE.
 void set_attn_dense(int mma_rows);
+// The per-row prefill kernel's Q fragments in registers (1, the default) or read from shared memory for
+// every key tile (0); the same bits. -1 goes back to CK_ATTN_QREG.
+void set_attn_qreg(int on);
 
 // PLE (spec §5.5) after the key/value projections and the two grouped norms:
 // G (rows, W) = sigmoid(ssqrt(<kn_s, qn_s> / sqrt(H))) · val for each stream s.

@@ -666,6 +666,13 @@ __host__ __device__ inline size_t attn_tc_smem(const AttnArgs& a) {
 
 // grid (nkv, rows), block 256, dynamic shared memory attn_tc_smem. Needs hd % 16 == 0, hd <= 256,
 // nh / nkv <= 16.
+// QREG: each lane keeps its Q fragments of every step in registers (128 of them at hd 256) for the
+// scores, instead of reading them from shared memory for every 8-key tile. Why: the block's 99 KB of
+// scores leave one block (8 warps) an SM, so up to 255 registers a thread are free, and Nsight Compute
+// on this kernel at 8k tokens (H200 2026-12-03 14:22Z) had the L1 (shared with shared memory) at 77% of
+// its throughput and L2 at 39%: a tile's 32 16-byte fragment reads a lane are 2 KB of shared-memory
+// traffic per key, as much as the key's K and V rows. CK_ATTN_QREG=0: from shared memory.
+template <bool QREG>
 __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const AttnArgs a, const StepParams* sp) {
   pdl_begin();
   extern __shared__ __align__(16) float smem[];
@@ -699,6 +706,19 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   }
   if (threadIdx.x < m16 - m) idx[m + threadIdx.x] = idx[0];  // valid rows for the last keys' loads
   __syncthreads();
+  uint4 qa[QREG ? kAttnTcMaxSteps : 1][2];  // QREG: the lane's fragments (hi, lo) of every step
+  if constexpr (QREG) {
+#pragma unroll
+    for (int s = 0; s < kAttnTcMaxSteps; ++s)
+      if (s < steps) {
+        qa[s][0] = qf[(2 * s) * 32 + lane];
+        qa[s][1] = qf[(2 * s + 1) * 32 + lane];
+      }
+  }
+  auto q_frag = [&](int s, int part) -> uint4 {
+    if constexpr (QREG) return qa[s][part];
+    else return qf[(2 * s + part) * 32 + lane];
+  };
 
   // Scores: warp w takes key tiles w, w + 8, ... of 8 keys (the MMA's n); lane (g, t) loads key g's
   // dimensions 2t, 2t+1, 2t+8, 2t+9 of every step, all steps' loads issued together.
@@ -711,7 +731,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
 #pragma unroll
     for (int s = 0; s < kAttnTcMaxSteps; ++s)
       if (s < steps)
-        mma_split(d, qf[(2 * s) * 32 + lane], qf[(2 * s + 1) * 32 + lane], split_bf16x2(kx[s][0].x, kx[s][0].y),
+        mma_split(d, q_frag(s, 0), q_frag(s, 1), split_bf16x2(kx[s][0].x, kx[s][0].y),
                   split_bf16x2(kx[s][1].x, kx[s][1].y));
     // d0, d1: head g, keys 8 kt + 2t, + 1; d2, d3: head g + 8.
     const int j = kt * 8 + 2 * t;
@@ -1000,7 +1020,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
 }  // namespace
 
 void init_attention_kernels() {
-  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
@@ -1045,6 +1066,16 @@ int attn_dense_rows() {
 
 void set_attn_dense(int mma_rows) { g_attn_dense = mma_rows < 0 ? -1 : attn_dense_choice(mma_rows); }
 
+namespace {
+int g_attn_qreg = -1;  // -1: CK_ATTN_QREG decides (attn_heads_tc_kernel's Q fragments in registers unless 0)
+bool attn_qreg_on() {
+  if (g_attn_qreg < 0) g_attn_qreg = env_is("CK_ATTN_QREG", "0") ? 0 : 1;
+  return g_attn_qreg == 1;
+}
+}  // namespace
+
+void set_attn_qreg(int on) { g_attn_qreg = on < 0 ? -1 : (on ? 1 : 0); }
+
 void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_t stream) {
   static const bool prefetch_kv = !env_is("CK_ATTN_KV_PREFETCH", "0");
   AttnArgs a = args;
@@ -1079,8 +1110,9 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
              attn_dense_smem(a, maxm), stream, a, sp, rows);
       CUDA_CHECK_LAUNCH();
     }
-    launch(attn_heads_tc_kernel, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32,
-           attn_tc_smem(a), stream, a, sp);
+    launch(attn_qreg_on() ? attn_heads_tc_kernel<true> : attn_heads_tc_kernel<false>,
+           dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32, attn_tc_smem(a), stream, a,
+           sp);
     CUDA_CHECK_LAUNCH();
     return;
   }
