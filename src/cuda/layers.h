@@ -168,6 +168,13 @@ struct AttnArgs {
   float eps = 1e-6f;
   int prefetch_kv = 0;  // set by attention(): 1 unless CK_ATTN_KV_PREFETCH=0 (attn_prefetch_kv)
   int skip_dense = 0;   // set by attention(): the rows selecting every key went to the dense-rows kernel
+  // Prefill chunks: the most keys a row of the call attends to (pos + rows), which the host knows there
+  // (a decode step's graph reads the position on the device: 0). With it, attention() splits the
+  // keys' K and V rows into their bf16 parts once for the call (attn_split_kv_kernel) into k_split and
+  // v_split, which it sets.
+  int64_t keys_bound = 0;
+  uint2* k_split = nullptr;      // (keys_bound, nkv*hd/2): dimension pairs as {hi pair, lo pair}
+  uint32_t* v_split = nullptr;   // (keys_bound, nkv*hd): {hi | lo << 16} per value
 };
 void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
 // Most tokens one query attends to: (block_topk + 1) * cr - 1.
@@ -179,6 +186,9 @@ void set_attn_split_keys(int keys);
 // rows with an online softmax, 64 (the default) or 32 MMA rows a block, or one block per row like the
 // others (0); -1 goes back to CK_ATTN_DENSE.
 void set_attn_dense(int mma_rows);
+// K and V split once per prefill call for the tensor-core kernels (1, the default), or by each lane as
+// it reads them (0); the same bits. -1 goes back to CK_ATTN_PRESPLIT.
+void set_attn_presplit(int on);
 // The per-row prefill kernel's Q fragments in registers (1, the default) or read from shared memory for
 // every key tile (0); the same bits. -1 goes back to CK_ATTN_QREG.
 void set_attn_qreg(int on);

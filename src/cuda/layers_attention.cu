@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <type_traits>
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
@@ -645,14 +646,64 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint4& ah, const 
   mma_bf16(d, ah.x, ah.y, ah.z, ah.w, b0.x, b1.x);
 }
 
-// Lane (g, t)'s K operands of one key row kr (already offset by 2t): dimensions 2t, 2t+1 and 2t+8,
-// 2t+9 of every 16-dimension step, all loads issued together.
-__device__ __forceinline__ void attn_load_key_steps(const float* kr, int steps, float2 (&kx)[kAttnTcMaxSteps][2]) {
+// ---- K and V split once per prefill chunk (SPLIT instances of the two kernels below)
+//
+// Each lane turns every K and V element it reads into its two bf16 parts (split_bf16x2: F2FP, two
+// unpacks, two subtractions, F2FP per pair), and a row's block reads its selected keys afresh: an 8k
+// chunk splits each key's row ~1,500 times. Nsight Compute on the per-row kernel (H200 2026-12-03
+// 14:22Z, 8k tokens) counted those conversions as 37% of its instructions, issued at 35% of the SM's
+// rate. attn_split_kv_kernel splits the context's keys once per call into scratch:
+//  - K as pairs of dimensions (2i, 2i+1): {hi pair, lo pair}, the uint2 that split_bf16x2 returns, so
+//    a lane's B fragment of a step is one 8-byte load, as before, with no conversion;
+//  - V per element: {hi, lo} in one word (hi in the low half), so the B fragment of two keys at one
+//    dimension is two byte permutes (attn_pair_of_words) instead of a split.
+// The parts are the ones split_bf16x2 makes from the same floats: the same products, the same bits
+// (the test compares them). Same bytes as the fp32 cache.
+// The pair of a lane's two K or V values as the MMA's (hi, lo) operand words.
+__device__ __forceinline__ uint2 attn_b_pair(float2 v) { return split_bf16x2(v.x, v.y); }
+__device__ __forceinline__ uint2 attn_b_pair(uint2 v) { return v; }  // pre-split K
+__device__ __forceinline__ uint2 attn_pair_of_words(uint32_t w0, uint32_t w1) {  // pre-split V: {hi | lo << 16}
+  return make_uint2(__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632));
+}
+__device__ __forceinline__ uint2 attn_b_pair(float v0, float v1) { return split_bf16x2(v0, v1); }
+__device__ __forceinline__ uint2 attn_b_pair(uint32_t v0, uint32_t v1) { return attn_pair_of_words(v0, v1); }
+
+// Keys [0, n) of the cache into k_split / v_split (AttnArgs); grid (ceil(n nkv hd / 2 / 256)), block
+// 256: one pair of floats of K and of V a thread.
+__global__ void attn_split_kv_kernel(const AttnArgs a, int64_t n) {
+  pdl_begin();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n * a.nkv * a.hd / 2) return;
+  a.k_split[i] = split_bf16x2(a.k_cache[2 * i], a.k_cache[2 * i + 1]);
+  const uint2 v = split_bf16x2(a.v_cache[2 * i], a.v_cache[2 * i + 1]);
+  a.v_split[2 * i] = __byte_perm(v.x, v.y, 0x5410);
+  a.v_split[2 * i + 1] = __byte_perm(v.x, v.y, 0x7632);
+}
+
+// Where the tensor-core kernels read K and V: the fp32 cache, or its split copy.
+template <bool SPLIT>
+struct AttnKv {
+  using K = std::conditional_t<SPLIT, uint2, float2>;    // a pair of dimensions of a key row
+  using V = std::conditional_t<SPLIT, uint32_t, float>;  // one value
+  static __device__ __forceinline__ const K* k(const AttnArgs& a) {
+    if constexpr (SPLIT) return a.k_split;
+    else return reinterpret_cast<const float2*>(a.k_cache);
+  }
+  static __device__ __forceinline__ const V* v(const AttnArgs& a) {
+    if constexpr (SPLIT) return a.v_split;
+    else return a.v_cache;
+  }
+};
+
+// Lane (g, t)'s K operands of one key row kr (in pairs of dimensions, already offset by t): dimensions
+// 2t, 2t+1 and 2t+8, 2t+9 of every 16-dimension step, all loads issued together.
+template <class KP>
+__device__ __forceinline__ void attn_load_key_steps(const KP* kr, int steps, KP (&kx)[kAttnTcMaxSteps][2]) {
 #pragma unroll
   for (int s = 0; s < kAttnTcMaxSteps; ++s)
     if (s < steps) {
-      kx[s][0] = *reinterpret_cast<const float2*>(kr + 16 * s);
-      kx[s][1] = *reinterpret_cast<const float2*>(kr + 16 * s + 8);
+      kx[s][0] = kr[8 * s];
+      kx[s][1] = kr[8 * s + 4];
     }
 }
 
@@ -672,8 +723,10 @@ __host__ __device__ inline size_t attn_tc_smem(const AttnArgs& a) {
 // on this kernel at 8k tokens (H200 2026-12-03 14:22Z) had the L1 (shared with shared memory) at 77% of
 // its throughput and L2 at 39%: a tile's 32 16-byte fragment reads a lane are 2 KB of shared-memory
 // traffic per key, as much as the key's K and V rows. CK_ATTN_QREG=0: from shared memory.
-template <bool QREG>
+// SPLIT: K and V from their split copy (attn_split_kv_kernel), the same bits.
+template <bool QREG, bool SPLIT>
 __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const AttnArgs a, const StepParams* sp) {
+  using KV = AttnKv<SPLIT>;
   pdl_begin();
   extern __shared__ __align__(16) float smem[];
   const int kv = blockIdx.x, r = blockIdx.y, hpg = a.nh / a.nkv, h0 = kv * hpg;
@@ -723,16 +776,14 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   // Scores: warp w takes key tiles w, w + 8, ... of 8 keys (the MMA's n); lane (g, t) loads key g's
   // dimensions 2t, 2t+1, 2t+8, 2t+9 of every step, all steps' loads issued together.
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
-  const float* kg = a.k_cache + static_cast<size_t>(kv) * a.hd + 2 * t;
+  const typename KV::K* kg = KV::k(a) + static_cast<size_t>(kv) * a.hd / 2 + t;  // pairs of dimensions
   for (int kt = warp; kt * 8 < m; kt += kAttnTcWarps) {
-    float2 kx[kAttnTcMaxSteps][2];
-    attn_load_key_steps(kg + static_cast<size_t>(idx[kt * 8 + g]) * kvw, steps, kx);
+    typename KV::K kx[kAttnTcMaxSteps][2];
+    attn_load_key_steps(kg + static_cast<size_t>(idx[kt * 8 + g]) * (kvw / 2), steps, kx);
     float d[4] = {};
 #pragma unroll
     for (int s = 0; s < kAttnTcMaxSteps; ++s)
-      if (s < steps)
-        mma_split(d, q_frag(s, 0), q_frag(s, 1), split_bf16x2(kx[s][0].x, kx[s][0].y),
-                  split_bf16x2(kx[s][1].x, kx[s][1].y));
+      if (s < steps) mma_split(d, q_frag(s, 0), q_frag(s, 1), attn_b_pair(kx[s][0]), attn_b_pair(kx[s][1]));
     // d0, d1: head g, keys 8 kt + 2t, + 1; d2, d3: head g + 8.
     const int j = kt * 8 + 2 * t;
 #pragma unroll
@@ -751,13 +802,13 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   // O = P V: warp w takes 8-dimension tiles 4w .. 4w+3 (then + 32); per 16-key step, A = the weights
   // of heads (g, g+8) for keys 2t, 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3); B = those keys' values at
   // dimension g of each tile, kAttnTcVSteps steps' loads issued together.
-  const float* vg = a.v_cache + static_cast<size_t>(kv) * a.hd + g;
+  const typename KV::V* vg = KV::v(a) + static_cast<size_t>(kv) * a.hd + g;
   const int ntiles = a.hd / 8;
   const float* gate0 = a.qg + static_cast<size_t>(r) * a.ldqg + static_cast<size_t>(h0) * 2 * a.hd + a.hd;
   for (int nt0 = 4 * warp; nt0 < ntiles; nt0 += 4 * kAttnTcWarps) {
     float o[4][4] = {};
     for (int j0 = 0; j0 < m16; j0 += 16 * kAttnTcVSteps) {
-      float v[kAttnTcVSteps][4][4];  // [step][tile][key 2t, 2t+1, 2t+8, 2t+9]
+      typename KV::V v[kAttnTcVSteps][4][4];  // [step][tile][key 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
       for (int u = 0; u < kAttnTcVSteps; ++u) {
         const int jb = j0 + 16 * u;
@@ -767,7 +818,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
         for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
           for (int c = 0; c < 4; ++c)
-            v[u][nn][c] = nt0 + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (nt0 + nn) * 8] : 0.0f;
+            v[u][nn][c] = nt0 + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (nt0 + nn) * 8] : typename KV::V{};
       }
 #pragma unroll
       for (int u = 0; u < kAttnTcVSteps; ++u) {
@@ -784,7 +835,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
         const uint4 ah = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x), al = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn)
-          mma_split(o[nn], ah, al, split_bf16x2(v[u][nn][0], v[u][nn][1]), split_bf16x2(v[u][nn][2], v[u][nn][3]));
+          mma_split(o[nn], ah, al, attn_b_pair(v[u][nn][0], v[u][nn][1]), attn_b_pair(v[u][nn][2], v[u][nn][3]));
       }
     }
     // o[nn]: d0, d1 = head g, dimensions 8 (nt0 + nn) + 2t, + 1; d2, d3 = head g + 8.
@@ -835,10 +886,11 @@ __host__ __device__ inline size_t attn_dense_smem(const AttnArgs& a, int maxm) {
   return sizeof(uint4) * 2 * 32 * (a.hd / 16) * attn_dense_mtiles(a, maxm) + sizeof(float) * maxm * kAttnDenseLds;
 }
 
-template <int MAXM>
+template <int MAXM, bool SPLIT>
 __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_tc_kernel(const AttnArgs a,
                                                                                           const StepParams* sp,
                                                                                           int rows) {
+  using KV = AttnKv<SPLIT>;
   constexpr int MAXMT = MAXM / 16, ROWS_PER_WARP = MAXM / kAttnTcWarps;
   pdl_begin();
   extern __shared__ __align__(16) float smem[];
@@ -879,8 +931,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
   __syncthreads();
 
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
-  const float* kg = a.k_cache + static_cast<size_t>(kv) * a.hd + 2 * t;
-  const float* vg = a.v_cache + static_cast<size_t>(kv) * a.hd + g;
+  const typename KV::K* kg = KV::k(a) + static_cast<size_t>(kv) * a.hd / 2 + t;  // pairs of dimensions
+  const typename KV::V* vg = KV::v(a) + static_cast<size_t>(kv) * a.hd + g;
   float o[MAXMT][4][4] = {};  // [m-tile][dimension tile 4 warp + nn][C fragment]
   float mrun[ROWS_PER_WARP], lrun[ROWS_PER_WARP];
 #pragma unroll
@@ -891,13 +943,13 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
     // of every step (keys past n_max read key n_max - 1: a valid row, weighed 0 below).
     if (j0 + 8 * warp < n_max) {
       const int64_t key = min(j0 + 8 * warp + g, n_max - 1);
-      float2 kx[kAttnTcMaxSteps][2];
-      attn_load_key_steps(kg + static_cast<size_t>(key) * kvw, steps, kx);
+      typename KV::K kx[kAttnTcMaxSteps][2];
+      attn_load_key_steps(kg + static_cast<size_t>(key) * (kvw / 2), steps, kx);
       float d[MAXMT][4] = {};
 #pragma unroll
       for (int s = 0; s < kAttnTcMaxSteps; ++s)
         if (s < steps) {
-          const uint2 b0 = split_bf16x2(kx[s][0].x, kx[s][0].y), b1 = split_bf16x2(kx[s][1].x, kx[s][1].y);
+          const uint2 b0 = attn_b_pair(kx[s][0]), b1 = attn_b_pair(kx[s][1]);
 #pragma unroll
           for (int mt = 0; mt < MAXMT; ++mt)
             if (mt < MT)
@@ -956,17 +1008,17 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
         const int64_t last = n_max - 1;
         const int64_t key[4] = {min(j0 + jb + 2 * t, last), min(j0 + jb + 2 * t + 1, last),
                                 min(j0 + jb + 2 * t + 8, last), min(j0 + jb + 2 * t + 9, last)};
-        float v[4][4];  // [tile][key 2t, 2t+1, 2t+8, 2t+9]
+        typename KV::V v[4][4];  // [tile][key 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
           for (int c = 0; c < 4; ++c)
-            v[nn][c] = 4 * warp + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (4 * warp + nn) * 8] : 0.0f;
+            v[nn][c] = 4 * warp + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (4 * warp + nn) * 8] : typename KV::V{};
         uint2 vb[4][2];
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn) {
-          vb[nn][0] = split_bf16x2(v[nn][0], v[nn][1]);
-          vb[nn][1] = split_bf16x2(v[nn][2], v[nn][3]);
+          vb[nn][0] = attn_b_pair(v[nn][0], v[nn][1]);
+          vb[nn][1] = attn_b_pair(v[nn][2], v[nn][3]);
         }
 #pragma unroll
         for (int mt = 0; mt < MAXMT; ++mt)
@@ -1020,10 +1072,12 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
 }  // namespace
 
 void init_attention_kernels() {
-  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_heads_tc_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
-  CUDA_CHECK(cudaFuncSetAttribute(attn_dense_rows_tc_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  for (auto k : {attn_heads_tc_kernel<true, false>, attn_heads_tc_kernel<false, false>, attn_heads_tc_kernel<true, true>,
+                 attn_heads_tc_kernel<false, true>})
+    CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
+  for (auto k : {attn_dense_rows_tc_kernel<64, false>, attn_dense_rows_tc_kernel<32, false>,
+                 attn_dense_rows_tc_kernel<64, true>, attn_dense_rows_tc_kernel<32, true>})
+    CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
@@ -1076,6 +1130,18 @@ bool attn_qreg_on() {
 
 void set_attn_qreg(int on) { g_attn_qreg = on < 0 ? -1 : (on ? 1 : 0); }
 
+namespace {
+int g_attn_presplit = -1;  // -1: CK_ATTN_PRESPLIT decides (K and V split once per prefill call unless 0)
+bool attn_presplit_on() {
+  if (g_attn_presplit < 0) g_attn_presplit = env_is("CK_ATTN_PRESPLIT", "0") ? 0 : 1;
+  return g_attn_presplit == 1;
+}
+// The split copy's scratch at most (K and V together): 8k keys of the released geometry take 33.5 MB.
+constexpr int64_t kAttnSplitMaxBytes = int64_t{512} << 20;
+}  // namespace
+
+void set_attn_presplit(int on) { g_attn_presplit = on < 0 ? -1 : (on ? 1 : 0); }
+
 void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_t stream) {
   static const bool prefetch_kv = !env_is("CK_ATTN_KV_PREFETCH", "0");
   AttnArgs a = args;
@@ -1098,6 +1164,17 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
   static const bool tc_on = !env_is("CK_ATTN_TC", "0");
   if (tc_on && rows > kMaxRows && a.hd % 16 == 0 && a.hd <= 16 * kAttnTcMaxSteps && hpg <= 16 &&
       attn_tc_smem(a) <= kAttnMaxSmem) {
+    // The keys' K and V rows split into their bf16 parts once (attn_split_kv_kernel), when the host
+    // knows how many keys the rows attend to.
+    const int64_t split_bytes = a.keys_bound * static_cast<int64_t>(a.nkv) * a.hd * 4;  // each of K and V
+    const bool split = attn_presplit_on() && a.keys_bound > 0 && 2 * split_bytes <= kAttnSplitMaxBytes;
+    if (split) {
+      a.k_split = static_cast<uint2*>(scratch_alloc(static_cast<size_t>(split_bytes), stream));
+      a.v_split = static_cast<uint32_t*>(scratch_alloc(static_cast<size_t>(split_bytes), stream));
+      const int64_t pairs = a.keys_bound * a.nkv * a.hd / 2;
+      launch(attn_split_kv_kernel, static_cast<unsigned>(ceil_div(pairs, 256)), 256, 0, stream, a, a.keys_bound);
+      CUDA_CHECK_LAUNCH();
+    }
     // The rows that select every key first, in blocks of several rows (a block past them returns at
     // once: the launch does not know the position, which the step reads on the device).
     // hpg <= 16 here, so a block holds at least 2 rows.
@@ -1106,14 +1183,21 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
       a.skip_dense = 1;
       const dim3 grid(static_cast<unsigned>(a.nkv),
                       static_cast<unsigned>(ceil_div(rows, attn_dense_rows_per_block(a, maxm))));
-      launch(maxm == 32 ? attn_dense_rows_tc_kernel<32> : attn_dense_rows_tc_kernel<64>, grid, kAttnTcWarps * 32,
+      const auto dense = maxm == 32 ? (split ? attn_dense_rows_tc_kernel<32, true> : attn_dense_rows_tc_kernel<32, false>)
+                                    : (split ? attn_dense_rows_tc_kernel<64, true> : attn_dense_rows_tc_kernel<64, false>);
+      launch(dense, grid, kAttnTcWarps * 32,
              attn_dense_smem(a, maxm), stream, a, sp, rows);
       CUDA_CHECK_LAUNCH();
     }
-    launch(attn_qreg_on() ? attn_heads_tc_kernel<true> : attn_heads_tc_kernel<false>,
-           dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32, attn_tc_smem(a), stream, a,
-           sp);
+    const auto per_row = attn_qreg_on() ? (split ? attn_heads_tc_kernel<true, true> : attn_heads_tc_kernel<true, false>)
+                                        : (split ? attn_heads_tc_kernel<false, true> : attn_heads_tc_kernel<false, false>);
+    launch(per_row, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32, attn_tc_smem(a),
+           stream, a, sp);
     CUDA_CHECK_LAUNCH();
+    if (split) {
+      scratch_free(a.v_split, stream);
+      scratch_free(a.k_split, stream);
+    }
     return;
   }
   // Prefill chunks: the heads of one KV head together (CK_ATTN_HEADS=0 keeps one block per head).

@@ -806,6 +806,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     a.nh = c.num_attention_heads; a.nkv = c.num_key_value_heads; a.hd = c.head_dim; a.inh = c.indexer_n_heads;
     a.ihd = c.indexer_head_dim; a.cr = c.indexer_compress_ratio;
     a.block_topk = c.indexer_budget / c.indexer_compress_ratio; a.eps = eps;
+    a.keys_bound = chunk_keys_;
     attention(a, sp, rows, stream_);
     mark("attn core");
     matvec(at.o, b.ao, b.ldQ, b.o, b.ldH, rows, stream_);
@@ -1017,7 +1018,9 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
     // Prefill chunk: direct launches (a few hundred per chunk against milliseconds of work), the LM head
     // in slices of kLmRows rows so the logits buffer stays small, and only over the output rows.
     marking_ = true;
+    chunk_keys_ = pos + rows;
     enqueue_trunk(rows, start);
+    chunk_keys_ = 0;
     for (int s0 = start; s0 < rows; s0 += kLmRows) {
       const int n = std::min(kLmRows, rows - s0);
       matvec(m_.lm_head_, b.fy + static_cast<size_t>(s0) * b.ldH, b.ldH, b.logits, b.ldV, n, stream_);

@@ -285,6 +285,7 @@ class Session {
   int chunk_rows_;     // rows the per-row buffers hold
   int prefill_chunk_;  // rows per prefill chunk, <= chunk_rows_
   bool profile_ = false, marking_ = false;
+  int64_t chunk_keys_ = 0;  // during a prefill chunk: pos + rows, the most keys its rows attend to (AttnArgs)
   std::vector<std::pair<std::string, cudaEvent_t>> marks_;
   std::map<std::string, double> prof_ms_;
   std::map<std::string, std::vector<float>>* taps_ = nullptr;

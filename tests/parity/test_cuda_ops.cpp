@@ -1856,8 +1856,8 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
 
 // Prefill rows that select every key go to attn_dense_rows_tc_kernel (R = 64 / hpg rows of one KV head
 // per block, online softmax over 64-key tiles): against one block per row (set_attn_dense(0)) and the
-// CPU, 32 MMA rows a block against 64 bit for bit, and the per-row kernel's Q fragments from registers
-// against shared memory bit for bit. A budget of 160 keys, so the dense rows span three tiles; chunks
+// CPU, 32 MMA rows a block against 64 bit for bit, the per-row kernel's Q fragments from registers
+// against shared memory and K and V split once per call against split by each lane, bit for bit. A budget of 160 keys, so the dense rows span three tiles; chunks
 // of 48 rows (one chunk holds dense and selecting rows, the later ones none of the first kind) and one
 // chunk of all 240 rows; 3, 12 and 16 query heads per KV head (21, 5 and 4 rows per block), head dims
 // 32 and 64.
@@ -1886,10 +1886,14 @@ TEST(CudaOps, DenseAttentionRowsMatchThePerRowKernel) {
     std::vector<float> ref_logits;
     cpu_taps(cm, tokens, &ref, &ref_logits);
     for (int chunk : {48, T}) {
-      std::vector<float> logits[4];
-      for (int dense : {0, 1, 2, 3}) {  // 3: the per-row kernel with its Q fragments in shared memory
-        set_attn_dense(dense == 0 || dense == 3 ? 0 : dense == 1 ? 64 : 32);
+      // 0: the per-row kernel alone, 1 and 2: the dense-rows kernel (64 and 32 MMA rows) before it, 3:
+      // the per-row kernel with its Q fragments in shared memory, 4 and 5: 1 and 0 with K and V split by
+      // each lane as it reads them instead of once per call.
+      std::vector<float> logits[6];
+      for (int dense : {0, 1, 2, 3, 4, 5}) {
+        set_attn_dense(dense == 0 || dense == 3 || dense == 5 ? 0 : dense == 2 ? 32 : 64);
         set_attn_qreg(dense == 3 ? 0 : 1);
+        set_attn_presplit(dense >= 4 ? 0 : 1);
         auto s = (*dm)->new_session(256);
         s->set_prefill_chunk(chunk);
         StepResult res;
@@ -1907,12 +1911,16 @@ TEST(CudaOps, DenseAttentionRowsMatchThePerRowKernel) {
       EXPECT_LE(dense_rows, 2e-5);  // the same products, another order of the softmax's divisions
       // 32 MMA rows a block: other rows share a block, the same bits (a row's do not depend on them).
       EXPECT_EQ(logits[2], logits[1]);
-      // The per-row kernel's Q fragments from registers or shared memory: the same operands, the same bits.
+      // The per-row kernel's Q fragments from registers or shared memory, K and V split once or by every
+      // lane: the same operands, the same bits.
       EXPECT_EQ(logits[3], logits[0]);
+      EXPECT_EQ(logits[4], logits[1]);
+      EXPECT_EQ(logits[5], logits[0]);
     }
   }
   set_attn_dense(-1);
   set_attn_qreg(-1);
+  set_attn_presplit(-1);
 }
 
 // Attention over a context of more compressed blocks than a block has threads (attn_gather_selected
