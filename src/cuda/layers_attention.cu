@@ -457,6 +457,8 @@ __host__ __device__ inline int attn_cap4(const AttnArgs& a) { return (attn_cap(a
 
 // One head's softmax over its scores ph[0, m) by one warp, as attn_decode_kernel: the max, exp(p - max)
 // and their sum, then one division per key; ph[m, pad) are set to zero (the readers' tail).
+__device__ __forceinline__ uint32_t attn_split_word(float v);  // (below, with the tensor-core kernels)
+template <bool SPLIT_WORDS = false>
 __device__ __forceinline__ void attn_softmax_warp(float* ph, int m, int pad) {
   const int lane = threadIdx.x & 31;
   float mx = -INFINITY;
@@ -469,8 +471,12 @@ __device__ __forceinline__ void attn_softmax_warp(float* ph, int m, int pad) {
     sum += e;
   }
   sum = warp_sum(sum);
-  for (int jj = lane; jj < m; jj += 32) ph[jj] = ph[jj] / sum;
-  for (int jj = m + lane; jj < pad; jj += 32) ph[jj] = 0.0f;
+  for (int jj = lane; jj < m; jj += 32) {
+    const float w = ph[jj] / sum;
+    if constexpr (SPLIT_WORDS) reinterpret_cast<uint32_t*>(ph)[jj] = attn_split_word(w);  // (attn_weight_pair)
+    else ph[jj] = w;
+  }
+  for (int jj = m + lane; jj < pad; jj += 32) ph[jj] = 0.0f;  // (0.0f's bits are the split word of 0)
 }
 
 // One step of a transposing warp sum of 2 STEP values per lane: the lanes with bit STEP set keep the
@@ -667,6 +673,23 @@ __device__ __forceinline__ uint2 attn_pair_of_words(uint32_t w0, uint32_t w1) { 
 }
 __device__ __forceinline__ uint2 attn_b_pair(float v0, float v1) { return split_bf16x2(v0, v1); }
 __device__ __forceinline__ uint2 attn_b_pair(uint32_t v0, uint32_t v1) { return attn_pair_of_words(v0, v1); }
+// One float as its split word {hi | lo << 16} (the bits of attn_split_kv_kernel's V values).
+__device__ __forceinline__ uint32_t attn_split_word(float v) {
+  const uint2 w = split_bf16x2(v, 0.0f);
+  return __byte_perm(w.x, w.y, 0x5410);
+}
+// With SPLIT the softmax weights too are stored as split words (their softmax writes them once per head
+// and key; each of the 8 warps' P V split them again before): the A operand of two keys' weights.
+template <bool SPLIT>
+__device__ __forceinline__ uint2 attn_weight_pair(const float* pw) {
+  if constexpr (SPLIT) {
+    const uint2 w = *reinterpret_cast<const uint2*>(pw);
+    return attn_pair_of_words(w.x, w.y);
+  } else {
+    const float2 v = *reinterpret_cast<const float2*>(pw);
+    return split_bf16x2(v.x, v.y);
+  }
+}
 
 // Keys [0, n) of the cache into k_split / v_split (AttnArgs); grid (ceil(n nkv hd / 2 / 256)), block
 // 256: one pair of floats of K and of V a thread.
@@ -796,7 +819,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   }
   __syncthreads();
   // Softmax per head (attn_heads_kernel's), zero weights for the keys past m up to m16.
-  for (int h = warp; h < hpg; h += kAttnTcWarps) attn_softmax_warp(p + h * cap16, m, m16);
+  for (int h = warp; h < hpg; h += kAttnTcWarps) attn_softmax_warp<SPLIT>(p + h * cap16, m, m16);
   __syncthreads();
 
   // O = P V: warp w takes 8-dimension tiles 4w .. 4w+3 (then + 32); per 16-key step, A = the weights
@@ -828,9 +851,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int head = g + 8 * (i & 1);
-          float2 pw = make_float2(0.0f, 0.0f);
-          if (head < hpg) pw = *reinterpret_cast<const float2*>(p + head * cap16 + jb + 2 * t + 8 * (i >> 1));
-          w[i] = split_bf16x2(pw.x, pw.y);
+          w[i] = head < hpg ? attn_weight_pair<SPLIT>(p + head * cap16 + jb + 2 * t + 8 * (i >> 1)) : make_uint2(0u, 0u);
         }
         const uint4 ah = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x), al = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
 #pragma unroll
@@ -982,8 +1003,13 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
       const float p0 = v0 ? expf(s0 - mnew) : 0.0f, p1 = v1 ? expf(s1 - mnew) : 0.0f;
       lrun[k] = lrun[k] * f + warp_sum(p0 + p1);
       mrun[k] = mnew;
-      srow[lane] = p0;
-      srow[lane + 32] = p1;
+      if constexpr (SPLIT) {  // (attn_weight_pair)
+        reinterpret_cast<uint32_t*>(srow)[lane] = attn_split_word(p0);
+        reinterpret_cast<uint32_t*>(srow)[lane + 32] = attn_split_word(p1);
+      } else {
+        srow[lane] = p0;
+        srow[lane + 32] = p1;
+      }
       if (lane == 0) alpha[row] = f;
     }
     __syncthreads();
@@ -1026,9 +1052,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
             uint2 w[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              const float2 pw = *reinterpret_cast<const float2*>(sp_tile + (16 * mt + g + 8 * (i & 1)) * kAttnDenseLds +
-                                                                 jb + 2 * t + 8 * (i >> 1));
-              w[i] = split_bf16x2(pw.x, pw.y);
+              w[i] = attn_weight_pair<SPLIT>(sp_tile + (16 * mt + g + 8 * (i & 1)) * kAttnDenseLds + jb + 2 * t +
+                                             8 * (i >> 1));
             }
             const uint4 ah = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x);
             const uint4 al = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
