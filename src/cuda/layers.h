@@ -173,8 +173,8 @@ struct AttnArgs {
   // keys' K and V rows into their bf16 parts once for the call (attn_split_kv_kernel) into k_split and
   // v_split, which it sets.
   int64_t keys_bound = 0;
-  uint2* k_split = nullptr;  // (keys_bound, nkv*hd/2): pairs of dimensions as {hi pair, lo pair}
-  uint2* v_split = nullptr;  // (ceil(keys_bound / 2), nkv*hd): pairs of keys (2j, 2j+1) as {hi pair, lo pair}
+  uint2* k_split = nullptr;      // (keys_bound, nkv*hd/2): dimension pairs as {hi pair, lo pair}
+  uint32_t* v_split = nullptr;   // (keys_bound, nkv*hd): {hi | lo << 16} per value
 };
 void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
 // Most tokens one query attends to: (block_topk + 1) * cr - 1.

@@ -661,11 +661,8 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint4& ah, const 
 // rate. attn_split_kv_kernel splits the context's keys once per call into scratch:
 //  - K as pairs of dimensions (2i, 2i+1): {hi pair, lo pair}, the uint2 that split_bf16x2 returns, so
 //    a lane's B fragment of a step is one 8-byte load, as before, with no conversion;
-//  - V as pairs of keys (2j, 2j+1) at each dimension: {hi pair, lo pair}, the B operand of those two
-//    keys, one 8-byte load where there were two 4-byte loads and a split. The selected keys come in
-//    whole blocks of cr tokens from a multiple of cr (attn_gather_selected), so with cr even a lane's
-//    keys 2t, 2t+1 of a step are such a pair (past the row's keys, where its weights are 0, a pair
-//    holds other finite values; a position past keys_bound splits as 0).
+//  - V per element: {hi, lo} in one word (hi in the low half), so the B fragment of two keys at one
+//    dimension is two byte permutes (attn_pair_of_words) instead of a split.
 // The parts are the ones split_bf16x2 makes from the same floats: the same products, the same bits
 // (the test compares them). Same bytes as the fp32 cache.
 // The pair of a lane's two K or V values as the MMA's (hi, lo) operand words.
@@ -674,7 +671,9 @@ __device__ __forceinline__ uint2 attn_b_pair(uint2 v) { return v; }  // pre-spli
 __device__ __forceinline__ uint2 attn_pair_of_words(uint32_t w0, uint32_t w1) {  // pre-split V: {hi | lo << 16}
   return make_uint2(__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632));
 }
-// One float as its split word {hi | lo << 16}: the softmax weights' form with SPLIT.
+__device__ __forceinline__ uint2 attn_b_pair(float v0, float v1) { return split_bf16x2(v0, v1); }
+__device__ __forceinline__ uint2 attn_b_pair(uint32_t v0, uint32_t v1) { return attn_pair_of_words(v0, v1); }
+// One float as its split word {hi | lo << 16} (the bits of attn_split_kv_kernel's V values).
 __device__ __forceinline__ uint32_t attn_split_word(float v) {
   const uint2 w = split_bf16x2(v, 0.0f);
   return __byte_perm(w.x, w.y, 0x5410);
@@ -692,26 +691,23 @@ __device__ __forceinline__ uint2 attn_weight_pair(const float* pw) {
   }
 }
 
-// Keys [0, n) of the cache into k_split / v_split (AttnArgs); grid (ceil(attn_split_items / 256)),
-// block 256: a pair of K's dimensions and a pair of V's keys at one dimension a thread.
-__host__ __device__ inline int64_t attn_split_items(int64_t n, int64_t kvw) { return (n + 1) / 2 * kvw; }
+// Keys [0, n) of the cache into k_split / v_split (AttnArgs); grid (ceil(n nkv hd / 2 / 256)), block
+// 256: one pair of floats of K and of V a thread.
 __global__ void attn_split_kv_kernel(const AttnArgs a, int64_t n) {
   pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t kvw = static_cast<int64_t>(a.nkv) * a.hd;
-  if (i < n * kvw / 2) a.k_split[i] = split_bf16x2(a.k_cache[2 * i], a.k_cache[2 * i + 1]);
-  if (i < attn_split_items(n, kvw)) {
-    const int64_t pair = i / kvw, e = i - pair * kvw, p0 = 2 * pair;
-    a.v_split[i] = split_bf16x2(a.v_cache[p0 * kvw + e], p0 + 1 < n ? a.v_cache[(p0 + 1) * kvw + e] : 0.0f);
-  }
+  if (i >= n * a.nkv * a.hd / 2) return;
+  a.k_split[i] = split_bf16x2(a.k_cache[2 * i], a.k_cache[2 * i + 1]);
+  const uint2 v = split_bf16x2(a.v_cache[2 * i], a.v_cache[2 * i + 1]);
+  a.v_split[2 * i] = __byte_perm(v.x, v.y, 0x5410);
+  a.v_split[2 * i + 1] = __byte_perm(v.x, v.y, 0x7632);
 }
 
 // Where the tensor-core kernels read K and V: the fp32 cache, or its split copy.
 template <bool SPLIT>
 struct AttnKv {
-  using K = std::conditional_t<SPLIT, uint2, float2>;  // a pair of dimensions of a key row
-  using V = std::conditional_t<SPLIT, uint2, float>;   // SPLIT: a pair of keys at one dimension
-  using VP = std::conditional_t<SPLIT, uint2, float2>;  // the values of two keys at one dimension
+  using K = std::conditional_t<SPLIT, uint2, float2>;    // a pair of dimensions of a key row
+  using V = std::conditional_t<SPLIT, uint32_t, float>;  // one value
   static __device__ __forceinline__ const K* k(const AttnArgs& a) {
     if constexpr (SPLIT) return a.k_split;
     else return reinterpret_cast<const float2*>(a.k_cache);
@@ -719,11 +715,6 @@ struct AttnKv {
   static __device__ __forceinline__ const V* v(const AttnArgs& a) {
     if constexpr (SPLIT) return a.v_split;
     else return a.v_cache;
-  }
-  // Keys k0 and k1 (SPLIT: k1 = k0 + 1 with k0 even, or both past the row) at vg + off, rows kvw apart.
-  static __device__ __forceinline__ VP load_v(const V* vg, size_t kvw, int k0, int k1, int off) {
-    if constexpr (SPLIT) return vg[static_cast<size_t>(k0 >> 1) * kvw + off];
-    else return make_float2(vg[static_cast<size_t>(k0) * kvw + off], vg[static_cast<size_t>(k1) * kvw + off]);
   }
 };
 
@@ -840,7 +831,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   for (int nt0 = 4 * warp; nt0 < ntiles; nt0 += 4 * kAttnTcWarps) {
     float o[4][4] = {};
     for (int j0 = 0; j0 < m16; j0 += 16 * kAttnTcVSteps) {
-      typename KV::VP v[kAttnTcVSteps][4][2];  // [step][tile][keys 2t, 2t+1 | 2t+8, 2t+9]
+      typename KV::V v[kAttnTcVSteps][4][4];  // [step][tile][key 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
       for (int u = 0; u < kAttnTcVSteps; ++u) {
         const int jb = j0 + 16 * u;
@@ -849,9 +840,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            v[u][nn][h] = nt0 + nn < ntiles ? KV::load_v(vg, kvw, key[2 * h], key[2 * h + 1], (nt0 + nn) * 8)
-                                            : typename KV::VP{};
+          for (int c = 0; c < 4; ++c)
+            v[u][nn][c] = nt0 + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (nt0 + nn) * 8] : typename KV::V{};
       }
 #pragma unroll
       for (int u = 0; u < kAttnTcVSteps; ++u) {
@@ -866,7 +856,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
         const uint4 ah = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x), al = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn)
-          mma_split(o[nn], ah, al, attn_b_pair(v[u][nn][0]), attn_b_pair(v[u][nn][1]));
+          mma_split(o[nn], ah, al, attn_b_pair(v[u][nn][0], v[u][nn][1]), attn_b_pair(v[u][nn][2], v[u][nn][3]));
       }
     }
     // o[nn]: d0, d1 = head g, dimensions 8 (nt0 + nn) + 2t, + 1; d2, d3 = head g + 8.
@@ -1044,18 +1034,17 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
         const int64_t last = n_max - 1;
         const int64_t key[4] = {min(j0 + jb + 2 * t, last), min(j0 + jb + 2 * t + 1, last),
                                 min(j0 + jb + 2 * t + 8, last), min(j0 + jb + 2 * t + 9, last)};
-        typename KV::VP v[4][2];  // [tile][keys 2t, 2t+1 | 2t+8, 2t+9]
+        typename KV::V v[4][4];  // [tile][key 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            v[nn][h] = 4 * warp + nn < ntiles ? KV::load_v(vg, kvw, key[2 * h], key[2 * h + 1], (4 * warp + nn) * 8)
-                                              : typename KV::VP{};
+          for (int c = 0; c < 4; ++c)
+            v[nn][c] = 4 * warp + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (4 * warp + nn) * 8] : typename KV::V{};
         uint2 vb[4][2];
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn) {
-          vb[nn][0] = attn_b_pair(v[nn][0]);
-          vb[nn][1] = attn_b_pair(v[nn][1]);
+          vb[nn][0] = attn_b_pair(v[nn][0], v[nn][1]);
+          vb[nn][1] = attn_b_pair(v[nn][2], v[nn][3]);
         }
 #pragma unroll
         for (int mt = 0; mt < MAXMT; ++mt)
@@ -1202,14 +1191,13 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
       attn_tc_smem(a) <= kAttnMaxSmem) {
     // The keys' K and V rows split into their bf16 parts once (attn_split_kv_kernel), when the host
     // knows how many keys the rows attend to.
-    // (V's key pairs need the selected blocks to start at even positions: cr even.)
-    const int64_t kvw = static_cast<int64_t>(a.nkv) * a.hd, items = attn_split_items(a.keys_bound, kvw);
-    const int64_t split_bytes = items * 8;  // each of K and V
-    const bool split = attn_presplit_on() && a.keys_bound > 0 && a.cr % 2 == 0 && 2 * split_bytes <= kAttnSplitMaxBytes;
+    const int64_t split_bytes = a.keys_bound * static_cast<int64_t>(a.nkv) * a.hd * 4;  // each of K and V
+    const bool split = attn_presplit_on() && a.keys_bound > 0 && 2 * split_bytes <= kAttnSplitMaxBytes;
     if (split) {
       a.k_split = static_cast<uint2*>(scratch_alloc(static_cast<size_t>(split_bytes), stream));
-      a.v_split = static_cast<uint2*>(scratch_alloc(static_cast<size_t>(split_bytes), stream));
-      launch(attn_split_kv_kernel, static_cast<unsigned>(ceil_div(items, 256)), 256, 0, stream, a, a.keys_bound);
+      a.v_split = static_cast<uint32_t*>(scratch_alloc(static_cast<size_t>(split_bytes), stream));
+      const int64_t pairs = a.keys_bound * a.nkv * a.hd / 2;
+      launch(attn_split_kv_kernel, static_cast<unsigned>(ceil_div(pairs, 256)), 256, 0, stream, a, a.keys_bound);
       CUDA_CHECK_LAUNCH();
     }
     // The rows that select every key first, in blocks of several rows (a block past them returns at
