@@ -657,7 +657,7 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint4& ah, const 
 // Each lane turns every K and V element it reads into its two bf16 parts (split_bf16x2: F2FP, two
 // unpacks, two subtractions, F2FP per pair), and a row's block reads its selected keys afresh: an 8k
 // chunk splits each key's row ~1,500 times. Nsight Compute on the per-row kernel (H200 2026-12-03
-// 14:22Z, 8k tokens) counted those conversions as 37% of its instructions, issued at 35% of the SM's
+// 14:15Z, 8k tokens) counted those conversions as 37% of its instructions, issued at 35% of the SM's
 // rate. attn_split_kv_kernel splits the context's keys once per call into scratch:
 //  - K as pairs of dimensions (2i, 2i+1): {hi pair, lo pair}, the uint2 that split_bf16x2 returns, so
 //    a lane's B fragment of a step is one 8-byte load, as before, with no conversion;
@@ -743,7 +743,7 @@ __host__ __device__ inline size_t attn_tc_smem(const AttnArgs& a) {
 // QREG: each lane keeps its Q fragments of every step in registers (128 of them at hd 256) for the
 // scores, instead of reading them from shared memory for every 8-key tile. Why: the block's 99 KB of
 // scores leave one block (8 warps) an SM, so up to 255 registers a thread are free, and Nsight Compute
-// on this kernel at 8k tokens (H200 2026-12-03 14:22Z) had the L1 (shared with shared memory) at 77% of
+// on this kernel at 8k tokens (H200 2026-12-03 14:15Z) had the L1 (shared with shared memory) at 77% of
 // its throughput and L2 at 39%: a tile's 32 16-byte fragment reads a lane are 2 KB of shared-memory
 // traffic per key, as much as the key's K and V rows. CK_ATTN_QREG=0: from shared memory.
 // SPLIT: K and V from their split copy (attn_split_kv_kernel), the same bits.
