@@ -457,7 +457,8 @@ __host__ __device__ inline int attn_cap4(const AttnArgs& a) { return (attn_cap(a
 
 // One head's softmax over its scores ph[0, m) by one warp, as attn_decode_kernel: the max, exp(p - max)
 // and their sum, then one division per key; ph[m, pad) are set to zero (the readers' tail).
-__device__ __forceinline__ uint32_t attn_split_word(float v);  // (below, with the tensor-core kernels)
+template <bool SPLIT_WORDS>
+__device__ __forceinline__ void attn_store_weight(float* p, int j, float w);  // (below, with the tensor-core kernels)
 template <bool SPLIT_WORDS = false>
 __device__ __forceinline__ void attn_softmax_warp(float* ph, int m, int pad) {
   const int lane = threadIdx.x & 31;
@@ -471,11 +472,7 @@ __device__ __forceinline__ void attn_softmax_warp(float* ph, int m, int pad) {
     sum += e;
   }
   sum = warp_sum(sum);
-  for (int jj = lane; jj < m; jj += 32) {
-    const float w = ph[jj] / sum;
-    if constexpr (SPLIT_WORDS) reinterpret_cast<uint32_t*>(ph)[jj] = attn_split_word(w);  // (attn_weight_pair)
-    else ph[jj] = w;
-  }
+  for (int jj = lane; jj < m; jj += 32) attn_store_weight<SPLIT_WORDS>(ph, jj, ph[jj] / sum);
   for (int jj = m + lane; jj < pad; jj += 32) ph[jj] = 0.0f;  // (0.0f's bits are the split word of 0)
 }
 
@@ -673,22 +670,23 @@ __device__ __forceinline__ uint2 attn_pair_of_words(uint32_t w0, uint32_t w1) { 
 }
 __device__ __forceinline__ uint2 attn_b_pair(float v0, float v1) { return split_bf16x2(v0, v1); }
 __device__ __forceinline__ uint2 attn_b_pair(uint32_t v0, uint32_t v1) { return attn_pair_of_words(v0, v1); }
-// One float as its split word {hi | lo << 16} (the bits of attn_split_kv_kernel's V values).
-__device__ __forceinline__ uint32_t attn_split_word(float v) {
-  const uint2 w = split_bf16x2(v, 0.0f);
-  return __byte_perm(w.x, w.y, 0x5410);
+// With SPLIT the softmax weights too are stored as split words {hi | lo << 16}, V's form (their softmax
+// writes them once per head and key; each of the 8 warps' P V split them again before).
+template <bool SPLIT_WORDS>
+__device__ __forceinline__ void attn_store_weight(float* p, int j, float w) {
+  if constexpr (SPLIT_WORDS) {
+    const uint2 h = split_bf16x2(w, 0.0f);
+    reinterpret_cast<uint32_t*>(p)[j] = __byte_perm(h.x, h.y, 0x5410);
+  } else {
+    p[j] = w;
+  }
 }
-// With SPLIT the softmax weights too are stored as split words (their softmax writes them once per head
-// and key; each of the 8 warps' P V split them again before): the A operand of two keys' weights.
+// The A operand of the two keys' weights at pw (stored by attn_store_weight<SPLIT>).
 template <bool SPLIT>
 __device__ __forceinline__ uint2 attn_weight_pair(const float* pw) {
-  if constexpr (SPLIT) {
-    const uint2 w = *reinterpret_cast<const uint2*>(pw);
-    return attn_pair_of_words(w.x, w.y);
-  } else {
-    const float2 v = *reinterpret_cast<const float2*>(pw);
-    return split_bf16x2(v.x, v.y);
-  }
+  using W = std::conditional_t<SPLIT, uint2, float2>;
+  const W w = *reinterpret_cast<const W*>(pw);
+  return attn_b_pair(w.x, w.y);
 }
 
 // Keys [0, n) of the cache into k_split / v_split (AttnArgs); grid (ceil(n nkv hd / 2 / 256)), block
@@ -1003,13 +1001,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
       const float p0 = v0 ? expf(s0 - mnew) : 0.0f, p1 = v1 ? expf(s1 - mnew) : 0.0f;
       lrun[k] = lrun[k] * f + warp_sum(p0 + p1);
       mrun[k] = mnew;
-      if constexpr (SPLIT) {  // (attn_weight_pair)
-        reinterpret_cast<uint32_t*>(srow)[lane] = attn_split_word(p0);
-        reinterpret_cast<uint32_t*>(srow)[lane + 32] = attn_split_word(p1);
-      } else {
-        srow[lane] = p0;
-        srow[lane + 32] = p1;
-      }
+      attn_store_weight<SPLIT>(srow, lane, p0);
+      attn_store_weight<SPLIT>(srow, lane + 32, p1);
       if (lane == 0) alpha[row] = f;
     }
     __syncthreads();
@@ -1146,26 +1139,25 @@ int attn_dense_rows() {
 void set_attn_dense(int mma_rows) { g_attn_dense = mma_rows < 0 ? -1 : attn_dense_choice(mma_rows); }
 
 namespace {
-int g_attn_qreg = -1;  // -1: CK_ATTN_QREG decides (attn_heads_tc_kernel's Q fragments in registers unless 0)
-bool attn_qreg_on() {
-  if (g_attn_qreg < 0) g_attn_qreg = env_is("CK_ATTN_QREG", "0") ? 0 : 1;
-  return g_attn_qreg == 1;
-}
-}  // namespace
-
-void set_attn_qreg(int on) { g_attn_qreg = on < 0 ? -1 : (on ? 1 : 0); }
-
-namespace {
-int g_attn_presplit = -1;  // -1: CK_ATTN_PRESPLIT decides (K and V split once per prefill call unless 0)
-bool attn_presplit_on() {
-  if (g_attn_presplit < 0) g_attn_presplit = env_is("CK_ATTN_PRESPLIT", "0") ? 0 : 1;
-  return g_attn_presplit == 1;
-}
+// A kernel choice that is on unless its environment variable is "0", which a test may set (set(1 or
+// 0)) or hand back to the environment (set(-1)).
+struct AttnSwitch {
+  const char* env;
+  int v = -1;
+  bool on() {
+    if (v < 0) v = env_is(env, "0") ? 0 : 1;
+    return v == 1;
+  }
+  void set(int on) { v = on < 0 ? -1 : (on ? 1 : 0); }
+};
+AttnSwitch g_attn_qreg{"CK_ATTN_QREG"};          // attn_heads_tc_kernel's Q fragments in registers
+AttnSwitch g_attn_presplit{"CK_ATTN_PRESPLIT"};  // K and V split once per prefill call
 // The split copy's scratch at most (K and V together): 8k keys of the released geometry take 33.5 MB.
 constexpr int64_t kAttnSplitMaxBytes = int64_t{512} << 20;
 }  // namespace
 
-void set_attn_presplit(int on) { g_attn_presplit = on < 0 ? -1 : (on ? 1 : 0); }
+void set_attn_qreg(int on) { g_attn_qreg.set(on); }
+void set_attn_presplit(int on) { g_attn_presplit.set(on); }
 
 void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_t stream) {
   static const bool prefetch_kv = !env_is("CK_ATTN_KV_PREFETCH", "0");
@@ -1192,7 +1184,7 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
     // The keys' K and V rows split into their bf16 parts once (attn_split_kv_kernel), when the host
     // knows how many keys the rows attend to.
     const int64_t split_bytes = a.keys_bound * static_cast<int64_t>(a.nkv) * a.hd * 4;  // each of K and V
-    const bool split = attn_presplit_on() && a.keys_bound > 0 && 2 * split_bytes <= kAttnSplitMaxBytes;
+    const bool split = g_attn_presplit.on() && a.keys_bound > 0 && 2 * split_bytes <= kAttnSplitMaxBytes;
     if (split) {
       a.k_split = static_cast<uint2*>(scratch_alloc(static_cast<size_t>(split_bytes), stream));
       a.v_split = static_cast<uint32_t*>(scratch_alloc(static_cast<size_t>(split_bytes), stream));
@@ -1210,11 +1202,10 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
                       static_cast<unsigned>(ceil_div(rows, attn_dense_rows_per_block(a, maxm))));
       const auto dense = maxm == 32 ? (split ? attn_dense_rows_tc_kernel<32, true> : attn_dense_rows_tc_kernel<32, false>)
                                     : (split ? attn_dense_rows_tc_kernel<64, true> : attn_dense_rows_tc_kernel<64, false>);
-      launch(dense, grid, kAttnTcWarps * 32,
-             attn_dense_smem(a, maxm), stream, a, sp, rows);
+      launch(dense, grid, kAttnTcWarps * 32, attn_dense_smem(a, maxm), stream, a, sp, rows);
       CUDA_CHECK_LAUNCH();
     }
-    const auto per_row = attn_qreg_on() ? (split ? attn_heads_tc_kernel<true, true> : attn_heads_tc_kernel<true, false>)
+    const auto per_row = g_attn_qreg.on() ? (split ? attn_heads_tc_kernel<true, true> : attn_heads_tc_kernel<true, false>)
                                         : (split ? attn_heads_tc_kernel<false, true> : attn_heads_tc_kernel<false, false>);
     launch(per_row, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32, attn_tc_smem(a),
            stream, a, sp);

@@ -1856,11 +1856,11 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
 
 // Prefill rows that select every key go to attn_dense_rows_tc_kernel (R = 64 / hpg rows of one KV head
 // per block, online softmax over 64-key tiles): against one block per row (set_attn_dense(0)) and the
-// CPU, 32 MMA rows a block against 64 bit for bit, the per-row kernel's Q fragments from registers
-// against shared memory and K and V split once per call against split by each lane, bit for bit. A budget of 160 keys, so the dense rows span three tiles; chunks
-// of 48 rows (one chunk holds dense and selecting rows, the later ones none of the first kind) and one
-// chunk of all 240 rows; 3, 12 and 16 query heads per KV head (21, 5 and 4 rows per block), head dims
-// 32 and 64.
+// CPU; bit for bit, 32 MMA rows a block against 64, the per-row kernel's Q fragments from registers
+// against shared memory, and K and V split once per call against split by each lane. A budget of 160
+// keys, so the dense rows span three tiles; chunks of 48 rows (one chunk holds dense and selecting
+// rows, the later ones none of the first kind) and one chunk of all 240 rows; 3, 12 and 16 query
+// heads per KV head (21, 5 and 4 rows per block), head dims 32 and 64.
 TEST(CudaOps, DenseAttentionRowsMatchThePerRowKernel) {
   REQUIRE_GPU();
   const std::vector<Geometry> all = geometries();
