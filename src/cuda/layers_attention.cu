@@ -659,8 +659,10 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint4& ah, const 
 // chunk splits each key's row ~1,500 times. Nsight Compute on the per-row kernel (H200 2026-12-03
 // 14:15Z, 8k tokens) counted those conversions as 37% of its instructions, issued at 35% of the SM's
 // rate. attn_split_kv_kernel splits the context's keys once per call into scratch:
-//  - K as pairs of dimensions (2i, 2i+1): {hi pair, lo pair}, the uint2 that split_bf16x2 returns, so
-//    a lane's B fragment of a step is one 8-byte load, as before, with no conversion;
+//  - K as pairs of dimensions (2i, 2i+1): {hi pair, lo pair}, the uint2 that split_bf16x2 returns,
+//    stored so that lane t's two pairs of a 16-dimension step (dimensions 2t, 2t+1 and 2t+8, 2t+9)
+//    are adjacent: inside each step, pair q at 2 (q % 4) + q / 4 (attn_split_k_pos). A lane's B
+//    fragments of a step are then one 16-byte load (two 8-byte loads before) with no conversion;
 //  - V per element: {hi, lo} in one word (hi in the low half), so the B fragment of two keys at one
 //    dimension is two byte permutes (attn_pair_of_words) instead of a split.
 // The parts are the ones split_bf16x2 makes from the same floats: the same products, the same bits
@@ -693,11 +695,14 @@ __device__ __forceinline__ uint2 attn_weight_pair(const float* pw) {
 
 // Keys [0, n) of the cache into k_split / v_split (AttnArgs); grid (ceil(n nkv hd / 2 / 256)), block
 // 256: one pair of floats of K and of V a thread.
+// Where pair i of a key row (dimensions 2i, 2i+1 of its nkv*hd) goes in the split copy's row.
+__device__ __forceinline__ int64_t attn_split_k_pos(int64_t i) { return (i & ~int64_t{7}) + 2 * (i & 3) + ((i >> 2) & 1); }
 __global__ void attn_split_kv_kernel(const AttnArgs a, int64_t n) {
   pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n * a.nkv * a.hd / 2) return;
-  a.k_split[i] = split_bf16x2(a.k_cache[2 * i], a.k_cache[2 * i + 1]);
+  // (A row's pairs, nkv*hd/2 of them, are a multiple of 8: the positions stay inside the row.)
+  a.k_split[attn_split_k_pos(i)] = split_bf16x2(a.k_cache[2 * i], a.k_cache[2 * i + 1]);
   const uint2 v = split_bf16x2(a.v_cache[2 * i], a.v_cache[2 * i + 1]);
   a.v_split[2 * i] = __byte_perm(v.x, v.y, 0x5410);
   a.v_split[2 * i + 1] = __byte_perm(v.x, v.y, 0x7632);
@@ -718,10 +723,9 @@ struct AttnKv {
   }
 };
 
-// Lane (g, t)'s K operands of one key row kr (in pairs of dimensions, already offset by t): dimensions
-// 2t, 2t+1 and 2t+8, 2t+9 of every 16-dimension step, all loads issued together.
-template <class KP>
-__device__ __forceinline__ void attn_load_key_steps(const KP* kr, int steps, KP (&kx)[kAttnTcMaxSteps][2]) {
+// Lane (g, t)'s K operands of one key row kr (in pairs of dimensions, already offset by attn_k_lane):
+// dimensions 2t, 2t+1 and 2t+8, 2t+9 of every 16-dimension step, all loads issued together.
+__device__ __forceinline__ void attn_load_key_steps(const float2* kr, int steps, float2 (&kx)[kAttnTcMaxSteps][2]) {
 #pragma unroll
   for (int s = 0; s < kAttnTcMaxSteps; ++s)
     if (s < steps) {
@@ -729,6 +733,18 @@ __device__ __forceinline__ void attn_load_key_steps(const KP* kr, int steps, KP 
       kx[s][1] = kr[8 * s + 4];
     }
 }
+__device__ __forceinline__ void attn_load_key_steps(const uint2* kr, int steps, uint2 (&kx)[kAttnTcMaxSteps][2]) {
+#pragma unroll
+  for (int s = 0; s < kAttnTcMaxSteps; ++s)
+    if (s < steps) {  // the two pairs adjacent (attn_split_k_pos)
+      const uint4 w = *reinterpret_cast<const uint4*>(kr + 8 * s);
+      kx[s][0] = make_uint2(w.x, w.y);
+      kx[s][1] = make_uint2(w.z, w.w);
+    }
+}
+// The lane's first pair in a key row: t in the cache's order, 2t in the split copy's.
+template <bool SPLIT>
+__device__ __forceinline__ int attn_k_lane(int t) { return SPLIT ? 2 * t : t; }
 
 // Selectable keys rounded up to 16 (the 16-key steps of P V).
 __host__ __device__ inline int attn_cap16(const AttnArgs& a) { return (attn_cap(a) + 15) & ~15; }
@@ -799,7 +815,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   // Scores: warp w takes key tiles w, w + 8, ... of 8 keys (the MMA's n); lane (g, t) loads key g's
   // dimensions 2t, 2t+1, 2t+8, 2t+9 of every step, all steps' loads issued together.
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
-  const typename KV::K* kg = KV::k(a) + static_cast<size_t>(kv) * a.hd / 2 + t;  // pairs of dimensions
+  const typename KV::K* kg = KV::k(a) + static_cast<size_t>(kv) * a.hd / 2 + attn_k_lane<SPLIT>(t);  // in pairs
   for (int kt = warp; kt * 8 < m; kt += kAttnTcWarps) {
     typename KV::K kx[kAttnTcMaxSteps][2];
     attn_load_key_steps(kg + static_cast<size_t>(idx[kt * 8 + g]) * (kvw / 2), steps, kx);
@@ -952,7 +968,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
   __syncthreads();
 
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
-  const typename KV::K* kg = KV::k(a) + static_cast<size_t>(kv) * a.hd / 2 + t;  // pairs of dimensions
+  const typename KV::K* kg = KV::k(a) + static_cast<size_t>(kv) * a.hd / 2 + attn_k_lane<SPLIT>(t);  // in pairs
   const typename KV::V* vg = KV::v(a) + static_cast<size_t>(kv) * a.hd + g;
   float o[MAXMT][4][4] = {};  // [m-tile][dimension tile 4 warp + nn][C fragment]
   float mrun[ROWS_PER_WARP], lrun[ROWS_PER_WARP];
