@@ -656,10 +656,15 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint4& ah, const 
 // chunk splits each key's row ~1,500 times. Nsight Compute on the per-row kernel (H200 2026-12-03
 // 14:15Z, 8k tokens) counted those conversions as 37% of its instructions, issued at 35% of the SM's
 // rate. attn_split_kv_kernel splits the context's keys once per call into scratch:
-//  - K as pairs of dimensions (2i, 2i+1): {hi pair, lo pair}, the uint2 that split_bf16x2 returns, so
-//    a lane's B fragment of a step is one 8-byte load, as before, with no conversion;
+//  - K as pairs of dimensions (2i, 2i+1): {hi pair, lo pair}, the uint2 that split_bf16x2 returns,
+//    stored so that lane t's two pairs of a 16-dimension step (dimensions 2t, 2t+1 and 2t+8, 2t+9)
+//    are adjacent: inside each step, pair q at 2 (q % 4) + q / 4 (attn_split_k_pos). A lane's B
+//    fragments of a step are then one 16-byte load (two 8-byte loads before) with no conversion;
 //  - V per element: {hi, lo} in one word (hi in the low half), so the B fragment of two keys at one
-//    dimension is two byte permutes (attn_pair_of_words) instead of a split.
+//    dimension is two byte permutes (attn_pair_of_words) instead of a split; inside each 32-dimension
+//    group (a warp's four 8-dimension tiles) dimension 8 nn + g at 4 g + nn (attn_split_v_pos), so
+//    lane g's values of one key for the four tiles are one 16-byte load (four 4-byte loads before).
+//    Needs hd % 32 == 0.
 // The parts are the ones split_bf16x2 makes from the same floats: the same products, the same bits
 // (the test compares them). Same bytes as the fp32 cache.
 // The pair of a lane's two K or V values as the MMA's (hi, lo) operand words.
@@ -691,14 +696,19 @@ __device__ __forceinline__ uint2 attn_weight_pair(const float* pw) {
 
 // Keys [0, n) of the cache into k_split / v_split (AttnArgs); grid (ceil(n nkv hd / 2 / 256)), block
 // 256: one pair of floats of K and of V a thread.
+// Where pair i of a key row (dimensions 2i, 2i+1 of its nkv*hd) goes in the split copy's row.
+__device__ __forceinline__ int64_t attn_split_k_pos(int64_t i) { return (i & ~int64_t{7}) + 2 * (i & 3) + ((i >> 2) & 1); }
+// Where value e of a key row goes in the split copy's row (rows are whole 32-value groups: hd % 32 == 0).
+__device__ __forceinline__ int64_t attn_split_v_pos(int64_t e) { return (e & ~int64_t{31}) + 4 * (e & 7) + ((e >> 3) & 3); }
 __global__ void attn_split_kv_kernel(const AttnArgs a, int64_t n) {
   pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n * a.nkv * a.hd / 2) return;
-  a.k_split[i] = split_bf16x2(a.k_cache[2 * i], a.k_cache[2 * i + 1]);
+  // (A row's pairs, nkv*hd/2 of them, are a multiple of 8: the positions stay inside the row.)
+  a.k_split[attn_split_k_pos(i)] = split_bf16x2(a.k_cache[2 * i], a.k_cache[2 * i + 1]);
   const uint2 v = split_bf16x2(a.v_cache[2 * i], a.v_cache[2 * i + 1]);
-  a.v_split[2 * i] = __byte_perm(v.x, v.y, 0x5410);
-  a.v_split[2 * i + 1] = __byte_perm(v.x, v.y, 0x7632);
+  a.v_split[attn_split_v_pos(2 * i)] = __byte_perm(v.x, v.y, 0x5410);
+  a.v_split[attn_split_v_pos(2 * i + 1)] = __byte_perm(v.x, v.y, 0x7632);
 }
 
 // Where the tensor-core kernels read K and V: the fp32 cache, or its split copy.
@@ -714,12 +724,22 @@ struct AttnKv {
     if constexpr (SPLIT) return a.v_split;
     else return a.v_cache;
   }
+  // Lane g's values of one key (row vr, its KV head's column 0) at column g of the 8-dimension tiles
+  // nt0 .. nt0 + 3 (those below ntiles; nt0 % 4 == 0).
+  static __device__ __forceinline__ void load_v_tiles(const V* vr, int nt0, int ntiles, int g, V (&out)[4]) {
+    if constexpr (SPLIT) {  // the four adjacent (attn_split_v_pos)
+      const uint4 w = *reinterpret_cast<const uint4*>(vr + 8 * nt0 + 4 * g);
+      out[0] = w.x; out[1] = w.y; out[2] = w.z; out[3] = w.w;
+    } else {
+#pragma unroll
+      for (int nn = 0; nn < 4; ++nn) out[nn] = nt0 + nn < ntiles ? vr[(nt0 + nn) * 8 + g] : 0.0f;
+    }
+  }
 };
 
-// Lane (g, t)'s K operands of one key row kr (in pairs of dimensions, already offset by t): dimensions
-// 2t, 2t+1 and 2t+8, 2t+9 of every 16-dimension step, all loads issued together.
-template <class KP>
-__device__ __forceinline__ void attn_load_key_steps(const KP* kr, int steps, KP (&kx)[kAttnTcMaxSteps][2]) {
+// Lane (g, t)'s K operands of one key row kr (in pairs of dimensions, already offset by attn_k_lane):
+// dimensions 2t, 2t+1 and 2t+8, 2t+9 of every 16-dimension step, all loads issued together.
+__device__ __forceinline__ void attn_load_key_steps(const float2* kr, int steps, float2 (&kx)[kAttnTcMaxSteps][2]) {
 #pragma unroll
   for (int s = 0; s < kAttnTcMaxSteps; ++s)
     if (s < steps) {
@@ -727,6 +747,18 @@ __device__ __forceinline__ void attn_load_key_steps(const KP* kr, int steps, KP 
       kx[s][1] = kr[8 * s + 4];
     }
 }
+__device__ __forceinline__ void attn_load_key_steps(const uint2* kr, int steps, uint2 (&kx)[kAttnTcMaxSteps][2]) {
+#pragma unroll
+  for (int s = 0; s < kAttnTcMaxSteps; ++s)
+    if (s < steps) {  // the two pairs adjacent (attn_split_k_pos)
+      const uint4 w = *reinterpret_cast<const uint4*>(kr + 8 * s);
+      kx[s][0] = make_uint2(w.x, w.y);
+      kx[s][1] = make_uint2(w.z, w.w);
+    }
+}
+// The lane's first pair in a key row: t in the cache's order, 2t in the split copy's.
+template <bool SPLIT>
+__device__ __forceinline__ int attn_k_lane(int t) { return SPLIT ? 2 * t : t; }
 
 // Selectable keys rounded up to 16 (the 16-key steps of P V).
 __host__ __device__ inline int attn_cap16(const AttnArgs& a) { return (attn_cap(a) + 15) & ~15; }
@@ -797,7 +829,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   // Scores: warp w takes key tiles w, w + 8, ... of 8 keys (the MMA's n); lane (g, t) loads key g's
   // dimensions 2t, 2t+1, 2t+8, 2t+9 of every step, all steps' loads issued together.
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
-  const typename KV::K* kg = KV::k(a) + static_cast<size_t>(kv) * a.hd / 2 + t;  // pairs of dimensions
+  const typename KV::K* kg = KV::k(a) + static_cast<size_t>(kv) * a.hd / 2 + attn_k_lane<SPLIT>(t);  // in pairs
   for (int kt = warp; kt * 8 < m; kt += kAttnTcWarps) {
     typename KV::K kx[kAttnTcMaxSteps][2];
     attn_load_key_steps(kg + static_cast<size_t>(idx[kt * 8 + g]) * (kvw / 2), steps, kx);
@@ -823,7 +855,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   // O = P V: warp w takes 8-dimension tiles 4w .. 4w+3 (then + 32); per 16-key step, A = the weights
   // of heads (g, g+8) for keys 2t, 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3); B = those keys' values at
   // dimension g of each tile, kAttnTcVSteps steps' loads issued together.
-  const typename KV::V* vg = KV::v(a) + static_cast<size_t>(kv) * a.hd + g;
+  const typename KV::V* vg = KV::v(a) + static_cast<size_t>(kv) * a.hd;
   const int ntiles = a.hd / 8;
   const float* gate0 = a.qg + static_cast<size_t>(r) * a.ldqg + static_cast<size_t>(h0) * 2 * a.hd + a.hd;
   for (int nt0 = 4 * warp; nt0 < ntiles; nt0 += 4 * kAttnTcWarps) {
@@ -836,10 +868,12 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
         if (jb >= m16) break;
         const int key[4] = {idx[jb + 2 * t], idx[jb + 2 * t + 1], idx[jb + 2 * t + 8], idx[jb + 2 * t + 9]};
 #pragma unroll
-        for (int nn = 0; nn < 4; ++nn)
+        for (int c = 0; c < 4; ++c) {
+          typename KV::V vt[4];
+          KV::load_v_tiles(vg + static_cast<size_t>(key[c]) * kvw, nt0, ntiles, g, vt);
 #pragma unroll
-          for (int c = 0; c < 4; ++c)
-            v[u][nn][c] = nt0 + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (nt0 + nn) * 8] : typename KV::V{};
+          for (int nn = 0; nn < 4; ++nn) v[u][nn][c] = vt[nn];
+        }
       }
 #pragma unroll
       for (int u = 0; u < kAttnTcVSteps; ++u) {
@@ -950,8 +984,8 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
   __syncthreads();
 
   const float scale = 1.0f / sqrtf(static_cast<float>(a.hd));
-  const typename KV::K* kg = KV::k(a) + static_cast<size_t>(kv) * a.hd / 2 + t;  // pairs of dimensions
-  const typename KV::V* vg = KV::v(a) + static_cast<size_t>(kv) * a.hd + g;
+  const typename KV::K* kg = KV::k(a) + static_cast<size_t>(kv) * a.hd / 2 + attn_k_lane<SPLIT>(t);  // in pairs
+  const typename KV::V* vg = KV::v(a) + static_cast<size_t>(kv) * a.hd;
   float o[MAXMT][4][4] = {};  // [m-tile][dimension tile 4 warp + nn][C fragment]
   float mrun[ROWS_PER_WARP], lrun[ROWS_PER_WARP];
 #pragma unroll
@@ -1029,10 +1063,12 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
                                 min(j0 + jb + 2 * t + 8, last), min(j0 + jb + 2 * t + 9, last)};
         typename KV::V v[4][4];  // [tile][key 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
-        for (int nn = 0; nn < 4; ++nn)
+        for (int c = 0; c < 4; ++c) {
+          typename KV::V vt[4];
+          KV::load_v_tiles(vg + static_cast<size_t>(key[c]) * kvw, 4 * warp, ntiles, g, vt);
 #pragma unroll
-          for (int c = 0; c < 4; ++c)
-            v[nn][c] = 4 * warp + nn < ntiles ? vg[static_cast<size_t>(key[c]) * kvw + (4 * warp + nn) * 8] : typename KV::V{};
+          for (int nn = 0; nn < 4; ++nn) v[nn][c] = vt[nn];
+        }
         uint2 vb[4][2];
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn) {
@@ -1184,7 +1220,7 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
     // The keys' K and V rows split into their bf16 parts once (attn_split_kv_kernel), when the host
     // knows how many keys the rows attend to.
     const int64_t split_bytes = a.keys_bound * static_cast<int64_t>(a.nkv) * a.hd * 4;  // each of K and V
-    const bool split = g_attn_presplit.on() && a.keys_bound > 0 && 2 * split_bytes <= kAttnSplitMaxBytes;
+    const bool split = g_attn_presplit.on() && a.keys_bound > 0 && a.hd % 32 == 0 && 2 * split_bytes <= kAttnSplitMaxBytes;
     if (split) {
       a.k_split = static_cast<uint2*>(scratch_alloc(static_cast<size_t>(split_bytes), stream));
       a.v_split = static_cast<uint32_t*>(scratch_alloc(static_cast<size_t>(split_bytes), stream));
