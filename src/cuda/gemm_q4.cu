@@ -652,6 +652,8 @@ void set_q4_wg_min_rows(int rows) {
 }
 static int g_q4_wg_wide = -1;  // set_q4_wg_wide: -1, CK_Q4_WG_WIDE decides (on unless "0")
 void set_q4_wg_wide(int on) { g_q4_wg_wide = on < 0 ? -1 : (on ? 1 : 0); }
+static int g_q4_wg_fold = -1;  // set_q4_wg_fold: -1, CK_Q4_WG_FOLD decides (off unless "1")
+void set_q4_wg_fold(int on) { g_q4_wg_fold = on < 0 ? -1 : (on ? 1 : 0); }
 
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
@@ -706,6 +708,10 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   static const bool wide_env = !env_is("CK_Q4_WG_WIDE", "0");
   const bool wide_on = g_q4_wg_wide < 0 ? wide_env : g_q4_wg_wide > 0;
   const int block_tokens = bulk && wide_on ? 128 : wg_tokens;
+  // The 128-token bulk kernel's folded form (gemm_q4_wg.cu: the scales in the A operand, the bias term as
+  // products, no per-group epilogue), two parts of x only: CK_Q4_WG_FOLD=1 or set_q4_wg_fold(1).
+  static const bool fold_env = env_is("CK_Q4_WG_FOLD", "1");
+  const bool fold = (g_q4_wg_fold < 0 ? fold_env : g_q4_wg_fold > 0) && block_tokens == 128 && parts == 2;
   Q4WgArgs w;
   if (wg) {
     w.n_jobs = n_jobs;
@@ -748,7 +754,8 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   };
   if (wg) {
     dense_args(w);
-    if (bulk) launch_q4_wg_bulk(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, block_tokens, stream);
+    if (bulk)
+      launch_q4_wg_bulk(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, block_tokens, fold, stream);
     else launch_q4_wg_dense(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, wg_tokens, stream);
   } else {
     Q4Args a{};

@@ -122,6 +122,59 @@ __device__ __forceinline__ void wg_issue(uint32_t xb, uint32_t b_bytes, const ui
       for (int p = PARTS - 1; p >= 0; --p)  // small parts first
         wg_mma(d[mf], af[s][mf], wg_desc(xb + (s * PARTS + p) * b_bytes, kWgLbo, kWgSbo), s > 0 || p < PARTS - 1);
 }
+
+// ---- The folded form (q4_wg_bulk_kernel<2, 128, true>): the scale in the A operand
+//
+// One m64 tile's A fragments for a group's 4 k16 steps as the two bf16 parts of s q: hi = bf16(s q)
+// and lo = s q - hi, from the codes (code_pair_lop3, rows g and g + 8 as in wg_a_frags) and the rows'
+// bf16 scales (the low halves of the tile's scale words sw.x, row g, and sw.y, row g + 8). Exact: s has
+// 8 significant bits and q at most 4, so s q has at most 12 and its remainder after hi at most 4, which
+// bf16 holds; the fused multiply-add rounds s q - hi once, to itself.
+__device__ __forceinline__ void wg_fold_frags(const uint4& c, uint2 sw, uint32_t (&ah)[4][4], uint32_t (&al)[4][4]) {
+  const uint32_t s0 = __byte_perm(sw.x, 0u, 0x1010u), s1 = __byte_perm(sw.y, 0u, 0x1010u);
+  const __nv_bfloat162 sg = *reinterpret_cast<const __nv_bfloat162*>(&s0), sg8 = *reinterpret_cast<const __nv_bfloat162*>(&s1);
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t w_g = (s >> 1) ? c.y : c.x, w_g8 = (s >> 1) ? c.w : c.z;
+    const int i0 = 2 * (s & 1);
+    const uint32_t q[4] = {code_pair_lop3(w_g, i0), code_pair_lop3(w_g8, i0), code_pair_lop3(w_g, i0 + 1),
+                           code_pair_lop3(w_g8, i0 + 1)};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const __nv_bfloat162 qr = *reinterpret_cast<const __nv_bfloat162*>(&q[r]);
+      const __nv_bfloat162 sc = (r & 1) ? sg8 : sg;
+      const __nv_bfloat162 hi = __hmul2(qr, sc);
+      const __nv_bfloat162 lo = __hfma2(qr, sc, __hneg2(hi));
+      ah[s][r] = *reinterpret_cast<const uint32_t*>(&hi);
+      al[s][r] = *reinterpret_cast<const uint32_t*>(&lo);
+    }
+  }
+}
+
+// Registers that an issued wgmma still reads (A fragments) or writes (accumulators) must keep their
+// values: the compiler sees each wgmma as done when its asm statement ends and may reuse them. An
+// empty asm that "modifies" them after the wait that completes the wgmma keeps them live until there
+// (CUTLASS's warpgroup_fence_operand).
+template <int N>
+__device__ __forceinline__ void wg_keep(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+__device__ __forceinline__ void wg_keep(uint32_t (&r)[4][4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) wg_keep(r[s]);
+}
+template <int N>
+__device__ __forceinline__ void wg_keep(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// A barrier of one warpgroup's 128 threads (named barrier 1 + wg; 0 is __syncthreads).
+__device__ __forceinline__ void wg_bar(int wg) {
+  if (wg) asm volatile("bar.sync 2, 128;" ::: "memory");
+  else asm volatile("bar.sync 1, 128;" ::: "memory");
+}
 #endif
 
 // The block's two 128-feature units (q4_wg_units): unit u's job, and its first feature row in that
@@ -437,7 +490,11 @@ CK_HD constexpr int wg_bulk_stage_bytes(int parts, int tokens) {
 CK_HD constexpr int wg_bulk_stages(int parts, int tokens) {
   return 220 * 1024 / wg_bulk_stage_bytes(parts, tokens) < 5 ? 220 * 1024 / wg_bulk_stage_bytes(parts, tokens) : 5;
 }
-constexpr int wg_bulk_smem(int parts, int tokens) { return wg_bulk_stages(parts, tokens) * wg_bulk_stage_bytes(parts, tokens); }
+// The folded form adds each warpgroup's two bias windows of two parts (q4_wg_b_bytes(tokens) each).
+constexpr int wg_bulk_smem(int parts, int tokens, bool fold = false) {
+  return wg_bulk_stages(parts, tokens) * wg_bulk_stage_bytes(parts, tokens) + (fold ? 2 * 4 * q4_wg_b_bytes(tokens) : 0);
+}
+static_assert(wg_bulk_smem(2, 128, true) <= 227 * 1024 - 1024, "the folded form's shared memory");
 static_assert(wg_bulk_stage_bytes(2, 64) % 128 == 0 && wg_bulk_stage_bytes(3, 64) % 128 == 0 &&
                   wg_bulk_stage_bytes(2, 128) % 128 == 0 && wg_bulk_stage_bytes(3, 128) % 128 == 0,
               "stage alignment");
@@ -446,7 +503,7 @@ static_assert(wg_bulk_stages(3, 128) > kWgAhead, "stages for the copies ahead");
 // y_job[row] = epi(w_job · x[row]) for dense jobs all in 16-row tiles, TN tokens per block (64: a
 // warpgroup takes 128 features as two m64 tiles; 128: 64 features, one m64n128 tile); grid (feature
 // tiles, rows / TN, K splits); x from q4_xfrag_kernel's tile layout for TN rows (a.xf).
-template <int PARTS, int TN>
+template <int PARTS, int TN, bool FOLD = false>
 __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_constant__ Q4WgArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
@@ -508,9 +565,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
     for (int G = g_begin; G < min(g_end, g_begin + kWgAhead); ++G) produce(G);
 
   float acc[MF][ND] = {};
+  const uint32_t smem_base = smem_u32(wg_smem);
+  if constexpr (!FOLD) {
   float d[MF][ND];
   uint32_t af[4][MF][4];
-  const uint32_t smem_base = smem_u32(wg_smem);
   for (int G = g_begin; G < g_end; ++G) {
     const int i = G - g_begin, st = i % kStages;
     if (warp == 0 && G + kWgAhead < g_end) produce(G + kWgAhead);
@@ -541,6 +599,110 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[st]);
+  }
+  } else {
+    // The folded form (CK_Q4_WG_FOLD): A = the two bf16 parts of s q (wg_fold_frags), so the wgmmas
+    // accumulate y itself over all of K: no group sums d, no wait for them, no epilogue per group.
+    // A warpgroup issues group G's 12 wgmmas (4 steps x three of the four products of two parts by
+    // two: hi w x lo x, lo w x hi x, hi w x hi x; lo w x lo x, < 2^-18 of each term, is left out, less
+    // than the two parts of x leave out of x) while G - 1's run,
+    // with two sets of A registers (the loop takes groups in pairs); group G - 2's completion frees its
+    // A registers and its stage. The bias term Σ_G b_G Σ x_G is products too: each group's Σ x (two
+    // bf16 parts) goes into column G % 16 of a window of B (16 k columns, two windows alternating, the
+    // warpgroup's own), the rows' bf16 biases into the A fragment bias_a (lane (g, t): groups 2t, 2t+1
+    // in words 0 (row g) and 1 (row g + 8), 2t+8, 2t+9 in words 2 and 3); a full window, or the last
+    // group, adds two wgmmas. Sums in another order than the factored form's (the tensor core adds
+    // across groups), within the parity tolerances against the CPU.
+    static_assert(PARTS == 2 && TN == 128, "the folded form: two parts, one m64n128 tile a warpgroup");
+    static_assert(kStages >= kWgAhead + 2, "a stage is free two groups after its wgmmas were issued");
+    uint8_t* const win = wg_smem + kStages * kStage + wg * 4 * kBBytes;  // [window][part][B core matrices]
+    const int r_tok = tid & 127;  // this thread's token column in the windows
+    const uint32_t win_off = 256 * (r_tok >> 3) + 16 * (r_tok & 7);
+    for (int i = r_tok; i < kBBytes / 4; i += 128) reinterpret_cast<uint4*>(win)[i] = make_uint4(0u, 0u, 0u, 0u);
+    fence_proxy_async();
+    wg_bar(wg);
+    uint32_t ah0[4][4], al0[4][4], ah1[4][4], al1[4][4];
+    uint32_t bias_q[4];
+    // The window's biases of this warp's 16 rows, [row][column]: the A fragment is loaded from here
+    // after a wait (registers of a wgmma that were defined while wgmmas were in flight, as a fragment
+    // built group by group would be, serialize every wgmma: ptxas C7513).
+    __shared__ __align__(16) uint16_t bias_s[8][16][16];
+    uint16_t (&bias_w)[16][16] = bias_s[warp];
+    auto group = [&](int G, uint32_t (&ah)[4][4], uint32_t (&al)[4][4]) {
+      const int i = G - g_begin, st = i % kStages;
+      wg_wait<1>();  // group G - 2's wgmmas are done: its A registers (these) and its stage are free
+      wg_keep(ah);
+      wg_keep(al);
+      if (i >= 2) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[(i - 2) % kStages]);
+      }
+      if (warp == 0 && G + kWgAhead < g_end) produce(G + kWgAhead);
+      mbar_wait(&full[st], (i / kStages) & 1);
+      // An idle warpgroup multiplies its clamped tiles too (never stored): a wgmma on a path the
+      // compiler cannot prove uniform serializes every wgmma of the kernel (ptxas C7520).
+      const uint8_t* stage = wg_smem + st * kStage;
+      const uint8_t* tile = stage + kAct + wg * kUnitBytes + wq * kTileGroupBytes;
+      const uint2 sw = *reinterpret_cast<const uint2*>(tile + 512 + 8 * g);
+      wg_fold_frags(*reinterpret_cast<const uint4*>(tile + 16 * lane), sw, ah, al);
+      const int j = i & 15;  // the group's column in its window
+      uint8_t* const w = win + ((i >> 4) & 1) * 2 * kBBytes;
+      const float sx = reinterpret_cast<const float*>(stage + PARTS * 4 * kBBytes)[r_tok];
+      const __nv_bfloat16 sx_hi = __float2bfloat16_rn(sx);
+      const __nv_bfloat16 sx_lo = __float2bfloat16_rn(sx - __bfloat162float(sx_hi));
+      const uint32_t col = win_off + 128 * (j >> 3) + 2 * (j & 7);
+      *reinterpret_cast<__nv_bfloat16*>(w + col) = sx_hi;
+      *reinterpret_cast<__nv_bfloat16*>(w + kBBytes + col) = sx_lo;
+      if (t == 0) {  // rows g and g + 8's bf16 biases (the high halves of their scale words)
+        bias_w[g][j] = static_cast<uint16_t>(sw.x >> 16);
+        bias_w[g + 8][j] = static_cast<uint16_t>(sw.y >> 16);
+      }
+      const uint32_t xb = smem_base + static_cast<uint32_t>(st * kStage);
+      wg_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {  // small products first
+        wg_mma(acc[0], ah[s], wg_desc(xb + (2 * s + 1) * kBBytes, kWgLbo, kWgSbo), 1);
+        wg_mma(acc[0], al[s], wg_desc(xb + 2 * s * kBBytes, kWgLbo, kWgSbo), 1);
+        wg_mma(acc[0], ah[s], wg_desc(xb + 2 * s * kBBytes, kWgLbo, kWgSbo), 1);
+      }
+      wg_commit();
+    };
+    // The window's bias products (a commit group of their own), once its groups are issued.
+    auto flush = [&](int i_last) {
+      // bias_q is set after a wait (see bias_s); this retires the group before last, and the one before
+      // it read the previous window's bias_q.
+      wg_wait<1>();
+      wg_keep(bias_q);
+      fence_proxy_async();  // the window's Σ x, stored by every thread, for the wgmmas
+      wg_bar(wg);  // (and the warp's bias_w)
+      // Lane (g, t): columns 2t, 2t + 1 of rows g (word 0) and g + 8 (1), 2t + 8, 2t + 9 (2, 3); the
+      // columns past a short last window are zero.
+      const int n_cols = i_last % 16 + 1;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int row = g + 8 * (k & 1), c = 2 * t + 8 * (k >> 1);
+        const uint32_t v = *reinterpret_cast<const uint32_t*>(&bias_w[row][c]);
+        bias_q[k] = c + 1 < n_cols ? v : c < n_cols ? (v & 0xFFFFu) : 0u;
+      }
+      wg_fence();
+      const uint32_t wb = smem_u32(win + ((i_last >> 4) & 1) * 2 * kBBytes);
+      wg_mma(acc[0], bias_q, wg_desc(wb + kBBytes, kWgLbo, kWgSbo), 1);
+      wg_mma(acc[0], bias_q, wg_desc(wb, kWgLbo, kWgSbo), 1);
+      wg_commit();
+      __syncwarp();  // every lane has read bias_w before the next window's first writes
+    };
+    // Windows of 16 groups, their groups in pairs (a wgmma on a path that depends on the group, such
+    // as the flush inside the pair loop, serializes every wgmma of the kernel: ptxas C7520).
+    for (int W = g_begin; W < g_end; W += 16) {
+      const int W_end = min(W + 16, g_end);
+      for (int G = W; G < W_end; G += 2) {
+        group(G, ah0, al0);
+        if (G + 1 < W_end) group(G + 1, ah1, al1);
+      }
+      flush(W_end - 1 - g_begin);
+    }
+    wg_wait<0>();
+    wg_keep(acc[0]);
   }
   if (active) wg_store<NJ>(a, job, f_wg, acc, drow);
 #else
@@ -577,7 +739,8 @@ bool q4_wg_ready() {
     cudaFuncAttributes at{};
     const std::pair<WgKernel, int> bulk[] = {
         {q4_wg_bulk_kernel<2, 64>, wg_bulk_smem(2, 64)}, {q4_wg_bulk_kernel<3, 64>, wg_bulk_smem(3, 64)},
-        {q4_wg_bulk_kernel<2, 128>, wg_bulk_smem(2, 128)}, {q4_wg_bulk_kernel<3, 128>, wg_bulk_smem(3, 128)}};
+        {q4_wg_bulk_kernel<2, 128>, wg_bulk_smem(2, 128)}, {q4_wg_bulk_kernel<3, 128>, wg_bulk_smem(3, 128)},
+        {q4_wg_bulk_kernel<2, 128, true>, wg_bulk_smem(2, 128, true)}};
     for (const auto& [k, smem] : bulk)
       if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
           cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
@@ -608,11 +771,13 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
   CUDA_CHECK_LAUNCH();
 }
 
-void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens,
+void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens, bool fold,
                        cudaStream_t stream) {
   const dim3 grid(feature_tiles, static_cast<unsigned>((a.rows + tokens - 1) / tokens), splits);
-  const int smem = wg_bulk_smem(parts, tokens);
-  if (tokens == 128 && parts == 3) q4_wg_bulk_kernel<3, 128><<<grid, kWgThreads, smem, stream>>>(a);
+  fold = fold && parts == 2 && tokens == 128;
+  const int smem = wg_bulk_smem(parts, tokens, fold);
+  if (fold) q4_wg_bulk_kernel<2, 128, true><<<grid, kWgThreads, smem, stream>>>(a);
+  else if (tokens == 128 && parts == 3) q4_wg_bulk_kernel<3, 128><<<grid, kWgThreads, smem, stream>>>(a);
   else if (tokens == 128) q4_wg_bulk_kernel<2, 128><<<grid, kWgThreads, smem, stream>>>(a);
   else if (parts == 3) q4_wg_bulk_kernel<3, 64><<<grid, kWgThreads, smem, stream>>>(a);
   else q4_wg_bulk_kernel<2, 64><<<grid, kWgThreads, smem, stream>>>(a);

@@ -56,7 +56,9 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
 // q4_xfrag_kernel's tile layout for tiles of `tokens` rows: per tile and group one block of
 // q4_wg_act_block_bytes(parts, tokens) bytes, laid out as the kernel's shared memory holds it (Σ x
 // included; a.gsum is not read).
-void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens,
+// fold (two parts and 128 tokens only, else ignored): the folded form, the scales in the A operand and
+// the bias term as products (gemm_q4_wg.cu; CK_Q4_WG_FOLD).
+void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens, bool fold,
                        cudaStream_t stream);
 // One (tile of `rows` rows, group) block of the tile layout: (step s, part p) of B core matrices at
 // (s parts + p) q4_wg_b_bytes(rows) (the rows x 16 k values of bf16), then the rows' Σ x (floats).

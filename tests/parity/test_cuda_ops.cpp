@@ -696,10 +696,12 @@ TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
       DeviceBuffer<float> xd;
       to_device(x, &xd);
       const std::vector<float> ref = cpu_rows(hm.m, x, ldx, n);
-      for (int parts : {2, 3}) {
+      for (int variant : {2, 3, 4}) {  // parts of x; 4: two parts in the folded form (set_q4_wg_fold)
+        const int parts = variant == 3 ? 3 : 2;
         set_prefill_parts(parts);
+        set_q4_wg_fold(variant == 4 ? 1 : 0);
         const std::string what = "wide tiles " + std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " +
-                                 std::to_string(n) + " parts " + std::to_string(parts);
+                                 std::to_string(n) + " parts " + std::to_string(parts) + (variant == 4 ? " folded" : "");
         std::vector<float> out[2];
         for (int tiles8 : {1, 0}) {  // the activations split by the 8-row kernel, then row by row
           set_xfrag_tiles8(tiles8);
@@ -715,6 +717,7 @@ TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
   }
   set_prefill_parts(-1);
   set_xfrag_tiles8(-1);
+  set_q4_wg_fold(-1);
   set_q4_wg_wide(-1);
   set_q4_wg_min_rows(-1);
 }
@@ -1836,9 +1839,10 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
     cpu_taps(cm, tokens, &ref, &ref_logits);
     // Both dense 4-bit kernels on Hopper: the warpgroup-MMA one (below its row threshold only here),
     // where every matrix is in tiles in its 64- and its 128-token bulk-copy forms (set_q4_wg_wide).
-    for (int form : {0, 1, 2}) {
+    for (int form : {0, 1, 2, 3}) {  // 3: the 128-token bulk form folded (set_q4_wg_fold)
       set_q4_wg_min_rows(form ? 1 : -1);
-      set_q4_wg_wide(form == 2 ? 1 : 0);
+      set_q4_wg_wide(form >= 2 ? 1 : 0);
+      set_q4_wg_fold(form == 3 ? 1 : 0);
       auto s = (*dm)->new_session(128);
       s->set_prefill_chunk(40);
       StepResult res;
@@ -1846,11 +1850,16 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
       ASSERT_EQ(res.logits.size(), ref_logits.size());
       const double rl = rel_l2(res.logits.data(), ref_logits.data(), ref_logits.size());
       std::printf("  %s, prefill chunks of 40%s: logits rel_l2 %.3e\n", g.name.c_str(),
-                  form == 1 ? " (wgmma dense)" : form == 2 ? " (wgmma dense, 128-token bulk form)" : "", rl);
+                  form == 1   ? " (wgmma dense)"
+                  : form == 2 ? " (wgmma dense, 128-token bulk form)"
+                  : form == 3 ? " (wgmma dense, 128-token bulk form, folded)"
+                              : "",
+                  rl);
       EXPECT_LE(rl, 1e-4);
     }
     set_q4_wg_min_rows(-1);
     set_q4_wg_wide(-1);
+    set_q4_wg_fold(-1);
   }
 }
 
