@@ -652,8 +652,8 @@ void set_q4_wg_min_rows(int rows) {
 }
 static int g_q4_wg_wide = -1;  // set_q4_wg_wide: -1, CK_Q4_WG_WIDE decides (on unless "0")
 void set_q4_wg_wide(int on) { g_q4_wg_wide = on < 0 ? -1 : (on ? 1 : 0); }
-static int g_q4_wg_fold = -1;  // set_q4_wg_fold: -1, CK_Q4_WG_FOLD decides (on unless "0")
-void set_q4_wg_fold(int on) { g_q4_wg_fold = on < 0 ? -1 : (on ? 1 : 0); }
+static int g_q4_wg_fold = -1;  // set_q4_wg_fold: -1, CK_Q4_WG_FOLD decides (1 unless "0" or "3")
+void set_q4_wg_fold(int mode) { g_q4_wg_fold = mode < 0 ? -1 : mode == 3 ? 3 : (mode ? 1 : 0); }
 
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
@@ -711,14 +711,15 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   // The 128-token bulk kernel's folded form (gemm_q4_wg.cu: the scales in the A operand, the bias term as
   // products, no per-group epilogue), two parts of x only; the default since 2026-12-03 (the dense
   // products -5%, prefill +1.2% at 8k tokens); CK_Q4_WG_FOLD=0 or set_q4_wg_fold(0) keeps the factored form.
-  static const bool fold_env = !env_is("CK_Q4_WG_FOLD", "0");
-  const bool fold = (g_q4_wg_fold < 0 ? fold_env : g_q4_wg_fold > 0) && block_tokens == 128 && parts == 2;
+  // CK_Q4_WG_FOLD=3 or set_q4_wg_fold(3): the folded form with three warpgroups a block (to compare).
+  static const int fold_env = env_is("CK_Q4_WG_FOLD", "0") ? 0 : env_is("CK_Q4_WG_FOLD", "3") ? 3 : 1;
+  const int fold = block_tokens == 128 && parts == 2 ? (g_q4_wg_fold < 0 ? fold_env : g_q4_wg_fold) : 0;
   Q4WgArgs w;
   if (wg) {
     w.n_jobs = n_jobs;
     for (int j = 0; j < n_jobs; ++j) w.job[j] = jobs[j];
     // The jobs' units (128 features, or 64 for 128 tokens), two to a block (dense_args fills the rest).
-    tiles = q4_wg_units(w, q4_wg_unit_features(block_tokens));
+    tiles = q4_wg_units(w, q4_wg_unit_features(block_tokens), bulk && fold == 3 ? 3 : 2);
   }
   // Split K when the grid fills its last wave poorly (two q4_tile_kernel blocks per SM, or one wgmma
   // block): the hyper-connection down projection (2 blocks per 64 tokens over K = 10,240: 64 blocks

@@ -172,18 +172,20 @@ __device__ __forceinline__ void wg_keep(float (&r)[N]) {
 
 // A barrier of one warpgroup's 128 threads (named barrier 1 + wg; 0 is __syncthreads).
 __device__ __forceinline__ void wg_bar(int wg) {
-  if (wg) asm volatile("bar.sync 2, 128;" ::: "memory");
+  if (wg == 2) asm volatile("bar.sync 3, 128;" ::: "memory");
+  else if (wg) asm volatile("bar.sync 2, 128;" ::: "memory");
   else asm volatile("bar.sync 1, 128;" ::: "memory");
 }
 #endif
 
-// The block's two 128-feature units (q4_wg_units): unit u's job, and its first feature row in that
-// job's matrix (every job has the same K; a unit past the last job's is idle: its first row is its
-// job's row count).
-__device__ __forceinline__ void wg_block_units(const Q4WgArgs& a, int (&ujob)[2], int (&uf0)[2]) {
+// The block's WGS units (q4_wg_units; two, or three in the folded form's three-warpgroup blocks): unit
+// u's job, and its first feature row in that job's matrix (every job has the same K; a unit past the
+// last job's is idle: its first row is its job's row count).
+template <int WGS>
+__device__ __forceinline__ void wg_block_units(const Q4WgArgs& a, int (&ujob)[WGS], int (&uf0)[WGS]) {
 #pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    const int unit = 2 * static_cast<int>(blockIdx.x) + u;
+  for (int u = 0; u < WGS; ++u) {
+    const int unit = WGS * static_cast<int>(blockIdx.x) + u;
     int j = 0;
     while (j + 1 < a.n_jobs && unit >= a.first_unit[j + 1]) ++j;
     ujob[u] = j;
@@ -191,9 +193,11 @@ __device__ __forceinline__ void wg_block_units(const Q4WgArgs& a, int (&ujob)[2]
   }
 }
 
-// Arrays of two read by a select, not an index: an indexed read puts the array on the stack.
+// Arrays of two or three read by a select, not an index: an indexed read puts the array on the stack.
 template <class T>
 __device__ __forceinline__ T wg_pick(const T (&v)[2], int u) { return u ? v[1] : v[0]; }
+template <class T>
+__device__ __forceinline__ T wg_pick(const T (&v)[3], int u) { return u == 2 ? v[2] : u ? v[1] : v[0]; }
 
 // One m64 tile's A fragments (this warp's 16-row slice) for a group's 4 k16 steps, in
 // q4_tile_kernel's code_pair_lop3 order, from the 8 code bytes of row g (c0) and of row g + 8 (c8).
@@ -482,19 +486,25 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_dense_kernel(const __grid
 constexpr int kWgAhead = 3;
 // A unit's tiles of one group: 128 features (8 tiles) with 64 tokens per block, 64 (4) with 128.
 CK_HD constexpr int wg_unit_bytes(int tokens) { return q4_wg_unit_features(tokens) / kTileRows * kTileGroupBytes; }
-// One stage: [the activations' tile-group block (q4_wg_act_block_bytes)][unit 0's tiles][unit 1's].
-CK_HD constexpr int wg_bulk_stage_bytes(int parts, int tokens) {
-  return q4_wg_act_block_bytes(parts, tokens) + 2 * wg_unit_bytes(tokens);
+// One stage: [the activations' tile-group block (q4_wg_act_block_bytes)][unit 0's tiles][unit 1's]...
+CK_HD constexpr int wg_bulk_stage_bytes(int parts, int tokens, int wgs = 2) {
+  return q4_wg_act_block_bytes(parts, tokens) + wgs * wg_unit_bytes(tokens);
 }
-// Stages: five, or as many as fit 220 KB (four at 128 tokens and three parts).
-CK_HD constexpr int wg_bulk_stages(int parts, int tokens) {
-  return 220 * 1024 / wg_bulk_stage_bytes(parts, tokens) < 5 ? 220 * 1024 / wg_bulk_stage_bytes(parts, tokens) : 5;
+// The folded form's bias windows: each warpgroup's two windows of two parts (q4_wg_b_bytes each).
+CK_HD constexpr int wg_fold_bytes(int tokens, bool fold, int wgs) { return fold ? wgs * 2 * 2 * q4_wg_b_bytes(tokens) : 0; }
+// Stages: five, or as many as fit 220 KB with the windows (four at 128 tokens and three parts, and in
+// the folded form's three-warpgroup blocks).
+CK_HD constexpr int wg_bulk_stages(int parts, int tokens, bool fold = false, int wgs = 2) {
+  return (220 * 1024 - wg_fold_bytes(tokens, fold, wgs)) / wg_bulk_stage_bytes(parts, tokens, wgs) < 5
+             ? (220 * 1024 - wg_fold_bytes(tokens, fold, wgs)) / wg_bulk_stage_bytes(parts, tokens, wgs)
+             : 5;
 }
-// The folded form adds each warpgroup's two bias windows of two parts (q4_wg_b_bytes(tokens) each).
-constexpr int wg_bulk_smem(int parts, int tokens, bool fold = false) {
-  return wg_bulk_stages(parts, tokens) * wg_bulk_stage_bytes(parts, tokens) + (fold ? 2 * 4 * q4_wg_b_bytes(tokens) : 0);
+constexpr int wg_bulk_smem(int parts, int tokens, bool fold = false, int wgs = 2) {
+  return wg_bulk_stages(parts, tokens, fold, wgs) * wg_bulk_stage_bytes(parts, tokens, wgs) + wg_fold_bytes(tokens, fold, wgs);
 }
-static_assert(wg_bulk_smem(2, 128, true) <= 227 * 1024 - 1024, "the folded form's shared memory");
+static_assert(wg_bulk_smem(2, 128, true) <= 220 * 1024 && wg_bulk_smem(2, 128, true, 3) <= 220 * 1024,
+              "the folded forms' shared memory");
+static_assert(wg_bulk_stages(2, 128, true) == 5 && wg_bulk_stages(2, 128, true, 3) == 4, "the folded forms' stages");
 static_assert(wg_bulk_stage_bytes(2, 64) % 128 == 0 && wg_bulk_stage_bytes(3, 64) % 128 == 0 &&
                   wg_bulk_stage_bytes(2, 128) % 128 == 0 && wg_bulk_stage_bytes(3, 128) % 128 == 0,
               "stage alignment");
@@ -503,18 +513,21 @@ static_assert(wg_bulk_stages(3, 128) > kWgAhead, "stages for the copies ahead");
 // y_job[row] = epi(w_job · x[row]) for dense jobs all in 16-row tiles, TN tokens per block (64: a
 // warpgroup takes 128 features as two m64 tiles; 128: 64 features, one m64n128 tile); grid (feature
 // tiles, rows / TN, K splits); x from q4_xfrag_kernel's tile layout for TN rows (a.xf).
-template <int PARTS, int TN, bool FOLD = false>
-__global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_constant__ Q4WgArgs a) {
+// WGS warpgroups a block (3: the folded form only, CK_Q4_WG_FOLD=3), one unit each.
+template <int PARTS, int TN, bool FOLD = false, int WGS = 2>
+__global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_constant__ Q4WgArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
   static_assert(TN == 64 || TN == 128, "the wgmma shapes");
+  static_assert(WGS == 2 || (WGS == 3 && FOLD), "three warpgroups in the folded form only");
   constexpr int MF = 128 / TN, NJ = TN / 8, ND = TN / 2, kBBytes = q4_wg_b_bytes(TN);
-  constexpr int kStages = wg_bulk_stages(PARTS, TN), kUnitBytes = wg_unit_bytes(TN);
-  constexpr int kStage = wg_bulk_stage_bytes(PARTS, TN), kAct = q4_wg_act_block_bytes(PARTS, TN);
-  constexpr int kTileCopies = 2 * 4 * MF;  // the two units' tiles
+  constexpr int kStages = wg_bulk_stages(PARTS, TN, FOLD, WGS), kUnitBytes = wg_unit_bytes(TN);
+  constexpr int kStage = wg_bulk_stage_bytes(PARTS, TN, WGS), kAct = q4_wg_act_block_bytes(PARTS, TN);
+  constexpr int kTileCopies = WGS * 4 * MF;  // the units' tiles
+  constexpr int kAhead = kStages - 2 < kWgAhead ? kStages - 2 : kWgAhead;  // groups copied ahead
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;
-  int ujob[2], uf0[2];
+  int ujob[WGS], uf0[WGS];
   wg_block_units(a, ujob, uf0);
   const int job = wg_pick(ujob, wg), f_wg = wg_pick(uf0, wg);
   const DMatrix w0 = a.job[job].w;
@@ -528,7 +541,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&full[i]);
-      mbar_init(&empty[i], kWgThreads / 32);
+      mbar_init(&empty[i], WGS * 4);
     }
     mbar_init_fence();
   }
@@ -562,7 +575,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
     if (bytes) bulk_copy_1d(wg_smem + st * kStage + dst, src + static_cast<size_t>(G) * step, bytes, &full[st]);
   };
   if (warp == 0)
-    for (int G = g_begin; G < min(g_end, g_begin + kWgAhead); ++G) produce(G);
+    for (int G = g_begin; G < min(g_end, g_begin + kAhead); ++G) produce(G);
 
   float acc[MF][ND] = {};
   const uint32_t smem_base = smem_u32(wg_smem);
@@ -571,7 +584,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
   uint32_t af[4][MF][4];
   for (int G = g_begin; G < g_end; ++G) {
     const int i = G - g_begin, st = i % kStages;
-    if (warp == 0 && G + kWgAhead < g_end) produce(G + kWgAhead);
+    if (warp == 0 && G + kAhead < g_end) produce(G + kAhead);
     mbar_wait(&full[st], (i / kStages) & 1);
     if (active) {
       const uint8_t* stage = wg_smem + st * kStage;
@@ -614,7 +627,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
     // group, adds two wgmmas. Sums in another order than the factored form's (the tensor core adds
     // across groups), within the parity tolerances against the CPU.
     static_assert(PARTS == 2 && TN == 128, "the folded form: two parts, one m64n128 tile a warpgroup");
-    static_assert(kStages >= kWgAhead + 2, "a stage is free two groups after its wgmmas were issued");
+    static_assert(kStages >= kAhead + 2, "a stage is free two groups after its wgmmas were issued");
     uint8_t* const win = wg_smem + kStages * kStage + wg * 4 * kBBytes;  // [window][part][B core matrices]
     const int r_tok = tid & 127;  // this thread's token column in the windows
     const uint32_t win_off = 256 * (r_tok >> 3) + 16 * (r_tok & 7);
@@ -626,7 +639,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
     // The window's biases of this warp's 16 rows, [row][column]: the A fragment is loaded from here
     // after a wait (registers of a wgmma that were defined while wgmmas were in flight, as a fragment
     // built group by group would be, serialize every wgmma: ptxas C7513).
-    __shared__ __align__(16) uint16_t bias_s[8][16][16];
+    __shared__ __align__(16) uint16_t bias_s[4 * WGS][16][16];
     uint16_t (&bias_w)[16][16] = bias_s[warp];
     auto group = [&](int G, uint32_t (&ah)[4][4], uint32_t (&al)[4][4]) {
       const int i = G - g_begin, st = i % kStages;
@@ -637,7 +650,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) q4_wg_bulk_kernel(const __grid_
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[(i - 2) % kStages]);
       }
-      if (warp == 0 && G + kWgAhead < g_end) produce(G + kWgAhead);
+      if (warp == 0 && G + kAhead < g_end) produce(G + kAhead);
       mbar_wait(&full[st], (i / kStages) & 1);
       // An idle warpgroup multiplies its clamped tiles too (never stored): a wgmma on a path the
       // compiler cannot prove uniform serializes every wgmma of the kernel (ptxas C7520).
@@ -723,7 +736,7 @@ WgKernel wg_kernel(int parts, int tokens, int* smem) {
 
 }  // namespace
 
-int q4_wg_units(Q4WgArgs& a, int unit_features) {
+int q4_wg_units(Q4WgArgs& a, int unit_features, int per_block) {
   a.unit_features = unit_features;
   int u = 0;
   for (int j = 0; j < a.n_jobs; ++j) {
@@ -731,7 +744,7 @@ int q4_wg_units(Q4WgArgs& a, int unit_features) {
     u += (a.job[j].w.rows + unit_features - 1) / unit_features;
   }
   a.first_unit[a.n_jobs] = u;
-  return (u + 1) / 2;
+  return (u + per_block - 1) / per_block;
 }
 
 bool q4_wg_ready() {
@@ -740,7 +753,8 @@ bool q4_wg_ready() {
     const std::pair<WgKernel, int> bulk[] = {
         {q4_wg_bulk_kernel<2, 64>, wg_bulk_smem(2, 64)}, {q4_wg_bulk_kernel<3, 64>, wg_bulk_smem(3, 64)},
         {q4_wg_bulk_kernel<2, 128>, wg_bulk_smem(2, 128)}, {q4_wg_bulk_kernel<3, 128>, wg_bulk_smem(3, 128)},
-        {q4_wg_bulk_kernel<2, 128, true>, wg_bulk_smem(2, 128, true)}};
+        {q4_wg_bulk_kernel<2, 128, true>, wg_bulk_smem(2, 128, true)},
+        {q4_wg_bulk_kernel<2, 128, true, 3>, wg_bulk_smem(2, 128, true, 3)}};
     for (const auto& [k, smem] : bulk)
       if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
           cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
@@ -771,12 +785,13 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
   CUDA_CHECK_LAUNCH();
 }
 
-void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens, bool fold,
+void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens, int fold,
                        cudaStream_t stream) {
   const dim3 grid(feature_tiles, static_cast<unsigned>((a.rows + tokens - 1) / tokens), splits);
-  fold = fold && parts == 2 && tokens == 128;
-  const int smem = wg_bulk_smem(parts, tokens, fold);
-  if (fold) q4_wg_bulk_kernel<2, 128, true><<<grid, kWgThreads, smem, stream>>>(a);
+  if (parts != 2 || tokens != 128) fold = 0;
+  const int smem = wg_bulk_smem(parts, tokens, fold > 0, fold == 3 ? 3 : 2);
+  if (fold == 3) q4_wg_bulk_kernel<2, 128, true, 3><<<grid, 3 * 128, smem, stream>>>(a);
+  else if (fold) q4_wg_bulk_kernel<2, 128, true><<<grid, kWgThreads, smem, stream>>>(a);
   else if (tokens == 128 && parts == 3) q4_wg_bulk_kernel<3, 128><<<grid, kWgThreads, smem, stream>>>(a);
   else if (tokens == 128) q4_wg_bulk_kernel<2, 128><<<grid, kWgThreads, smem, stream>>>(a);
   else if (parts == 3) q4_wg_bulk_kernel<3, 64><<<grid, kWgThreads, smem, stream>>>(a);

@@ -122,9 +122,9 @@ void set_q4_wg_min_rows(int rows);
 // 64 features per warpgroup (the default) instead of 64 x 128: 1 or 0; -1 goes back to CK_Q4_WG_WIDE
 // (on unless "0"; tests).
 void set_q4_wg_wide(int on);
-// The folded form of the 128-token bulk kernel (gemm_q4_wg.cu), two parts of x: 1 on, 0 off, -1 back to
-// CK_Q4_WG_FOLD (on unless "0"; tests).
-void set_q4_wg_fold(int on);
+// The folded form of the 128-token bulk kernel (gemm_q4_wg.cu), two parts of x: 1 on, 3 on with three
+// warpgroups a block, 0 off, -1 back to CK_Q4_WG_FOLD (1 unless "0" or "3"; tests).
+void set_q4_wg_fold(int mode);
 
 // Which GEMV schedule runs (gemv.cu): 2, the default (tensor cores for tall 4-bit matrices, a warp per
 // row group for the other 4/8-bit codes; other formats fall back to 1), or 1 (block per rows, every

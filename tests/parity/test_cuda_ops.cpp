@@ -696,12 +696,15 @@ TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
       DeviceBuffer<float> xd;
       to_device(x, &xd);
       const std::vector<float> ref = cpu_rows(hm.m, x, ldx, n);
-      for (int variant : {2, 3, 4}) {  // parts of x; 4: two parts in the folded form (set_q4_wg_fold)
+      // Parts of x; 4: two parts in the folded form (set_q4_wg_fold(1)), 5: the same with three
+      // warpgroups a block (set_q4_wg_fold(3)).
+      for (int variant : {2, 3, 4, 5}) {
         const int parts = variant == 3 ? 3 : 2;
         set_prefill_parts(parts);
-        set_q4_wg_fold(variant == 4 ? 1 : 0);
+        set_q4_wg_fold(variant == 4 ? 1 : variant == 5 ? 3 : 0);
         const std::string what = "wide tiles " + std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " +
-                                 std::to_string(n) + " parts " + std::to_string(parts) + (variant == 4 ? " folded" : "");
+                                 std::to_string(n) + " parts " + std::to_string(parts) +
+                                 (variant == 4 ? " folded" : variant == 5 ? " folded, 3 warpgroups" : "");
         std::vector<float> out[2];
         for (int tiles8 : {1, 0}) {  // the activations split by the 8-row kernel, then row by row
           set_xfrag_tiles8(tiles8);
@@ -1839,10 +1842,11 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
     cpu_taps(cm, tokens, &ref, &ref_logits);
     // Both dense 4-bit kernels on Hopper: the warpgroup-MMA one (below its row threshold only here),
     // where every matrix is in tiles in its 64- and its 128-token bulk-copy forms (set_q4_wg_wide).
-    for (int form : {0, 1, 2, 3}) {  // 3: the 128-token bulk form folded (set_q4_wg_fold)
+    // 3: the 128-token bulk form folded (set_q4_wg_fold), 4: folded with three warpgroups a block.
+    for (int form : {0, 1, 2, 3, 4}) {
       set_q4_wg_min_rows(form ? 1 : -1);
       set_q4_wg_wide(form >= 2 ? 1 : 0);
-      set_q4_wg_fold(form == 3 ? 1 : 0);
+      set_q4_wg_fold(form == 3 ? 1 : form == 4 ? 3 : 0);
       auto s = (*dm)->new_session(128);
       s->set_prefill_chunk(40);
       StepResult res;
@@ -1853,6 +1857,7 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
                   form == 1   ? " (wgmma dense)"
                   : form == 2 ? " (wgmma dense, 128-token bulk form)"
                   : form == 3 ? " (wgmma dense, 128-token bulk form, folded)"
+                  : form == 4 ? " (wgmma dense, 128-token bulk form, folded, 3 warpgroups)"
                               : "",
                   rl);
       EXPECT_LE(rl, 1e-4);
