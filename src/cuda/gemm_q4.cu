@@ -652,7 +652,7 @@ void set_q4_wg_min_rows(int rows) {
 }
 static int g_q4_wg_wide = -1;  // set_q4_wg_wide: -1, CK_Q4_WG_WIDE decides (on unless "0")
 void set_q4_wg_wide(int on) { g_q4_wg_wide = on < 0 ? -1 : (on ? 1 : 0); }
-static int g_q4_wg_fold = -1;  // set_q4_wg_fold: -1, CK_Q4_WG_FOLD decides (1 unless "0" or "3")
+static int g_q4_wg_fold = -1;  // set_q4_wg_fold: -1, CK_Q4_WG_FOLD decides (3 unless "0" or "1")
 void set_q4_wg_fold(int mode) { g_q4_wg_fold = mode < 0 ? -1 : mode == 3 ? 3 : (mode ? 1 : 0); }
 
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
@@ -709,10 +709,11 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   const bool wide_on = g_q4_wg_wide < 0 ? wide_env : g_q4_wg_wide > 0;
   const int block_tokens = bulk && wide_on ? 128 : wg_tokens;
   // The 128-token bulk kernel's folded form (gemm_q4_wg.cu: the scales in the A operand, the bias term as
-  // products, no per-group epilogue), two parts of x only; the default since 2026-12-03 (the dense
-  // products -5%, prefill +1.2% at 8k tokens); CK_Q4_WG_FOLD=0 or set_q4_wg_fold(0) keeps the factored form.
-  // CK_Q4_WG_FOLD=3 or set_q4_wg_fold(3): the folded form with three warpgroups a block (to compare).
-  static const int fold_env = env_is("CK_Q4_WG_FOLD", "0") ? 0 : env_is("CK_Q4_WG_FOLD", "3") ? 3 : 1;
+  // products, no per-group epilogue), two parts of x only, with three warpgroups a block: the default
+  // since 2026-12-03 (H200, same call: the dense products -5% with two warpgroups a block, then -14%
+  // to -19% more with three; prefill +4-7% at 8k tokens). CK_Q4_WG_FOLD=1 or set_q4_wg_fold(1) for two
+  // warpgroups a block, 0 for the factored form.
+  static const int fold_env = env_is("CK_Q4_WG_FOLD", "0") ? 0 : env_is("CK_Q4_WG_FOLD", "1") ? 1 : 3;
   const int fold = block_tokens == 128 && parts == 2 ? (g_q4_wg_fold < 0 ? fold_env : g_q4_wg_fold) : 0;
   Q4WgArgs w;
   if (wg) {

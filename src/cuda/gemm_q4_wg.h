@@ -58,8 +58,8 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
 // q4_wg_act_block_bytes(parts, tokens) bytes, laid out as the kernel's shared memory holds it (Σ x
 // included; a.gsum is not read).
 // fold (two parts and 128 tokens only, else ignored): 1 the folded form, the scales in the A operand
-// and the bias term as products (gemm_q4_wg.cu; the default, CK_Q4_WG_FOLD=0 for the factored form); 3
-// the same with three warpgroups a block (units laid out by q4_wg_units(a, 64, 3)).
+// and the bias term as products (gemm_q4_wg.cu); 3 the same with three warpgroups a block (units laid
+// out by q4_wg_units(a, 64, 3)): the default, CK_Q4_WG_FOLD=1 for two, 0 for the factored form.
 void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens, int fold,
                        cudaStream_t stream);
 // One (tile of `rows` rows, group) block of the tile layout: (step s, part p) of B core matrices at

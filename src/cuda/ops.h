@@ -123,7 +123,7 @@ void set_q4_wg_min_rows(int rows);
 // (on unless "0"; tests).
 void set_q4_wg_wide(int on);
 // The folded form of the 128-token bulk kernel (gemm_q4_wg.cu), two parts of x: 1 on, 3 on with three
-// warpgroups a block, 0 off, -1 back to CK_Q4_WG_FOLD (1 unless "0" or "3"; tests).
+// warpgroups a block (the default), 0 off, -1 back to CK_Q4_WG_FOLD (3 unless "0" or "1"; tests).
 void set_q4_wg_fold(int mode);
 
 // Which GEMV schedule runs (gemv.cu): 2, the default (tensor cores for tall 4-bit matrices, a warp per
