@@ -614,18 +614,19 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
     if (lane == 0) mbar_arrive(&empty[st]);
   }
   } else {
-    // The folded form (CK_Q4_WG_FOLD): A = the two bf16 parts of s q (wg_fold_frags), so the wgmmas
-    // accumulate y itself over all of K: no group sums d, no wait for them, no epilogue per group.
-    // A warpgroup issues group G's 12 wgmmas (4 steps x three of the four products of two parts by
-    // two: hi w x lo x, lo w x hi x, hi w x hi x; lo w x lo x, < 2^-18 of each term, is left out, less
-    // than the two parts of x leave out of x) while G - 1's run,
-    // with two sets of A registers (the loop takes groups in pairs); group G - 2's completion frees its
-    // A registers and its stage. The bias term Σ_G b_G Σ x_G is products too: each group's Σ x (two
-    // bf16 parts) goes into column G % 16 of a window of B (16 k columns, two windows alternating, the
-    // warpgroup's own), the rows' bf16 biases into the A fragment bias_a (lane (g, t): groups 2t, 2t+1
-    // in words 0 (row g) and 1 (row g + 8), 2t+8, 2t+9 in words 2 and 3); a full window, or the last
-    // group, adds two wgmmas. Sums in another order than the factored form's (the tensor core adds
-    // across groups), within the parity tolerances against the CPU.
+    // The folded form (the default; CK_Q4_WG_FOLD): A = the two bf16 parts of s q (wg_fold_frags), so
+    // the wgmmas accumulate y itself over all of K: no group sums d, no wait for them, no epilogue per
+    // group. A warpgroup issues group G's 12 wgmmas (4 steps x three of the four products of two parts
+    // by two: hi w x lo x, lo w x hi x, hi w x hi x; lo w x lo x, < 2^-18 of each term, is left out,
+    // less than the two parts of x leave out of x) while G - 1's run, with two sets of A registers (the
+    // loop takes groups in pairs); group G - 2's completion frees its A registers and its stage.
+    // The bias term Σ_G b_G Σ x_G is products too: each group's Σ x (two bf16 parts) goes into column
+    // G % 16 of a window of B (16 k columns, two windows alternating, each warpgroup its own, written
+    // by its 128 threads), the rows' bf16 biases into the warp's bias_w; after a window's last group,
+    // its A fragment comes from bias_w and two wgmmas add the window. Sums in another order than the
+    // factored form's (the tensor core adds across groups), within the parity tolerances against the
+    // CPU. With WGS = 3 (the default) a block is three such warpgroups (384 threads at 167 registers):
+    // three warps a scheduler hide the chains that bound two (docs/roofline-cuda.md, thirty-seventh).
     static_assert(PARTS == 2 && TN == 128, "the folded form: two parts, one m64n128 tile a warpgroup");
     static_assert(kStages >= kAhead + 2, "a stage is free two groups after its wgmmas were issued");
     uint8_t* const win = wg_smem + kStages * kStage + wg * 4 * kBBytes;  // [window][part][B core matrices]
