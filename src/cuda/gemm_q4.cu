@@ -719,7 +719,8 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (wg) {
     w.n_jobs = n_jobs;
     for (int j = 0; j < n_jobs; ++j) w.job[j] = jobs[j];
-    // The jobs' units (128 features, or 64 for 128 tokens), two to a block (dense_args fills the rest).
+    // The jobs' units (128 features, or 64 for 128 tokens), two to a block, or three in the folded
+    // three-warpgroup form (dense_args fills the rest).
     tiles = q4_wg_units(w, q4_wg_unit_features(block_tokens), bulk && fold == 3 ? 3 : 2);
   }
   // Split K when the grid fills its last wave poorly (two q4_tile_kernel blocks per SM, or one wgmma
