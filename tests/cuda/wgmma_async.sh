@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The warpgroup-MMA kernels (src/cuda/gemm_q4_wg.cu) must keep their wgmmas asynchronous. When ptxas
+# cannot (a wgmma on a path that depends on data, an input register defined while wgmmas are in
+# flight, too few registers for the pipeline), it does not fail: it serializes every wgmma of the
+# kernel and says so in an info line, "(C75xx) Potential Performance Loss". The dense prefill products
+# then run ~20-30% slower with the same results, which no other test would notice (docs/roofline-cuda.md,
+# thirty-seventh session). This compiles the file for sm_90a with ptxas's report and fails on any
+# such line.
+#   tests/cuda/wgmma_async.sh NVCC SOURCE_DIR
+set -uo pipefail
+NVCC=${1:?nvcc}
+SRC=${2:?source dir}
+OUT=$(mktemp -d)
+trap 'rm -rf "$OUT"' EXIT
+"$NVCC" -DCHERENKOV_HAVE_CUDA=1 -I"$SRC/src" -O3 -DNDEBUG -std=c++17 \
+  --generate-code=arch=compute_90a,code=[sm_90a] -Xptxas -v -x cu -c "$SRC/src/cuda/gemm_q4_wg.cu" \
+  -o "$OUT/gemm_q4_wg.o" > "$OUT/ptxas.log" 2>&1
+rc=$?
+if [ $rc != 0 ]; then
+  echo "nvcc failed (rc $rc):"; tail -20 "$OUT/ptxas.log"; exit 1
+fi
+kernels=$(grep -c "Compiling entry function.*q4_wg_bulk_kernel" "$OUT/ptxas.log")
+if [ "$kernels" -lt 1 ]; then
+  echo "no q4_wg_bulk_kernel in ptxas's report: nothing was checked"; exit 1
+fi
+if grep -q "(C75[0-9][0-9])" "$OUT/ptxas.log"; then
+  echo "ptxas serializes wgmmas in gemm_q4_wg.cu:"
+  grep "(C75[0-9][0-9])" "$OUT/ptxas.log"
+  exit 1
+fi
+echo "gemm_q4_wg.cu: $kernels bulk-kernel forms, no serialized wgmmas"
