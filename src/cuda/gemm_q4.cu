@@ -714,14 +714,15 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   // to -19% more with three; prefill +4-7% at 8k tokens). CK_Q4_WG_FOLD=1 or set_q4_wg_fold(1) for two
   // warpgroups a block, 0 for the factored form.
   static const int fold_env = env_is("CK_Q4_WG_FOLD", "0") ? 0 : env_is("CK_Q4_WG_FOLD", "1") ? 1 : 3;
-  const int fold = block_tokens == 128 && parts == 2 ? (g_q4_wg_fold < 0 ? fold_env : g_q4_wg_fold) : 0;
+  const int fold_mode = block_tokens == 128 && parts == 2 ? (g_q4_wg_fold < 0 ? fold_env : g_q4_wg_fold) : 0;
+  const bool fold = fold_mode > 0;
   Q4WgArgs w;
   if (wg) {
     w.n_jobs = n_jobs;
     for (int j = 0; j < n_jobs; ++j) w.job[j] = jobs[j];
     // The jobs' units (128 features, or 64 for 128 tokens), two to a block, or three in the folded
     // three-warpgroup form (dense_args fills the rest).
-    tiles = q4_wg_units(w, q4_wg_unit_features(block_tokens), bulk && fold == 3 ? 3 : 2);
+    tiles = q4_wg_units(w, q4_wg_unit_features(block_tokens), fold_mode == 3 ? 3 : 2);
   }
   // Split K when the grid fills its last wave poorly (two q4_tile_kernel blocks per SM, or one wgmma
   // block): the hyper-connection down projection (2 blocks per 64 tokens over K = 10,240: 64 blocks

@@ -495,9 +495,8 @@ CK_HD constexpr int wg_fold_bytes(int tokens, bool fold, int wgs) { return fold 
 // Stages: five, or as many as fit 220 KB with the windows (four at 128 tokens and three parts, and in
 // the folded form's three-warpgroup blocks).
 CK_HD constexpr int wg_bulk_stages(int parts, int tokens, bool fold = false, int wgs = 2) {
-  return (220 * 1024 - wg_fold_bytes(tokens, fold, wgs)) / wg_bulk_stage_bytes(parts, tokens, wgs) < 5
-             ? (220 * 1024 - wg_fold_bytes(tokens, fold, wgs)) / wg_bulk_stage_bytes(parts, tokens, wgs)
-             : 5;
+  const int fit = (220 * 1024 - wg_fold_bytes(tokens, fold, wgs)) / wg_bulk_stage_bytes(parts, tokens, wgs);
+  return fit < 5 ? fit : 5;
 }
 constexpr int wg_bulk_smem(int parts, int tokens, bool fold = false, int wgs = 2) {
   return wg_bulk_stages(parts, tokens, fold, wgs) * wg_bulk_stage_bytes(parts, tokens, wgs) + wg_fold_bytes(tokens, fold, wgs);
@@ -513,7 +512,7 @@ static_assert(wg_bulk_stages(3, 128) > kWgAhead, "stages for the copies ahead");
 // y_job[row] = epi(w_job · x[row]) for dense jobs all in 16-row tiles, TN tokens per block (64: a
 // warpgroup takes 128 features as two m64 tiles; 128: 64 features, one m64n128 tile); grid (feature
 // tiles, rows / TN, K splits); x from q4_xfrag_kernel's tile layout for TN rows (a.xf).
-// WGS warpgroups a block (3: the folded form only, CK_Q4_WG_FOLD=3), one unit each.
+// WGS warpgroups a block, one unit each (3: the folded form only, its default; a.units_per_block).
 template <int PARTS, int TN, bool FOLD = false, int WGS = 2>
 __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_constant__ Q4WgArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -580,39 +579,39 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
   float acc[MF][ND] = {};
   const uint32_t smem_base = smem_u32(wg_smem);
   if constexpr (!FOLD) {
-  float d[MF][ND];
-  uint32_t af[4][MF][4];
-  for (int G = g_begin; G < g_end; ++G) {
-    const int i = G - g_begin, st = i % kStages;
-    if (warp == 0 && G + kAhead < g_end) produce(G + kAhead);
-    mbar_wait(&full[st], (i / kStages) & 1);
-    if (active) {
-      const uint8_t* stage = wg_smem + st * kStage;
-      const uint8_t* unit = stage + kAct + wg * kUnitBytes;
+    float d[MF][ND];
+    uint32_t af[4][MF][4];
+    for (int G = g_begin; G < g_end; ++G) {
+      const int i = G - g_begin, st = i % kStages;
+      if (warp == 0 && G + kAhead < g_end) produce(G + kAhead);
+      mbar_wait(&full[st], (i / kStages) & 1);
+      if (active) {
+        const uint8_t* stage = wg_smem + st * kStage;
+        const uint8_t* unit = stage + kAct + wg * kUnitBytes;
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {
-        const uint4 c = *reinterpret_cast<const uint4*>(unit + (4 * mf + wq) * kTileGroupBytes + 16 * lane);
-        wg_a_frags(make_uint2(c.x, c.y), make_uint2(c.z, c.w), mf, af);
+        for (int mf = 0; mf < MF; ++mf) {
+          const uint4 c = *reinterpret_cast<const uint4*>(unit + (4 * mf + wq) * kTileGroupBytes + 16 * lane);
+          wg_a_frags(make_uint2(c.x, c.y), make_uint2(c.z, c.w), mf, af);
+        }
+        wg_fence();
+        wg_issue<PARTS>(smem_base + static_cast<uint32_t>(st * kStage), kBBytes, af, d);
+        wg_commit();
+        wg_wait<0>();
+        float2 sx[NJ];
+        const float* gsum = reinterpret_cast<const float*>(stage + PARTS * 4 * kBBytes);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) sx[j] = *reinterpret_cast<const float2*>(&gsum[8 * j + 2 * t]);
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf) {
+          float s0, b0, s1, b1;
+          tile_scales(*reinterpret_cast<const uint2*>(unit + (4 * mf + wq) * kTileGroupBytes + 512 + 8 * g), s0, b0, s1,
+                      b1);
+          wg_add_group(acc[mf], d[mf], s0, b0, s1, b1, sx);
+        }
       }
-      wg_fence();
-      wg_issue<PARTS>(smem_base + static_cast<uint32_t>(st * kStage), kBBytes, af, d);
-      wg_commit();
-      wg_wait<0>();
-      float2 sx[NJ];
-      const float* gsum = reinterpret_cast<const float*>(stage + PARTS * 4 * kBBytes);
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) sx[j] = *reinterpret_cast<const float2*>(&gsum[8 * j + 2 * t]);
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {
-        float s0, b0, s1, b1;
-        tile_scales(*reinterpret_cast<const uint2*>(unit + (4 * mf + wq) * kTileGroupBytes + 512 + 8 * g), s0, b0, s1,
-                    b1);
-        wg_add_group(acc[mf], d[mf], s0, b0, s1, b1, sx);
-      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[st]);
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[st]);
-  }
   } else {
     // The folded form (the default; CK_Q4_WG_FOLD): A = the two bf16 parts of s q (wg_fold_frags), so
     // the wgmmas accumulate y itself over all of K: no group sums d, no wait for them, no epilogue per
@@ -739,6 +738,7 @@ WgKernel wg_kernel(int parts, int tokens, int* smem) {
 
 int q4_wg_units(Q4WgArgs& a, int unit_features, int per_block) {
   a.unit_features = unit_features;
+  a.units_per_block = per_block;
   int u = 0;
   for (int j = 0; j < a.n_jobs; ++j) {
     a.first_unit[j] = u;
@@ -779,6 +779,7 @@ bool q4_wg_ready() {
 
 void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens,
                         cudaStream_t stream) {
+  CK_REQUIRE(a.units_per_block == 2, "q4_wg_dense: %d units a block", a.units_per_block);
   int smem = 0;
   const WgKernel k = wg_kernel(parts, tokens, &smem);
   const dim3 grid(feature_tiles, static_cast<unsigned>((a.rows + tokens - 1) / tokens), splits);
@@ -786,12 +787,15 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
   CUDA_CHECK_LAUNCH();
 }
 
-void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens, int fold,
+void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens, bool fold,
                        cudaStream_t stream) {
   const dim3 grid(feature_tiles, static_cast<unsigned>((a.rows + tokens - 1) / tokens), splits);
-  if (parts != 2 || tokens != 128) fold = 0;
-  const int smem = wg_bulk_smem(parts, tokens, fold > 0, fold == 3 ? 3 : 2);
-  if (fold == 3) q4_wg_bulk_kernel<2, 128, true, 3><<<grid, 3 * 128, smem, stream>>>(a);
+  const int wgs = a.units_per_block;
+  CK_REQUIRE(wgs == 2 || (wgs == 3 && fold), "q4_wg_bulk: %d units a block", wgs);
+  CK_REQUIRE(!fold || (parts == 2 && tokens == 128), "q4_wg_bulk: the folded form with %d parts, %d tokens", parts,
+             tokens);
+  const int smem = wg_bulk_smem(parts, tokens, fold, wgs);
+  if (fold && wgs == 3) q4_wg_bulk_kernel<2, 128, true, 3><<<grid, 3 * 128, smem, stream>>>(a);
   else if (fold) q4_wg_bulk_kernel<2, 128, true><<<grid, kWgThreads, smem, stream>>>(a);
   else if (tokens == 128 && parts == 3) q4_wg_bulk_kernel<3, 128><<<grid, kWgThreads, smem, stream>>>(a);
   else if (tokens == 128) q4_wg_bulk_kernel<2, 128><<<grid, kWgThreads, smem, stream>>>(a);

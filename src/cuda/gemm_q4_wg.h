@@ -35,13 +35,14 @@ struct Q4WgArgs {
   int groups = 0;             // groups per x row in xf
   int k_groups = 0;           // groups per block (split-K: block z takes [z k_groups, (z + 1) k_groups))
   SplitK split;
+  int32_t units_per_block = 2;  // warpgroups a block: 2, or 3 (the folded form's); set by q4_wg_units
 };
 
 // Lays the jobs' 128-feature units out for q4_wg_dense_kernel (a.first_unit) and returns the blocks
 // they take: consecutive units share a block whatever their jobs (layouts and scale types may differ),
 // so the hyper-connection down projection (320 rows, tiles) and its injection head (4 rows, row
 // layout) take 2 blocks per token tile, not 3.
-// per_block: units a block (2; 3 in the folded form's three-warpgroup blocks).
+// per_block: units a block (a.units_per_block: 2; 3 for the folded form's three-warpgroup blocks).
 int q4_wg_units(Q4WgArgs& a, int unit_features = kQ4WgUnitFeatures, int per_block = 2);
 // The kernel image loads on this device and its shared-memory limit is raised (call once, before any
 // graph capture). False: use q4_tile_kernel.
@@ -57,10 +58,10 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
 // q4_xfrag_kernel's tile layout for tiles of `tokens` rows: per tile and group one block of
 // q4_wg_act_block_bytes(parts, tokens) bytes, laid out as the kernel's shared memory holds it (Σ x
 // included; a.gsum is not read).
-// fold (two parts and 128 tokens only, else ignored): 1 the folded form, the scales in the A operand
-// and the bias term as products (gemm_q4_wg.cu); 3 the same with three warpgroups a block (units laid
-// out by q4_wg_units(a, 64, 3)): the default, CK_Q4_WG_FOLD=1 for two, 0 for the factored form.
-void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens, int fold,
+// fold (two parts and 128 tokens only): the folded form, the scales in the A operand and the bias term
+// as products (gemm_q4_wg.cu), with a.units_per_block warpgroups a block (2 or 3, as q4_wg_units laid
+// the units out); else the factored form (two units a block).
+void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens, bool fold,
                        cudaStream_t stream);
 // One (tile of `rows` rows, group) block of the tile layout: (step s, part p) of B core matrices at
 // (s parts + p) q4_wg_b_bytes(rows) (the rows x 16 k values of bf16), then the rows' Σ x (floats).
