@@ -691,13 +691,20 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
                             device_attribute(cudaDevAttrComputeCapabilityMinor) == 0 && q4_wg_ready();
   static_assert(kQ4WgFeatures == q4_block_features<kQ4Dense>(), "the two dense kernels tile alike");
   static const int wg_tokens = env_is("CK_Q4_WG_TOKENS", "32") ? 32 : 64;  // 32: to compare
-  // Calls with K < 512 (CK_Q4_WG_MIN_K) stay on q4_tile_kernel: with a few groups per block (the mix's
-  // up projection, K = 320: five) the warpgroup kernel's one block per SM waits on its copies, where
-  // q4_tile_kernel runs two (mix up 3.13 -> 2.41 us per 8k prefill token, 2026-12-01 02:23Z).
-  static const int wg_min_k = [] {
+  // Calls with K < 512 (CK_Q4_WG_MIN_K) stay on q4_tile_kernel unless the folded three-warpgroup form
+  // takes them: with a few groups per block (the mix's up projection, K = 320: five) the factored
+  // warpgroup kernel's one block per SM waits on its copies, where q4_tile_kernel runs two (mix up
+  // 3.13 -> 2.41 us per 8k prefill token, 2026-12-01 02:23Z); the folded form is faster there (mix up
+  // 2.12 -> 1.96 at 8k, 2.60 -> 2.39 at 2k, 4.36 -> 4.19 at 512, profiles of 2026-12-03 17:58Z).
+  static const int wg_min_k_env = [] {
     const char* e = std::getenv("CK_Q4_WG_MIN_K");
-    return e ? std::max(0, std::atoi(e)) : 512;
+    return e ? std::max(0, std::atoi(e)) : -1;
   }();
+  const bool would_fold = !env_is("CK_Q4_WG_BULK", "0") && all_tiled(jobs, n_jobs) && wg_tokens == 64 &&
+                          (g_q4_wg_wide < 0 ? !env_is("CK_Q4_WG_WIDE", "0") : g_q4_wg_wide > 0) && parts == 2 &&
+                          (g_q4_wg_fold < 0 ? !env_is("CK_Q4_WG_FOLD", "0") && !env_is("CK_Q4_WG_FOLD", "1")
+                                            : g_q4_wg_fold == 3);
+  const int wg_min_k = wg_min_k_env >= 0 ? wg_min_k_env : would_fold ? 0 : 512;
   const bool wg = wg_ok && rows >= q4_wg_min_rows() && (g_q4_wg_rows_only || K >= wg_min_k);
   // Every matrix in 16-row tiles, 64 tokens per block: the bulk-copy form of the warpgroup kernel
   // (CK_Q4_WG_BULK=0 keeps q4_wg_dense_kernel, to compare).
