@@ -691,6 +691,22 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
                             device_attribute(cudaDevAttrComputeCapabilityMinor) == 0 && q4_wg_ready();
   static_assert(kQ4WgFeatures == q4_block_features<kQ4Dense>(), "the two dense kernels tile alike");
   static const int wg_tokens = env_is("CK_Q4_WG_TOKENS", "32") ? 32 : 64;  // 32: to compare
+  // The warpgroup kernel's form for these jobs, if it takes them. Every matrix in 16-row tiles, 64
+  // tokens per block: the bulk-copy form (CK_Q4_WG_BULK=0 keeps q4_wg_dense_kernel, to compare).
+  static const bool bulk_on = !env_is("CK_Q4_WG_BULK", "0");
+  const bool bulk_form = bulk_on && all_tiled(jobs, n_jobs) && wg_tokens == 64;
+  // The bulk kernel with 128 tokens x 64 features per warpgroup, the default since 2026-12-01 (prefill
+  // +4.0% / +3.2% at 2k / 8k tokens, 04:16Z); CK_Q4_WG_WIDE=0 or set_q4_wg_wide(0) keeps 64 x 128.
+  static const bool wide_env = !env_is("CK_Q4_WG_WIDE", "0");
+  const bool wide_on = g_q4_wg_wide < 0 ? wide_env : g_q4_wg_wide > 0;
+  const int form_tokens = bulk_form && wide_on ? 128 : wg_tokens;
+  // The 128-token bulk kernel's folded form (gemm_q4_wg.cu: the scales in the A operand, the bias term as
+  // products, no per-group epilogue), two parts of x only, with three warpgroups a block: the default
+  // since 2026-12-03 (H200, same call: the dense products -5% with two warpgroups a block, then -14%
+  // to -19% more with three; prefill +4-7% at 8k tokens). CK_Q4_WG_FOLD=1 or set_q4_wg_fold(1) for two
+  // warpgroups a block, 0 for the factored form.
+  static const int fold_env = env_is("CK_Q4_WG_FOLD", "0") ? 0 : env_is("CK_Q4_WG_FOLD", "1") ? 1 : 3;
+  const int fold_form = form_tokens == 128 && parts == 2 ? (g_q4_wg_fold < 0 ? fold_env : g_q4_wg_fold) : 0;
   // Calls with K < 512 (CK_Q4_WG_MIN_K) stay on q4_tile_kernel unless the folded three-warpgroup form
   // takes them: with a few groups per block (the mix's up projection, K = 320: five) the factored
   // warpgroup kernel's one block per SM waits on its copies, where q4_tile_kernel runs two (mix up
@@ -700,28 +716,11 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     const char* e = std::getenv("CK_Q4_WG_MIN_K");
     return e ? std::max(0, std::atoi(e)) : -1;
   }();
-  const bool would_fold = !env_is("CK_Q4_WG_BULK", "0") && all_tiled(jobs, n_jobs) && wg_tokens == 64 &&
-                          (g_q4_wg_wide < 0 ? !env_is("CK_Q4_WG_WIDE", "0") : g_q4_wg_wide > 0) && parts == 2 &&
-                          (g_q4_wg_fold < 0 ? !env_is("CK_Q4_WG_FOLD", "0") && !env_is("CK_Q4_WG_FOLD", "1")
-                                            : g_q4_wg_fold == 3);
-  const int wg_min_k = wg_min_k_env >= 0 ? wg_min_k_env : would_fold ? 0 : 512;
+  const int wg_min_k = wg_min_k_env >= 0 ? wg_min_k_env : fold_form == 3 ? 0 : 512;
   const bool wg = wg_ok && rows >= q4_wg_min_rows() && (g_q4_wg_rows_only || K >= wg_min_k);
-  // Every matrix in 16-row tiles, 64 tokens per block: the bulk-copy form of the warpgroup kernel
-  // (CK_Q4_WG_BULK=0 keeps q4_wg_dense_kernel, to compare).
-  static const bool bulk_on = !env_is("CK_Q4_WG_BULK", "0");
-  const bool bulk = wg && bulk_on && all_tiled(jobs, n_jobs) && wg_tokens == 64;
-  // The bulk kernel with 128 tokens x 64 features per warpgroup, the default since 2026-12-01 (prefill
-  // +4.0% / +3.2% at 2k / 8k tokens, 04:16Z); CK_Q4_WG_WIDE=0 or set_q4_wg_wide(0) keeps 64 x 128.
-  static const bool wide_env = !env_is("CK_Q4_WG_WIDE", "0");
-  const bool wide_on = g_q4_wg_wide < 0 ? wide_env : g_q4_wg_wide > 0;
-  const int block_tokens = bulk && wide_on ? 128 : wg_tokens;
-  // The 128-token bulk kernel's folded form (gemm_q4_wg.cu: the scales in the A operand, the bias term as
-  // products, no per-group epilogue), two parts of x only, with three warpgroups a block: the default
-  // since 2026-12-03 (H200, same call: the dense products -5% with two warpgroups a block, then -14%
-  // to -19% more with three; prefill +4-7% at 8k tokens). CK_Q4_WG_FOLD=1 or set_q4_wg_fold(1) for two
-  // warpgroups a block, 0 for the factored form.
-  static const int fold_env = env_is("CK_Q4_WG_FOLD", "0") ? 0 : env_is("CK_Q4_WG_FOLD", "1") ? 1 : 3;
-  const int fold_mode = block_tokens == 128 && parts == 2 ? (g_q4_wg_fold < 0 ? fold_env : g_q4_wg_fold) : 0;
+  const bool bulk = wg && bulk_form;
+  const int block_tokens = wg ? form_tokens : wg_tokens;
+  const int fold_mode = wg ? fold_form : 0;
   const bool fold = fold_mode > 0;
   Q4WgArgs w;
   if (wg) {
