@@ -54,7 +54,6 @@ constexpr int kQ4Threads = 128;  // q4_xfrag_kernel
 constexpr int kQ4TileWarps = 8;  // q4_tile_kernel: 8 warps share their tokens' fragments (shared memory)
 static_assert(kQ4TileWarps * 32 == 256, "q4_tile_kernel's staging gives each of 256 threads its copies");
 constexpr int kQ4GroupU2 = 48;   // uint2 per row and group: 4 steps x 3 parts x 4 lanes t
-constexpr int kQ4Stages = 3;     // q4_tile_kernel's shared-memory buffers
 
 // The bf16 parts of the activations the prefill products use (q4_tile_kernel's PARTS): 2, or 3 (exact
 // products) with CK_PREFILL_PARTS=3 or set_prefill_parts(3).
@@ -178,9 +177,11 @@ __global__ void __launch_bounds__(256) q4_xfrag_tiles8_kernel(const float* __res
 // a warp's load of (step, part, 8 tokens) x 4 lanes t is 256 contiguous bytes; their Σ x; and the
 // group's scale and bias of each of the block's output features (the 4-byte word that holds each, so
 // cp.async can copy it whatever the element's alignment: an expert's weights come from DRAM once per
-// chunk, and loaded in the epilogue their latency stalled every group). 14.2 KB; kQ4Stages of them.
-struct Q4Stage {
-  uint2 xb[4][3][32][4];
+// chunk, and loaded in the epilogue their latency stalled every group). 18.1 KB with two parts, 22.1
+// with three; q4_tile_kernel's STAGES of them.
+template <int PARTS>
+struct Q4StageT {
+  uint2 xb[4][PARTS][32][4];
   float gsum[32];
   alignas(16) uint32_t sb[512];  // [matrix][feature][scale, bias]: NW * block features * 2 = 512 in every mode
   // With codes staged (q4_tile_kernel's SC): the group's 32 code bytes of each of the block's NW * BF =
@@ -228,9 +229,13 @@ __host__ __device__ constexpr int q4_block_features() { return kQ4TileWarps * 16
 // significant bits, two thirds of the MMAs) or 3 (exact products; CK_PREFILL_PARTS=3).
 // SC: the codes come through shared memory with the activations (cp.async, two groups ahead), instead
 // of each warp loading its own one group ahead into registers (CK_Q4_STAGE_CODES=0).
-template <int MODE, int PARTS, bool SC>
+// STAGES: shared-memory buffers, STAGES - 1 groups copied ahead (q4_stages()).
+template <int MODE, int PARTS, bool SC, int STAGES>
 __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __grid_constant__ Q4Args a) {
   static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
+  static_assert(STAGES >= 3, "at least two groups ahead");
+  using Q4Stage = Q4StageT<PARTS>;
+  constexpr int AHEAD = STAGES - 1;
   constexpr int NW = MODE == kQ4GateUp ? 2 : 1, MF = q4_mf<MODE>(), BF = q4_block_features<MODE>();
   static_assert(NW * BF * 2 == 512, "Q4Stage::sb holds 512 words");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -306,7 +311,7 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
     const int r = i / (8 * PARTS), s = (i % (8 * PARTS)) / (2 * PARTS), p = (i % (2 * PARTS)) >> 1, half = i & 1;
     const bool on = r < 8 * nb_used;
     xf_src[j] = on ? static_cast<uint32_t>((srow[r] * a.groups) * kQ4GroupU2 + (s * 3 + p) * 4 + half * 2) : ~0u;
-    xf_dst[j] = static_cast<uint32_t>(offsetof(Q4Stage, xb) + (((s * 3 + p) * 32 + r) * 4 + half * 2) * sizeof(uint2));
+    xf_dst[j] = static_cast<uint32_t>(offsetof(Q4Stage, xb) + (((s * PARTS + p) * 32 + r) * 4 + half * 2) * sizeof(uint2));
   }
   // Matrices in 16-row tiles (dmatrix.h, WLayout::Tiles16; a block's matrices are all tiled or all
   // rows): the block's BF / 16 tiles of each matrix are runs of 576 bytes per group. Codes land in
@@ -385,20 +390,21 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
   };
   float acc[NW][MF][4][4] = {};  // [matrix][m16 fragment][n8 fragment (8 tokens)][d0..d3]
   uint2 wq[NW][MF][2] = {};
-  // Three buffers, two groups ahead: group G + 2 goes into the buffer group G - 1 used, after the
-  // barrier that says every warp is done with it (one barrier per group).
-  stage_group(g_begin, stage[0]);
-  cp_async_commit();
-  if (g_begin + 1 < g_end) stage_group(g_begin + 1, stage[1]);
-  cp_async_commit();
+  // STAGES buffers, AHEAD = STAGES - 1 groups ahead: group G + AHEAD goes into the buffer group G - 1
+  // used, after the barrier that says every warp is done with it (one barrier per group).
+#pragma unroll
+  for (int j = 0; j < AHEAD; ++j) {
+    if (g_begin + j < g_end) stage_group(g_begin + j, stage[j]);
+    cp_async_commit();  // possibly empty: one commit group per group, as in the loop
+  }
   if (!SC && active) load_codes(g_begin, wq);
 
   for (int G = g_begin; G < g_end; ++G) {
-    cp_async_wait<1>();  // every committed group but the newest is done: group G is
+    cp_async_wait<AHEAD - 1>();  // every committed group but the newest AHEAD - 1 is done: group G is
     __syncthreads();
-    if (G + 2 < g_end) stage_group(G + 2, stage[(G - g_begin + 2) % kQ4Stages]);
+    if (G + AHEAD < g_end) stage_group(G + AHEAD, stage[(G - g_begin + AHEAD) % STAGES]);
     cp_async_commit();  // possibly empty, so the count above stays one group per iteration
-    const Q4Stage& st = stage[(G - g_begin) % kQ4Stages];
+    const Q4Stage& st = stage[(G - g_begin) % STAGES];
     uint2 wn[NW][MF][2] = {};
     if (active) {
       if constexpr (SC) {
@@ -585,28 +591,53 @@ bool expert_q4_ok(const DMatrix& m) {
 
 namespace {
 
-constexpr int kQ4Smem = kQ4Stages * static_cast<int>(sizeof(Q4Stage));  // 67 KB
+template <int PARTS, int STAGES>
+constexpr int q4_stages_bytes() { return STAGES * static_cast<int>(sizeof(Q4StageT<PARTS>)); }  // 3 stages, 2 parts: 54 KB
 
+// q4_tile_kernel's shared-memory stages (CK_Q4_STAGES: 3, 4 or 6; set_q4_stages): 3 by default.
+int g_q4_stages = -1;
+int q4_stages() {
+  if (g_q4_stages < 0) {
+    const char* e = std::getenv("CK_Q4_STAGES");
+    const int v = e ? std::atoi(e) : 3;
+    g_q4_stages = v >= 6 ? 6 : v == 4 || v == 5 ? 4 : 3;
+  }
+  return g_q4_stages;
+}
 
 // One launch of q4_tile_kernel<MODE, PARTS (prefill_parts), SC (codes staged unless
-// CK_Q4_STAGE_CODES=0)>, empty fragments skipped unless CK_Q4_SKIP_EMPTY=0; the first launch of each
-// form raises its dynamic shared-memory limit.
+// CK_Q4_STAGE_CODES=0), STAGES (q4_stages; 3 without SC)>, empty fragments skipped unless
+// CK_Q4_SKIP_EMPTY=0; the first launch of each form raises its dynamic shared-memory limit.
+template <int MODE, int PARTS, bool SC, int STAGES>
+void launch_q4_form(const dim3& grid, const Q4Args& a, cudaStream_t stream) {
+  constexpr int smem = q4_stages_bytes<PARTS, STAGES>();
+  static const bool ready = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(q4_tile_kernel<MODE, PARTS, SC, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    smem));
+    return true;
+  }();
+  (void)ready;
+  q4_tile_kernel<MODE, PARTS, SC, STAGES><<<grid, kQ4TileWarps * 32, smem, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+}
+
+template <int MODE, int PARTS>
+void launch_q4_parts(const dim3& grid, const Q4Args& a, bool sc, cudaStream_t stream) {
+  if (!sc) return launch_q4_form<MODE, PARTS, false, 3>(grid, a, stream);
+  switch (q4_stages()) {
+    case 6: return launch_q4_form<MODE, PARTS, true, 6>(grid, a, stream);
+    case 4: return launch_q4_form<MODE, PARTS, true, 4>(grid, a, stream);
+    default: return launch_q4_form<MODE, PARTS, true, 3>(grid, a, stream);
+  }
+}
+
 template <int MODE>
 void launch_q4_tile(const dim3& grid, Q4Args a, int parts, cudaStream_t stream) {
   static const bool sc = !env_is("CK_Q4_STAGE_CODES", "0");
   static const bool all_fragments = env_is("CK_Q4_SKIP_EMPTY", "0");
   a.all_fragments = all_fragments;
-  static const bool ready = [] {
-    for (auto k : {q4_tile_kernel<MODE, 2, true>, q4_tile_kernel<MODE, 2, false>, q4_tile_kernel<MODE, 3, true>,
-                   q4_tile_kernel<MODE, 3, false>})
-      CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kQ4Smem));
-    return true;
-  }();
-  (void)ready;
-  auto k = parts == 2 ? (sc ? q4_tile_kernel<MODE, 2, true> : q4_tile_kernel<MODE, 2, false>)
-                      : (sc ? q4_tile_kernel<MODE, 3, true> : q4_tile_kernel<MODE, 3, false>);
-  k<<<grid, kQ4TileWarps * 32, kQ4Smem, stream>>>(a);
-  CUDA_CHECK_LAUNCH();
+  if (parts == 2) launch_q4_parts<MODE, 2>(grid, a, sc, stream);
+  else launch_q4_parts<MODE, 3>(grid, a, sc, stream);
 }
 
 // One grouped expert product: x (x_rows rows of width K, a multiple of 64) split into fragments, then
@@ -629,6 +660,7 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
 }  // namespace
 
 void set_prefill_parts(int parts) { g_prefill_parts = parts; }
+void set_q4_stages(int stages) { g_q4_stages = stages < 0 ? -1 : stages >= 6 ? 6 : stages >= 4 ? 4 : 3; }
 void set_xfrag_tiles8(int on) { g_xfrag_tiles8 = on < 0 ? -1 : (on ? 1 : 0); }
 
 // Rows from which the dense products take the wgmma kernel: 256 (CK_Q4_WG_MIN_ROWS). It was 768 while

@@ -103,6 +103,9 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // The bf16 parts of the activations the factored 4-bit kernels multiply (gemm_q4, expert_*_q4): 2 (the
 // default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
 void set_prefill_parts(int parts);
+// Shared-memory stages of q4_tile_kernel (the prefill experts' products): 3, 4 or 6, copying one group
+// fewer ahead; -1 goes back to CK_Q4_STAGES (3 by default). The same bits.
+void set_q4_stages(int stages);
 // Whether the one-row mix launches its kernel instance compiled for down and up projections in tiles
 // (no layout branch in each group of its loops; the default, +1.35% at one row on 2026-12-01) or the
 // instance that branches per group (CK_HC_LAYOUT_KERNELS=0); the same bits. set_layout_kernels(1 or

@@ -895,7 +895,8 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
 // chosen by more than kGroupRows pairs (several tiles), one by none.
 // `q4`: every form is 4-bit codes in groups of 64k, and the factored tensor-core kernels
 // (expert_*_q4) run instead of gemm.cu's.
-void check_grouped_experts(const WeightForm (&forms)[7], bool q4, uint64_t seed) {
+// outputs: each pair's h and y, as the kernels wrote them (bit comparisons of variants).
+void check_grouped_experts(const WeightForm (&forms)[7], bool q4, uint64_t seed, std::vector<float>* outputs = nullptr) {
   std::mt19937_64 rng(seed);
   const int H = 256, I = 128, SI = 192, E = 6, rows = 40, k = 3;
   DeviceArena arena;
@@ -945,12 +946,17 @@ void check_grouped_experts(const WeightForm (&forms)[7], bool q4, uint64_t seed)
                         nullptr);
   }
   std::vector<float> hh = to_host(hd.get(), n_pairs * ldh), yh = to_host(yd.get(), n_pairs * ldy);
+  if (outputs) outputs->clear();
   for (int p = 0; p < n_pairs; ++p) {
     const Ex& e = ex[pairs[p].group];
     const int inter = static_cast<int>(e.g.m.rows);
     std::vector<float> gt, y;
     cpu_expert(e.g.m, e.u.m, e.d.m, x.data() + pairs[p].x_row * H, &gt, &y);
     std::vector<float> g1(hh.begin() + p * ldh, hh.begin() + p * ldh + inter), g2(yh.begin() + p * ldy, yh.begin() + p * ldy + H);
+    if (outputs) {
+      outputs->insert(outputs->end(), g1.begin(), g1.end());
+      outputs->insert(outputs->end(), g2.begin(), g2.end());
+    }
     const std::string tag = std::string(q4 ? "q4 " : "") + "grouped experts pair " + std::to_string(p) + " (expert " + std::to_string(pairs[p].group) + ")";
     // tf32x3 products: per-product error ~2^-21 (fp32: 2^-24), so elements that cancel to near zero
     // get an absolute bound of 1e-4 of the largest output (the GEMV tests use 1e-5). The q4 kernels'
@@ -970,7 +976,9 @@ TEST(CudaOps, GroupedExpertsMatchCpu) {
 }
 
 // The factored 4-bit kernels: groups of 64 and 128, bf16/f16/f32 scales, the same tiles (expert 0 in
-// two tiles, expert 5 in none, a wider shared expert); x in two bf16 parts (the default) and three.
+// two tiles, expert 5 in none, a wider shared expert); x in two bf16 parts (the default) and three;
+// 3, 4 and 6 shared-memory stages (set_q4_stages, more stages than the 4 groups of K = 256 included),
+// which must give the same bits.
 TEST(CudaOps, GroupedExpertsQ4MatchCpu) {
   REQUIRE_GPU();
   const WeightForm forms[7] = {WeightForm{DType::U32, 4, 64, DType::BF16},  WeightForm{DType::U32, 4, 128, DType::BF16},
@@ -978,10 +986,19 @@ TEST(CudaOps, GroupedExpertsQ4MatchCpu) {
                                WeightForm{DType::U32, 4, 128, DType::F16},  WeightForm{DType::U32, 4, 64, DType::BF16},
                                WeightForm{DType::U32, 4, 64, DType::BF16}};
   for (int parts : {2, 3}) {
-    SCOPED_TRACE("bf16 parts " + std::to_string(parts));
     set_prefill_parts(parts);
-    check_grouped_experts(forms, true, 4243);
+    std::vector<float> first;
+    for (int stages : {3, 4, 6}) {
+      SCOPED_TRACE("bf16 parts " + std::to_string(parts) + ", stages " + std::to_string(stages));
+      set_q4_stages(stages);
+      std::vector<float> out;
+      check_grouped_experts(forms, true, 4243, &out);
+      if (first.empty()) first = out;
+      ASSERT_EQ(out.size(), first.size());
+      EXPECT_EQ(std::memcmp(out.data(), first.data(), sizeof(float) * out.size()), 0) << "stages change the bits";
+    }
   }
+  set_q4_stages(-1);
   set_prefill_parts(-1);
 }
 
