@@ -73,9 +73,11 @@ int prefill_parts() {
 // row's two 16-byte halves at 256 (r / 8) + 16 (r % 8) and 128 bytes further (r = row % tile_rows: the
 // core-matrix order the kernel's wgmmas read), then the tile's Σ x; the grid then covers whole tiles
 // and rows past x_rows are zeros. grid (rows), block 128.
+// sum_parts (wg == 0 only): Σ of the parts the kernels multiply, hi + mid (+ lo), instead of Σ x: what
+// the codes-as-128 + q form (q4_tile_kernel's C128) needs for its 128 to cancel.
 __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __restrict__ x, int ldx, int x_rows, int K,
                                                               int groups, int parts, int wg, int tile_rows, uint2* xf,
-                                                              float* gsum) {
+                                                              float* gsum, int sum_parts = 0) {
   const int row = blockIdx.x;
   const bool real = row < x_rows;
   const float* xr = x + static_cast<size_t>(real ? row : 0) * ldx;
@@ -115,7 +117,18 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll 4
   for (int G = warp; G < groups; G += blockDim.x >> 5) {
-    const float v = G * 64 < K && real ? tc4_group_sum(xr + G * 64) : 0.0f;
+    float v = 0.0f;
+    if (G * 64 < K && real) {
+      if (sum_parts) {  // tc4_group_sum's order, of each value's multiplied parts
+        auto used = [&](float e) {
+          const float hi = bf16_part(e, 0), mid = bf16_part(e, 1);
+          return parts == 3 ? hi + mid + bf16_part(e, 2) : hi + mid;  // exact in fp32
+        };
+        v = warp_sum(used(xr[G * 64 + lane]) + used(xr[G * 64 + lane + 32]));
+      } else {
+        v = tc4_group_sum(xr + G * 64);
+      }
+    }
     if (lane == 0 && wg == 2)
       reinterpret_cast<float*>(tile + static_cast<size_t>(G) * tile_bytes + parts * 4 * b_bytes)[r_t] = v;
     else if (lane == 0)
@@ -229,8 +242,10 @@ __host__ __device__ constexpr int q4_block_features() { return kQ4TileWarps * 16
 // significant bits, two thirds of the MMAs) or 3 (exact products; CK_PREFILL_PARTS=3).
 // SC: the codes come through shared memory with the activations (cp.async, two groups ahead), instead
 // of each warp loading its own one group ahead into registers (CK_Q4_STAGE_CODES=0).
-// STAGES: shared-memory buffers, STAGES - 1 groups copied ahead (q4_stages()).
-template <int MODE, int PARTS, bool SC, int STAGES>
+// STAGES: shared-memory buffers, STAGES - 1 groups copied ahead (q4_stages()). C128: codes unpacked as
+// 128 + q (code_pair_128, no subtraction) and the group's bias term (b - 128 s) Σ x̃, with Σ x̃ the sum
+// of the multiplied parts (q4_xfrag_kernel's sum_parts); q4_codes128().
+template <int MODE, int PARTS, bool SC, int STAGES, bool C128 = false>
 __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __grid_constant__ Q4Args a) {
   static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
   static_assert(STAGES >= 3, "at least two groups ahead");
@@ -441,10 +456,10 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
             for (int mf = 0; mf < MF; ++mf) {
               const uint32_t w_g = (s >> 1) ? wq[q][mf][0].y : wq[q][mf][0].x;
               const uint32_t w_g8 = (s >> 1) ? wq[q][mf][1].y : wq[q][mf][1].x;
-              af[q][mf][0] = code_pair_lop3(w_g, i0);
-              af[q][mf][1] = code_pair_lop3(w_g8, i0);
-              af[q][mf][2] = code_pair_lop3(w_g, i0 + 1);
-              af[q][mf][3] = code_pair_lop3(w_g8, i0 + 1);
+              af[q][mf][0] = C128 ? code_pair_128(w_g, i0) : code_pair_lop3(w_g, i0);
+              af[q][mf][1] = C128 ? code_pair_128(w_g8, i0) : code_pair_lop3(w_g8, i0);
+              af[q][mf][2] = C128 ? code_pair_128(w_g, i0 + 1) : code_pair_lop3(w_g, i0 + 1);
+              af[q][mf][3] = C128 ? code_pair_128(w_g8, i0 + 1) : code_pair_lop3(w_g8, i0 + 1);
             }
 #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
@@ -482,6 +497,10 @@ __global__ void __launch_bounds__(kQ4TileWarps * 32, 2) q4_tile_kernel(const __g
               const uint32_t sel0 = scales.sel(par0[mf][0] ^ sp), sel1 = scales.sel(par0[mf][1] ^ sp);
               s0 = scales.value(sb_g.x, sel0), b0 = scales.value(sb_g.y, sel0);
               s1 = scales.value(sb_g8.x, sel1), b1 = scales.value(sb_g8.y, sel1);
+            }
+            if constexpr (C128) {
+              b0 = bias_128(b0, s0);
+              b1 = bias_128(b1, s1);
             }
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
@@ -559,7 +578,7 @@ bool xfrag_tiles8_on() {
 // wg: 0 (q4_tile_kernel's layout), 1 (q4_wg_dense_kernel's) or 2 (q4_wg_bulk_kernel's tiles of
 // tile_rows rows, Σ x inside).
 XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts, cudaStream_t stream, int wg = 0,
-                 int tile_rows = 64) {
+                 int tile_rows = 64, bool sum_parts = false) {
   XFrag f;
   const int grid_rows = wg == 2 ? static_cast<int>(round_up(rows, tile_rows)) : rows;
   const size_t xf_bytes = wg == 2 ? static_cast<size_t>(grid_rows / tile_rows) * groups *
@@ -574,7 +593,7 @@ XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts
                                                                                       tile_rows, f.xf);
   else
     q4_xfrag_kernel<<<static_cast<unsigned>(grid_rows), kQ4Threads, 0, stream>>>(x, ldx, rows, K, groups, parts, wg,
-                                                                                 tile_rows, f.xf, f.gsum);
+                                                                                 tile_rows, f.xf, f.gsum, sum_parts ? 1 : 0);
   CUDA_CHECK_LAUNCH();
   return f;
 }
@@ -605,24 +624,33 @@ int q4_stages() {
   return g_q4_stages;
 }
 
+// Whether the grouped experts' products take q4_tile_kernel's C128 form (CK_Q4_CODES128=1;
+// set_q4_codes128): off by default.
+int g_q4_codes128 = -1;
+bool q4_codes128() {
+  if (g_q4_codes128 < 0) g_q4_codes128 = env_is("CK_Q4_CODES128", "1") ? 1 : 0;
+  return g_q4_codes128 == 1;
+}
+
 // One launch of q4_tile_kernel<MODE, PARTS (prefill_parts), SC (codes staged unless
 // CK_Q4_STAGE_CODES=0), STAGES (q4_stages; 3 without SC)>, empty fragments skipped unless
 // CK_Q4_SKIP_EMPTY=0; the first launch of each form raises its dynamic shared-memory limit.
-template <int MODE, int PARTS, bool SC, int STAGES>
+template <int MODE, int PARTS, bool SC, int STAGES, bool C128 = false>
 void launch_q4_form(const dim3& grid, const Q4Args& a, cudaStream_t stream) {
   constexpr int smem = q4_stages_bytes<PARTS, STAGES>();
   static const bool ready = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(q4_tile_kernel<MODE, PARTS, SC, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    smem));
+    CUDA_CHECK(cudaFuncSetAttribute(q4_tile_kernel<MODE, PARTS, SC, STAGES, C128>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
   }();
   (void)ready;
-  q4_tile_kernel<MODE, PARTS, SC, STAGES><<<grid, kQ4TileWarps * 32, smem, stream>>>(a);
+  q4_tile_kernel<MODE, PARTS, SC, STAGES, C128><<<grid, kQ4TileWarps * 32, smem, stream>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 
 template <int MODE, int PARTS>
-void launch_q4_parts(const dim3& grid, const Q4Args& a, bool sc, cudaStream_t stream) {
+void launch_q4_parts(const dim3& grid, const Q4Args& a, bool sc, bool c128, cudaStream_t stream) {
+  if (c128) return launch_q4_form<MODE, PARTS, true, 3, true>(grid, a, stream);
   if (!sc) return launch_q4_form<MODE, PARTS, false, 3>(grid, a, stream);
   switch (q4_stages()) {
     case 6: return launch_q4_form<MODE, PARTS, true, 6>(grid, a, stream);
@@ -631,13 +659,14 @@ void launch_q4_parts(const dim3& grid, const Q4Args& a, bool sc, cudaStream_t st
   }
 }
 
+// c128: the call's activations were split with sum_parts (launch_experts_q4): the C128 form.
 template <int MODE>
-void launch_q4_tile(const dim3& grid, Q4Args a, int parts, cudaStream_t stream) {
+void launch_q4_tile(const dim3& grid, Q4Args a, int parts, cudaStream_t stream, bool c128 = false) {
   static const bool sc = !env_is("CK_Q4_STAGE_CODES", "0");
   static const bool all_fragments = env_is("CK_Q4_SKIP_EMPTY", "0");
   a.all_fragments = all_fragments;
-  if (parts == 2) launch_q4_parts<MODE, 2>(grid, a, sc, stream);
-  else launch_q4_parts<MODE, 3>(grid, a, sc, stream);
+  if (parts == 2) launch_q4_parts<MODE, 2>(grid, a, sc, c128, stream);
+  else launch_q4_parts<MODE, 3>(grid, a, sc, c128, stream);
 }
 
 // One grouped expert product: x (x_rows rows of width K, a multiple of 64) split into fragments, then
@@ -648,18 +677,20 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
                        cudaStream_t stream) {
   CK_REQUIRE(K % 64 == 0 && x_rows >= 1, "experts q4: K %d, rows %d", K, x_rows);
   const int groups = K / 64;
-  XFrag f = make_xfrag(x, ldx, x_rows, K, groups, prefill_parts(), stream);
+  const bool c128 = q4_codes128();
+  XFrag f = make_xfrag(x, ldx, x_rows, K, groups, prefill_parts(), stream, 0, 64, c128);
   Q4Args a{};
   a.pairs = pairs; a.order = order; a.tiles = tiles; a.n_tiles = n_tiles;
   a.xf = f.xf; a.gsum = f.gsum; a.groups = groups; a.y = y; a.ldy = ldy;
   const dim3 grid(static_cast<unsigned>(ceil_div(features, q4_block_features<MODE>())), static_cast<unsigned>(max_tiles));
-  launch_q4_tile<MODE>(grid, a, prefill_parts(), stream);
+  launch_q4_tile<MODE>(grid, a, prefill_parts(), stream, c128);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
 }
 
 }  // namespace
 
 void set_prefill_parts(int parts) { g_prefill_parts = parts; }
+void set_q4_codes128(int on) { g_q4_codes128 = on < 0 ? -1 : (on ? 1 : 0); }
 void set_q4_stages(int stages) { g_q4_stages = stages < 0 ? -1 : stages >= 6 ? 6 : stages >= 4 ? 4 : 3; }
 void set_xfrag_tiles8(int on) { g_xfrag_tiles8 = on < 0 ? -1 : (on ? 1 : 0); }
 

@@ -106,6 +106,10 @@ void set_prefill_parts(int parts);
 // Shared-memory stages of q4_tile_kernel (the prefill experts' products): 3, 4 or 6, copying one group
 // fewer ahead; -1 goes back to CK_Q4_STAGES (3 by default). The same bits.
 void set_q4_stages(int stages);
+// Whether the grouped experts' 4-bit prefill products unpack codes as 128 + q and fold the 128 into the
+// group's bias term over Σ of the multiplied parts of x (as the decode kernels do: larger terms in the
+// MMAs' sums, one instruction fewer per two codes); -1 goes back to CK_Q4_CODES128 (off unless "1").
+void set_q4_codes128(int on);
 // Whether the one-row mix launches its kernel instance compiled for down and up projections in tiles
 // (no layout branch in each group of its loops; the default, +1.35% at one row on 2026-12-01) or the
 // instance that branches per group (CK_HC_LAYOUT_KERNELS=0); the same bits. set_layout_kernels(1 or

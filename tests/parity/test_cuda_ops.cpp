@@ -978,7 +978,7 @@ TEST(CudaOps, GroupedExpertsMatchCpu) {
 // The factored 4-bit kernels: groups of 64 and 128, bf16/f16/f32 scales, the same tiles (expert 0 in
 // two tiles, expert 5 in none, a wider shared expert); x in two bf16 parts (the default) and three;
 // 3, 4 and 6 shared-memory stages (set_q4_stages, more stages than the 4 groups of K = 256 included),
-// which must give the same bits.
+// which must give the same bits; and the codes unpacked as 128 + q (set_q4_codes128).
 TEST(CudaOps, GroupedExpertsQ4MatchCpu) {
   REQUIRE_GPU();
   const WeightForm forms[7] = {WeightForm{DType::U32, 4, 64, DType::BF16},  WeightForm{DType::U32, 4, 128, DType::BF16},
@@ -997,6 +997,12 @@ TEST(CudaOps, GroupedExpertsQ4MatchCpu) {
       ASSERT_EQ(out.size(), first.size());
       EXPECT_EQ(std::memcmp(out.data(), first.data(), sizeof(float) * out.size()), 0) << "stages change the bits";
     }
+    // The codes as 128 + q (set_q4_codes128): other sums, the same bounds against the CPU.
+    SCOPED_TRACE("bf16 parts " + std::to_string(parts) + ", codes as 128 + q");
+    set_q4_stages(3);
+    set_q4_codes128(1);
+    check_grouped_experts(forms, true, 4243);
+    set_q4_codes128(-1);
   }
   set_q4_stages(-1);
   set_prefill_parts(-1);
