@@ -613,13 +613,14 @@ namespace {
 template <int PARTS, int STAGES>
 constexpr int q4_stages_bytes() { return STAGES * static_cast<int>(sizeof(Q4StageT<PARTS>)); }  // 3 stages, 2 parts: 54 KB
 
-// q4_tile_kernel's shared-memory stages (CK_Q4_STAGES: 3, 4 or 6; set_q4_stages): 3 by default.
+// q4_tile_kernel's shared-memory stages (CK_Q4_STAGES: 3, 4 or 6; set_q4_stages): 3 by default. A
+// request becomes the largest compiled count not above it (at least 3).
+int q4_compiled_stages(int v) { return v >= 6 ? 6 : v >= 4 ? 4 : 3; }
 int g_q4_stages = -1;
 int q4_stages() {
   if (g_q4_stages < 0) {
     const char* e = std::getenv("CK_Q4_STAGES");
-    const int v = e ? std::atoi(e) : 3;
-    g_q4_stages = v >= 6 ? 6 : v == 4 || v == 5 ? 4 : 3;
+    g_q4_stages = q4_compiled_stages(e ? std::atoi(e) : 3);
   }
   return g_q4_stages;
 }
@@ -633,7 +634,7 @@ bool q4_codes128() {
 }
 
 // One launch of q4_tile_kernel<MODE, PARTS (prefill_parts), SC (codes staged unless
-// CK_Q4_STAGE_CODES=0), STAGES (q4_stages; 3 without SC)>, empty fragments skipped unless
+// CK_Q4_STAGE_CODES=0), STAGES (q4_stages; 3 without SC or with C128)>, empty fragments skipped unless
 // CK_Q4_SKIP_EMPTY=0; the first launch of each form raises its dynamic shared-memory limit.
 template <int MODE, int PARTS, bool SC, int STAGES, bool C128 = false>
 void launch_q4_form(const dim3& grid, const Q4Args& a, cudaStream_t stream) {
@@ -691,7 +692,7 @@ void launch_experts_q4(const ExpertPair* pairs, const int32_t* order, const int2
 
 void set_prefill_parts(int parts) { g_prefill_parts = parts; }
 void set_q4_codes128(int on) { g_q4_codes128 = on < 0 ? -1 : (on ? 1 : 0); }
-void set_q4_stages(int stages) { g_q4_stages = stages < 0 ? -1 : stages >= 6 ? 6 : stages >= 4 ? 4 : 3; }
+void set_q4_stages(int stages) { g_q4_stages = stages < 0 ? -1 : q4_compiled_stages(stages); }
 void set_xfrag_tiles8(int on) { g_xfrag_tiles8 = on < 0 ? -1 : (on ? 1 : 0); }
 
 // Rows from which the dense products take the wgmma kernel: 256 (CK_Q4_WG_MIN_ROWS). It was 768 while
