@@ -305,6 +305,21 @@ int main(int argc, char** argv) {
     return t;
   };
   cuda::StepResult res;
+  // After each timed run, one untimed step with its logits: they must all be finite. Why: a kernel that
+  // writes NaN still runs, and faster: NaN router logits route every token to the same lowest-index
+  // experts (the kernels' rule), whose tiles are then full. A 16-token experts kernel with a wrong
+  // staging offset measured +20% at 512 tokens that way (2026-12-04) before its tests caught it.
+  auto outputs_finite = [&](cuda::Session& s, const char* what) {
+    cuda::StepResult r;
+    const int32_t tok[1] = {static_cast<int32_t>(rng() % c.vocab_size)};
+    if (!s.step_rows(tok, false, true, &r).ok()) return false;
+    for (float v : r.logits)
+      if (!std::isfinite(v)) {
+        std::fprintf(stderr, "bench_cuda: %s left the model producing non-finite logits: its figure is not valid\n", what);
+        return false;
+      }
+    return true;
+  };
   // Every session's chunk rows (its per-row buffers), decode's too: a session serves both.
   const int chunk = m->chunk_rows_for(a.prefill_chunk);
   emit(out, "session  chunks of %d rows (every session's per-row buffers: %.2f GB)%s\n", chunk,
@@ -345,6 +360,7 @@ int main(int argc, char** argv) {
          100.0 * (rows / step_s) / ceil_tps, at.c_str());
     if (const cuda::GraphShape* g = s->step_graph_shape(rows, false))
       emit(out, "graph    %d row%s/step   %s\n", rows, rows > 1 ? "s" : " ", cuda::summary(*g).c_str());
+    if (!outputs_finite(*s, rows == 1 ? "decode at 1 row" : "decode at several rows")) return 1;
   }
 
   // ---- MTP draft step (one graph a step; then with every kernel launched directly, to compare), after a
@@ -429,6 +445,7 @@ int main(int argc, char** argv) {
       emit(out, "profile  prefill %5d  all pieces             %9.2f ms of %.2f ms wall (%.1f%%)\n", T, total,
            sec * 1e3, 100.0 * total / (sec * 1e3));
     }
+    if (!outputs_finite(*s, "prefill")) return 1;  // (after the profile: this step is not in it)
   }
   if (out) std::fclose(out);
   return 0;
