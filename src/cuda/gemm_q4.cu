@@ -143,7 +143,9 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
 // thread stored 4-byte words of one row, 16 bytes at a time in 16 places, so every 32-byte sector was
 // written half by one block and half by another: 34 us for a 2,048-row chunk of the 2,560-wide in_proj
 // input, 112 us for the 6,144-wide out_proj input (Nsight Compute, twenty-first session).
-// grid (rows / 8, a multiple of tile_rows), block 256; x rows 16-byte aligned (ldx % 4 == 0).
+// grid (rows / 8, a multiple of tile_rows; the groups' splits: blockIdx.y takes groups y * 8 + warp,
+// stepping 8 * gridDim.y), block 256; x rows 16-byte aligned (ldx % 4 == 0). Why the splits: a
+// 496-row chunk is 62 blocks on 132 SMs, and the 10,240-wide mix input took 32 us (1.3 TB/s).
 __global__ void __launch_bounds__(256) q4_xfrag_tiles8_kernel(const float* __restrict__ x, int ldx, int x_rows, int K,
                                                               int groups, int parts, int tile_rows, uint2* xf) {
   __shared__ float stage[8][8][68];  // [warp][row][the group's 64 values, padded]
@@ -154,7 +156,7 @@ __global__ void __launch_bounds__(256) q4_xfrag_tiles8_kernel(const float* __res
   float(*sx)[68] = stage[warp];
   const int row = lane >> 2, t = lane & 3;  // staging: 16 values of `row` from 16 t; fragments: row, lane t
   const bool real = row0 + row < x_rows;
-  for (int G = warp; G < groups; G += 8) {
+  for (int G = static_cast<int>(blockIdx.y) * 8 + warp; G < groups; G += 8 * static_cast<int>(gridDim.y)) {
     const bool on = real && G * 64 < K;  // K % 64 == 0 for the groups that exist
     const float* src = x + static_cast<size_t>(on ? row0 + row : 0) * ldx + static_cast<size_t>(G) * 64 + 16 * t;
 #pragma unroll
@@ -575,6 +577,13 @@ bool xfrag_tiles8_on() {
   return g_xfrag_tiles8 == 1;
 }
 
+// Whether q4_xfrag_tiles8_kernel's grid splits the groups when the chunk has few rows (the default;
+// CK_XFRAG_SPLIT=0 keeps one block per 8 rows, to compare).
+bool xfrag_split_groups() {
+  static const bool on = !env_is("CK_XFRAG_SPLIT", "0");
+  return on;
+}
+
 // wg: 0 (q4_tile_kernel's layout), 1 (q4_wg_dense_kernel's) or 2 (q4_wg_bulk_kernel's tiles of
 // tile_rows rows, Σ x inside).
 XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts, cudaStream_t stream, int wg = 0,
@@ -588,10 +597,13 @@ XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts
   CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + gsum_bytes, stream));
   f.xf = reinterpret_cast<uint2*>(f.mem);
   f.gsum = wg == 2 ? nullptr : reinterpret_cast<float*>(f.mem + xf_bytes);
-  if (wg == 2 && xfrag_tiles8_on() && tile_rows % 8 == 0 && ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0)
-    q4_xfrag_tiles8_kernel<<<static_cast<unsigned>(grid_rows / 8), 256, 0, stream>>>(x, ldx, rows, K, groups, parts,
-                                                                                      tile_rows, f.xf);
-  else
+  if (wg == 2 && xfrag_tiles8_on() && tile_rows % 8 == 0 && ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    // Enough blocks for four per SM (at least), the groups split evenly between them.
+    const int row_blocks = grid_rows / 8, max_splits = static_cast<int>(ceil_div(groups, 8));
+    const int splits = xfrag_split_groups() ? std::clamp(static_cast<int>(ceil_div(4 * sm_count(), row_blocks)), 1, max_splits) : 1;
+    q4_xfrag_tiles8_kernel<<<dim3(static_cast<unsigned>(row_blocks), static_cast<unsigned>(splits)), 256, 0, stream>>>(
+        x, ldx, rows, K, groups, parts, tile_rows, f.xf);
+  } else
     q4_xfrag_kernel<<<static_cast<unsigned>(grid_rows), kQ4Threads, 0, stream>>>(x, ldx, rows, K, groups, parts, wg,
                                                                                  tile_rows, f.xf, f.gsum, sum_parts ? 1 : 0);
   CUDA_CHECK_LAUNCH();
