@@ -347,6 +347,7 @@ int main(int argc, char** argv) {
     }
     const double step_s = median(t);
     if (rows == 1) report_hc_mix_timing(*s, out);
+    if (!outputs_finite(*s, rows == 1 ? "decode at 1 row" : "decode at several rows")) return 1;
     // Ceiling: the weights one step must read once. With r rows the experts are the union of the rows'
     // choices: E (1 - (1 - k/E)^r) per layer when routing is random (this model's is).
     const double k = c.num_experts_per_tok, E = c.num_experts;
@@ -360,7 +361,6 @@ int main(int argc, char** argv) {
          100.0 * (rows / step_s) / ceil_tps, at.c_str());
     if (const cuda::GraphShape* g = s->step_graph_shape(rows, false))
       emit(out, "graph    %d row%s/step   %s\n", rows, rows > 1 ? "s" : " ", cuda::summary(*g).c_str());
-    if (!outputs_finite(*s, rows == 1 ? "decode at 1 row" : "decode at several rows")) return 1;
   }
 
   // ---- MTP draft step (one graph a step; then with every kernel launched directly, to compare), after a
@@ -429,13 +429,16 @@ int main(int argc, char** argv) {
     const double k = c.num_experts_per_tok, E = c.num_experts, R = cuda::kMaxRows;
     const double step_bytes = dense_tok + c.num_hidden_layers * E * (1.0 - std::pow(1.0 - k / E, R)) * expert_rec;
     const double ceil_row = R / (step_bytes / (copy_gbs * 1e9));
+    // The profile is taken before the check's step (which would add its own pieces); nothing is printed
+    // for a run whose outputs are not finite.
+    const auto prof = profile ? s->take_profile() : decltype(s->take_profile()){};
+    if (!outputs_finite(*s, "prefill")) return 1;
     emit(out, "prefill  %5d tokens      %8.1f tok/s  (%.3f s for %d rows)   ceiling %8.0f tok/s (FLOPs / bf16 rate)%s; "
               "row-path bound %.0f tok/s (weights once per %d rows); chunks of %d rows\n",
          T, timed / sec, sec, timed, ceil_c, tflops > 0 ? "" : " [no bf16 rate: not measured]", ceil_row, cuda::kMaxRows,
          chunk);
     if (profile) {
       double total = 0;
-      const auto prof = s->take_profile();
       for (const auto& [piece, ms] : prof) total += ms;
       for (const auto& [piece, ms] : prof)
         emit(out, "profile  prefill %5d  %-22s %9.2f ms  %5.1f%%  (%.2f us/token)\n", T, piece.c_str(), ms,
@@ -445,7 +448,6 @@ int main(int argc, char** argv) {
       emit(out, "profile  prefill %5d  all pieces             %9.2f ms of %.2f ms wall (%.1f%%)\n", T, total,
            sec * 1e3, 100.0 * total / (sec * 1e3));
     }
-    if (!outputs_finite(*s, "prefill")) return 1;  // (after the profile: this step is not in it)
   }
   if (out) std::fclose(out);
   return 0;
