@@ -343,23 +343,45 @@ __device__ __forceinline__ void warp_inclusive_scan2(int& a, int& b) {
   }
 }
 
-// One block: counting sort of the pairs by expert (ExpertPair::group), then the tile list.
-// Order inside a group may differ between runs; no result depends on it (rows are independent).
-// The pair and tile offsets are block-wide scans over runs of groups (thread 0 walking all 512
-// experts alone took this kernel to ~36 us per MoE layer and prefill chunk, twelfth session).
-__global__ void group_pairs_kernel(const ExpertPair* pairs, int n_pairs, int n_groups, int bm, int32_t* order,
-                                   int2* tiles, int32_t* n_tiles) {
-  extern __shared__ int sh[];
+// Grouping a chunk's pairs by expert (ExpertPair::group): a counting sort in three kernels, then the
+// tile list. Order inside a group may differ between runs; no result depends on it (each pair's
+// products are its own column's, whatever its tile or place). Why three: one block of 1,024 threads
+// walking an 8,192-row chunk's ~90k pairs twice took ~200 us a MoE layer (0.9% of an 8k prefill,
+// fortieth session), its loads of the pairs one round trip after another on one SM; and thread 0
+// walking all 512 experts alone had taken it to ~36 us per layer and 1,024-row chunk (twelfth).
+constexpr int kGroupThreads = 256;
+constexpr int kGroupPairsPerThread = 8;
+constexpr int kGroupPairsPerBlock = kGroupThreads * kGroupPairsPerThread;
+
+// count[g] += the pairs of group g among this block's kGroupPairsPerBlock (a histogram in shared
+// memory first, so one global atomic per group and block). grid (ceil(n_pairs / kGroupPairsPerBlock)).
+__global__ void __launch_bounds__(kGroupThreads) group_count_kernel(const ExpertPair* pairs, int n_pairs, int n_groups,
+                                                                    int* count) {
+  extern __shared__ int hist[];
+  for (int g = threadIdx.x; g < n_groups; g += blockDim.x) hist[g] = 0;
+  __syncthreads();
+  const int p0 = static_cast<int>(blockIdx.x) * kGroupPairsPerBlock, p1 = min(n_pairs, p0 + kGroupPairsPerBlock);
+  int grp[kGroupPairsPerThread];
+#pragma unroll
+  for (int i = 0; i < kGroupPairsPerThread; ++i) {  // every load first: one round trip, not eight
+    const int p = p0 + static_cast<int>(threadIdx.x) + i * kGroupThreads;
+    grp[i] = p < p1 ? pairs[p].group : -1;
+  }
+#pragma unroll
+  for (int i = 0; i < kGroupPairsPerThread; ++i)
+    if (grp[i] >= 0) atomicAdd(&hist[grp[i]], 1);
+  __syncthreads();
+  for (int g = threadIdx.x; g < n_groups; g += blockDim.x)
+    if (hist[g]) atomicAdd(&count[g], hist[g]);
+}
+
+// One block: each group's first place in `order` (into cursor) and its tiles of up to bm pairs. The
+// pair and tile offsets are block-wide scans over runs of groups (warp scans, then a scan of the
+// warps' totals), in group order.
+__global__ void group_scan_kernel(const int* count, int n_groups, int bm, int* cursor, int2* tiles, int32_t* n_tiles) {
   __shared__ int warp_pairs[32], warp_tiles[32];
-  int* count = sh;
-  int* start = sh + n_groups;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-  for (int g = threadIdx.x; g < n_groups; g += blockDim.x) count[g] = 0;
-  __syncthreads();
-  for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) atomicAdd(&count[pairs[p].group], 1);
-  __syncthreads();
-  // This thread's run of groups [g0, g1): its pairs and tiles, then their offsets (exclusive scans in
-  // group order: warp scans, then a scan of the warps' totals).
+  // This thread's run of groups [g0, g1): its pairs and tiles, then their exclusive offsets.
   const int per = (n_groups + blockDim.x - 1) / blockDim.x;
   const int g0 = min(n_groups, static_cast<int>(threadIdx.x) * per), g1 = min(n_groups, g0 + per);
   int np = 0, nt = 0;
@@ -383,17 +405,40 @@ __global__ void group_pairs_kernel(const ExpertPair* pairs, int n_pairs, int n_g
   __syncthreads();
   int o = ip - np + (warp > 0 ? warp_pairs[warp - 1] : 0), ot = it - nt + (warp > 0 ? warp_tiles[warp - 1] : 0);
   for (int g = g0; g < g1; ++g) {
-    start[g] = o;
-    for (int t = 0; t < count[g]; t += bm) tiles[ot++] = make_int2(o + t, min(bm, count[g] - t));
-    o += count[g];
-    count[g] = 0;
+    const int n = count[g];
+    cursor[g] = o;
+    for (int t = 0; t < n; t += bm) tiles[ot++] = make_int2(o + t, min(bm, n - t));
+    o += n;
   }
   if (threadIdx.x == blockDim.x - 1) *n_tiles = ot;  // the last run ends at the total
+}
+
+// order[cursor[g] + ...] = the block's pairs of group g: their ranks inside the block from a shared
+// histogram, the block's range of each group from one global atomic per group and block. The grid of
+// group_count_kernel.
+__global__ void __launch_bounds__(kGroupThreads) group_scatter_kernel(const ExpertPair* pairs, int n_pairs, int n_groups,
+                                                                      int* cursor, int32_t* order) {
+  extern __shared__ int sh[];
+  int* hist = sh;
+  int* base = sh + n_groups;
+  for (int g = threadIdx.x; g < n_groups; g += blockDim.x) hist[g] = 0;
   __syncthreads();
-  for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
-    const int g = pairs[p].group;
-    order[start[g] + atomicAdd(&count[g], 1)] = p;
+  const int p0 = static_cast<int>(blockIdx.x) * kGroupPairsPerBlock, p1 = min(n_pairs, p0 + kGroupPairsPerBlock);
+  int grp[kGroupPairsPerThread], rank[kGroupPairsPerThread];
+#pragma unroll
+  for (int i = 0; i < kGroupPairsPerThread; ++i) {  // every load first: one round trip, not eight
+    const int p = p0 + static_cast<int>(threadIdx.x) + i * kGroupThreads;
+    grp[i] = p < p1 ? pairs[p].group : -1;
   }
+#pragma unroll
+  for (int i = 0; i < kGroupPairsPerThread; ++i) rank[i] = grp[i] >= 0 ? atomicAdd(&hist[grp[i]], 1) : 0;
+  __syncthreads();
+  for (int g = threadIdx.x; g < n_groups; g += blockDim.x)
+    if (hist[g]) base[g] = atomicAdd(&cursor[g], hist[g]);
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kGroupPairsPerThread; ++i)
+    if (grp[i] >= 0) order[base[grp[i]] + rank[i]] = p0 + static_cast<int>(threadIdx.x) + i * kGroupThreads;
 }
 
 struct SplitKReduceArgs {
@@ -503,9 +548,27 @@ void split_k_finish(const SplitK& s, const GemvJob* jobs, int n_jobs, int splits
 void group_pairs(const ExpertPair* pairs, int n_pairs, int n_groups, int32_t* order, int2* tiles, int32_t* n_tiles,
                  cudaStream_t stream) {
   CK_REQUIRE(n_pairs >= 1 && n_groups >= 1 && n_groups <= 16384, "invariant");
-  group_pairs_kernel<<<1, 1024, sizeof(int) * 2 * n_groups, stream>>>(pairs, n_pairs, n_groups, kGroupRows, order,
-                                                                        tiles, n_tiles);
+  static const bool ready = [] {  // the histograms' shared memory: up to 2 x 16,384 ints
+    CUDA_CHECK(cudaFuncSetAttribute(group_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 16384 * 4));
+    CUDA_CHECK(cudaFuncSetAttribute(group_scatter_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * 16384 * 4));
+    return true;
+  }();
+  (void)ready;
+  // Stream-ordered scratch (as split_k_start's): each group's count, then its cursor.
+  int* scratch = nullptr;
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch), sizeof(int) * 2 * n_groups, stream));
+  int* count = scratch;
+  int* cursor = scratch + n_groups;
+  CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(int) * n_groups, stream));
+  const unsigned blocks = static_cast<unsigned>(ceil_div(n_pairs, kGroupPairsPerBlock));
+  group_count_kernel<<<blocks, kGroupThreads, sizeof(int) * n_groups, stream>>>(pairs, n_pairs, n_groups, count);
   CUDA_CHECK_LAUNCH();
+  group_scan_kernel<<<1, 1024, 0, stream>>>(count, n_groups, kGroupRows, cursor, tiles, n_tiles);
+  CUDA_CHECK_LAUNCH();
+  group_scatter_kernel<<<blocks, kGroupThreads, sizeof(int) * 2 * n_groups, stream>>>(pairs, n_pairs, n_groups, cursor,
+                                                                                      order);
+  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(cudaFreeAsync(scratch, stream));
 }
 
 void expert_gate_up_grouped(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,

@@ -966,6 +966,57 @@ void check_grouped_experts(const WeightForm (&forms)[7], bool q4, uint64_t seed,
   }
 }
 
+// group_pairs on its own: an 8,192-row chunk's worth of pairs (top-10 + the shared expert over 512
+// experts, several blocks of the three kernels), skewed so one expert takes a fifth of the routed
+// pairs and some none; and a chunk smaller than one block. `order` must be a permutation whose groups
+// are contiguous and in group order, and the tiles must cut each group into runs of at most
+// kGroupRows pairs, in order, with the count on the device.
+TEST(CudaOps, GroupPairsSortsByExpertIntoTiles) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(77);
+  for (const int rows : {8192, 37}) {
+    const int k = 10, E = 512, n_groups = E + 1;
+    std::vector<ExpertPair> pairs;
+    for (int r = 0; r < rows; ++r)
+      for (int t = 0; t <= k; ++t) {
+        ExpertPair p;
+        p.x_row = r;
+        p.group = t == k ? E : (rng() % 5 == 0 ? 7 : static_cast<int>(rng() % (E / 2)) * 2);  // odd experts: none
+        pairs.push_back(p);
+      }
+    const int n_pairs = static_cast<int>(pairs.size()), max_tiles = grouped_max_tiles(n_pairs, n_groups);
+    DeviceBuffer<ExpertPair> pd;
+    DeviceBuffer<int32_t> order(n_pairs), n_tiles(1);
+    DeviceBuffer<int2> tiles(max_tiles);
+    group_pairs(to_device(pairs, &pd), n_pairs, n_groups, order.get(), tiles.get(), n_tiles.get(), nullptr);
+    const std::vector<int32_t> o = to_host(order.get(), n_pairs), nt = to_host(n_tiles.get(), 1);
+    const std::vector<int2> tl = to_host(tiles.get(), max_tiles);
+    std::vector<int> seen(n_pairs, 0), count(n_groups, 0);
+    for (const ExpertPair& p : pairs) ++count[p.group];
+    int at = 0, expect_tiles = 0;
+    for (int g = 0; g < n_groups; ++g) {
+      for (int i = 0; i < count[g]; ++i, ++at) {
+        ASSERT_GE(o[at], 0);
+        ASSERT_LT(o[at], n_pairs);
+        EXPECT_EQ(pairs[o[at]].group, g) << "rows " << rows << ": place " << at;
+        ++seen[o[at]];
+      }
+      expect_tiles += (count[g] + kGroupRows - 1) / kGroupRows;
+    }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), n_pairs) << "rows " << rows << ": order is not a permutation";
+    ASSERT_EQ(nt[0], expect_tiles) << "rows " << rows;
+    int next = 0;
+    for (int t = 0; t < nt[0]; ++t) {
+      EXPECT_EQ(tl[t].x, next) << "rows " << rows << ": tile " << t;
+      EXPECT_GE(tl[t].y, 1);
+      EXPECT_LE(tl[t].y, kGroupRows);
+      for (int i = 1; i < tl[t].y; ++i) EXPECT_EQ(pairs[o[next + i]].group, pairs[o[next]].group) << "tile " << t;
+      next += tl[t].y;
+    }
+    EXPECT_EQ(next, n_pairs);
+  }
+}
+
 TEST(CudaOps, GroupedExpertsMatchCpu) {
   REQUIRE_GPU();
   const WeightForm forms[7] = {WeightForm{DType::U32, 4, 64, DType::BF16}, WeightForm{DType::U32, 8, 64, DType::BF16},
