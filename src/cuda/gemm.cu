@@ -353,6 +353,16 @@ constexpr int kGroupThreads = 256;
 constexpr int kGroupPairsPerThread = 8;
 constexpr int kGroupPairsPerBlock = kGroupThreads * kGroupPairsPerThread;
 
+// This thread's pair i of the block's kGroupPairsPerBlock (group_count_kernel, group_scatter_kernel).
+__device__ __forceinline__ int block_pair(int i) {
+  return static_cast<int>(blockIdx.x) * kGroupPairsPerBlock + static_cast<int>(threadIdx.x) + i * kGroupThreads;
+}
+// The groups of this thread's pairs, -1 past the end. Every load first: one round trip, not eight.
+__device__ __forceinline__ void load_block_groups(const ExpertPair* pairs, int n_pairs, int (&grp)[kGroupPairsPerThread]) {
+#pragma unroll
+  for (int i = 0; i < kGroupPairsPerThread; ++i) grp[i] = block_pair(i) < n_pairs ? pairs[block_pair(i)].group : -1;
+}
+
 // count[g] += the pairs of group g among this block's kGroupPairsPerBlock (a histogram in shared
 // memory first, so one global atomic per group and block). grid (ceil(n_pairs / kGroupPairsPerBlock)).
 __global__ void __launch_bounds__(kGroupThreads) group_count_kernel(const ExpertPair* pairs, int n_pairs, int n_groups,
@@ -360,13 +370,8 @@ __global__ void __launch_bounds__(kGroupThreads) group_count_kernel(const Expert
   extern __shared__ int hist[];
   for (int g = threadIdx.x; g < n_groups; g += blockDim.x) hist[g] = 0;
   __syncthreads();
-  const int p0 = static_cast<int>(blockIdx.x) * kGroupPairsPerBlock, p1 = min(n_pairs, p0 + kGroupPairsPerBlock);
   int grp[kGroupPairsPerThread];
-#pragma unroll
-  for (int i = 0; i < kGroupPairsPerThread; ++i) {  // every load first: one round trip, not eight
-    const int p = p0 + static_cast<int>(threadIdx.x) + i * kGroupThreads;
-    grp[i] = p < p1 ? pairs[p].group : -1;
-  }
+  load_block_groups(pairs, n_pairs, grp);
 #pragma unroll
   for (int i = 0; i < kGroupPairsPerThread; ++i)
     if (grp[i] >= 0) atomicAdd(&hist[grp[i]], 1);
@@ -423,13 +428,8 @@ __global__ void __launch_bounds__(kGroupThreads) group_scatter_kernel(const Expe
   int* base = sh + n_groups;
   for (int g = threadIdx.x; g < n_groups; g += blockDim.x) hist[g] = 0;
   __syncthreads();
-  const int p0 = static_cast<int>(blockIdx.x) * kGroupPairsPerBlock, p1 = min(n_pairs, p0 + kGroupPairsPerBlock);
   int grp[kGroupPairsPerThread], rank[kGroupPairsPerThread];
-#pragma unroll
-  for (int i = 0; i < kGroupPairsPerThread; ++i) {  // every load first: one round trip, not eight
-    const int p = p0 + static_cast<int>(threadIdx.x) + i * kGroupThreads;
-    grp[i] = p < p1 ? pairs[p].group : -1;
-  }
+  load_block_groups(pairs, n_pairs, grp);
 #pragma unroll
   for (int i = 0; i < kGroupPairsPerThread; ++i) rank[i] = grp[i] >= 0 ? atomicAdd(&hist[grp[i]], 1) : 0;
   __syncthreads();
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(kGroupThreads) group_scatter_kernel(const Expe
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < kGroupPairsPerThread; ++i)
-    if (grp[i] >= 0) order[base[grp[i]] + rank[i]] = p0 + static_cast<int>(threadIdx.x) + i * kGroupThreads;
+    if (grp[i] >= 0) order[base[grp[i]] + rank[i]] = block_pair(i);
 }
 
 struct SplitKReduceArgs {
