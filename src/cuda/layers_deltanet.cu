@@ -605,12 +605,21 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
 }
 
 // Starts copying a [rows][cols] block (rows of `cols` floats) into shared memory rows of `ld` floats.
+// The 16-byte form steps each thread's (row, quad) by the block's size with a carry instead of
+// dividing its flat index every copy (the divisions were ~10% of the scan's instructions).
 __device__ __forceinline__ void stage_async(float* dst, int ld, const float* src, int rows, int cols) {
   if ((cols & 3) == 0) {
-    const int q = cols / 4;
-    for (int idx = threadIdx.x; idx < rows * q; idx += blockDim.x) {
-      const int t = idx / q, i = (idx - t * q) * 4;
-      cp_async16(dst + t * ld + i, src + t * cols + i);
+    const int q = cols / 4, nt = static_cast<int>(blockDim.x);
+    const int dt = nt / q, di = nt - dt * q;
+    int t = static_cast<int>(threadIdx.x) / q, i = static_cast<int>(threadIdx.x) - t * q;
+    while (t < rows) {
+      cp_async16(dst + t * ld + 4 * i, src + t * cols + 4 * i);
+      t += dt;
+      i += di;
+      if (i >= q) {
+        i -= q;
+        ++t;
+      }
     }
   } else {
     for (int idx = threadIdx.x; idx < rows * cols; idx += blockDim.x) {
@@ -765,14 +774,17 @@ size_t gdn_scan_tc_smem(int dk, int cols) {
   constexpr int C = kGdnChunk;
   return sizeof(float) * (2 * C * gdn_tc_ld(dk) + C * kGdnScanLdP + gdn_tc_dk16(dk) * cols + C * cols);
 }
-__device__ __forceinline__ uint32_t tf32_of(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
+// x as two tf32 operands, in three instructions: hi = x rounded to nearest (ties away) by the bias at
+// bit 12, lo = x - hi (exact: hi and x are within a factor of 2), both left with their low 13 bits for
+// the MMA, which reads only the top 19 (nvcc's own lowering of cvt.rna.tf32.f32 on sm_90 feeds the MMA
+// the biased word unmasked, and ptxas keeps it so). lo is thus truncated to tf32 (within 2^-21 |x|;
+// cvt.rna's 2^-22). Why: cvt.rna.tf32.f32 is emulated (bias, |x| < inf test, select: 4 instructions),
+// so the split was 9 instructions an operand, ~half of the scan's instructions (Nsight Compute, forty-
+// first session). NaN survives: a NaN whose biased word wraps into the sign reads as 0 in hi, and
+// x - hi is NaN in lo.
 __device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
-  hi = tf32_of(x);
-  lo = tf32_of(x - __uint_as_float(hi));
+  hi = __float_as_uint(x) + 0x1000u;
+  lo = __float_as_uint(x - __uint_as_float(hi & 0xffffe000u));
 }
 // d += a b, m16n8k8, tf32 operands (PTX ISA fragment layouts: a0 (g, t), a1 (g + 8, t), a2 (g, t + 4),
 // a3 (g + 8, t + 4); b0 (k t, n g), b1 (k t + 4, n g); d0..d3 (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)).
