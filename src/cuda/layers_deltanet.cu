@@ -498,7 +498,8 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
   if (tid < C) coef[tid] = beta[tid] * expf(G[tid]);
 
   // k̂ k̂ᵀ and q̂ k̂ᵀ: thread (ty, tx) holds rows ty + 16m and columns tx + 16n (odd strides: no bank
-  // conflicts). L goes to shared memory (transposed), P to the record.
+  // conflicts). L goes to shared memory (transposed), P to the record. Both are lower triangular, so the
+  // blocks n > m (every column past every row of the block) are not computed: 10 of 16 products.
   const GdnChunkLayout lay(dk, dv);
   float* rec = records + (static_cast<size_t>(c) * a.nv + h) * lay.size;
   {
@@ -516,7 +517,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
 #pragma unroll
       for (int m = 0; m < 4; ++m)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
+        for (int q = 0; q <= m; ++q) {  // q > m: columns past every row of the pair (s > t), not used
           kk[m][q] += kt[m] * kc[q];
           qk[m][q] += qt[m] * kc[q];
         }
@@ -605,20 +606,27 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
 }
 
 // Starts copying a [rows][cols] block (rows of `cols` floats) into shared memory rows of `ld` floats.
-// The 16-byte form steps each thread's (row, quad) by the block's size with a carry instead of
-// dividing its flat index every copy (the divisions were ~10% of the scan's instructions).
+// The 16-byte form: the source rows are contiguous, so a thread's copies are its flat quads o, o + n, ...
+// of the source, and only their shared-memory places (padded rows) need the (row, quad) of o, stepped
+// with a carry, as a 32-bit shared address. Why: a division of the flat index and 64-bit pointer
+// arithmetic per copy were ~24 instructions a copy, a quarter of the scan's (SASS, forty-first session).
 __device__ __forceinline__ void stage_async(float* dst, int ld, const float* src, int rows, int cols) {
   if ((cols & 3) == 0) {
-    const int q = cols / 4, nt = static_cast<int>(blockDim.x);
+    const int q = cols / 4, nt = static_cast<int>(blockDim.x), n = rows * q;
     const int dt = nt / q, di = nt - dt * q;
-    int t = static_cast<int>(threadIdx.x) / q, i = static_cast<int>(threadIdx.x) - t * q;
-    while (t < rows) {
-      cp_async16(dst + t * ld + 4 * i, src + t * cols + 4 * i);
-      t += dt;
+    const int o0 = static_cast<int>(threadIdx.x), t = o0 / q;
+    int i = o0 - t * q;
+    unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(dst + t * ld + 4 * i));
+    const unsigned step = 4u * static_cast<unsigned>(dt * ld + 4 * di), wrap = 4u * static_cast<unsigned>(ld - 4 * q);
+    const float* g = src + 4 * o0;
+    const int count = o0 < n ? (n - o0 + nt - 1) / nt : 0;
+    for (int k = 0; k < count; ++k, g += 4 * nt) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g) : "memory");
       i += di;
+      sa += step;
       if (i >= q) {
         i -= q;
-        ++t;
+        sa += wrap;
       }
     }
   } else {
@@ -825,11 +833,12 @@ __device__ __forceinline__ void gdn_b_frag(const float* m, int off, float (&b)[2
 
 // acc[nt] += A v_new over k = the chunk's rows, for the N n8 tiles whose B places (at k0 = 0) are
 // boff: load_a(k0, a) gives the lane's A fragment of the k step at k0 (phase 2's P, phase 3's k̂dᵀ).
+// k_end: the k steps past it are known to multiply zeros (P is lower triangular), a multiple of 16.
 template <int NC, int N, class LoadA>
 __device__ __forceinline__ void gdn_mma_over_chunk(LoadA load_a, const float* vn, const int (&boff)[N],
-                                                   float (&acc)[N][4]) {
+                                                   float (&acc)[N][4], int k_end = kGdnChunk) {
 #pragma unroll 2
-  for (int k0 = 0; k0 < kGdnChunk; k0 += 8) {
+  for (int k0 = 0; k0 < k_end; k0 += 8) {
     float av[4], b[N][2];
     load_a(k0, av);
 #pragma unroll
@@ -953,7 +962,7 @@ __global__ void __launch_bounds__(256, MINB) gdn_chunk_scan_tc_kernel(const GdnR
           const float* pp = Pm + ap2 + k0;
           ap[0] = pp[0]; ap[1] = pp[8 * ldp]; ap[2] = pp[4]; ap[3] = pp[8 * ldp + 4];
         },
-        vn, b12, o);
+        vn, b12, o, 16 * (mt + 1));  // P[t][s] = 0 for s > t: the m16 tile mt ends at column 16 mt + 15
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
