@@ -407,9 +407,15 @@ struct GdnChunkLayout {
 // Leading dimension of the prep kernel's transposed L (LT[s][t] = L[t][s]): rows of 16-byte multiples,
 // so the solve reads L[t0 .. t0 + 7][s] as two float4.
 constexpr int kGdnPrepLdt = kGdnChunk + 4;
+// Leading dimension of the prep kernel's q, k (and v) rows: whole float4 quads of max(dk, dv), and an odd
+// number of quads, so the 8 rows that a phase of 16-byte loads reads fall in different banks.
+__host__ __device__ constexpr int gdn_prep_ld(int dk, int dv) {
+  return ((dk > dv ? dk : dv) + 3) / 4 % 2 == 1 ? ((dk > dv ? dk : dv) + 3) / 4 * 4
+                                                 : ((dk > dv ? dk : dv) + 3) / 4 * 4 + 4;
+}
 size_t gdn_prep_smem(int dk, int dv) {
   constexpr int C = kGdnChunk;
-  const int ld = std::max(dk, dv) + 1;
+  const int ld = gdn_prep_ld(dk, dv);
   return sizeof(float) * (2 * C * ld + C * kGdnPrepLdt + 3 * C);
 }
 // Leading dimension of a staged [C][dk] block in the scan: a multiple of 4 (16-byte copies) whose rows
@@ -422,8 +428,8 @@ size_t gdn_scan_smem(int dk) {
 }
 
 // grid (nv, chunks), block 256, dynamic shared memory gdn_prep_smem(dk, dv).
-// The q, k and v rows come in by cp.async (4-byte copies into odd-stride rows: the products below read
-// them without bank conflicts): with plain loads, each guarded load and its store were one round trip
+// The q, k and v rows come in by cp.async (4-byte copies into rows of an odd number of quads: the
+// products below read them in 16-byte loads without bank conflicts): with plain loads, each guarded load and its store were one round trip
 // in turn, ~30% of the kernel's time (Nsight Compute, twenty-first session). W and U are solved from
 // (I + L) X = B by forward substitution, each thread one column of B (W's with the warps 0-3, U's with
 // 4-7), without forming T = (I + L)⁻¹: T's substitution (64 steps, one block barrier each, 64 threads
@@ -432,7 +438,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
   pdl_begin();
   extern __shared__ float4 prep_sh4[];
   constexpr int C = kGdnChunk, ldt = kGdnPrepLdt, kWarps = 8;
-  const int h = blockIdx.x, c = blockIdx.y, dk = a.dk, dv = a.dv, ld = max(dk, dv) + 1;
+  const int h = blockIdx.x, c = blockIdx.y, dk = a.dk, dv = a.dv, ld = gdn_prep_ld(dk, dv), dk4 = (dk + 3) / 4 * 4;
   float* qs = reinterpret_cast<float*>(prep_sh4);  // [C][ld]  q̂ / sqrt(dk); later β v, then U
   float* ks = qs + C * ld;    // [C][ld]  k̂; later β e^G k̂, then W
   float* LT = ks + C * ld;    // [C][ldt] LT[s][t] = L[t][s] (zero for s >= t); C ld is a multiple of 4
@@ -460,6 +466,9 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
           qs[t * ld + i] = 0.0f;
           ks[t * ld + i] = 0.0f;
         }
+      } else if (i < dk4) {  // the last quad's columns past dk: zeros for the products' 16-byte loads
+        qs[t * ld + i] = 0.0f;
+        ks[t * ld + i] = 0.0f;
       }
     }
   }
@@ -497,29 +506,37 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs
   __syncthreads();
   if (tid < C) coef[tid] = beta[tid] * expf(G[tid]);
 
-  // k̂ k̂ᵀ and q̂ k̂ᵀ: thread (ty, tx) holds rows ty + 16m and columns tx + 16n (odd strides: no bank
+  // k̂ k̂ᵀ and q̂ k̂ᵀ: thread (ty, tx) holds rows ty + 16m and columns tx + 16n (odd quad strides: no bank
   // conflicts). L goes to shared memory (transposed), P to the record. Both are lower triangular, so the
   // blocks n > m (every column past every row of the block) are not computed: 10 of 16 products.
   const GdnChunkLayout lay(dk, dv);
   float* rec = records + (static_cast<size_t>(c) * a.nv + h) * lay.size;
   {
     const int ty = tid / 16, tx = tid % 16;
+    // Four columns i at a time, in 16-byte loads (12 loads for 80 products; scalar loads were 48),
+    // summed in the order of i as before; the last quad's columns past dk are zeros.
     float kk[4][4] = {}, qk[4][4] = {};
-#pragma unroll 4
-    for (int i = 0; i < dk; ++i) {
-      float kt[4], qt[4], kc[4];
+#pragma unroll 1
+    for (int i = 0; i < dk4; i += 4) {
+      float4 kt[4], qt[4], kc[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        kt[m] = ks[(ty + 16 * m) * ld + i];
-        qt[m] = qs[(ty + 16 * m) * ld + i];
-        kc[m] = ks[(tx + 16 * m) * ld + i];
+        kt[m] = *reinterpret_cast<const float4*>(&ks[(ty + 16 * m) * ld + i]);
+        qt[m] = *reinterpret_cast<const float4*>(&qs[(ty + 16 * m) * ld + i]);
+        kc[m] = *reinterpret_cast<const float4*>(&ks[(tx + 16 * m) * ld + i]);
       }
 #pragma unroll
       for (int m = 0; m < 4; ++m)
 #pragma unroll
         for (int q = 0; q <= m; ++q) {  // q > m: columns past every row of the pair (s > t), not used
-          kk[m][q] += kt[m] * kc[q];
-          qk[m][q] += qt[m] * kc[q];
+          kk[m][q] += kt[m].x * kc[q].x;
+          kk[m][q] += kt[m].y * kc[q].y;
+          kk[m][q] += kt[m].z * kc[q].z;
+          kk[m][q] += kt[m].w * kc[q].w;
+          qk[m][q] += qt[m].x * kc[q].x;
+          qk[m][q] += qt[m].y * kc[q].y;
+          qk[m][q] += qt[m].z * kc[q].z;
+          qk[m][q] += qt[m].w * kc[q].w;
         }
     }
 #pragma unroll
