@@ -141,7 +141,8 @@ bool gdn_chunked_fits(const GdnRecArgs& a);
 void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream);
 // The chunked form's scan over the chunks: 1 on the tensor cores (3xTF32 products, the default), 0 in
 // fp32 FMAs (CK_GDN_SCAN=fp32); -1 goes back to the environment (tests). set_gdn_scan_cols: the
-// tensor-core scan's value columns per block, 32 (two blocks per SM) or 64 (one; CK_GDN_SCAN_COLS=64).
+// tensor-core scan's value columns per block, 64 (one block per SM, the default) or 32 (two;
+// CK_GDN_SCAN_COLS=32).
 void set_gdn_scan_tc(int on);
 void set_gdn_scan_cols(int cols);
 
