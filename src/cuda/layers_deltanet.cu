@@ -429,11 +429,12 @@ size_t gdn_scan_smem(int dk) {
 
 // grid (nv, chunks), block 256, dynamic shared memory gdn_prep_smem(dk, dv).
 // The q, k and v rows come in by cp.async (4-byte copies into rows of an odd number of quads: the
-// products below read them in 16-byte loads without bank conflicts): with plain loads, each guarded load and its store were one round trip
-// in turn, ~30% of the kernel's time (Nsight Compute, twenty-first session). W and U are solved from
-// (I + L) X = B by forward substitution, each thread one column of B (W's with the warps 0-3, U's with
-// 4-7), without forming T = (I + L)⁻¹: T's substitution (64 steps, one block barrier each, 64 threads
-// busy) and the products T B were ~48% of the kernel's time.
+// products below read them in 16-byte loads without bank conflicts): with plain loads, each guarded
+// load and its store were one round trip in turn, ~30% of the kernel's time (Nsight Compute,
+// twenty-first session). W and U are solved from (I + L) X = B by forward substitution, each thread
+// one column of B (W's with the warps 0-3, U's with 4-7), without forming T = (I + L)⁻¹: T's
+// substitution (64 steps, one block barrier each, 64 threads busy) and the products T B were ~48% of
+// the kernel's time.
 __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_kernel(const GdnRecArgs a, int rows, float* records) {
   pdl_begin();
   extern __shared__ float4 prep_sh4[];
@@ -784,7 +785,7 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs
 // Why: the fp32 kernel issued ~3 instructions per multiply-add (the FMA and its shared-memory operands)
 // and spent most of its time waiting at its barriers for its slowest warps; with 192 blocks on 132 SMs
 // it took ~754 us per layer and 2,048-row chunk, more than half of the delta rule (twenty-first
-// session); this one ~560 us.
+// session); this one ~560 us (419 us since the forty-first session's cheaper splits and copies).
 // A block takes NC value columns (64, or 32 with CK_GDN_SCAN_COLS=32). Warp w: phases 1 and 2 (64 x NC
 // outputs) the m16 tile w % 4 and half the n8 tiles (w / 4 picks which half); phase 3 (the dk x NC
 // state) the m16 tile w and all n8 tiles, whose accumulators hold the state between chunks (written
@@ -1130,7 +1131,7 @@ void gdn_chunked(const GdnRecArgs& a, int rows, cudaStream_t stream) {
   CUDA_CHECK_LAUNCH();
   if (g_gdn_scan_tc < 0) g_gdn_scan_tc = env_is("CK_GDN_SCAN", "fp32") ? 0 : 1;
   // 64 columns (one block an SM) by default: +0.3-0.9% at 2k and 8k in three rounds of two calls once
-  // the scan's conversions and copies were cheap (H200 2026-12-04 03:22Z and 03:36Z); level before.
+  // the scan's conversions and copies were cheap (H200 2026-12-04 03:22Z and 03:29Z); level before.
   if (g_gdn_scan_cols < 0) g_gdn_scan_cols = env_is("CK_GDN_SCAN_COLS", "32") ? 32 : 64;
   const int cols = g_gdn_scan_tc ? g_gdn_scan_cols : kGdnScanCols;
   const dim3 scan_grid(a.nv, static_cast<unsigned>(ceil_div(a.dv, cols)));
