@@ -51,9 +51,12 @@ __device__ __forceinline__ float mul_add_rn(float acc, float a, float b) { retur
 
 // Asynchronous copies global -> shared (sm_80+): 16 bytes (bypassing L1) or 4 bytes, grouped by
 // cp_async_commit; cp_async_wait<N> waits until at most N committed groups are still in flight.
+// cp_async16_shared takes the destination as a shared-window address (a loop can step it in 32 bits).
+__device__ __forceinline__ void cp_async16_shared(unsigned smem_addr, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem) : "memory");
+}
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+  cp_async16_shared(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem);
 }
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));

@@ -639,7 +639,7 @@ __device__ __forceinline__ void stage_async(float* dst, int ld, const float* src
     const float* g = src + 4 * o0;
     const int count = o0 < n ? (n - o0 + nt - 1) / nt : 0;
     for (int k = 0; k < count; ++k, g += 4 * nt) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g) : "memory");
+      cp_async16_shared(sa, g);
       i += di;
       sa += step;
       if (i >= q) {
