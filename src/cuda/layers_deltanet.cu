@@ -408,7 +408,9 @@ struct GdnChunkLayout {
 // so the solve reads L[t0 .. t0 + 7][s] as two float4.
 constexpr int kGdnPrepLdt = kGdnChunk + 4;
 // Leading dimension of the prep kernel's q, k (and v) rows: whole float4 quads of max(dk, dv), and an odd
-// number of quads, so the 8 rows that a phase of 16-byte loads reads fall in different banks.
+// number of quads, so the 8 rows that a phase of 16-byte loads reads fall in different banks: 4 (q | 1)
+// for q = ceil(max(dk, dv) / 4). (Written out long: the short form, equal for every dk and dv, changed
+// the prep kernel's SASS, and this one is the form tested on the GPU.)
 __host__ __device__ constexpr int gdn_prep_ld(int dk, int dv) {
   return ((dk > dv ? dk : dv) + 3) / 4 % 2 == 1 ? ((dk > dv ? dk : dv) + 3) / 4 * 4
                                                  : ((dk > dv ? dk : dv) + 3) / 4 * 4 + 4;
