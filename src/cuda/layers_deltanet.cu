@@ -793,14 +793,20 @@ __global__ void __launch_bounds__(256, 2) gdn_chunk_scan_kernel(const GdnRecArgs
 // state) the m16 tile w and all n8 tiles, whose accumulators hold the state between chunks (written
 // to shared memory for the next chunk's B operands). Phase 1 and the (e^G q̂) S half of phase 2 share
 // their B fragments (S) in one pass.
-// Shared memory: the two [C][ldk] record buffers (ldk = 16 ceil(dk / 16) + 4, their columns past dk
+// Shared memory: the [C][ldk] record buffers (ldk = 16 ceil(dk / 16) + 4, their columns past dk
 // zero, so k steps of 8 and m16 tiles past dk add zeros), P [C][68], S [dk16][NC] and v_new [C][NC],
 // the last two with their 8-column groups swizzled by row (conflict-free B fragment loads).
+// Record buffers: three at 64 columns (one block an SM), two at 32 (two blocks an SM). With two, the
+// next chunk's e^G q̂ can only be copied once phase 3 has read k̂d, and each chunk began by waiting for
+// that copy (its first cp.async wait was the scan's largest stall line, forty-first session); with
+// three it is copied after phase 1, beside k̂d and the next W.
 __host__ __device__ constexpr int gdn_tc_dk16(int dk) { return (dk + 15) / 16 * 16; }
 __host__ __device__ constexpr int gdn_tc_ld(int dk) { return gdn_tc_dk16(dk) + 4; }
+__host__ __device__ constexpr int gdn_tc_bufs(int cols) { return cols == 64 ? 3 : 2; }
 size_t gdn_scan_tc_smem(int dk, int cols) {
   constexpr int C = kGdnChunk;
-  return sizeof(float) * (2 * C * gdn_tc_ld(dk) + C * kGdnScanLdP + gdn_tc_dk16(dk) * cols + C * cols);
+  return sizeof(float) *
+         (gdn_tc_bufs(cols) * C * gdn_tc_ld(dk) + C * kGdnScanLdP + gdn_tc_dk16(dk) * cols + C * cols);
 }
 // x as two tf32 operands, in three instructions: hi = x rounded to nearest (ties away) by the bias at
 // bit 12, lo = x - hi (exact: hi and x are within a factor of 2), both left with their low 13 bits for
@@ -875,20 +881,21 @@ template <int NC, int MINB>
 __global__ void __launch_bounds__(256, MINB) gdn_chunk_scan_tc_kernel(const GdnRecArgs a, int rows, const float* records) {
   static_assert(NC == 32 || NC == 64, "32 or 64 columns a block");
   constexpr int NT = NC / 8, NTW = NT / 2;  // n8 tiles of the block; of a warp in phases 1-2
+  constexpr int NBUF = gdn_tc_bufs(NC);     // record buffers
   pdl_begin();
   extern __shared__ float4 sh4[];
   constexpr int C = kGdnChunk, ldp = kGdnScanLdP;
   const int h = blockIdx.x, c0 = blockIdx.y * NC, dk = a.dk, dv = a.dv, ld = gdn_tc_ld(dk), dk16 = gdn_tc_dk16(dk);
   float* sh = reinterpret_cast<float*>(sh4);
-  float* Pm = sh + 2 * C * ld;   // [C][ldp]; the two [C][ld] buffers come first
+  float* Pm = sh + NBUF * C * ld;  // [C][ldp]; the NBUF [C][ld] buffers come first
   float* Ss = Pm + C * ldp;      // [dk16][NC] swizzled: this block's state columns
   float* vn = Ss + dk16 * NC;    // [C][NC] swizzled: v_new
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const GdnChunkLayout lay(dk, dv);
   const int chunks = (rows + C - 1) / C;
   auto record = [&](int c) { return records + (static_cast<size_t>(c) * a.nv + h) * lay.size; };
-  // Columns [dk, ld) of both buffers: zero once (the copies write only columns < dk).
-  for (int idx = tid; idx < 2 * C * (ld - dk); idx += blockDim.x) {
+  // Columns [dk, ld) of every buffer: zero once (the copies write only columns < dk).
+  for (int idx = tid; idx < NBUF * C * (ld - dk); idx += blockDim.x) {
     const int r = idx / (ld - dk);
     sh[r * ld + dk + (idx - r * (ld - dk))] = 0.0f;
   }
@@ -930,8 +937,9 @@ __global__ void __launch_bounds__(256, MINB) gdn_chunk_scan_tc_kernel(const GdnR
   for (int nt = 0; nt < NT; ++nt) b3[nt] = gdn_swz<NC>(t, 8 * nt + g);
   for (int c = 0; c < chunks; ++c) {
     const float* rec = record(c);
-    float* wb = sh + (c & 1) * C * ld;
-    float* qb = sh + ((c + 1) & 1) * C * ld;
+    // W(c) and e^G q̂(c); with three buffers the third (k̂d(c - 1)'s, read) takes e^G q̂(c + 1).
+    float* wb = sh + (c % NBUF) * C * ld;
+    float* qb = sh + ((c + 1) % NBUF) * C * ld;
     const bool more = c + 1 < chunks;
     float u[NTW][4];  // U at this thread's accumulator places, read early
 #pragma unroll
@@ -975,6 +983,8 @@ __global__ void __launch_bounds__(256, MINB) gdn_chunk_scan_tc_kernel(const GdnR
     stage_async(wb, ld, rec + lay.kd, C, dk);
     if (more) stage_async(qb, ld, record(c + 1) + lay.w, C, dk);
     cp_async_commit();
+    if (NBUF == 3 && more) stage_async(sh + ((c + 2) % NBUF) * C * ld, ld, record(c + 1) + lay.qd, C, dk);
+    cp_async_commit();  // (possibly empty) a group of its own: phase 3 waits for k̂d(c) only
 
     // Phase 2, second half: out += P v_new, over k = chunk rows.
     gdn_mma_over_chunk<NC>(
@@ -991,7 +1001,7 @@ __global__ void __launch_bounds__(256, MINB) gdn_chunk_scan_tc_kernel(const GdnR
         if (row < rows && col < dv) a.out[static_cast<size_t>(row) * a.ldo + static_cast<size_t>(h) * dv + col] = o[nt][e];
       }
     const float dl = rec[lay.dl];
-    cp_async_wait<0>();  // e^(G_last-G) k̂(c) (and W(c+1))
+    cp_async_wait<1>();  // e^(G_last-G) k̂(c) (and W(c+1)); not the newest group (e^G q̂(c + 1))
     __syncthreads();     // ... for every thread; P(c) read for the last time
     if (more) stage_async(Pm, ldp, record(c + 1) + lay.p, C, C);
     cp_async_commit();
@@ -1012,7 +1022,7 @@ __global__ void __launch_bounds__(256, MINB) gdn_chunk_scan_tc_kernel(const GdnR
     }
     __syncthreads();  // every warp is done with S (phases 1-2), v_new and k̂d(c)
     store_state();
-    if (more) stage_async(wb, ld, record(c + 1) + lay.qd, C, dk);
+    if (NBUF == 2 && more) stage_async(wb, ld, record(c + 1) + lay.qd, C, dk);
     cp_async_commit();
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
