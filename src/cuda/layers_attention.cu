@@ -632,6 +632,7 @@ __global__ void __launch_bounds__(256) attn_heads_kernel(const AttnArgs a, const
 constexpr int kAttnTcWarps = 8;
 constexpr int kAttnTcMaxSteps = 16;  // hd <= 256: 16-dimension steps of the scores
 constexpr int kAttnTcVSteps = 4;     // 16-key steps of P V whose value loads are issued together
+constexpr int kAttnScoreChains = 4;  // attn_heads_tc_kernel: independent accumulators of a key tile's scores
 
 // hi and lo parts of (a, b) as two bf16x2 words (.x hi, .y lo); a in the low half.
 __device__ __forceinline__ uint2 split_bf16x2(float a, float b) {
@@ -656,10 +657,12 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint4& ah, const 
 // chunk splits each key's row ~1,500 times. Nsight Compute on the per-row kernel (H200 2026-12-03
 // 14:15Z, 8k tokens) counted those conversions as 37% of its instructions, issued at 35% of the SM's
 // rate. attn_split_kv_kernel splits the context's keys once per call into scratch:
-//  - K as pairs of dimensions (2i, 2i+1): {hi pair, lo pair}, the uint2 that split_bf16x2 returns,
-//    stored so that lane t's two pairs of a 16-dimension step (dimensions 2t, 2t+1 and 2t+8, 2t+9)
-//    are adjacent: inside each step, pair q at 2 (q % 4) + q / 4 (attn_split_k_pos). A lane's B
-//    fragments of a step are then one 16-byte load (two 8-byte loads before) with no conversion;
+//  - K as pairs of dimensions (2i, 2i+1), each a hi word and a lo word (split_bf16x2), stored so
+//    that lane t's two pairs of a 16-dimension step (dimensions 2t, 2t+1 and 2t+8, 2t+9) are one
+//    16-byte quad {hi, hi', lo, lo'} (attn_split_k_word). A lane's B fragments of a step are then one
+//    16-byte load (two 8-byte loads before) with no conversion, and each of the step's two B operands
+//    (the hi words, the lo words) is an aligned register pair of the load as the MMA takes it: with
+//    the quad as {hi, lo, hi', lo'} every MMA took its operand through two register moves (SASS);
 //  - V per element: {hi, lo} in one word (hi in the low half), so the B fragment of two keys at one
 //    dimension is two byte permutes (attn_pair_of_words) instead of a split; inside each 32-dimension
 //    group (a warp's four 8-dimension tiles) dimension 8 nn + g at 4 g + nn (attn_split_v_pos), so
@@ -696,8 +699,9 @@ __device__ __forceinline__ uint2 attn_weight_pair(const float* pw) {
 
 // Keys [0, n) of the cache into k_split / v_split (AttnArgs); grid (ceil(n nkv hd / 2 / 256)), block
 // 256: one pair of floats of K and of V a thread.
-// Where pair i of a key row (dimensions 2i, 2i+1 of its nkv*hd) goes in the split copy's row.
-__device__ __forceinline__ int64_t attn_split_k_pos(int64_t i) { return (i & ~int64_t{7}) + 2 * (i & 3) + ((i >> 2) & 1); }
+// Where the hi word of pair i of a key row (dimensions 2i, 2i+1 of its nkv*hd) goes in the split copy's
+// row, in words; its lo word is 2 further. Inside each 8-pair step, pair q at 4 (q % 4) + q / 4.
+__device__ __forceinline__ int64_t attn_split_k_word(int64_t i) { return 2 * (i & ~int64_t{7}) + 4 * (i & 3) + ((i >> 2) & 1); }
 // Where value e of a key row goes in the split copy's row (rows are whole 32-value groups: hd % 32 == 0).
 __device__ __forceinline__ int64_t attn_split_v_pos(int64_t e) { return (e & ~int64_t{31}) + 4 * (e & 7) + ((e >> 3) & 3); }
 __global__ void attn_split_kv_kernel(const AttnArgs a, int64_t n) {
@@ -705,7 +709,10 @@ __global__ void attn_split_kv_kernel(const AttnArgs a, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n * a.nkv * a.hd / 2) return;
   // (A row's pairs, nkv*hd/2 of them, are a multiple of 8: the positions stay inside the row.)
-  a.k_split[attn_split_k_pos(i)] = split_bf16x2(a.k_cache[2 * i], a.k_cache[2 * i + 1]);
+  const uint2 k = split_bf16x2(a.k_cache[2 * i], a.k_cache[2 * i + 1]);
+  uint32_t* kw = reinterpret_cast<uint32_t*>(a.k_split) + attn_split_k_word(i);
+  kw[0] = k.x;
+  kw[2] = k.y;
   const uint2 v = split_bf16x2(a.v_cache[2 * i], a.v_cache[2 * i + 1]);
   a.v_split[attn_split_v_pos(2 * i)] = __byte_perm(v.x, v.y, 0x5410);
   a.v_split[attn_split_v_pos(2 * i + 1)] = __byte_perm(v.x, v.y, 0x7632);
@@ -750,10 +757,10 @@ __device__ __forceinline__ void attn_load_key_steps(const float2* kr, int steps,
 __device__ __forceinline__ void attn_load_key_steps(const uint2* kr, int steps, uint2 (&kx)[kAttnTcMaxSteps][2]) {
 #pragma unroll
   for (int s = 0; s < kAttnTcMaxSteps; ++s)
-    if (s < steps) {  // the two pairs adjacent (attn_split_k_pos)
+    if (s < steps) {  // the two pairs as {hi, hi', lo, lo'} (attn_split_k_word)
       const uint4 w = *reinterpret_cast<const uint4*>(kr + 8 * s);
-      kx[s][0] = make_uint2(w.x, w.y);
-      kx[s][1] = make_uint2(w.z, w.w);
+      kx[s][0] = make_uint2(w.x, w.z);
+      kx[s][1] = make_uint2(w.y, w.w);
     }
 }
 // The lane's first pair in a key row: t in the cache's order, 2t in the split copy's.
@@ -777,7 +784,11 @@ __host__ __device__ inline size_t attn_tc_smem(const AttnArgs& a) {
 // its throughput and L2 at 39%: a tile's 32 16-byte fragment reads a lane are 2 KB of shared-memory
 // traffic per key, as much as the key's K and V rows. CK_ATTN_QREG=0: from shared memory.
 // SPLIT: K and V from their split copy (attn_split_kv_kernel), the same bits.
-template <bool QREG, bool SPLIT>
+// STEPS: hd / 16 as a compile-time constant (0: read from a.hd), so the steps' loads and MMAs carry no
+// predicates: with a run-time count every step's loads and MMAs were predicated, each MMA behind its
+// own WARPSYNC, and half the key loads issued only after the first MMAs had waited for theirs (SASS).
+// The same operations: the same bits.
+template <bool QREG, bool SPLIT, int STEPS = 0>
 __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const AttnArgs a, const StepParams* sp) {
   using KV = AttnKv<SPLIT>;
   pdl_begin();
@@ -786,7 +797,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t n = sp->pos + r + 1;
   if (a.skip_dense && attn_row_dense(a, n)) return;  // uniform: attn_dense_rows_tc_kernel's row
-  const int cap16 = attn_cap16(a), steps = a.hd / 16;
+  const int cap16 = attn_cap16(a), steps = STEPS ? STEPS : a.hd / 16;
   int* idx = reinterpret_cast<int*>(smem);
   float* p = smem + cap16;                                 // [head][cap16]
   uint4* qf = reinterpret_cast<uint4*>(p + hpg * cap16);  // [step][part][lane]: A fragment words a0..a3
@@ -833,10 +844,17 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   for (int kt = warp; kt * 8 < m; kt += kAttnTcWarps) {
     typename KV::K kx[kAttnTcMaxSteps][2];
     attn_load_key_steps(kg + static_cast<size_t>(idx[kt * 8 + g]) * (kvw / 2), steps, kx);
-    float d[4] = {};
+    // Four accumulators, step s on chain s % 4, added at the end in a fixed order. Why: on one
+    // accumulator a tile's 48 MMAs (16 steps x 3) were one dependent chain, with one block (8 warps)
+    // an SM to hide it; each MMA waits for the one before.
+    float dc[kAttnScoreChains][4] = {};
 #pragma unroll
     for (int s = 0; s < kAttnTcMaxSteps; ++s)
-      if (s < steps) mma_split(d, q_frag(s, 0), q_frag(s, 1), attn_b_pair(kx[s][0]), attn_b_pair(kx[s][1]));
+      if (s < steps)
+        mma_split(dc[s % kAttnScoreChains], q_frag(s, 0), q_frag(s, 1), attn_b_pair(kx[s][0]), attn_b_pair(kx[s][1]));
+    float d[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] = (dc[0][e] + dc[1][e]) + (dc[2][e] + dc[3][e]);
     // d0, d1: head g, keys 8 kt + 2t, + 1; d2, d3: head g + 8.
     const int j = kt * 8 + 2 * t;
 #pragma unroll
@@ -939,7 +957,9 @@ __host__ __device__ inline size_t attn_dense_smem(const AttnArgs& a, int maxm) {
   return sizeof(uint4) * 2 * 32 * (a.hd / 16) * attn_dense_mtiles(a, maxm) + sizeof(float) * maxm * kAttnDenseLds;
 }
 
-template <int MAXM, bool SPLIT>
+// STEPS: hd / 16 fixed at compile time (0: from a.hd), as attn_heads_tc_kernel's, and then the block's
+// m16 tiles too (all MAXM / 16 of them: the launch checks), so no MMA is predicated.
+template <int MAXM, bool SPLIT, int STEPS = 0>
 __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_tc_kernel(const AttnArgs a,
                                                                                           const StepParams* sp,
                                                                                           int rows) {
@@ -949,7 +969,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
   extern __shared__ __align__(16) float smem[];
   __shared__ float alpha[MAXM], lsum[MAXM];
   const int kv = blockIdx.x, hpg = a.nh / a.nkv, h0 = kv * hpg, R = attn_dense_rows_per_block(a, MAXM);
-  const int r0 = blockIdx.y * R, MT = attn_dense_mtiles(a, MAXM);
+  const int r0 = blockIdx.y * R, MT = STEPS ? MAXMT : attn_dense_mtiles(a, MAXM);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t n0 = sp->pos + r0 + 1;  // row r0's keys; row r0 + rr has n0 + rr
   // Dense rows are a prefix of the chunk (n grows with the row): this block's are its first nr.
@@ -957,7 +977,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
   while (nr < R && r0 + nr < rows && attn_row_dense(a, n0 + nr)) ++nr;
   if (nr == 0) return;  // uniform
   const int64_t n_max = n0 + nr - 1;
-  const int mrows = nr * hpg, steps = a.hd / 16, ntiles = a.hd / 8;
+  const int mrows = nr * hpg, steps = STEPS ? STEPS : a.hd / 16, ntiles = a.hd / 8;
   const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
   uint4* qf = reinterpret_cast<uint4*>(smem);  // [mt][step][part][lane]
   float* sp_tile = smem + 4 * 2 * 32 * steps * MT;  // [M-row][kAttnDenseLds]: scores, then weights
@@ -1127,10 +1147,13 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
 
 void init_attention_kernels() {
   for (auto k : {attn_heads_tc_kernel<true, false>, attn_heads_tc_kernel<false, false>, attn_heads_tc_kernel<true, true>,
-                 attn_heads_tc_kernel<false, true>})
+                 attn_heads_tc_kernel<false, true>, attn_heads_tc_kernel<true, true, 2>, attn_heads_tc_kernel<true, true, 4>,
+                 attn_heads_tc_kernel<true, true, 8>, attn_heads_tc_kernel<true, true, 16>})
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   for (auto k : {attn_dense_rows_tc_kernel<64, false>, attn_dense_rows_tc_kernel<32, false>,
-                 attn_dense_rows_tc_kernel<64, true>, attn_dense_rows_tc_kernel<32, true>})
+                 attn_dense_rows_tc_kernel<64, true>, attn_dense_rows_tc_kernel<32, true>,
+                 attn_dense_rows_tc_kernel<64, true, 2>, attn_dense_rows_tc_kernel<64, true, 4>,
+                 attn_dense_rows_tc_kernel<64, true, 8>, attn_dense_rows_tc_kernel<64, true, 16>})
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
   CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
@@ -1187,6 +1210,8 @@ struct AttnSwitch {
   void set(int on) { v = on < 0 ? -1 : (on ? 1 : 0); }
 };
 AttnSwitch g_attn_qreg{"CK_ATTN_QREG"};          // attn_heads_tc_kernel's Q fragments in registers
+AttnSwitch g_attn_fixed_steps{"CK_ATTN_FIXED_STEPS"};  // ... and its step count a template argument
+bool attn_fixed_steps() { return g_attn_fixed_steps.on(); }
 AttnSwitch g_attn_presplit{"CK_ATTN_PRESPLIT"};  // K and V split once per prefill call
 // The split copy's scratch at most (K and V together): 8k keys of the released geometry take 33.5 MB.
 constexpr int64_t kAttnSplitMaxBytes = int64_t{512} << 20;
@@ -1236,13 +1261,31 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
       a.skip_dense = 1;
       const dim3 grid(static_cast<unsigned>(a.nkv),
                       static_cast<unsigned>(ceil_div(rows, attn_dense_rows_per_block(a, maxm))));
-      const auto dense = maxm == 32 ? (split ? attn_dense_rows_tc_kernel<32, true> : attn_dense_rows_tc_kernel<32, false>)
-                                    : (split ? attn_dense_rows_tc_kernel<64, true> : attn_dense_rows_tc_kernel<64, false>);
+      auto dense = maxm == 32 ? (split ? attn_dense_rows_tc_kernel<32, true> : attn_dense_rows_tc_kernel<32, false>)
+                              : (split ? attn_dense_rows_tc_kernel<64, true> : attn_dense_rows_tc_kernel<64, false>);
+      if (maxm == 64 && split && attn_fixed_steps() && attn_dense_mtiles(a, 64) == 4) {  // the default form, fixed
+        switch (a.hd) {
+          case 32: dense = attn_dense_rows_tc_kernel<64, true, 2>; break;
+          case 64: dense = attn_dense_rows_tc_kernel<64, true, 4>; break;
+          case 128: dense = attn_dense_rows_tc_kernel<64, true, 8>; break;
+          case 256: dense = attn_dense_rows_tc_kernel<64, true, 16>; break;
+          default: break;
+        }
+      }
       launch(dense, grid, kAttnTcWarps * 32, attn_dense_smem(a, maxm), stream, a, sp, rows);
       CUDA_CHECK_LAUNCH();
     }
-    const auto per_row = g_attn_qreg.on() ? (split ? attn_heads_tc_kernel<true, true> : attn_heads_tc_kernel<true, false>)
-                                        : (split ? attn_heads_tc_kernel<false, true> : attn_heads_tc_kernel<false, false>);
+    auto per_row = g_attn_qreg.on() ? (split ? attn_heads_tc_kernel<true, true> : attn_heads_tc_kernel<true, false>)
+                                    : (split ? attn_heads_tc_kernel<false, true> : attn_heads_tc_kernel<false, false>);
+    if (g_attn_qreg.on() && split && attn_fixed_steps()) {  // the default form, its step count fixed
+      switch (a.hd) {
+        case 32: per_row = attn_heads_tc_kernel<true, true, 2>; break;
+        case 64: per_row = attn_heads_tc_kernel<true, true, 4>; break;
+        case 128: per_row = attn_heads_tc_kernel<true, true, 8>; break;
+        case 256: per_row = attn_heads_tc_kernel<true, true, 16>; break;
+        default: break;
+      }
+    }
     launch(per_row, dim3(static_cast<unsigned>(a.nkv), static_cast<unsigned>(rows)), kAttnTcWarps * 32, attn_tc_smem(a),
            stream, a, sp);
     CUDA_CHECK_LAUNCH();
