@@ -772,9 +772,14 @@ __device__ __forceinline__ int attn_k_lane(int t) { return SPLIT ? 2 * t : t; }
 
 // Selectable keys rounded up to 16 (the 16-key steps of P V).
 __host__ __device__ inline int attn_cap16(const AttnArgs& a) { return (attn_cap(a) + 15) & ~15; }
+// Floats per head row of the per-row kernel's scores and weights: cap16, then up to 8 mod 32, so the 8
+// heads (g) of a warp's 8-byte accesses at keys 2t fall in distinct banks (two wavefronts a warp). At a
+// stride of cap16 (2,064 at the released geometry, 16 mod 32) they were 2-4-way conflicts, a third of
+// the kernel's shared-memory wavefronts (Nsight Compute at 8k).
+__host__ __device__ inline int attn_tc_ldp(const AttnArgs& a) { return ((attn_cap16(a) + 23) & ~31) + 8; }
 // Dynamic shared memory: the selected ids, the weights of hpg heads, the query fragments.
 __host__ __device__ inline size_t attn_tc_smem(const AttnArgs& a) {
-  return sizeof(int) * attn_cap16(a) + sizeof(float) * (a.nh / a.nkv) * attn_cap16(a) +
+  return sizeof(int) * attn_cap16(a) + sizeof(float) * (a.nh / a.nkv) * attn_tc_ldp(a) +
          sizeof(uint4) * 2 * 32 * (a.hd / 16);
 }
 
@@ -800,10 +805,10 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t n = sp->pos + r + 1;
   if (a.skip_dense && attn_row_dense(a, n)) return;  // uniform: attn_dense_rows_tc_kernel's row
-  const int cap16 = attn_cap16(a), steps = STEPS ? STEPS : a.hd / 16;
+  const int cap16 = attn_cap16(a), ldp = attn_tc_ldp(a), steps = STEPS ? STEPS : a.hd / 16;
   int* idx = reinterpret_cast<int*>(smem);
-  float* p = smem + cap16;                                 // [head][cap16]
-  uint4* qf = reinterpret_cast<uint4*>(p + hpg * cap16);  // [step][part][lane]: A fragment words a0..a3
+  float* p = smem + cap16;                               // [head][ldp]
+  uint4* qf = reinterpret_cast<uint4*>(p + hpg * ldp);  // [step][part][lane]: A fragment words a0..a3
   const int m = attn_gather_selected(a, r, n, idx);       // (synchronises: idx is complete)
   const int m16 = (m + 15) & ~15;
   const size_t kvw = static_cast<size_t>(a.nkv) * a.hd;
@@ -876,13 +881,14 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
     for (int hh = 0; hh < 2; ++hh) {
       const int head = g + 8 * hh;
       if (head >= hpg) continue;
-      if (j < m) p[head * cap16 + j] = d[2 * hh] * scale;
-      if (j + 1 < m) p[head * cap16 + j + 1] = d[2 * hh + 1] * scale;
+      // Both keys in one 8-byte store: j + 1 < m16 (the tile is inside it), and the softmax reads only
+      // [0, m) and zeroes [m, m16).
+      *reinterpret_cast<float2*>(p + head * ldp + j) = make_float2(d[2 * hh] * scale, d[2 * hh + 1] * scale);
     }
   }
   __syncthreads();
   // Softmax per head (attn_heads_kernel's), zero weights for the keys past m up to m16.
-  for (int h = warp; h < hpg; h += kAttnTcWarps) attn_softmax_warp<SPLIT>(p + h * cap16, m, m16);
+  for (int h = warp; h < hpg; h += kAttnTcWarps) attn_softmax_warp<SPLIT>(p + h * ldp, m, m16);
   __syncthreads();
 
   // O = P V: warp w takes 8-dimension tiles 4w .. 4w+3 (then + 32); per 16-key step, A = the weights
@@ -921,7 +927,7 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int head = g + 8 * (i & 1);
-          w[i] = head < hpg ? attn_weight_pair<SPLIT>(p + head * cap16 + jb + 2 * t + 8 * (i >> 1)) : make_uint2(0u, 0u);
+          w[i] = head < hpg ? attn_weight_pair<SPLIT>(p + head * ldp + jb + 2 * t + 8 * (i >> 1)) : make_uint2(0u, 0u);
         }
         const uint4 ah = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x), al = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
 #pragma unroll
@@ -976,7 +982,10 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
 // block an SM, 217 registers), or 32 (CK_ATTN_DENSE=32: twice the blocks, two an SM, 2-3% slower;
 // the test checks it gives 64's bits).
 constexpr int kAttnDenseKeys = 64;   // keys of a tile: 8 warps x the MMA's 8
-constexpr int kAttnDenseLds = kAttnDenseKeys + 4;  // floats per row of the score/weight tile
+// Floats per row of the score/weight tile: 8 mod 32, so the 8-byte stores and loads of a warp (rows g,
+// keys 2t) fall in distinct banks; at 68 (4 mod 32) they were 2-way conflicts, 17% of the kernel's
+// shared-memory wavefronts (Nsight Compute at 2k).
+constexpr int kAttnDenseLds = kAttnDenseKeys + 8;
 
 __host__ __device__ inline int attn_dense_rows_per_block(const AttnArgs& a, int maxm) { return maxm / (a.nh / a.nkv); }
 __host__ __device__ inline int attn_dense_mtiles(const AttnArgs& a, int maxm) {
