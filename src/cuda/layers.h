@@ -178,6 +178,13 @@ struct AttnArgs {
   uint32_t* v_split = nullptr;   // (keys_bound, nkv*hd): {hi | lo << 16} per value
 };
 void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
+// The indexer's block scores of a step's rows (a.scores, for the rows with more complete blocks than
+// block_topk, blocks below their count) from a.iq and a.blk_keys, as attention() computes them: for
+// prefill chunks (rows > kMaxRows) a tiled product in the CPU reference's order and rounding, else a
+// warp per (row, block). set_attn_scores_tiled(0) keeps the warp kernel for chunks too
+// (CK_ATTN_SCORES_TILED=0), -1 goes back to the environment.
+void attention_block_scores(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
+void set_attn_scores_tiled(int on);
 // Most tokens one query attends to: (block_topk + 1) * cr - 1.
 int64_t attention_max_selected(int block_topk, int cr);
 // Decode attention over the selected keys split across blocks, keys per split (tests, comparisons):

@@ -118,6 +118,97 @@ __global__ void attn_scores_kernel(const AttnArgs a, const StepParams* sp) {
   if (lane == 0) a.scores[r * a.nb_max + b] = s / sqrtf(static_cast<float>(a.ihd));
 }
 
+// Prefill chunks: the same scores as a tiled product (attn_scores_kernel for a step of <= kMaxRows
+// rows). attn_scores_kernel spends a warp per (row, block) on 4 x 128 products: two shared loads a
+// multiply-add, 4.35 ms per 8k chunk and attention layer (H200 2026-12-04, Nsight Compute durations:
+// ~30% of the attention core, as much as the dense-rows and prep kernels together). Here a block takes
+// 64 rows x 64 blocks: the K rows and the queries of 4 heads at a time go to shared memory 32
+// dimensions at a time, and each thread keeps 4 rows x 4 blocks x 4 heads of dot products in
+// registers, so a multiply-add costs an eighth of a shared load.
+// Each dot product runs in the CPU reference's order and rounding (cpu/qwen4_exp.cpp: product
+// rounded, then added, dimension 0 first; heads in order, each max(dot, 0) added to s; s / sqrt(ihd)),
+// so for the same q and block keys the scores are the CPU's bits (attn_scores_kernel's lane-strided
+// FMA sums are not): the top-k sees the CPU's ties.
+// grid (ceil(nb_max / 64), ceil(rows / 64)), block 256: thread (tx, ty) = (t % 16, t / 16) takes rows
+// 4 ty .. 4 ty + 3 and blocks tx + 16 c. Needs ihd % 4 == 0, ldiq % 4 == 0 (16-byte loads).
+constexpr int kScoreTile = 64;     // rows and blocks of a tile
+constexpr int kScoreDims = 32;     // dimensions staged at a time
+constexpr int kScoreHeads = 4;     // query heads staged at a time
+constexpr int kScoreLdk = kScoreDims + 1;  // an odd row stride: the 16 blocks a warp reads sit in 16 banks
+__global__ void __launch_bounds__(256) attn_scores_tiled_kernel(const AttnArgs a, const StepParams* sp, int rows) {
+  pdl_begin();
+  __shared__ float ks[kScoreTile][kScoreLdk];                          // [block][dimension]
+  __shared__ __align__(16) float qs[kScoreHeads][kScoreDims][kScoreTile];  // [head][dimension][row]
+  const int r0 = blockIdx.y * kScoreTile, r_last = min(rows, r0 + kScoreTile) - 1;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * kScoreTile;
+  const int64_t pos = sp->pos, nb_last = (pos + r_last + 1) / a.cr;  // the tile's most complete blocks
+  if (nb_last <= a.block_topk || b0 >= nb_last) return;                // uniform: no row needs these
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  float s[4][4] = {};  // [row 4 ty + j][block tx + 16 c]
+  for (int h0 = 0; h0 < a.inh; h0 += kScoreHeads) {
+    float dot[kScoreHeads][4][4] = {};
+    for (int i0 = 0; i0 < a.ihd; i0 += kScoreDims) {
+      const int di = min(kScoreDims, a.ihd - i0);
+      __syncthreads();  // the last dimensions' readers are done
+      // K rows: 16-byte loads along a row, 8 lanes a row (a warp's scalar stores fall in 32 banks).
+      for (int e = threadIdx.x; e < kScoreTile * kScoreDims / 4; e += blockDim.x) {
+        const int bb = e >> 3, d = 4 * (e & 7);
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (d < di && b0 + bb < nb_last) v = *reinterpret_cast<const float4*>(a.blk_keys + (b0 + bb) * a.ihd + i0 + d);
+        ks[bb][d] = v.x; ks[bb][d + 1] = v.y; ks[bb][d + 2] = v.z; ks[bb][d + 3] = v.w;
+      }
+      // Queries transposed: a lane a row (16 bytes of it), so the stores along the rows are conflict-free.
+      for (int e = threadIdx.x; e < kScoreHeads * kScoreTile * kScoreDims / 4; e += blockDim.x) {
+        const int rr = e % kScoreTile, d = 4 * ((e / kScoreTile) % (kScoreDims / 4)), hh = e / (kScoreTile * kScoreDims / 4);
+        const int r = r0 + rr, h = h0 + hh;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (d < di && r < rows && h < a.inh)
+          v = *reinterpret_cast<const float4*>(a.iq + static_cast<size_t>(r) * a.ldiq + static_cast<size_t>(h) * a.ihd + i0 + d);
+        qs[hh][d][rr] = v.x; qs[hh][d + 1][rr] = v.y; qs[hh][d + 2][rr] = v.z; qs[hh][d + 3][rr] = v.w;
+      }
+      __syncthreads();
+#pragma unroll 4
+      for (int d = 0; d < di; ++d) {
+        float kv[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) kv[c] = ks[tx + 16 * c][d];
+#pragma unroll
+        for (int hh = 0; hh < kScoreHeads; ++hh) {
+          const float4 q4 = *reinterpret_cast<const float4*>(&qs[hh][d][4 * ty]);
+          const float q[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) dot[hh][j][c] = __fadd_rn(dot[hh][j][c], __fmul_rn(q[j], kv[c]));
+        }
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < kScoreHeads; ++hh)
+      if (h0 + hh < a.inh)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const float v = dot[hh][j][c];
+            s[j][c] = __fadd_rn(s[j][c], v < 0.0f ? 0.0f : v);  // std::max(dot, 0.0f), NaN kept
+          }
+  }
+  const float root = sqrtf(static_cast<float>(a.ihd));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int r = r0 + 4 * ty + j;
+    if (r >= rows) break;
+    const int64_t nb = (pos + r + 1) / a.cr;
+    if (nb <= a.block_topk) continue;  // this row selects every block: attn_select_kernel reads no score
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int64_t b = b0 + tx + 16 * c;
+      if (b < nb) a.scores[r * a.nb_max + b] = s[j][c] / root;
+    }
+  }
+}
+
 // A block score as an unsigned key with the same order (larger score, larger key); -0 counts as +0,
 // as the float comparison does.
 __device__ __forceinline__ uint32_t score_key(float f) {
@@ -1254,10 +1345,23 @@ bool attn_fixed_steps() { return g_attn_fixed_steps.on(); }
 AttnSwitch g_attn_presplit{"CK_ATTN_PRESPLIT"};  // K and V split once per prefill call
 // The split copy's scratch at most (K and V together): 8k keys of the released geometry take 33.5 MB.
 constexpr int64_t kAttnSplitMaxBytes = int64_t{512} << 20;
+AttnSwitch g_attn_scores_tiled{"CK_ATTN_SCORES_TILED"};  // prefill chunks' block scores as a tiled product
 }  // namespace
 
 void set_attn_qreg(int on) { g_attn_qreg.set(on); }
 void set_attn_presplit(int on) { g_attn_presplit.set(on); }
+
+void set_attn_scores_tiled(int on) { g_attn_scores_tiled.set(on); }
+
+void attention_block_scores(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
+  if (rows > kMaxRows && g_attn_scores_tiled.on() && a.ihd % 4 == 0 && a.ldiq % 4 == 0) {
+    const dim3 grid(static_cast<unsigned>(ceil_div(a.nb_max, kScoreTile)), static_cast<unsigned>(ceil_div(rows, kScoreTile)));
+    launch(attn_scores_tiled_kernel, grid, 256, 0, stream, a, sp, rows);
+  } else {
+    launch(attn_scores_kernel, dim3(static_cast<unsigned>(ceil_div(a.nb_max, 8)), rows), 256, 0, stream, a, sp);
+  }
+  CUDA_CHECK_LAUNCH();
+}
 
 void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_t stream) {
   static const bool prefetch_kv = !env_is("CK_ATTN_KV_PREFETCH", "0");
@@ -1272,8 +1376,7 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
   CUDA_CHECK_LAUNCH();
   launch(attn_pool_kernel, rows, 128, sizeof(float) * a.ihd, stream, a, sp);
   CUDA_CHECK_LAUNCH();
-  launch(attn_scores_kernel, dim3(static_cast<unsigned>(ceil_div(a.nb_max, 8)), rows), 256, 0, stream, a, sp);
-  CUDA_CHECK_LAUNCH();
+  attention_block_scores(a, sp, rows, stream);
   launch(attn_select_kernel, rows, 256, 0, stream, a, sp);
   CUDA_CHECK_LAUNCH();
   const int hpg = a.nh / a.nkv;

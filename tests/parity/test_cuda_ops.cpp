@@ -2015,6 +2015,92 @@ TEST(CudaOps, DenseAttentionRowsMatchThePerRowKernel) {
 // gives each thread a run of blocks): 880 tokens of prefill chunks, then one-row decode steps, every
 // row's logits against the CPU; decode attention in one block per head, then split over blocks of 4
 // selected keys (attn_decode_split_kernel: 3 splits of the 11 keys a query selects here).
+// The indexer's block scores (attention_block_scores) on random queries and block keys: the tiled
+// prefill kernel gives the CPU reference's bits (its order and rounding: each product rounded, then
+// added, dimension 0 first; heads in order; / sqrt(ihd)), the warp kernel (a step's rows, and chunks
+// with set_attn_scores_tiled(0)) agrees within fp32 rounding of another order. Neither writes a
+// score the top-k does not read (rows that select every block, blocks past a row's count). Shapes:
+// the released one (4 x 128, cr 4), heads not a multiple of the 4 staged at a time with a head size
+// not a multiple of the 32 staged at a time and a padded query row, cr 1, row counts across the
+// 64-row tiles, rows that start below the budget and cross it.
+TEST(CudaOps, BlockScoresTiledGiveTheCpuBits) {
+  REQUIRE_GPU();
+  init_kernels();
+  struct Case { int inh, ihd, ldiq_pad, cr, topk, rows; int64_t pos; };
+  const Case cases[] = {{4, 128, 0, 4, 8, 150, 40}, {5, 36, 4, 3, 5, 77, 0}, {1, 8, 0, 1, 70, 9, 100},
+                        {4, 128, 0, 4, 512, 200, 2000}, {3, 64, 8, 2, 16, 130, 1}};
+  std::mt19937_64 rng(29);
+  const float sentinel = 12345.0f;
+  for (const Case& k : cases) {
+    const int ldiq = k.inh * k.ihd + k.ldiq_pad;
+    const int64_t nb_max = (k.pos + k.rows) / k.cr;
+    std::vector<float> iq = randn(static_cast<size_t>(k.rows) * ldiq, rng);
+    std::vector<float> keys = randn(static_cast<size_t>(nb_max) * k.ihd, rng);
+    std::vector<float> want(static_cast<size_t>(k.rows) * nb_max, sentinel);
+    std::vector<double> scale(want.size(), 0.0);  // sum of |q_i k_i| / sqrt(ihd): what fp32 rounding is relative to
+    for (int r = 0; r < k.rows; ++r) {
+      const int64_t nb = (k.pos + r + 1) / k.cr;
+      if (nb <= k.topk) continue;
+      for (int64_t b = 0; b < nb; ++b) {
+        float sum = 0.0f;
+        for (int h = 0; h < k.inh; ++h) {
+          float dot = 0.0f;
+          for (int i = 0; i < k.ihd; ++i) {
+            const float q = iq[static_cast<size_t>(r) * ldiq + h * k.ihd + i], kk = keys[b * k.ihd + i];
+            dot += q * kk;
+            scale[r * nb_max + b] += std::fabs(static_cast<double>(q) * kk);
+          }
+          sum += std::max(dot, 0.0f);
+        }
+        want[r * nb_max + b] = sum / std::sqrt(static_cast<float>(k.ihd));
+        scale[r * nb_max + b] /= std::sqrt(static_cast<double>(k.ihd));
+      }
+    }
+    DeviceBuffer<float> iqd, kd, sd;
+    DeviceBuffer<StepParams> spd(1);
+    StepParams sp;
+    sp.pos = k.pos;
+    CUDA_CHECK(cudaMemcpy(spd.get(), &sp, sizeof(sp), cudaMemcpyHostToDevice));
+    AttnArgs a;
+    a.iq = to_device(iq, &iqd);
+    a.ldiq = ldiq;
+    a.blk_keys = to_device(keys, &kd);
+    a.nb_max = nb_max;
+    a.inh = k.inh;
+    a.ihd = k.ihd;
+    a.cr = k.cr;
+    a.block_topk = k.topk;
+    for (int tiled : {1, 0}) {
+      set_attn_scores_tiled(tiled);
+      const std::vector<float> init(want.size(), sentinel);
+      a.scores = to_device(init, &sd);
+      attention_block_scores(a, spd.get(), k.rows, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<float> got = to_host(a.scores, want.size());
+      size_t differ = 0, scored = 0;
+      double worst = 0.0;
+      for (size_t e = 0; e < want.size(); ++e) {
+        if (want[e] == sentinel) {
+          EXPECT_EQ(got[e], sentinel) << "a score the top-k does not read, entry " << e;
+          continue;
+        }
+        ++scored;
+        differ += std::memcmp(&got[e], &want[e], sizeof(float)) != 0;
+        worst = std::max(worst, std::fabs(static_cast<double>(got[e]) - want[e]) / scale[e]);
+      }
+      std::printf("  block scores %s: inh %d ihd %3d cr %d topk %3d rows %3d pos %4lld: %zu scores, %zu differ from the CPU's bits, worst error %.2e of sum |q k|\n",
+                  tiled && k.rows > kMaxRows ? "tiled" : "warp ", k.inh, k.ihd, k.cr, k.topk, k.rows,
+                  static_cast<long long>(k.pos), scored, differ, worst);
+      EXPECT_GT(scored, 0u);
+      if (tiled && k.rows > kMaxRows) {
+        EXPECT_EQ(differ, 0u);
+      }
+      EXPECT_LE(worst, 1e-5) << "error relative to the sum of |q k|";
+    }
+  }
+  set_attn_scores_tiled(-1);
+}
+
 TEST(CudaOps, LongContextAttentionMatchesCpu) {
   REQUIRE_GPU();
   const Geometry g = geometries()[0];
