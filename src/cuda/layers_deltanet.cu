@@ -345,16 +345,36 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
 
 // grid (rows), block 256: the same norm after gdn_chunked, one warp per head (the chunked form's sums
 // are in another order anyway, and 48 heads x 1,024 rows of one-warp blocks would mostly wait).
+// A lane's values (dv <= kGdnChunkMaxDim: 4) and their gates are loaded once, all before the first
+// store: with o[j] read again beside its gate after the sum, each store kept the next value's loads
+// behind it (o may alias z as far as the compiler knows): a round trip per value.
 __global__ void gdn_out_norm_rows_kernel(const GdnRecArgs a) {
   pdl_begin();
+  constexpr int kPer = 128 / 32;  // kGdnChunkMaxDim / 32 (the chunked form's dv, checked at launch)
   const int r = blockIdx.x, lane = threadIdx.x & 31, dv = a.dv;
   for (int h = threadIdx.x >> 5; h < a.nv; h += blockDim.x >> 5) {
     float* o = a.out + static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h) * dv;
+    const float* z = a.z + static_cast<size_t>(r) * a.ldz + static_cast<size_t>(h) * dv;
+    float ov[kPer], zv[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int j = lane + 32 * k;
+      if (j < dv) {
+        ov[k] = o[j];
+        zv[k] = z[j];
+      }
+    }
     float ss = 0.0f;
-    for (int j = lane; j < dv; j += 32) ss += o[j] * o[j];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k)
+      if (lane + 32 * k < dv) ss += ov[k] * ov[k];
     ss = warp_sum(ss);
     const float rr = 1.0f / sqrtf(ss / static_cast<float>(dv) + a.eps);
-    for (int j = lane; j < dv; j += 32) o[j] = gdn_gated_out(a, r, h, j, o[j], rr);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int j = lane + 32 * k;
+      if (j < dv) o[j] = gdn_gated_out_z(a, j, ov[k], rr, zv[k]);
+    }
   }
 }
 
@@ -389,6 +409,7 @@ __global__ void gdn_out_norm_kernel(const GdnRecArgs a) {
 constexpr int kGdnChunk = 64;
 constexpr int kGdnScanCols = 32;
 constexpr int kGdnChunkMaxDim = 128;  // dk and dv: shared memory, and the scan's four state rows per thread
+static_assert(kGdnChunkMaxDim == 128, "gdn_out_norm_rows_kernel holds dv / 32 <= 4 values a lane");
 
 // One (chunk, head) record of the prep kernel's output, offsets in floats.
 struct GdnChunkLayout {

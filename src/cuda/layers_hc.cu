@@ -168,13 +168,24 @@ __global__ void __launch_bounds__(1024) hc_combine_rmsnorm_kernel(float* R, int6
   const float4* orow = reinterpret_cast<const float4*>(o + r * ldo);
   const float ws = w[static_cast<size_t>(r) * ldw + s];
   const int n4 = static_cast<int>(H / 4);
-  float4 v[4];
+  // Every load first, then the combine and its stores: R may alias o as far as the compiler knows, so
+  // with the store of R in the same loop each element's loads waited behind the one before (four round
+  // trips a thread at H = 2,560, SASS).
+  float4 v[4], ov[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
-    v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    v[k] = ov[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (i < n4) {
-      const float4 a = Rr[i], b = orow[i];
+      v[k] = Rr[i];
+      ov[k] = orow[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < n4) {
+      const float4 a = v[k], b = ov[k];
       v[k] = make_float4(mul_add_rn(a.x, b.x, ws), mul_add_rn(a.y, b.y, ws), mul_add_rn(a.z, b.z, ws),
                          mul_add_rn(a.w, b.w, ws));
       Rr[i] = v[k];
