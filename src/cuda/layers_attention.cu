@@ -988,9 +988,9 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
   const typename KV::V* vg = KV::v(a) + static_cast<size_t>(kv) * a.hd;
   const int ntiles = a.hd / 8;
   const float* gate0 = a.qg + static_cast<size_t>(r) * a.ldqg + static_cast<size_t>(h0) * 2 * a.hd + a.hd;
-  // The values' loads are double-buffered: the next kAttnTcVSteps steps' loads are issued before this
-  // block's MMAs (the first use of a block's values, loaded just before, was the kernel's largest stall
-  // line: 15% of its samples, Nsight Compute at 8k). Q's registers are free in this phase.
+  // The values' loads are buffered: later blocks' loads are issued before this block's MMAs (the first
+  // use of a block's values, loaded just before, was the kernel's largest stall line: 15% of its
+  // samples, Nsight Compute at 8k). Q's registers are free in this phase.
   using VBlock = typename KV::V[kAttnTcVSteps][4][4];  // [step][tile][key 2t, 2t+1, 2t+8, 2t+9]
   for (int nt0 = 4 * warp; nt0 < ntiles; nt0 += 4 * kAttnTcWarps) {
     float o[4][4] = {};
@@ -1026,15 +1026,21 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32) attn_heads_tc_kernel(const 
           mma_split(o[nn], ah, al, attn_b_pair(v[u][nn][0], v[u][nn][1]), attn_b_pair(v[u][nn][2], v[u][nn][3]));
       }
     };
+    // Three buffers, two blocks ahead: with one block ahead, each block's first use still waited on
+    // its loads (L2 latency over 12 MMAs of 2 warps a scheduler); Q's 128 registers hold the third.
     constexpr int kBlockKeys = 16 * kAttnTcVSteps;
-    VBlock va, vb;
+    VBlock va, vb, vc;
     load_v(0, va);
-    for (int j0 = 0; j0 < m16; j0 += 2 * kBlockKeys) {
-      if (j0 + kBlockKeys < m16) load_v(j0 + kBlockKeys, vb);
+    if (kBlockKeys < m16) load_v(kBlockKeys, vb);
+    for (int j0 = 0; j0 < m16; j0 += 3 * kBlockKeys) {
+      if (j0 + 2 * kBlockKeys < m16) load_v(j0 + 2 * kBlockKeys, vc);
       mma_v(j0, va);
       if (j0 + kBlockKeys >= m16) break;
-      if (j0 + 2 * kBlockKeys < m16) load_v(j0 + 2 * kBlockKeys, va);
+      if (j0 + 3 * kBlockKeys < m16) load_v(j0 + 3 * kBlockKeys, va);
       mma_v(j0 + kBlockKeys, vb);
+      if (j0 + 2 * kBlockKeys >= m16) break;
+      if (j0 + 4 * kBlockKeys < m16) load_v(j0 + 4 * kBlockKeys, vb);
+      mma_v(j0 + 2 * kBlockKeys, vc);
     }
     // o[nn]: d0, d1 = head g, dimensions 8 (nt0 + nn) + 2t, + 1; d2, d3 = head g + 8.
 #pragma unroll
@@ -1169,6 +1175,26 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
             *reinterpret_cast<float2*>(srow) = make_float2(d[mt][2 * hh] * scale, d[mt][2 * hh + 1] * scale);
           }
     }
+    // The tile's values for this warp's P V, loaded before the softmax so that their latency passes
+    // under it (loaded at their step, each step's first MMA waited for its own loads). Keys past n_max
+    // read key n_max - 1 (weighed 0). kx's registers are free from here.
+    const int64_t last = n_max - 1;
+    typename KV::V vt[kAttnDenseKeys / 16][4][4];  // [step][tile][key 2t, 2t+1, 2t+8, 2t+9]
+    if (4 * warp < ntiles) {
+#pragma unroll
+      for (int u = 0; u < kAttnDenseKeys / 16; ++u) {
+        const int64_t jb = j0 + 16 * u;
+        const int64_t key[4] = {min(jb + 2 * t, last), min(jb + 2 * t + 1, last), min(jb + 2 * t + 8, last),
+                                min(jb + 2 * t + 9, last)};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          typename KV::V v4[4];
+          KV::load_v_tiles(vg + static_cast<size_t>(key[c]) * kvw, 4 * warp, ntiles, g, v4);
+#pragma unroll
+          for (int nn = 0; nn < 4; ++nn) vt[u][nn][c] = v4[nn];
+        }
+      }
+    }
     __syncthreads();
     // Online softmax: warp w owns M-rows w, w + 8, ...; lane takes keys lane and lane + 32 of the tile.
 #pragma unroll
@@ -1208,22 +1234,11 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
       for (int u = 0; u < kAttnDenseKeys / 16; ++u) {
         const int jb = 16 * u;
         if (j0 + jb >= n_max) break;  // uniform: weights of 0 from here
-        const int64_t last = n_max - 1;
-        const int64_t key[4] = {min(j0 + jb + 2 * t, last), min(j0 + jb + 2 * t + 1, last),
-                                min(j0 + jb + 2 * t + 8, last), min(j0 + jb + 2 * t + 9, last)};
-        typename KV::V v[4][4];  // [tile][key 2t, 2t+1, 2t+8, 2t+9]
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          typename KV::V vt[4];
-          KV::load_v_tiles(vg + static_cast<size_t>(key[c]) * kvw, 4 * warp, ntiles, g, vt);
-#pragma unroll
-          for (int nn = 0; nn < 4; ++nn) v[nn][c] = vt[nn];
-        }
         uint2 vb[4][2];
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn) {
-          vb[nn][0] = attn_b_pair(v[nn][0], v[nn][1]);
-          vb[nn][1] = attn_b_pair(v[nn][2], v[nn][3]);
+          vb[nn][0] = attn_b_pair(vt[u][nn][0], vt[u][nn][1]);
+          vb[nn][1] = attn_b_pair(vt[u][nn][2], vt[u][nn][3]);
         }
 #pragma unroll
         for (int mt = 0; mt < MAXMT; ++mt)
