@@ -130,7 +130,8 @@ __global__ void attn_scores_kernel(const AttnArgs a, const StepParams* sp) {
 // so for the same q and block keys the scores are the CPU's bits (attn_scores_kernel's lane-strided
 // FMA sums are not): the top-k sees the CPU's ties.
 // grid (ceil(nb_max / 64), ceil(rows / 64)), block 256: thread (tx, ty) = (t % 16, t / 16) takes rows
-// 4 ty .. 4 ty + 3 and blocks tx + 16 c. Needs ihd % 4 == 0, ldiq % 4 == 0 (16-byte loads).
+// 4 ty .. 4 ty + 3 and blocks tx + 16 c. Needs ihd % 4 == 0, ldiq % 4 == 0 and 16-byte aligned iq and
+// blk_keys (16-byte loads; attention_block_scores checks).
 constexpr int kScoreTile = 64;     // rows and blocks of a tile
 constexpr int kScoreDims = 32;     // dimensions staged at a time
 constexpr int kScoreHeads = 4;     // query heads staged at a time
@@ -1369,7 +1370,9 @@ void set_attn_presplit(int on) { g_attn_presplit.set(on); }
 void set_attn_scores_tiled(int on) { g_attn_scores_tiled.set(on); }
 
 void attention_block_scores(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
-  if (rows > kMaxRows && g_attn_scores_tiled.on() && a.ihd % 4 == 0 && a.ldiq % 4 == 0) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (rows > kMaxRows && g_attn_scores_tiled.on() && a.ihd % 4 == 0 && a.ldiq % 4 == 0 && aligned(a.iq) &&
+      aligned(a.blk_keys)) {
     const dim3 grid(static_cast<unsigned>(ceil_div(a.nb_max, kScoreTile)), static_cast<unsigned>(ceil_div(rows, kScoreTile)));
     launch(attn_scores_tiled_kernel, grid, 256, 0, stream, a, sp, rows);
   } else {
