@@ -119,9 +119,9 @@ __global__ void attn_scores_kernel(const AttnArgs a, const StepParams* sp) {
 }
 
 // Prefill chunks: the same scores as a tiled product (attn_scores_kernel for a step of <= kMaxRows
-// rows). attn_scores_kernel spends a warp per (row, block) on 4 x 128 products: two shared loads a
+// rows). attn_scores_kernel spends a warp per (row, block) on 4 x 128 products: two global loads a
 // multiply-add, 4.35 ms per 8k chunk and attention layer (H200 2026-12-04, Nsight Compute durations:
-// ~30% of the attention core, as much as the dense-rows and prep kernels together). Here a block takes
+// ~30% of the attention core, more than the dense-rows and prep kernels together). Here a block takes
 // 64 rows x 64 blocks: the K rows and the queries of 4 heads at a time go to shared memory 32
 // dimensions at a time, and each thread keeps 4 rows x 4 blocks x 4 heads of dot products in
 // registers, so a multiply-add costs an eighth of a shared load.
