@@ -343,6 +343,10 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   if (norm_mode == GdnNorm::Cluster) cg::this_cluster().sync();  // the others may still read ss_part
 }
 
+// The chunked form's largest dk and dv: shared memory, the scan's four state rows per thread, and
+// gdn_out_norm_rows_kernel's values a lane.
+constexpr int kGdnChunkMaxDim = 128;
+
 // grid (rows), block 256: the same norm after gdn_chunked, one warp per head (the chunked form's sums
 // are in another order anyway, and 48 heads x 1,024 rows of one-warp blocks would mostly wait).
 // A lane's values (dv <= kGdnChunkMaxDim: 4) and their gates are loaded once, all before the first
@@ -350,7 +354,7 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
 // behind it (o may alias z as far as the compiler knows): a round trip per value.
 __global__ void gdn_out_norm_rows_kernel(const GdnRecArgs a) {
   pdl_begin();
-  constexpr int kPer = 128 / 32;  // kGdnChunkMaxDim / 32 (the chunked form's dv, checked at launch)
+  constexpr int kPer = kGdnChunkMaxDim / 32;  // (gdn_chunked_fits checks dv)
   const int r = blockIdx.x, lane = threadIdx.x & 31, dv = a.dv;
   for (int h = threadIdx.x >> 5; h < a.nv; h += blockDim.x >> 5) {
     float* o = a.out + static_cast<size_t>(r) * a.ldo + static_cast<size_t>(h) * dv;
@@ -408,8 +412,6 @@ __global__ void gdn_out_norm_kernel(const GdnRecArgs a) {
 // recurrent kernel). Rows past the input are zero (k̂ = q̂ = 0, β = 0, g = 0), which changes nothing.
 constexpr int kGdnChunk = 64;
 constexpr int kGdnScanCols = 32;
-constexpr int kGdnChunkMaxDim = 128;  // dk and dv: shared memory, and the scan's four state rows per thread
-static_assert(kGdnChunkMaxDim == 128, "gdn_out_norm_rows_kernel holds dv / 32 <= 4 values a lane");
 
 // One (chunk, head) record of the prep kernel's output, offsets in floats.
 struct GdnChunkLayout {

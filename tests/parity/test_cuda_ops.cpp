@@ -2011,10 +2011,6 @@ TEST(CudaOps, DenseAttentionRowsMatchThePerRowKernel) {
   set_attn_presplit(-1);
 }
 
-// Attention over a context of more compressed blocks than a block has threads (attn_gather_selected
-// gives each thread a run of blocks): 880 tokens of prefill chunks, then one-row decode steps, every
-// row's logits against the CPU; decode attention in one block per head, then split over blocks of 4
-// selected keys (attn_decode_split_kernel: 3 splits of the 11 keys a query selects here).
 // The indexer's block scores (attention_block_scores) on random queries and block keys: the tiled
 // prefill kernel gives the CPU reference's bits (its order and rounding: each product rounded, then
 // added, dimension 0 first; heads in order; / sqrt(ihd)), the warp kernel (a step's rows, and chunks
@@ -2101,6 +2097,10 @@ TEST(CudaOps, BlockScoresTiledGiveTheCpuBits) {
   set_attn_scores_tiled(-1);
 }
 
+// Attention over a context of more compressed blocks than a block has threads (attn_gather_selected
+// gives each thread a run of blocks): 880 tokens of prefill chunks, then one-row decode steps, every
+// row's logits against the CPU; decode attention in one block per head, then split over blocks of 4
+// selected keys (attn_decode_split_kernel: 3 splits of the 11 keys a query selects here).
 TEST(CudaOps, LongContextAttentionMatchesCpu) {
   REQUIRE_GPU();
   const Geometry g = geometries()[0];
