@@ -1149,37 +1149,79 @@ __global__ void __launch_bounds__(kAttnTcWarps * 32, 64 / MAXM) attn_dense_rows_
   for (int k = 0; k < ROWS_PER_WARP; ++k) { mrun[k] = -INFINITY; lrun[k] = 0.0f; }
 
   for (int64_t j0 = 0; j0 < n_max; j0 += kAttnDenseKeys) {
-    // Scores of keys j0 + 8 warp + (0..7): lane (g, t) loads key g's dimensions 2t, 2t+1, 2t+8, 2t+9
-    // of every step (keys past n_max read key n_max - 1: a valid row, weighed 0 below).
-    if (j0 + 8 * warp < n_max) {
-      const int64_t key = min(j0 + 8 * warp + g, n_max - 1);
-      typename KV::K kx[kAttnTcMaxSteps][2];
-      attn_load_key_steps(kg + static_cast<size_t>(key) * (kvw / 2), steps, kx);
-      float d[MAXMT][4] = {};
+    // Scores: warp w takes keys j0 + 16 (w % 4) + (0..15) (two n8 tiles) for the m16 tiles 2 (w / 4) and
+    // 2 (w / 4) + 1 (those below MT); lane (g, t) loads keys g and 8 + g's dimensions 2t, 2t+1, 2t+8,
+    // 2t+9 of every step (keys past n_max read key n_max - 1: a valid row, weighed 0 below). Why two
+    // key tiles a warp for two m16 tiles, not one for all four: each of a step's Q fragments (from
+    // shared memory) then feeds two key tiles, so a tile of scores reads half the Q fragments (their
+    // loads were the kernel's largest stall, short scoreboard 28%, Nsight Compute at 2k). Each score
+    // is the same MMAs in the same order: the same bits. Only the fixed-step 64-row form (the default):
+    // the others (run-time steps, 32 rows) would spill its 128 registers of keys, and keep the mapping
+    // below (one key tile a warp for every m16 tile).
+    constexpr int kKeyGroups = kAttnDenseKeys / 16;  // 16-key groups of a tile
+    static_assert(kAttnTcWarps == 2 * kKeyGroups, "two m16 tile pairs x the key groups");
+    const int kq = warp % kKeyGroups, mp = warp / kKeyGroups;
+    const int64_t last = n_max - 1;
+    if constexpr (STEPS == 0 || MAXM != 64) {
+      if (j0 + 8 * warp < n_max) {
+        typename KV::K kx[kAttnTcMaxSteps][2];
+        attn_load_key_steps(kg + static_cast<size_t>(min(j0 + 8 * warp + g, last)) * (kvw / 2), steps, kx);
+        float d[MAXMT][4] = {};
+#pragma unroll
+        for (int s = 0; s < kAttnTcMaxSteps; ++s)
+          if (s < steps) {
+            const uint2 b0 = attn_b_pair(kx[s][0]), b1 = attn_b_pair(kx[s][1]);
+#pragma unroll
+            for (int mt = 0; mt < MAXMT; ++mt)
+              if (mt < MT)
+                mma_split(d[mt], qf[((mt * steps + s) * 2) * 32 + lane], qf[((mt * steps + s) * 2 + 1) * 32 + lane],
+                          b0, b1);
+          }
+        // d[mt] 0, 1: M-row 16 mt + g, keys 8 warp + 2t, + 1; 2, 3: M-row 16 mt + g + 8.
+#pragma unroll
+        for (int mt = 0; mt < MAXMT; ++mt)
+          if (mt < MT)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              float* srow = sp_tile + (16 * mt + g + 8 * hh) * kAttnDenseLds + 8 * warp + 2 * t;
+              *reinterpret_cast<float2*>(srow) = make_float2(d[mt][2 * hh] * scale, d[mt][2 * hh + 1] * scale);
+            }
+      }
+    } else if (j0 + 16 * kq < n_max && 2 * mp < MT) {
+      typename KV::K kx[2][kAttnTcMaxSteps][2];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+        attn_load_key_steps(kg + static_cast<size_t>(min(j0 + 16 * kq + 8 * nt + g, last)) * (kvw / 2), steps, kx[nt]);
+      float d[2][2][4] = {};  // [m16 tile 2 mp + m][key tile nt][C fragment]
 #pragma unroll
       for (int s = 0; s < kAttnTcMaxSteps; ++s)
         if (s < steps) {
-          const uint2 b0 = attn_b_pair(kx[s][0]), b1 = attn_b_pair(kx[s][1]);
 #pragma unroll
-          for (int mt = 0; mt < MAXMT; ++mt)
-            if (mt < MT)
-              mma_split(d[mt], qf[((mt * steps + s) * 2) * 32 + lane], qf[((mt * steps + s) * 2 + 1) * 32 + lane], b0,
-                        b1);
-        }
-      // d[mt] 0, 1: M-row 16 mt + g, keys 8 warp + 2t, + 1; 2, 3: M-row 16 mt + g + 8.
+          for (int m = 0; m < 2; ++m) {
+            const int mt = 2 * mp + m;
+            if (mt < MT) {
+              const uint4 qh = qf[((mt * steps + s) * 2) * 32 + lane], ql = qf[((mt * steps + s) * 2 + 1) * 32 + lane];
 #pragma unroll
-      for (int mt = 0; mt < MAXMT; ++mt)
-        if (mt < MT)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            float* srow = sp_tile + (16 * mt + g + 8 * hh) * kAttnDenseLds + 8 * warp + 2 * t;
-            *reinterpret_cast<float2*>(srow) = make_float2(d[mt][2 * hh] * scale, d[mt][2 * hh + 1] * scale);
+              for (int nt = 0; nt < 2; ++nt)
+                mma_split(d[m][nt], qh, ql, attn_b_pair(kx[nt][s][0]), attn_b_pair(kx[nt][s][1]));
+            }
           }
+        }
+      // d[m][nt] 0, 1: M-row 16 mt + g, keys 16 kq + 8 nt + 2t, + 1; 2, 3: M-row 16 mt + g + 8.
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+        if (2 * mp + m < MT)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              float* srow = sp_tile + (16 * (2 * mp + m) + g + 8 * hh) * kAttnDenseLds + 16 * kq + 8 * nt + 2 * t;
+              *reinterpret_cast<float2*>(srow) = make_float2(d[m][nt][2 * hh] * scale, d[m][nt][2 * hh + 1] * scale);
+            }
     }
     // The tile's values for this warp's P V, loaded before the softmax so that their latency passes
     // under it (loaded at their step, each step's first MMA waited for its own loads). Keys past n_max
     // read key n_max - 1 (weighed 0). kx's registers are free from here.
-    const int64_t last = n_max - 1;
     typename KV::V vt[kAttnDenseKeys / 16][4][4];  // [step][tile][key 2t, 2t+1, 2t+8, 2t+9]
     if (4 * warp < ntiles) {
 #pragma unroll
