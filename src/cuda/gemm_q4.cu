@@ -745,22 +745,31 @@ void expert_down_q4(const ExpertPair* pairs, const int32_t* order, const int2* t
                              stream);
 }
 
-bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream, int parts) {
-  if (n_jobs < 1 || n_jobs > kMaxGemvJobs || rows < 1) return false;
-  if (parts == 0) parts = prefill_parts();
-  CK_REQUIRE(parts == 2 || parts == 3, "gemm_q4: %d bf16 parts of x (2 or 3)", parts);
+// Which kernel gemm_q4 runs for these jobs (parts 2 or 3): none (ok false: gemm_tc's other kernels take
+// them), q4_tile_kernel, or the warpgroup kernel in one of its forms.
+struct Q4Form {
+  bool ok = false;
+  bool tiled = false;     // some job's matrix is in 16-row tiles
+  int tiles = 0;          // q4_tile_kernel's feature tiles over all jobs
+  bool wg = false;        // the warpgroup-MMA kernel (gemm_q4_wg.cu)
+  bool bulk = false;      // its bulk-copy form
+  int block_tokens = 64;  // tokens a block
+  int fold_mode = 0;      // its folded form: 0 off, 1 two warpgroups a block, 3 three
+};
+static Q4Form q4_form(const GemvJob* jobs, int n_jobs, int rows, int parts) {
   const int K = jobs[0].w.cols;
-  int tiles = 0;
-  const bool tiled = any_tiled(jobs, n_jobs);  // only these kernels read them (no fallback to gemm.cu's)
+  Q4Form f;
+  int& tiles = f.tiles;
+  const bool tiled = f.tiled = any_tiled(jobs, n_jobs);  // only these kernels read them (no fallback to gemm.cu's)
   for (int j = 0; j < n_jobs; ++j) {
-    if (!expert_q4_ok(jobs[j].w) || jobs[j].w.cols != K) return false;
+    if (!expert_q4_ok(jobs[j].w) || jobs[j].w.cols != K) return f;
     // q4_tile_kernel reads 2-byte scales and biases out of aligned 4-byte words.
-    if (reinterpret_cast<uintptr_t>(jobs[j].w.scales) % 4 || reinterpret_cast<uintptr_t>(jobs[j].w.biases) % 4) return false;
+    if (reinterpret_cast<uintptr_t>(jobs[j].w.scales) % 4 || reinterpret_cast<uintptr_t>(jobs[j].w.biases) % 4) return f;
     tiles += static_cast<int>(ceil_div(jobs[j].w.rows, q4_block_features<kQ4Dense>()));
   }
   static const bool on = !env_is("CK_Q4_DENSE", "0");
   CK_REQUIRE(!tiled || (on && K >= 256), "gemm_q4: a matrix in 16-row tiles (K %d) with CK_Q4_DENSE=0 or K < 256", K);
-  if (K < 256 || !on) return false;
+  if (K < 256 || !on) return f;
   // Hopper: chunks of at least q4_wg_min_rows() rows go to the warpgroup-MMA kernel (gemm_q4_wg.cu;
   // CK_Q4_WGMMA=0 keeps q4_tile_kernel): 64 tokens x 256 features per block, one block per SM.
   static const bool wg_ok = !env_is("CK_Q4_WGMMA", "0") && device_attribute(cudaDevAttrComputeCapabilityMajor) == 9 &&
@@ -793,10 +802,24 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     return e ? std::max(0, std::atoi(e)) : -1;
   }();
   const int wg_min_k = wg_min_k_env >= 0 ? wg_min_k_env : fold_form == 3 ? 0 : 512;
-  const bool wg = wg_ok && rows >= q4_wg_min_rows() && (g_q4_wg_rows_only || K >= wg_min_k);
-  const bool bulk = wg && bulk_form;
-  const int block_tokens = wg ? form_tokens : wg_tokens;
-  const int fold_mode = wg ? fold_form : 0;
+  f.wg = wg_ok && rows >= q4_wg_min_rows() && (g_q4_wg_rows_only || K >= wg_min_k);
+  f.bulk = f.wg && bulk_form;
+  f.block_tokens = f.wg ? form_tokens : wg_tokens;
+  f.fold_mode = f.wg ? fold_form : 0;
+  f.ok = true;
+  return f;
+}
+
+bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream, int parts) {
+  if (n_jobs < 1 || n_jobs > kMaxGemvJobs || rows < 1) return false;
+  if (parts == 0) parts = prefill_parts();
+  CK_REQUIRE(parts == 2 || parts == 3, "gemm_q4: %d bf16 parts of x (2 or 3)", parts);
+  const Q4Form form = q4_form(jobs, n_jobs, rows, parts);
+  if (!form.ok) return false;
+  const int K = jobs[0].w.cols;
+  int tiles = form.tiles;
+  const bool tiled = form.tiled, wg = form.wg, bulk = form.bulk;
+  const int block_tokens = form.block_tokens, fold_mode = form.fold_mode;
   const bool fold = fold_mode > 0;
   Q4WgArgs w;
   if (wg) {
@@ -843,7 +866,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     dense_args(w);
     if (bulk)
       launch_q4_wg_bulk(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, block_tokens, fold, stream);
-    else launch_q4_wg_dense(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, wg_tokens, stream);
+    else launch_q4_wg_dense(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), w, parts, block_tokens, stream);
   } else {
     Q4Args a{};
     dense_args(a);
@@ -858,6 +881,47 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
         stream);
   }
   if (splits > 1) split_k_finish(split, jobs, n_jobs, splits, stream);
+  CUDA_CHECK(cudaFreeAsync(f.mem, stream));
+  return true;
+}
+
+static int g_hc_up_gate_mean = -1;  // set_hc_up_gate_mean: -1, CK_HC_UP_GATE_MEAN decides (on unless "0")
+void set_hc_up_gate_mean(int on) { g_hc_up_gate_mean = on < 0 ? -1 : (on ? 1 : 0); }
+
+bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const float* X, int ldX, int S, int H,
+                     float* u, int ldu, cudaStream_t stream) {
+  static const bool env_on = !env_is("CK_HC_UP_GATE_MEAN", "0");
+  if (!(g_hc_up_gate_mean < 0 ? env_on : g_hc_up_gate_mean > 0)) return false;
+  if (rows < 1 || up.epi != Epilogue::None || H % 64 || up.w.rows != static_cast<int64_t>(S) * H || ldX % 4 || ldu % 4 ||
+      reinterpret_cast<uintptr_t>(X) % 16 || reinterpret_cast<uintptr_t>(u) % 16)
+    return false;
+  const int parts = prefill_parts();
+  const Q4Form form = q4_form(&up, 1, rows, parts);
+  // The fused kernel is the folded three-warpgroup form of 128 tokens, the one gemm_q4 runs for the up
+  // projection of a prefill chunk, so g is the same; no K split (K is hc_lowrank, 5 groups: gemm_q4
+  // splits none below 16).
+  if (!form.ok || !form.bulk || form.block_tokens != 128 || form.fold_mode != 3 || !q4_wg_gate_mean_ready(S))
+    return false;
+  const int K = static_cast<int>(up.w.cols), groups = K / 64;
+  Q4WgArgs w;
+  w.n_jobs = 1;
+  w.job[0] = up;
+  q4_wg_units(w, q4_wg_unit_features(128), 3);
+  w.rows = rows;
+  w.groups = groups;
+  w.k_groups = groups;
+  w.hc_x = X;
+  w.ld_x = ldX;
+  w.hc_u = u;
+  w.ld_u = ldu;
+  w.hc_s = S;
+  w.hc_h = H;
+  static const bool prefetch = !env_is("CK_HC_GM_PREFETCH", "0");
+  w.hc_prefetch = prefetch ? 1 : 0;
+  XFrag f = make_xfrag(d, ldd, rows, K, groups, parts, stream, 2, 128);
+  w.xf = f.xf;
+  w.gsum = f.gsum;
+  launch_q4_wg_gate_mean(w, stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
   return true;
 }

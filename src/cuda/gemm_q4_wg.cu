@@ -23,6 +23,8 @@
 // half is one copy.
 #include "cuda/gemm_q4_wg.h"
 
+#include <cooperative_groups.h>
+
 #include <cstddef>
 #include <utility>
 
@@ -260,6 +262,101 @@ __device__ __forceinline__ void wg_store(const Q4WgArgs& a, int job, int f_wg, c
           yr[f] = a.split.partial ? v : apply_epilogue(v, epi, epi_arg);
         }
     }
+}
+
+// The gate-mean form's units (launch_q4_wg_gate_mean): block x of a cluster of S takes stream s = x % S
+// and the stream's units 3 (x / S) + u, u < 3, so its 192 rows of the up matrix are s H + [64 (3 (x / S)),
+// + 192); a unit past the stream's H / 64 is idle (its first row the matrix's row count, as above).
+template <int WGS>
+__device__ __forceinline__ void wg_stream_units(const Q4WgArgs& a, int (&ujob)[WGS], int (&uf0)[WGS]) {
+  const int s = static_cast<int>(blockIdx.x) % a.hc_s, fb = static_cast<int>(blockIdx.x) / a.hc_s;
+#pragma unroll
+  for (int u = 0; u < WGS; ++u) {
+    const int unit = WGS * fb + u;
+    ujob[u] = 0;
+    uf0[u] = unit < a.hc_h / 64 ? s * a.hc_h + 64 * unit : a.job[0].w.rows;
+  }
+}
+
+// The gate-mean form asks L2 for its block's X (TN rows x 192 floats of stream s) when it starts: X is
+// the mix's norm output, written before this kernel, and read only by the epilogue, whose loads then
+// come from L2 instead of waiting on memory at the end of the block.
+template <int TN, int WGS>
+__device__ __forceinline__ void wg_gate_mean_prefetch(const Q4WgArgs& a, const int* drow) {
+  constexpr int kF = 64 * WGS, kLines = kF / 32;  // 128-byte lines of a row's features
+  const int S = a.hc_s, H = a.hc_h, s = static_cast<int>(blockIdx.x) % S;
+  const int f0 = kF * (static_cast<int>(blockIdx.x) / S), nf = min(kF, H - f0);
+  for (int e = threadIdx.x; e < TN * kLines; e += blockDim.x) {
+    const int r = e / kLines, l = e - r * kLines, row = drow[r];
+    if (row >= 0 && 32 * l < nf) prefetch_l2(a.hc_x + static_cast<size_t>(row) * a.ld_x + s * H + f0 + 32 * l);
+  }
+}
+
+// The gate mean of spec §4 from the up projection's sums acc (this warpgroup's 64 features x TN tokens
+// of stream s, in wg_store's layout), for the block's features f0 + [0, 64 WGS) of u and its TN tokens:
+//  1. g into shared memory as [token][feature] (the stages are free once every wgmma is done);
+//  2. each product sigmoid(g_s) X_s in place, X read in 16-byte loads along the features;
+//  3. (cluster barrier) block s of the cluster adds the S blocks' products of tokens [s TN / S, + TN / S)
+//     in stream order, from their shared memory, and writes u = Σ / S in 16-byte stores.
+// The arithmetic of hc_gate_mean_kernel (acc = 0, then acc + sigmoid(g) X rounded twice per stream, then
+// / S), and the same g as the unfused call (every unit's K loop is the same), so the same bits of u.
+template <int TN, int WGS>
+__device__ __forceinline__ void wg_gate_mean_store(const Q4WgArgs& a, const float (&acc)[TN / 2], const int* drow,
+                                                   uint8_t* smem) {
+  namespace cg = cooperative_groups;
+  constexpr int kF = 64 * WGS, kLd = kF + 4, kQuads = kF / 4, kThreads = 128 * WGS, kJ = TN / 8;
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, wq = (tid >> 5) & 3, wg = tid >> 7;
+  const int S = a.hc_s, H = a.hc_h, s = static_cast<int>(blockIdx.x) % S;
+  const int f0 = kF * (static_cast<int>(blockIdx.x) / S), nf = min(kF, H - f0);  // u's features here
+  float* P = reinterpret_cast<float*>(smem);  // [TN][kLd]
+  __syncthreads();  // every warpgroup's wgmmas are done (each waited for its own): the stages are free
+  // g as it is into P: any arithmetic on acc here (a sigmoid, a product) is read by ptxas as non-wgmma
+  // instructions defining a wgmma's accumulator registers inside its pipeline, and it then serializes
+  // every wgmma of the kernel (C7515).
+#pragma unroll
+  for (int j = 0; j < kJ; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)  // banks 8 t + g: no conflicts
+        P[(8 * j + 2 * t + c) * kLd + 64 * wg + 16 * wq + 8 * h + g] = acc[4 * j + 2 * h + c];
+  // Each product sigmoid(g_s) X_s in place, X in 16-byte loads along the features (every load first).
+  constexpr int kPer = TN * kQuads / kThreads;  // 16 quads a thread
+  static_assert(TN * kQuads % kThreads == 0, "whole quads a thread");
+  const int nq = nf / 4;
+  const float* xs = a.hc_x + s * H + f0;
+  float4 xv[kPer];
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int e = tid + kThreads * k, r = e / kQuads, q = e - r * kQuads, row = drow[r];
+    xv[k] = row >= 0 && q < nq ? *reinterpret_cast<const float4*>(xs + static_cast<size_t>(row) * a.ld_x + 4 * q)
+                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int e = tid + kThreads * k, r = e / kQuads, q = e - r * kQuads;
+    float4* p = reinterpret_cast<float4*>(&P[r * kLd + 4 * q]);
+    const float4 v = *p;
+    *p = make_float4(__fmul_rn(sigmoidf_(v.x), xv[k].x), __fmul_rn(sigmoidf_(v.y), xv[k].y),
+                     __fmul_rn(sigmoidf_(v.z), xv[k].z), __fmul_rn(sigmoidf_(v.w), xv[k].w));
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every block's products, visible to the cluster
+  const int tok = TN / S;  // this block's tokens: [s tok, (s + 1) tok)
+  for (int e = tid; e < tok * kQuads; e += kThreads) {
+    const int r = s * tok + e / kQuads, q = e % kQuads, row = drow[r];
+    if (row < 0 || q >= nq) continue;
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int b = 0; b < S; ++b) {
+      const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(&P[r * kLd + 4 * q], b));
+      sum = make_float4(__fadd_rn(sum.x, v.x), __fadd_rn(sum.y, v.y), __fadd_rn(sum.z, v.z), __fadd_rn(sum.w, v.w));
+    }
+    const float fs = static_cast<float>(S);
+    *reinterpret_cast<float4*>(a.hc_u + static_cast<size_t>(row) * a.ld_u + f0 + 4 * q) =
+        make_float4(sum.x / fs, sum.y / fs, sum.z / fs, sum.w / fs);
+  }
+  cluster.sync();  // the others have read this block's products before it leaves
 }
 
 // y_job[row] = epi(w_job · x[row]) for the dense jobs; grid (feature tiles, rows / TN, K splits). TN: 64
@@ -513,12 +610,16 @@ static_assert(wg_bulk_stages(3, 128) > kWgAhead, "stages for the copies ahead");
 // warpgroup takes 128 features as two m64 tiles; 128: 64 features, one m64n128 tile); grid (feature
 // tiles, rows / TN, K splits); x from q4_xfrag_kernel's tile layout for TN rows (a.xf).
 // WGS warpgroups a block, one unit each (3: the folded form only, its default; a.units_per_block).
-template <int PARTS, int TN, bool FOLD = false, int WGS = 2>
+// GM: the mix's gate mean as the epilogue (launch_q4_wg_gate_mean; wg_gate_mean_store says how).
+template <int PARTS, int TN, bool FOLD = false, int WGS = 2, bool GM = false>
 __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_constant__ Q4WgArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
   static_assert(TN == 64 || TN == 128, "the wgmma shapes");
   static_assert(WGS == 2 || (WGS == 3 && FOLD), "three warpgroups in the folded form only");
+  static_assert(!GM || (FOLD && WGS == 3), "the gate mean in the folded three-warpgroup form only");
+  static_assert(!GM || TN * (64 * WGS + 4) * 4 <= wg_bulk_stages(PARTS, TN, FOLD, WGS) * wg_bulk_stage_bytes(PARTS, TN, WGS),
+                "the gate mean's products fit the stages");
   constexpr int MF = 128 / TN, NJ = TN / 8, ND = TN / 2, kBBytes = q4_wg_b_bytes(TN);
   constexpr int kStages = wg_bulk_stages(PARTS, TN, FOLD, WGS), kUnitBytes = wg_unit_bytes(TN);
   constexpr int kStage = wg_bulk_stage_bytes(PARTS, TN, WGS), kAct = q4_wg_act_block_bytes(PARTS, TN);
@@ -527,7 +628,8 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;
   int ujob[WGS], uf0[WGS];
-  wg_block_units(a, ujob, uf0);
+  if constexpr (GM) wg_stream_units(a, ujob, uf0);
+  else wg_block_units(a, ujob, uf0);
   const int job = wg_pick(ujob, wg), f_wg = wg_pick(uf0, wg);
   const DMatrix w0 = a.job[job].w;
   const bool active = f_wg < w0.rows;  // warpgroup-uniform; idle warpgroups still meet the barriers
@@ -545,6 +647,8 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
     mbar_init_fence();
   }
   __syncthreads();
+  if constexpr (GM)
+    if (a.hc_prefetch) wg_gate_mean_prefetch<TN, WGS>(a, drow);
   extern __shared__ __align__(128) uint8_t wg_smem[];
   // Warp 0's copies: lane l < kTileCopies unit l / (4 MF)'s tile l % (4 MF) (clamped to the matrix's
   // last tile: rows past it are computed, never stored), lane kTileCopies the activations' block.
@@ -717,7 +821,8 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
     wg_wait<0>();
     wg_keep(acc[0]);
   }
-  if (active) wg_store<NJ>(a, job, f_wg, acc, drow);
+  if constexpr (GM) wg_gate_mean_store<TN, WGS>(a, acc[0], drow, wg_smem);
+  else if (active) wg_store<NJ>(a, job, f_wg, acc, drow);
 #else
   __trap();  // built for sm_90a only (CMakeLists.txt); q4_wg_ready() keeps other devices off this path
 #endif
@@ -755,7 +860,8 @@ bool q4_wg_ready() {
         {q4_wg_bulk_kernel<2, 64>, wg_bulk_smem(2, 64)}, {q4_wg_bulk_kernel<3, 64>, wg_bulk_smem(3, 64)},
         {q4_wg_bulk_kernel<2, 128>, wg_bulk_smem(2, 128)}, {q4_wg_bulk_kernel<3, 128>, wg_bulk_smem(3, 128)},
         {q4_wg_bulk_kernel<2, 128, true>, wg_bulk_smem(2, 128, true)},
-        {q4_wg_bulk_kernel<2, 128, true, 3>, wg_bulk_smem(2, 128, true, 3)}};
+        {q4_wg_bulk_kernel<2, 128, true, 3>, wg_bulk_smem(2, 128, true, 3)},
+        {q4_wg_bulk_kernel<2, 128, true, 3, true>, wg_bulk_smem(2, 128, true, 3)}};
     for (const auto& [k, smem] : bulk)
       if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
           cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
@@ -802,6 +908,53 @@ void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& 
   else if (parts == 3) q4_wg_bulk_kernel<3, 64><<<grid, kWgThreads, smem, stream>>>(a);
   else q4_wg_bulk_kernel<2, 64><<<grid, kWgThreads, smem, stream>>>(a);
   CUDA_CHECK_LAUNCH();
+}
+
+// One cluster of S blocks a feature block: grid (S ceil(H / 192), rows / 128), the K loop whole (the
+// up projection's K is hc_lowrank: 5 groups at the released geometry).
+static cudaLaunchConfig_t gate_mean_config(const Q4WgArgs& a, cudaLaunchAttribute* attr, cudaStream_t stream) {
+  constexpr int kF = 64 * 3;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(a.hc_s * ((a.hc_h + kF - 1) / kF)), static_cast<unsigned>((a.rows + 127) / 128), 1);
+  cfg.blockDim = dim3(3 * 128);
+  cfg.dynamicSmemBytes = wg_bulk_smem(2, 128, true, 3);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(a.hc_s);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+bool q4_wg_gate_mean_ready(int S) {
+  if (S != 2 && S != 4 && S != 8) return false;
+  if (!q4_wg_ready()) return false;
+  static int ready[9] = {-1, -1, -1, -1, -1, -1, -1, -1, -1};
+  if (ready[S] < 0) {
+    Q4WgArgs a;
+    a.hc_s = S;
+    a.hc_h = 64 * 3;
+    a.rows = 128;
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t cfg = gate_mean_config(a, attr, nullptr);
+    int clusters = 0;
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, q4_wg_bulk_kernel<2, 128, true, 3, true>, &cfg);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    ready[S] = e == cudaSuccess && clusters > 0 ? 1 : 0;
+  }
+  return ready[S] == 1;
+}
+
+void launch_q4_wg_gate_mean(const Q4WgArgs& a, cudaStream_t stream) {
+  CK_REQUIRE(a.n_jobs == 1 && a.units_per_block == 3 && a.unit_features == 64 && a.k_groups == a.groups &&
+                 !a.split.partial && a.hc_x && a.hc_u && a.job[0].w.rows == a.hc_s * a.hc_h && a.hc_h % 64 == 0,
+             "q4_wg_gate_mean: %d jobs, %d units a block of %d features, %d of %d groups, S %d, H %d", a.n_jobs,
+             a.units_per_block, a.unit_features, a.k_groups, a.groups, a.hc_s, a.hc_h);
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = gate_mean_config(a, attr, stream);
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, q4_wg_bulk_kernel<2, 128, true, 3, true>, a));
 }
 
 }  // namespace ck::cuda

@@ -36,6 +36,14 @@ struct Q4WgArgs {
   int k_groups = 0;           // groups per block (split-K: block z takes [z k_groups, (z + 1) k_groups))
   SplitK split;
   int32_t units_per_block = 2;  // warpgroups a block: 2, or 3 (the folded form's); set by q4_wg_units
+  // The hyper-connection gate mean in the up projection's epilogue (launch_q4_wg_gate_mean only): the
+  // normalised streams X (rows x ld_x, stream s at s hc_h), the block input u (rows x ld_u), S streams.
+  const float* hc_x = nullptr;
+  int32_t ld_x = 0;
+  float* hc_u = nullptr;
+  int32_t ld_u = 0;
+  int32_t hc_s = 0, hc_h = 0;
+  int32_t hc_prefetch = 1;  // ask L2 for the block's X when it starts (CK_HC_GM_PREFETCH=0: not)
 };
 
 // Lays the jobs' 128-feature units out for q4_wg_dense_kernel (a.first_unit) and returns the blocks
@@ -63,6 +71,13 @@ void launch_q4_wg_dense(unsigned feature_tiles, unsigned splits, const Q4WgArgs&
 // the units out); else the factored form (two units a block).
 void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& a, int parts, int tokens, bool fold,
                        cudaStream_t stream);
+// The mix's up projection (one job: S H rows in tiles, no epilogue) with the gate mean of spec §4 as its
+// epilogue, u = Σ_s sigmoid(g_s) X_s / S, so g never goes to memory: the folded three-warpgroup form with
+// 128 tokens, its blocks in clusters of S (a.hc_s: 2, 4 or 8), block s of a cluster taking stream s's
+// rows of the same 192 features; a.hc_* say where X and u are. q4_wg_gate_mean_ready(S): whether this
+// device runs such clusters.
+bool q4_wg_gate_mean_ready(int S);
+void launch_q4_wg_gate_mean(const Q4WgArgs& a, cudaStream_t stream);
 // One (tile of `rows` rows, group) block of the tile layout: (step s, part p) of B core matrices at
 // (s parts + p) q4_wg_b_bytes(rows) (the rows x 16 k values of bf16), then the rows' Σ x (floats).
 CK_HD constexpr int q4_wg_b_bytes(int rows) { return rows * 32; }

@@ -100,6 +100,15 @@ void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // default, see set_prefill_parts), K split over blocks where the grid would fill its last wave poorly;
 // false otherwise, or with CK_Q4_DENSE=0. parts: 2 or 3 bf16 parts of x for this call (0: the default).
 bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream, int parts = 0);
+// The hyper-connection mix's up projection and gate mean of a prefill chunk in one kernel (spec §4: u =
+// Σ_s sigmoid(g_s) X_s / S with g = up · d, never written): the same bits of u as gemv(up) followed by
+// hc_gate_mean, without g's round trip through memory (gemm_q4_wg.h: the folded warpgroup kernel, in
+// clusters of S blocks). False where that kernel would not run the up projection (other devices or
+// forms, S not 2, 4 or 8, unaligned X or u) or with CK_HC_UP_GATE_MEAN=0: then nothing is done.
+// set_hc_up_gate_mean(1 or 0) sets it (tests), -1 goes back to the environment's.
+bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const float* X, int ldX, int S, int H,
+                     float* u, int ldu, cudaStream_t stream);
+void set_hc_up_gate_mean(int on);
 // The bf16 parts of the activations the factored 4-bit kernels multiply (gemm_q4, expert_*_q4): 2 (the
 // default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
 void set_prefill_parts(int parts);

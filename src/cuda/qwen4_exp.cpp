@@ -674,6 +674,12 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   up.w = hc.up;
   up.y = b.hc_g;
   up.ldy = static_cast<int32_t>(b.ldW);
+  // A prefill chunk's up projection makes u itself (the gate mean in its epilogue: g stays on chip).
+  if (rows > kMaxRows && hc_up_gate_mean(up, b.hc_d, b.ldLR, rows, b.X, b.ldW, S, H, u, b.ldH, stream_)) {
+    if (u == b.u) b.ufr = Tc4Frags{};
+    mark("hc mix: up");
+    return;
+  }
   gemv(&up, 1, b.hc_d, b.ldLR, rows, stream_, row_frags ? &b.dfr : nullptr);
   mark("hc mix: up");
   if (u == b.u && b.ufrag && rows <= kMaxRows) {

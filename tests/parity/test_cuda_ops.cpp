@@ -669,6 +669,63 @@ TEST(CudaOps, ProducerFragmentsGiveTheFragmentKernelsBits) {
   }
 }
 
+// The prefill mix's up projection with the gate mean as its epilogue (hc_up_gate_mean: clusters of S
+// blocks, g never written) against the two calls it replaces, gemv(up) and hc_gate_mean: the same bits
+// of u. Shapes: the released geometry, and small ones whose last feature block has idle warpgroups
+// (H / 64 not a multiple of 3), with 2 and 8 streams and a shorter K; row counts with a partial last
+// tile of 128 tokens.
+TEST(CudaOps, UpGateMeanGivesTheUnfusedBits) {
+  REQUIRE_GPU();
+  init_kernels();
+  std::mt19937_64 rng(41);
+  const WeightForm q4{DType::U32, 4, 64, DType::BF16};
+  struct Case {
+    int S, H, lowrank, rows;
+  };
+  const Case cases[] = {{4, 2560, 320, 300}, {4, 2560, 320, 2048}, {2, 448, 256, 700}, {8, 128, 320, 257}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE("S " + std::to_string(c.S) + ", H " + std::to_string(c.H) + ", rows " + std::to_string(c.rows));
+    const int W = c.S * c.H, n = c.rows;
+    HostMatrix upm = make_matrix(W, c.lowrank, q4, rng);
+    DeviceArena arena;
+    DenseUploader upl(&arena);
+    GemvJob up;
+    up.w = *upl.matrix(upm.m, WLayout::Tiles16);
+    ASSERT_TRUE(up.w.tiled());
+    const std::vector<float> d = randn(static_cast<size_t>(n) * c.lowrank, rng), X = randn(static_cast<size_t>(n) * W, rng);
+    DeviceBuffer<float> dd, xd, gd(static_cast<size_t>(n) * W), ud(static_cast<size_t>(n) * c.H);
+    to_device(d, &dd);
+    to_device(X, &xd);
+    up.y = gd.get();
+    up.ldy = W;
+    std::vector<float> u[2];
+    for (int fused : {0, 1}) {
+      CUDA_CHECK(cudaMemset(ud.get(), 0xff, ud.bytes()));
+      if (fused) {
+        ASSERT_TRUE(hc_up_gate_mean(up, dd.get(), c.lowrank, n, xd.get(), W, c.S, c.H, ud.get(), c.H, nullptr))
+            << "the fused kernel did not take the call";
+      } else {
+        gemv(&up, 1, dd.get(), c.lowrank, n, nullptr);
+        hc_gate_mean(gd.get(), xd.get(), W, c.S, c.H, ud.get(), c.H, n, nullptr);
+      }
+      CUDA_CHECK(cudaDeviceSynchronize());
+      u[fused] = to_host(ud.get(), static_cast<size_t>(n) * c.H);
+    }
+    const int64_t diff = rows_with_different_bits(u[0], u[1], n, c.H, c.H);
+    std::printf("  up + gate mean, S %d, H %d, K %d, %d rows: %lld rows differ\n", c.S, c.H, c.lowrank, n,
+                static_cast<long long>(diff));
+    EXPECT_EQ(diff, 0);
+    double mag = 0.0;
+    for (float v : u[1]) mag = std::max(mag, std::fabs(static_cast<double>(v)));
+    EXPECT_GT(mag, 1e-3) << "u is not all zeros";
+    EXPECT_TRUE(std::isfinite(mag));
+  }
+  set_hc_up_gate_mean(0);
+  GemvJob none;
+  EXPECT_FALSE(hc_up_gate_mean(none, nullptr, 0, 300, nullptr, 0, 4, 2560, nullptr, 0, nullptr)) << "switched off";
+  set_hc_up_gate_mean(-1);
+}
+
 // The bulk-copy warpgroup kernel with 128 tokens x 64 features per warpgroup (set_q4_wg_wide): tiled
 // matrices of assorted heights (a 64-feature unit left idle, a partial one) and K (a split K), at 2
 // and 3 parts of x, against the CPU. (Its split-K choice may differ from the 64-token kernels', so its
