@@ -373,7 +373,20 @@ struct Session::LayerState {
   int64_t ple_n = 0;
 };
 
+// Rows of the mix's g (the up projection's output, rows x W floats): a prefill chunk's up projection and
+// gate mean run in pieces of this many rows where the fused kernel (hc_up_gate_mean) does not take
+// them (other GPUs than Hopper, CK_HC_UP_GATE_MEAN=0), so g is not as long as the chunk: at 8,192 rows
+// of the released geometry that is 84 MB instead of 336 MB. CK_HC_GATE_ROWS sets it (tests: >= 8).
+static int hc_gate_rows() {
+  static const int rows = [] {
+    const char* e = std::getenv("CK_HC_GATE_ROWS");
+    return e ? std::max(kMaxRows, std::atoi(e)) : 2048;
+  }();
+  return rows;
+}
+
 struct Session::Buffers {
+  int hc_g_rows = 0;  // rows of hc_g (hc_gate_rows(), at most the chunk's)
   int ldW = 0, ldH = 0, ldS = 0, ldLR = 0, ldC = 0, ldVd = 0, ldNV = 0, ldQG = 0, ldKV = 0, ldIQK = 0, ldQ = 0,
       ldIQ = 0, ldE = 0, ldEx = 0, ldMI = 0, ldV = 0;
   int64_t nb_max = 1;
@@ -423,11 +436,12 @@ uint64_t Session::buffer_bytes(const ModelConfig& c, int max_inter, int64_t max_
   const int64_t kvw = static_cast<int64_t>(c.num_key_value_heads) * c.head_dim;
   const int64_t nb = c.indexer_compress_ratio > 0 ? std::max<int64_t>(1, max_ctx / c.indexer_compress_ratio) : 1;
   const int64_t per_row =
-      8 * W + 5 * H + c.hc_lowrank + c.hc_count + 2 * c.gdn_conv_dim() + 2 * c.gdn_value_dim() +
+      7 * W + 5 * H + c.hc_lowrank + c.hc_count + 2 * c.gdn_conv_dim() + 2 * c.gdn_value_dim() +
       2 * c.linear_num_value_heads + static_cast<int64_t>(c.num_attention_heads) * c.head_dim * 4 + 2 * kvw +
       static_cast<int64_t>(2 * c.indexer_n_heads + 1) * c.indexer_head_dim + nb + std::max(1, c.ple_embed_dim) +
       2 * c.num_experts + 4 + k1 * (max_inter + H + 1);
   return static_cast<uint64_t>(rows) * (sizeof(float) * per_row + nb) +
+         sizeof(float) * static_cast<uint64_t>(std::min(rows, hc_gate_rows())) * W +  // hc_g
          sizeof(float) * static_cast<uint64_t>(kLmRows) * c.vocab_size + kStepScratchBytes;
 }
 
@@ -459,7 +473,8 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
   b.params = static_cast<StepParams*>(arena_.alloc(sizeof(StepParams)));
   step_scratch_.base = static_cast<uint8_t*>(arena_.alloc(kStepScratchBytes));
   step_scratch_.size = kStepScratchBytes;
-  b.R = fbuf(R * b.ldW); b.X = fbuf(R * b.ldW); b.hc_d = fbuf(R * b.ldLR); b.hc_g = fbuf(R * b.ldW);
+  b.R = fbuf(R * b.ldW); b.X = fbuf(R * b.ldW); b.hc_d = fbuf(R * b.ldLR); b.hc_g_rows = std::min(R, hc_gate_rows());
+  b.hc_g = fbuf(static_cast<int64_t>(b.hc_g_rows) * b.ldW);
   b.u = fbuf(R * b.ldH); b.w = fbuf(R * b.ldS); b.o = fbuf(R * b.ldH);
   if (H % 64 == 0) {
     const int64_t groups = H / 64;
@@ -676,6 +691,17 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   up.ldy = static_cast<int32_t>(b.ldW);
   // A prefill chunk's up projection makes u itself (the gate mean in its epilogue: g stays on chip).
   if (rows > kMaxRows && hc_up_gate_mean(up, b.hc_d, b.ldLR, rows, b.X, b.ldW, S, H, u, b.ldH, stream_)) {
+    if (u == b.u) b.ufr = Tc4Frags{};
+    mark("hc mix: up");
+    return;
+  }
+  if (rows > b.hc_g_rows) {  // g in pieces of its buffer's rows
+    for (int r0 = 0; r0 < rows; r0 += b.hc_g_rows) {
+      const int n = std::min(b.hc_g_rows, rows - r0);
+      gemv(&up, 1, b.hc_d + static_cast<size_t>(r0) * b.ldLR, b.ldLR, n, stream_);
+      hc_gate_mean(b.hc_g, b.X + static_cast<size_t>(r0) * b.ldW, b.ldW, S, H, u + static_cast<size_t>(r0) * b.ldH,
+                   b.ldH, n, stream_);
+    }
     if (u == b.u) b.ufr = Tc4Frags{};
     mark("hc mix: up");
     return;
