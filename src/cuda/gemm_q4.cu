@@ -898,8 +898,9 @@ bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const
   const int parts = prefill_parts();
   const Q4Form form = q4_form(&up, 1, rows, parts);
   // The fused kernel is the folded three-warpgroup form of 128 tokens, the one gemm_q4 runs for the up
-  // projection of a prefill chunk, so g is the same; no K split (K is hc_lowrank, 5 groups: gemm_q4
-  // splits none below 16).
+  // projection of a prefill chunk, so g is the same; no K split (K is hc_lowrank, 5 groups at the
+  // released geometry, and gemm_q4 splits none below 16 groups; above, the sums would differ from its
+  // split ones in rounding only).
   if (!form.ok || !form.bulk || form.block_tokens != 128 || form.fold_mode != 3 || !q4_wg_gate_mean_ready(S))
     return false;
   const int K = static_cast<int>(up.w.cols), groups = K / 64;
