@@ -436,7 +436,7 @@ uint64_t Session::buffer_bytes(const ModelConfig& c, int max_inter, int64_t max_
   const int64_t kvw = static_cast<int64_t>(c.num_key_value_heads) * c.head_dim;
   const int64_t nb = c.indexer_compress_ratio > 0 ? std::max<int64_t>(1, max_ctx / c.indexer_compress_ratio) : 1;
   const int64_t per_row =
-      7 * W + 5 * H + c.hc_lowrank + c.hc_count + 2 * c.gdn_conv_dim() + 2 * c.gdn_value_dim() +
+      4 * W + 5 * H + c.hc_lowrank + c.hc_count + 2 * c.gdn_conv_dim() + 2 * c.gdn_value_dim() +
       2 * c.linear_num_value_heads + static_cast<int64_t>(c.num_attention_heads) * c.head_dim * 4 + 2 * kvw +
       static_cast<int64_t>(2 * c.indexer_n_heads + 1) * c.indexer_head_dim + nb + std::max(1, c.ple_embed_dim) +
       2 * c.num_experts + 4 + k1 * (max_inter + H + 1);
@@ -501,9 +501,14 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
   b.q = fbuf(R * b.ldQ); b.iq = fbuf(R * b.ldIQ); b.scores = fbuf(R * b.nb_max); b.ao = fbuf(R * b.ldQ);
   b.sel = static_cast<uint8_t*>(arena_.alloc(R * b.nb_max));
   CUDA_CHECK(cudaMemset(b.sel, 0, R * b.nb_max));
-  b.emb = fbuf(R * b.ldE); b.pkey = fbuf(R * b.ldW); b.pkn = fbuf(R * b.ldW); b.pval = fbuf(R * b.ldH);
+  // The PLE's five wide intermediates in three buffers, by when each is last read (enqueue_block, §5):
+  // the key (read by its norm) and then the query's norm (read by the gate) and G's norm (read by the
+  // conv) in X, which only the mixes use and the PLE runs between two mixes; the key's norm (read by the
+  // gate) and G (read by the conv) in buffers of their own. 1.0 GB less GPU memory at 8,192-row chunks
+  // of the released geometry; the same values.
+  b.emb = fbuf(R * b.ldE); b.pkey = b.X; b.pkn = fbuf(R * b.ldW); b.pval = fbuf(R * b.ldH);
   b.emb_step = fbuf(std::max(1, m.n_ple_) * kMaxRows * b.ldE);
-  b.pqn = fbuf(R * b.ldW); b.pG = fbuf(R * b.ldW); b.pGn = fbuf(R * b.ldW);
+  b.pqn = b.X; b.pG = fbuf(R * b.ldW); b.pGn = b.X;
   const int n_pairs = R * (c.num_experts_per_tok + 1);
   b.mlog = fbuf(R * b.ldEx); b.mlog2 = fbuf(R * b.ldEx); b.mgl = fbuf(R * 4);
   b.pairs = static_cast<ExpertPair*>(arena_.alloc(sizeof(ExpertPair) * n_pairs));
