@@ -326,7 +326,7 @@ __device__ __forceinline__ void wg_gate_mean_store(const Q4WgArgs& a, const floa
   const int nq = nf / 4;
   const float* xs = a.hc_x + s * H + f0;
   float4 xv[kPer];
-  __syncthreads();
+  __syncthreads();  // P is whole: the quads below are other threads' g
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
     const int e = tid + kThreads * k, r = e / kQuads, q = e - r * kQuads, row = drow[r];
