@@ -267,12 +267,21 @@ __device__ __forceinline__ void wg_store(const Q4WgArgs& a, int job, int f_wg, c
 // The gate-mean form's units (launch_q4_wg_gate_mean): block x of a cluster of S takes stream s = x % S
 // and the stream's units 3 (x / S) + u, u < 3, so its 192 rows of the up matrix are s H + [64 (3 (x / S)),
 // + 192); a unit past the stream's H / 64 is idle (its first row the matrix's row count, as above).
+// The block's place in that form: its stream s, and u's features f0 + [0, nf) it takes.
+template <int WGS>
+struct WgGateMeanBlock {
+  int s, f0, nf;
+  __device__ __forceinline__ explicit WgGateMeanBlock(const Q4WgArgs& a)
+      : s(static_cast<int>(blockIdx.x) % a.hc_s), f0(64 * WGS * (static_cast<int>(blockIdx.x) / a.hc_s)),
+        nf(min(64 * WGS, a.hc_h - f0)) {}
+};
 template <int WGS>
 __device__ __forceinline__ void wg_stream_units(const Q4WgArgs& a, int (&ujob)[WGS], int (&uf0)[WGS]) {
-  const int s = static_cast<int>(blockIdx.x) % a.hc_s, fb = static_cast<int>(blockIdx.x) / a.hc_s;
+  const WgGateMeanBlock<WGS> blk(a);
+  const int s = blk.s, fb = blk.f0 / 64;  // the block's first unit of its stream
 #pragma unroll
   for (int u = 0; u < WGS; ++u) {
-    const int unit = WGS * fb + u;
+    const int unit = fb + u;
     ujob[u] = 0;
     uf0[u] = unit < a.hc_h / 64 ? s * a.hc_h + 64 * unit : a.job[0].w.rows;
   }
@@ -283,9 +292,9 @@ __device__ __forceinline__ void wg_stream_units(const Q4WgArgs& a, int (&ujob)[W
 // come from L2 instead of waiting on memory at the end of the block.
 template <int TN, int WGS>
 __device__ __forceinline__ void wg_gate_mean_prefetch(const Q4WgArgs& a, const int* drow) {
-  constexpr int kF = 64 * WGS, kLines = kF / 32;  // 128-byte lines of a row's features
-  const int S = a.hc_s, H = a.hc_h, s = static_cast<int>(blockIdx.x) % S;
-  const int f0 = kF * (static_cast<int>(blockIdx.x) / S), nf = min(kF, H - f0);
+  constexpr int kLines = 64 * WGS / 32;  // 128-byte lines of a row's features
+  const WgGateMeanBlock<WGS> blk(a);
+  const int s = blk.s, f0 = blk.f0, nf = blk.nf, H = a.hc_h;
   for (int e = threadIdx.x; e < TN * kLines; e += blockDim.x) {
     const int r = e / kLines, l = e - r * kLines, row = drow[r];
     if (row >= 0 && 32 * l < nf) prefetch_l2(a.hc_x + static_cast<size_t>(row) * a.ld_x + s * H + f0 + 32 * l);
@@ -306,8 +315,8 @@ __device__ __forceinline__ void wg_gate_mean_store(const Q4WgArgs& a, const floa
   namespace cg = cooperative_groups;
   constexpr int kF = 64 * WGS, kLd = kF + 4, kQuads = kF / 4, kThreads = 128 * WGS, kJ = TN / 8;
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, wq = (tid >> 5) & 3, wg = tid >> 7;
-  const int S = a.hc_s, H = a.hc_h, s = static_cast<int>(blockIdx.x) % S;
-  const int f0 = kF * (static_cast<int>(blockIdx.x) / S), nf = min(kF, H - f0);  // u's features here
+  const WgGateMeanBlock<WGS> blk(a);
+  const int S = a.hc_s, H = a.hc_h, s = blk.s, f0 = blk.f0, nf = blk.nf;  // u's features f0 + [0, nf) here
   float* P = reinterpret_cast<float*>(smem);  // [TN][kLd]
   __syncthreads();  // every warpgroup's wgmmas are done (each waited for its own): the stages are free
   // g as it is into P: any arithmetic on acc here (a sigmoid, a product) is read by ptxas as non-wgmma

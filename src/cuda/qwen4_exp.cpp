@@ -694,26 +694,27 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   up.w = hc.up;
   up.y = b.hc_g;
   up.ldy = static_cast<int32_t>(b.ldW);
-  // A prefill chunk's up projection makes u itself (the gate mean in its epilogue: g stays on chip).
-  if (rows > kMaxRows && hc_up_gate_mean(up, b.hc_d, b.ldLR, rows, b.X, b.ldW, S, H, u, b.ldH, stream_)) {
-    if (u == b.u) b.ufr = Tc4Frags{};
-    mark("hc mix: up");
-    return;
-  }
-  if (rows > b.hc_g_rows) {  // g in pieces of its buffer's rows
-    for (int r0 = 0; r0 < rows; r0 += b.hc_g_rows) {
-      const int n = std::min(b.hc_g_rows, rows - r0);
-      gemv(&up, 1, b.hc_d + static_cast<size_t>(r0) * b.ldLR, b.ldLR, n, stream_);
-      hc_gate_mean(b.hc_g, b.X + static_cast<size_t>(r0) * b.ldW, b.ldW, S, H, u + static_cast<size_t>(r0) * b.ldH,
-                   b.ldH, n, stream_);
+  if (rows > kMaxRows) {  // a prefill chunk (no fragments of u)
+    // The up projection makes u itself (the gate mean in its epilogue: g stays on chip); where it cannot,
+    // the two calls, in pieces of g's buffer's rows.
+    if (hc_up_gate_mean(up, b.hc_d, b.ldLR, rows, b.X, b.ldW, S, H, u, b.ldH, stream_)) {
+      mark("hc mix: up");
+    } else {
+      for (int r0 = 0; r0 < rows; r0 += b.hc_g_rows) {
+        const int n = std::min(b.hc_g_rows, rows - r0);
+        gemv(&up, 1, b.hc_d + static_cast<size_t>(r0) * b.ldLR, b.ldLR, n, stream_);
+        mark("hc mix: up");
+        hc_gate_mean(b.hc_g, b.X + static_cast<size_t>(r0) * b.ldW, b.ldW, S, H, u + static_cast<size_t>(r0) * b.ldH,
+                     b.ldH, n, stream_);
+        mark("hc mix");
+      }
     }
     if (u == b.u) b.ufr = Tc4Frags{};
-    mark("hc mix: up");
     return;
   }
   gemv(&up, 1, b.hc_d, b.ldLR, rows, stream_, row_frags ? &b.dfr : nullptr);
   mark("hc mix: up");
-  if (u == b.u && b.ufrag && rows <= kMaxRows) {
+  if (u == b.u && b.ufrag) {
     const bool rf = rows >= 2 && b.urfrag;
     hc_gate_mean(b.hc_g, b.X, b.ldW, S, H, u, b.ldH, rows, stream_, b.ufrag, b.ugsum, rf ? b.urfrag : nullptr,
                  rf ? b.urgsum : nullptr);
