@@ -227,11 +227,16 @@ struct GemvLaunch {
   int32_t n_jobs;
 };
 
+// blockIdx.y: the batch of R activation rows [R y, R y + R) of a launch over more than R rows
+// (gemv_narrow_rows: prefill chunks through a matrix of a few rows).
 template <int R, int M>
 __global__ void __launch_bounds__(256) gemv_kernel(const __grid_constant__ GemvLaunch L, const float* __restrict__ x,
                                                    int ldx, int nx) {
   pdl_begin();
   __shared__ float red[9 * M * R];
+  const int batch = static_cast<int>(blockIdx.y) * R;
+  x += static_cast<size_t>(batch) * ldx;
+  nx -= batch;
   int j = 0;
   while (j + 1 < L.n_jobs && static_cast<int>(blockIdx.x) >= L.first_block[j + 1]) ++j;
   const DMatrix& w = L.job[j].w;
@@ -252,7 +257,8 @@ __global__ void __launch_bounds__(256) gemv_kernel(const __grid_constant__ GemvL
     const int m = threadIdx.x / R, r = threadIdx.x % R;
     if (r < nx && row0 + m < w.rows) {
       const GemvJob& jb = L.job[j];
-      jb.y[static_cast<size_t>(r) * jb.ldy + row0 + m] = apply_epilogue(red[8 * M * R + threadIdx.x], jb.epi, jb.epi_arg);
+      jb.y[static_cast<size_t>(batch + r) * jb.ldy + row0 + m] =
+          apply_epilogue(red[8 * M * R + threadIdx.x], jb.epi, jb.epi_arg);
     }
   }
 }
@@ -317,7 +323,8 @@ int threads_for_units(int64_t units) {
 
 template <int R, int M>
 void launch_gemv(const GemvLaunch& L, int blocks, int threads, const float* x, int ldx, int nx, cudaStream_t s) {
-  launch(gemv_kernel<R, M>, blocks, threads, 0, s, L, x, ldx, nx);
+  launch(gemv_kernel<R, M>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(ceil_div(nx, R))), threads, 0, s,
+         L, x, ldx, nx);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -384,6 +391,12 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
   CK_REQUIRE(!tiled, "gemv: a matrix in 16-row tiles, which only the v4 kernels read (CK_GEMV asks for "
              "another; CK_WEIGHT_TILES=0 uploads row layouts)");
   if (gemv_version() == 2 && x_aligned && gemv_v2(jobs, n_jobs, x, ldx, rows, stream)) return;
+  gemv_v1(jobs, n_jobs, x, ldx, rows, stream);
+}
+
+// The v1 kernel (any format; CUDA cores, fp32), over batches of 8 activation rows past 8 rows.
+void gemv_v1(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
+  const bool x_aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0;
   GemvLaunch L{};
   L.n_jobs = n_jobs;
   int max_rows = 0;
@@ -413,6 +426,15 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
   else if (rows == 2) launch_gemv_m<2>(m, L, blocks, threads, x, ldx, rows, stream);
   else if (rows <= 4) launch_gemv_m<4>(m, L, blocks, threads, x, ldx, rows, stream);
   else launch_gemv_m<8>(m, L, blocks, threads, x, ldx, rows, stream);
+}
+
+bool gemv_narrow_rows(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
+  static const bool on = !env_is("CK_GEMV_NARROW", "0");
+  if (!on || any_tiled(jobs, n_jobs) || reinterpret_cast<uintptr_t>(x) % 16 != 0 || ldx % 4 != 0) return false;
+  for (int j = 0; j < n_jobs; ++j)
+    if (jobs[j].w.rows > kNarrowRows || (jobs[j].w.quantized() && jobs[j].w.cols % 32 != 0)) return false;
+  gemv_v1(jobs, n_jobs, x, ldx, rows, stream);
+  return true;
 }
 
 namespace {

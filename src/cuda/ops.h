@@ -89,6 +89,17 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
 void tc4_make_frags(const float* x, int ldx, int rows, int groups, uint2* frag, float* gsum, Tc4Frags* f,
                     cudaStream_t stream);
 
+// Prefill chunks through matrices of at most kNarrowRows rows (the shared expert's gate: one row): the
+// v1 GEMV kernel (any format, fp32 on the CUDA cores) over batches of 8 activation rows, where
+// gemm_tc's tiles would be 1/64 full and split K into a reduce kernel (20.5 + 5.3 us a layer for a
+// 496-row chunk on an H100, 2026-12-06; this path 7.5 us, and 14.2 / 37.4 us for 2,032 / 8,176 rows).
+// False (nothing launched) when a job is wider, in tiles, or x is not 16-byte aligned;
+// CK_GEMV_NARROW=0 always declines, to compare.
+constexpr int kNarrowRows = 8;
+bool gemv_narrow_rows(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
+// The v1 GEMV kernel for any number of rows (the reference arithmetic; gemv's last choice).
+void gemv_v1(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
+
 // The twin of cpu::matvec for `rows` rows: y (rows, w.rows) = x (rows, w.cols) · wᵀ.
 void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int rows, cudaStream_t stream);
 

@@ -24,6 +24,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu/ops.h"
@@ -345,6 +346,92 @@ TEST(CudaOps, GemvMultiJobWithEpilogues) {
   }
   set_gemv_stream_min_work(-1);
   set_gemv_version(2);
+}
+
+// Prefill chunks through matrices of at most kNarrowRows rows (the shared expert's one-row 8-bit gate,
+// a 5-row bf16 matrix): gemm_tc hands them to the v1 GEMV over batches of 8 rows (gemv_narrow_rows),
+// which must write every row of an awkward count (a last batch of 5 rows) against the CPU.
+TEST(CudaOps, GemmNarrowMatricesOverManyRows) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(4242);
+  const int cols = 2560;
+  const WeightForm q8{DType::U32, 8, 64, DType::BF16};
+  HostMatrix a = make_matrix(1, cols, q8, rng), b = make_matrix(5, cols, WeightForm{DType::BF16}, rng);
+  DeviceArena arena;
+  DenseUploader up(&arena);
+  for (int rows : {13, 301}) {
+    std::vector<float> x = randn(static_cast<size_t>(rows) * cols, rng);
+    DeviceBuffer<float> xd, ya(rows * 4), yb(rows * 8);
+    CUDA_CHECK(cudaMemset(ya.get(), 0xff, ya.bytes()));  // poison: every output must be written
+    CUDA_CHECK(cudaMemset(yb.get(), 0xff, yb.bytes()));
+    GemvJob jobs[2];
+    jobs[0].w = *up.matrix(a.m); jobs[0].y = ya.get(); jobs[0].ldy = 4;
+    jobs[1].w = *up.matrix(b.m); jobs[1].y = yb.get(); jobs[1].ldy = 8; jobs[1].epi = Epilogue::TwoSigmoidDiv;
+    jobs[1].epi_arg = 4.0f;
+    ASSERT_TRUE(gemv_narrow_rows(jobs, 2, to_device(x, &xd), cols, rows, nullptr));
+    gemm_tc(jobs, 2, xd.get(), cols, rows, nullptr);  // the same through the public entry point
+    const HostMatrix* hm[2] = {&a, &b};
+    const DeviceBuffer<float>* yd[2] = {&ya, &yb};
+    for (int j = 0; j < 2; ++j) {
+      const int n = static_cast<int>(hm[j]->m.rows), ld = jobs[j].ldy;
+      std::vector<float> ref(static_cast<size_t>(rows) * n), got(ref.size()), yh = to_host(yd[j]->get(), rows * ld);
+      for (int r = 0; r < rows; ++r) {
+        ck::cpu::matvec(hm[j]->m, x.data() + static_cast<size_t>(r) * cols, ref.data() + static_cast<size_t>(r) * n);
+        for (int o = 0; o < n; ++o) {
+          float& v = ref[r * n + o];
+          if (j == 1) v = 2.0f * ck::cpu::sigmoid(v / 4.0f);
+          got[r * n + o] = yh[r * ld + o];
+        }
+      }
+      report("narrow job " + std::to_string(j) + " rows " + std::to_string(rows),
+             compare(got, ref, {}, scale_atol(ref), 1e-4));
+    }
+  }
+  // Wider than kNarrowRows, in tiles, or x misaligned: declined, nothing launched.
+  HostMatrix c = make_matrix(kNarrowRows + 1, cols, q8, rng);
+  GemvJob wide;
+  wide.w = *up.matrix(c.m);
+  DeviceBuffer<float> xd(16 * cols), yw(16 * 16);
+  wide.y = yw.get();
+  wide.ldy = 16;
+  EXPECT_FALSE(gemv_narrow_rows(&wide, 1, xd.get(), cols, 16, nullptr));
+  GemvJob one;
+  one.w = *up.matrix(a.m);
+  one.y = yw.get();
+  one.ldy = 16;
+  EXPECT_FALSE(gemv_narrow_rows(&one, 1, xd.get() + 1, cols, 15, nullptr));
+}
+
+// The MoE output of prefill rows (moe_combine: 4 elements a thread where H and the strides allow):
+// Σ_t w_t y_t with each product rounded to fp32 and the sum in fp64 in slot order, then + gamma y_k,
+// bit for bit against that formula on the host, for k not a multiple of 4 and H not a multiple of the
+// block's 1,024 elements. gl = 0 makes gamma = sigmoid(0) = 0.5 exactly on both sides.
+TEST(CudaOps, MoeCombineGivesTheSlotOrderBits) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(909);
+  for (const auto& [H, k, rows] : std::vector<std::tuple<int, int, int>>{{2560, 10, 37}, {264, 3, 5}, {1028, 8, 9}}) {
+    const int ldy = H + 4, ldo = H + 8;
+    std::vector<float> y = randn(static_cast<size_t>(rows) * (k + 1) * ldy, rng), gl(static_cast<size_t>(rows) * 4, 0.0f);
+    std::vector<ExpertPair> pairs(static_cast<size_t>(rows) * (k + 1));
+    std::uniform_real_distribution<float> wdist(0.01f, 0.5f);
+    for (ExpertPair& p : pairs) p.weight = wdist(rng);
+    DeviceBuffer<float> yd, gld, od(static_cast<size_t>(rows) * ldo);
+    DeviceBuffer<ExpertPair> pd;
+    CUDA_CHECK(cudaMemset(od.get(), 0xff, od.bytes()));
+    moe_combine(to_device(y, &yd), ldy, to_device(pairs, &pd), k, to_device(gl, &gld), 4, od.get(), ldo, H, rows,
+                nullptr);
+    const std::vector<float> got = to_host(od.get(), od.size());
+    int differ = 0;
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < H; ++i) {
+        const float* yr = y.data() + static_cast<size_t>(r) * (k + 1) * ldy;
+        double acc = 0.0;
+        for (int t = 0; t < k; ++t) acc += static_cast<double>(yr[t * ldy + i] * pairs[r * (k + 1) + t].weight);
+        const float want = static_cast<float>(acc) + 0.5f * yr[k * ldy + i];
+        if (std::memcmp(&want, &got[static_cast<size_t>(r) * ldo + i], 4) != 0) ++differ;
+      }
+    EXPECT_EQ(differ, 0) << "H " << H << " k " << k << " rows " << rows;
+  }
 }
 
 // ------------------------------------------------------------------ 16-row weight tiles
