@@ -77,14 +77,20 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
 }
 
 // The same routing with one warp per row and no block barriers, for E <= 32 VPL: lane l holds the
-// probabilities of experts [VPL l, VPL l + VPL) in registers, and each of the k rounds is a scan of
-// the lane's unused values and a warp argmax (ties to the lower index, NaN never wins: block_topk's
-// rules). (The rounds as a lane max tree of order keys, a REDUX max and a ballot measured 0.4-0.6%
-// slower, H200 2026-12-01 21:04Z.) Routing cost ~8 us per layer inside a one-row decode step's graph
-// with the block kernel (CK_HOLLOW, 2026-11-30); this kernel takes 0.4-1.4 us of it away (decode
-// +0.3-1.2%, same call), so the block kernel's k rounds of barriers were a small part of that time. The softmax sums in
-// another order than the block kernel (a warp's butterfly): probabilities may differ from it in the
-// last bit.
+// probabilities of experts [VPL l, VPL l + VPL) in registers as order keys with its best (its head),
+// and each of the k rounds takes the best head of the 32 lanes with one REDUX max and a ballot (ties
+// to the lower index, NaN never wins over a number: block_topk's rules); only the lane that gave the
+// pick looks for its next head. The
+// softmax sums in another order than the block kernel (a warp's butterfly): probabilities may differ
+// from it in the last bit.
+// Why: until 2026-12-06 every lane scanned its 16 unused values each round with the float tie and NaN
+// rules, then the warp ran a 5-level shuffle argmax: ~200 instructions a round at ~4 cycles each on
+// one warp, 58% of the kernel's 8.9 us on an H100 (Nsight Compute source counters), on the decode
+// step's critical path between the router and the experts, once per layer. Now 7.52 us alone (was
+// 8.84 in the same build's call), decode +1.1% at one row and +0.7% at 4 (H100 2026-12-06 05:43Z, two
+// interleaved rounds against the previous build). (A bitonic sort of each lane's keys first, then
+// popping heads, compiled to branches and saved only 18% of the instructions: 8.84 -> 8.32 us, decode
+// level.)
 // grid (ceil(rows / 8)), block 32 min(rows, 8).
 template <int VPL>
 __global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs a, int rows, int prefetch_table) {
@@ -123,37 +129,43 @@ __global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs 
   sum = warp_sum(sum);
 #pragma unroll
   for (int j = 0; j < VPL; ++j) p[j] /= sum;
-  uint32_t used = 0;  // bit j: expert e0 + j taken (or past E)
+  // The lane's values as order keys: a probability's bits + 2 (monotone for p >= 0, which softmax
+  // gives), 1 for a NaN (picked only once no number is left), 0 for a pick or an expert past E (never
+  // picked). The lane's head: its largest key, the lowest index among equals.
+  uint32_t key[VPL];
 #pragma unroll
-  for (int j = 0; j < VPL; ++j)
-    if (e0 + j >= a.E) used |= 1u << j;
+  for (int j = 0; j < VPL; ++j) key[j] = e0 + j >= a.E ? 0u : p[j] != p[j] ? 1u : __float_as_uint(p[j]) + 2u;
+  uint32_t hk = 0u;
+  int hj = 0;
+  auto find_head = [&] {
+    hk = 0u;
+    hj = 0;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (key[j] > hk) {
+        hk = key[j];
+        hj = j;
+      }
+  };
+  find_head();
   int mine0 = 0, mine1 = 0;  // lane l keeps the picks of rounds l and l + 32 (k <= 64)
   float mine0_p = 0.0f, mine1_p = 0.0f;
   float ts = 0.0f;
+  // Each round: the largest head of the 32 lanes (one REDUX), the lowest lane holding it (a lane holds
+  // lower indices than the lanes after it), whose head is the pick; that lane alone finds its next head.
+  // The pick's probability is its key's bits.
 #pragma unroll 1
   for (int t = 0; t < a.k; ++t) {
-    float bv = -INFINITY;
-    int bi = INT_MAX;
+    const uint32_t mk = __reduce_max_sync(0xffffffffu, hk);
+    const int owner = __ffs(__ballot_sync(0xffffffffu, hk == mk)) - 1;
+    const int bi = __shfl_sync(0xffffffffu, e0 + hj, owner);
+    const float pv = mk >= 2u ? __uint_as_float(mk - 2u) : __int_as_float(0x7fc00000);  // (a NaN)
+    if (lane == owner) {
 #pragma unroll
-    for (int j = 0; j < VPL; ++j)
-      if (!(used >> j & 1u) && arg_better(p[j], e0 + j, bv, bi)) { bv = p[j]; bi = e0 + j; }
-    warp_argmax(bv, bi);
-    if (bi == INT_MAX) {  // only NaNs left: the lowest unused index
-      int lo = INT_MAX;
-#pragma unroll
-      for (int j = VPL - 1; j >= 0; --j)
-        if (!(used >> j & 1u)) lo = e0 + j;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-      bi = lo;
+      for (int j = 0; j < VPL; ++j)
+        if (j == hj) key[j] = 0u;
+      find_head();
     }
-    const int owner = bi / VPL, jb = bi - owner * VPL;
-    float pv = 0.0f;
-#pragma unroll
-    for (int j = 0; j < VPL; ++j)
-      if (j == jb) pv = p[j];
-    pv = __shfl_sync(0xffffffffu, pv, owner);  // the pick's probability (bv, or the NaN)
-    if (lane == owner) used |= 1u << jb;
     ts += pv;  // block kernel's order: the picks' probabilities in round order
     if (t == lane) {
       mine0 = bi;
