@@ -14,6 +14,9 @@ namespace ck::cuda {
 
 // gemv.cu: the arithmetic of 4/8-bit GEMVs, 4 (v4, the default), 3 or 2 (CK_GEMV=v3, v2).
 int q_arith();
+// gemv.cu: the v1 GEMV kernel for any number of rows (the reference arithmetic, over batches of 8 rows;
+// gemv's last choice, and gemv_narrow_rows').
+void gemv_v1(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
 
 // An unsigned code below 2^23 as a float, without the slow integer-to-float conversion: the code is
 // placed in the mantissa of 2^23 and 2^23 subtracted (exact).

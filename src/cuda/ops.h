@@ -97,8 +97,6 @@ void tc4_make_frags(const float* x, int ldx, int rows, int groups, uint2* frag, 
 // CK_GEMV_NARROW=0 always declines, to compare.
 constexpr int kNarrowRows = 8;
 bool gemv_narrow_rows(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
-// The v1 GEMV kernel for any number of rows (the reference arithmetic; gemv's last choice).
-void gemv_v1(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
 
 // The twin of cpu::matvec for `rows` rows: y (rows, w.rows) = x (rows, w.cols) · wᵀ.
 void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int rows, cudaStream_t stream);
