@@ -40,6 +40,9 @@
 namespace ck::cuda {
 namespace {
 
+// Every row of x (stride ldx floats) starts 16-byte aligned: the vector paths' precondition.
+bool rows_aligned16(const float* x, int ldx) { return reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0; }
+
 // Which inner loop a matrix takes. Vector float paths need cols % unit == 0 and an aligned x.
 enum Path : int32_t { kQ2, kQ3, kQ4, kQ8, kF32v, kBF16v, kF16v, kF32s, kBF16s, kF16s };
 
@@ -375,7 +378,7 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
   CK_REQUIRE(rows >= 1, "invariant");
   if (jobs[0].frags_out) jobs[0].frags_out->rR = 0;  // until a launch writes them (launch_tc4)
   if (rows > kMaxRows) return gemm_tc(jobs, n_jobs, x, ldx, rows, stream);
-  const bool x_aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0;
+  const bool x_aligned = rows_aligned16(x, ldx);
   for (int j = 0; j < n_jobs; ++j)
     CK_REQUIRE(jobs[j].w.cols == jobs[0].w.cols && jobs[j].w.rows >= 1 && jobs[j].w.data && jobs[j].y,
                "gemv: job %d: %d x %d matrix, output %p (job 0 has %d cols)", j, jobs[j].w.rows, jobs[j].w.cols,
@@ -396,7 +399,7 @@ void gemv(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cu
 
 // The v1 kernel (any format; CUDA cores, fp32), over batches of 8 activation rows past 8 rows.
 void gemv_v1(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
-  const bool x_aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0;
+  const bool x_aligned = rows_aligned16(x, ldx);
   GemvLaunch L{};
   L.n_jobs = n_jobs;
   int max_rows = 0;
@@ -430,7 +433,7 @@ void gemv_v1(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 
 bool gemv_narrow_rows(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream) {
   static const bool on = !env_is("CK_GEMV_NARROW", "0");
-  if (!on || any_tiled(jobs, n_jobs) || reinterpret_cast<uintptr_t>(x) % 16 != 0 || ldx % 4 != 0) return false;
+  if (!on || any_tiled(jobs, n_jobs) || !rows_aligned16(x, ldx)) return false;
   for (int j = 0; j < n_jobs; ++j)
     if (jobs[j].w.rows > kNarrowRows || (jobs[j].w.quantized() && jobs[j].w.cols % 32 != 0)) return false;
   gemv_v1(jobs, n_jobs, x, ldx, rows, stream);
@@ -457,7 +460,7 @@ void matvec(const DMatrix& w, const float* x, int ldx, float* y, int ldy, int ro
 void expert_gate_up(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx, float* h,
                     int ldh, bool codes48, cudaStream_t stream) {
   CK_REQUIRE(n_pairs >= 1 && max_inter >= 1 && hidden >= 1, "invariant");
-  CK_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0, "invariant");
+  CK_REQUIRE(rows_aligned16(x, ldx), "invariant");
   if (codes48 && gemv_version() == 2) {
     expert_gate_up_q(pairs, n_pairs, max_inter, x, ldx, h, ldh, stream);  // gemv_q.cu
     return;

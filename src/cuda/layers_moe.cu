@@ -80,9 +80,8 @@ __global__ void moe_route_kernel(const MoeRouteArgs a) {
 // probabilities of experts [VPL l, VPL l + VPL) in registers as order keys with its best (its head),
 // and each of the k rounds takes the best head of the 32 lanes with one REDUX max and a ballot (ties
 // to the lower index, NaN never wins over a number: block_topk's rules); only the lane that gave the
-// pick looks for its next head. The
-// softmax sums in another order than the block kernel (a warp's butterfly): probabilities may differ
-// from it in the last bit.
+// pick looks for its next head. The softmax sums in another order than the block kernel (a warp's
+// butterfly): probabilities may differ from it in the last bit.
 // Why: until 2026-12-06 every lane scanned its 16 unused values each round with the float tie and NaN
 // rules, then the warp ran a 5-level shuffle argmax: ~200 instructions a round at ~4 cycles each on
 // one warp, 58% of the kernel's 8.9 us on an H100 (Nsight Compute source counters), on the decode
@@ -220,30 +219,24 @@ __global__ void moe_combine4_kernel(const float* y, int ldy, const ExpertPair* p
   if (i >= H) return;
   const float* yr = y + p0 * ldy + i;
   double acc[4] = {0.0, 0.0, 0.0, 0.0};
-  int t = 0;
-  for (; t + 4 <= k; t += 4) {
-    float4 q[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) q[u] = *reinterpret_cast<const float4*>(yr + static_cast<size_t>(t + u) * ldy);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const float w = wt[t + u];
-      acc[0] += static_cast<double>(__fmul_rn(q[u].x, w));
-      acc[1] += static_cast<double>(__fmul_rn(q[u].y, w));
-      acc[2] += static_cast<double>(__fmul_rn(q[u].z, w));
-      acc[3] += static_cast<double>(__fmul_rn(q[u].w, w));
-    }
-  }
-  for (; t < k; ++t) {
-    const float4 q = *reinterpret_cast<const float4*>(yr + static_cast<size_t>(t) * ldy);
-    const float w = wt[t];
+  auto slot = [&](int t) { return *reinterpret_cast<const float4*>(yr + static_cast<size_t>(t) * ldy); };
+  auto add = [&](const float4& q, float w) {  // moe_combine_elem's terms: fp32 products, fp64 sums
     acc[0] += static_cast<double>(__fmul_rn(q.x, w));
     acc[1] += static_cast<double>(__fmul_rn(q.y, w));
     acc[2] += static_cast<double>(__fmul_rn(q.z, w));
     acc[3] += static_cast<double>(__fmul_rn(q.w, w));
+  };
+  int t = 0;
+  for (; t + 4 <= k; t += 4) {
+    float4 q[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) q[u] = slot(t + u);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) add(q[u], wt[t + u]);
   }
+  for (; t < k; ++t) add(slot(t), wt[t]);
   const float gamma = sigmoidf_(gl[static_cast<size_t>(r) * ldgl]);
-  const float4 ys = *reinterpret_cast<const float4*>(yr + static_cast<size_t>(k) * ldy);
+  const float4 ys = slot(k);
   float4 o;
   o.x = __fadd_rn(static_cast<float>(acc[0]), __fmul_rn(gamma, ys.x));
   o.y = __fadd_rn(static_cast<float>(acc[1]), __fmul_rn(gamma, ys.y));

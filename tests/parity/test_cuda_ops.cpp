@@ -387,7 +387,7 @@ TEST(CudaOps, GemmNarrowMatricesOverManyRows) {
              compare(got, ref, {}, scale_atol(ref), 1e-4));
     }
   }
-  // Wider than kNarrowRows, in tiles, or x misaligned: declined, nothing launched.
+  // Wider than kNarrowRows, or x misaligned: declined, nothing launched.
   HostMatrix c = make_matrix(kNarrowRows + 1, cols, q8, rng);
   GemvJob wide;
   wide.w = *up.matrix(c.m);
