@@ -36,7 +36,10 @@ struct WFormat {
   uint8_t scale_kind = 1;  // WKind::F32, BF16 or F16
   uint8_t layout = 0;      // WLayout
   uint16_t group = 0;
-  uint16_t reserved2 = 0;
+  // Tiles16 only: every scale s is 0 or 2^-17 <= |s| <= 2^12, so s (q - 8) is exact in fp16 for every
+  // code q and the prefill products may take their fp16 form (cuda/weights.h tiles16_f16_exact).
+  uint8_t f16_exact = 0;
+  uint8_t reserved2 = 0;
 };
 
 CK_HD inline bool operator==(const WFormat& a, const WFormat& b) {

@@ -75,12 +75,24 @@ int prefill_parts() {
 // and rows past x_rows are zeros. grid (rows), block 128.
 // sum_parts (wg == 0 only): Σ of the parts the kernels multiply, hi + mid (+ lo), instead of Σ x: what
 // the codes-as-128 + q form (q4_tile_kernel's C128) needs for its 128 to cancel.
+// row_inv (wg == 2 and two parts only): the fp16 form (mma_q4.cuh f16_row_scale): the row is scaled by
+// 2^e first, its two parts are fp16, Σ x is of the scaled values, and row_inv[row] = 2^-e (every row of
+// the grid, 1 past x_rows).
 __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __restrict__ x, int ldx, int x_rows, int K,
                                                               int groups, int parts, int wg, int tile_rows, uint2* xf,
-                                                              float* gsum, int sum_parts = 0) {
+                                                              float* gsum, int sum_parts = 0, float* row_inv = nullptr) {
   const int row = blockIdx.x;
   const bool real = row < x_rows;
   const float* xr = x + static_cast<size_t>(real ? row : 0) * ldx;
+  const bool f16 = row_inv != nullptr;
+  float sc = 1.0f;
+  if (f16) {
+    __shared__ float scratch[32];
+    float m = 0.0f;
+    for (int c = threadIdx.x; real && c < K; c += blockDim.x) m = fmaxf(m, fabsf(xr[c]));
+    sc = f16_row_scale(block_max(m, scratch));
+    if (threadIdx.x == 0) row_inv[row] = 1.0f / sc;
+  }
   uint2* out = xf + static_cast<size_t>(row) * groups * kQ4GroupU2;
   const int tile_bytes = wg == 2 ? q4_wg_act_block_bytes(parts, tile_rows) : 0, b_bytes = q4_wg_b_bytes(tile_rows);
   const int r_t = wg == 2 ? row % tile_rows : 0;
@@ -96,7 +108,10 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
     for (int p = 0; p < 3; ++p) {
       if (p >= parts) break;
       uint2 v = make_uint2(0u, 0u);
-      if (c < K && real) {  // K % 64 == 0 for the groups that exist; rows of a shorter matrix read zeros
+      if (c < K && real && f16) {
+        v.x = f16_pair(f16_part(xr[c] * sc, p), f16_part(xr[c + 4] * sc, p));
+        v.y = f16_pair(f16_part(xr[c + 1] * sc, p), f16_part(xr[c + 5] * sc, p));
+      } else if (c < K && real) {  // K % 64 == 0 for the groups that exist; rows of a shorter matrix read zeros
         v.x = bf16_pair(bf16_part(xr[c], p), bf16_part(xr[c + 4], p));
         v.y = bf16_pair(bf16_part(xr[c + 1], p), bf16_part(xr[c + 5], p));
       }
@@ -125,6 +140,8 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
           return parts == 3 ? hi + mid + bf16_part(e, 2) : hi + mid;  // exact in fp32
         };
         v = warp_sum(used(xr[G * 64 + lane]) + used(xr[G * 64 + lane + 32]));
+      } else if (f16) {  // tc4_group_sum's order, of the scaled values (q4_xfrag_tiles8_kernel's)
+        v = warp_sum(xr[G * 64 + lane] * sc + xr[G * 64 + lane + 32] * sc);
       } else {
         v = tc4_group_sum(xr + G * 64);
       }
@@ -146,11 +163,46 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
 // grid (rows / 8, a multiple of tile_rows; the groups' splits: blockIdx.y takes groups y * 8 + warp,
 // stepping 8 * gridDim.y), block 256; x rows 16-byte aligned (ldx % 4 == 0). Why the splits: a
 // 496-row chunk is 62 blocks on 132 SMs, and the 10,240-wide mix input took 32 us (1.3 TB/s).
+// row_inv (two parts only): the fp16 form, as q4_xfrag_kernel's: the block first finds its rows'
+// largest magnitudes (every block of the rows' group splits does), the blocks of blockIdx.y == 0 write
+// row_inv.
 __global__ void __launch_bounds__(256) q4_xfrag_tiles8_kernel(const float* __restrict__ x, int ldx, int x_rows, int K,
-                                                              int groups, int parts, int tile_rows, uint2* xf) {
+                                                              int groups, int parts, int tile_rows, uint2* xf,
+                                                              float* row_inv = nullptr) {
   __shared__ float stage[8][8][68];  // [warp][row][the group's 64 values, padded]
+  __shared__ float row_sc[8];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * 8, r_t0 = row0 % tile_rows;  // tile_rows % 8 == 0
+  const bool f16 = row_inv != nullptr;
+  if (f16) {
+    // Each row's largest magnitude, read as the loop below reads (warp w: groups w, w + 8, ..., all of
+    // them whatever the block's split; lane (row, t): 16 values of its row a group), into row_max as
+    // bits (non-negative floats order as their bits; a NaN never wins fmaxf).
+    __shared__ unsigned row_max[8];
+    if (threadIdx.x < 8) row_max[threadIdx.x] = 0u;
+    __syncthreads();
+    const int row = lane >> 2, t = lane & 3;
+    float m = 0.0f;
+    if (row0 + row < x_rows) {
+      const float* xr = x + static_cast<size_t>(row0 + row) * ldx + 16 * t;
+#pragma unroll 2
+      for (int G = warp; G < groups && G * 64 < K; G += 8)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float4 v = *reinterpret_cast<const float4*>(xr + static_cast<size_t>(G) * 64 + 4 * i);
+          m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
+    }
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    if (t == 0) atomicMax(&row_max[row], __float_as_uint(m));
+    __syncthreads();
+    if (threadIdx.x < 8) {
+      row_sc[threadIdx.x] = f16_row_scale(__uint_as_float(row_max[threadIdx.x]));
+      if (blockIdx.y == 0) row_inv[row0 + threadIdx.x] = 1.0f / row_sc[threadIdx.x];
+    }
+    __syncthreads();
+  }
   const int tile_bytes = q4_wg_act_block_bytes(parts, tile_rows), b_bytes = q4_wg_b_bytes(tile_rows);
   uint8_t* tile = reinterpret_cast<uint8_t*>(xf) + static_cast<size_t>(row0 / tile_rows) * groups * tile_bytes;
   float(*sx)[68] = stage[warp];
@@ -159,10 +211,13 @@ __global__ void __launch_bounds__(256) q4_xfrag_tiles8_kernel(const float* __res
   for (int G = static_cast<int>(blockIdx.y) * 8 + warp; G < groups; G += 8 * static_cast<int>(gridDim.y)) {
     const bool on = real && G * 64 < K;  // K % 64 == 0 for the groups that exist
     const float* src = x + static_cast<size_t>(on ? row0 + row : 0) * ldx + static_cast<size_t>(G) * 64 + 16 * t;
+    const float sc = f16 ? row_sc[row] : 1.0f;  // (the fp16 form's scale: exact, 1 otherwise)
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      *reinterpret_cast<float4*>(&sx[row][16 * t + 4 * i]) =
-          on ? *reinterpret_cast<const float4*>(src + 4 * i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int i = 0; i < 4; ++i) {
+      float4 v = on ? *reinterpret_cast<const float4*>(src + 4 * i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (f16) v = make_float4(v.x * sc, v.y * sc, v.z * sc, v.w * sc);
+      *reinterpret_cast<float4*>(&sx[row][16 * t + 4 * i]) = v;
+    }
     __syncwarp();
     uint8_t* gb = tile + static_cast<size_t>(G) * tile_bytes;
 #pragma unroll
@@ -173,8 +228,10 @@ __global__ void __launch_bounds__(256) q4_xfrag_tiles8_kernel(const float* __res
       for (int p = 0; p < 3; ++p) {
         if (p >= parts) break;
         uint8_t* b = gb + (s * parts + p) * b_bytes + 256 * (r_t0 >> 3) + 16 * row + 4 * t;
-        *reinterpret_cast<uint32_t*>(b) = bf16_pair(bf16_part(x0, p), bf16_part(x4, p));
-        *reinterpret_cast<uint32_t*>(b + 128) = bf16_pair(bf16_part(x1, p), bf16_part(x5, p));
+        *reinterpret_cast<uint32_t*>(b) =
+            f16 ? f16_pair(f16_part(x0, p), f16_part(x4, p)) : bf16_pair(bf16_part(x0, p), bf16_part(x4, p));
+        *reinterpret_cast<uint32_t*>(b + 128) =
+            f16 ? f16_pair(f16_part(x1, p), f16_part(x5, p)) : bf16_pair(bf16_part(x1, p), bf16_part(x5, p));
       }
     }
     float mine = 0.0f;
@@ -567,6 +624,7 @@ struct XFrag {
   uint8_t* mem = nullptr;
   uint2* xf = nullptr;
   float* gsum = nullptr;
+  float* row_inv = nullptr;  // the fp16 form's 2^-e per row (null in the bf16 forms)
 };
 
 // Whether the tile layout is written by q4_xfrag_tiles8_kernel (the default; CK_XFRAG_TILES8=0 or
@@ -585,27 +643,31 @@ bool xfrag_split_groups() {
 }
 
 // wg: 0 (q4_tile_kernel's layout), 1 (q4_wg_dense_kernel's) or 2 (q4_wg_bulk_kernel's tiles of
-// tile_rows rows, Σ x inside).
+// tile_rows rows, Σ x inside). f16 (wg == 2, two parts): the fp16 form's parts and row scales.
 XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts, cudaStream_t stream, int wg = 0,
-                 int tile_rows = 64, bool sum_parts = false) {
+                 int tile_rows = 64, bool sum_parts = false, bool f16 = false) {
+  CK_REQUIRE(!f16 || (wg == 2 && parts == 2 && !sum_parts), "make_xfrag: the fp16 form with layout %d, %d parts", wg,
+             parts);
   XFrag f;
   const int grid_rows = wg == 2 ? static_cast<int>(round_up(rows, tile_rows)) : rows;
   const size_t xf_bytes = wg == 2 ? static_cast<size_t>(grid_rows / tile_rows) * groups *
                                         q4_wg_act_block_bytes(parts, tile_rows)
                                   : static_cast<size_t>(rows) * groups * kQ4GroupU2 * sizeof(uint2);
   const size_t gsum_bytes = wg == 2 ? 0 : sizeof(float) * rows * groups;
-  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + gsum_bytes, stream));
+  const size_t inv_bytes = f16 ? sizeof(float) * grid_rows : 0;
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&f.mem), xf_bytes + gsum_bytes + inv_bytes, stream));
   f.xf = reinterpret_cast<uint2*>(f.mem);
   f.gsum = wg == 2 ? nullptr : reinterpret_cast<float*>(f.mem + xf_bytes);
+  f.row_inv = f16 ? reinterpret_cast<float*>(f.mem + xf_bytes + gsum_bytes) : nullptr;
   if (wg == 2 && xfrag_tiles8_on() && tile_rows % 8 == 0 && ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     // Enough blocks for four per SM (at least), the groups split evenly between them.
     const int row_blocks = grid_rows / 8, max_splits = static_cast<int>(ceil_div(groups, 8));
     const int splits = xfrag_split_groups() ? std::clamp(static_cast<int>(ceil_div(4 * sm_count(), row_blocks)), 1, max_splits) : 1;
     q4_xfrag_tiles8_kernel<<<dim3(static_cast<unsigned>(row_blocks), static_cast<unsigned>(splits)), 256, 0, stream>>>(
-        x, ldx, rows, K, groups, parts, tile_rows, f.xf);
+        x, ldx, rows, K, groups, parts, tile_rows, f.xf, f.row_inv);
   } else
-    q4_xfrag_kernel<<<static_cast<unsigned>(grid_rows), kQ4Threads, 0, stream>>>(x, ldx, rows, K, groups, parts, wg,
-                                                                                 tile_rows, f.xf, f.gsum, sum_parts ? 1 : 0);
+    q4_xfrag_kernel<<<static_cast<unsigned>(grid_rows), kQ4Threads, 0, stream>>>(
+        x, ldx, rows, K, groups, parts, wg, tile_rows, f.xf, f.gsum, sum_parts ? 1 : 0, f.row_inv);
   CUDA_CHECK_LAUNCH();
   return f;
 }
@@ -730,6 +792,8 @@ static int g_q4_wg_wide = -1;  // set_q4_wg_wide: -1, CK_Q4_WG_WIDE decides (on 
 void set_q4_wg_wide(int on) { g_q4_wg_wide = on < 0 ? -1 : (on ? 1 : 0); }
 static int g_q4_wg_fold = -1;  // set_q4_wg_fold: -1, CK_Q4_WG_FOLD decides (3 unless "0" or "1")
 void set_q4_wg_fold(int mode) { g_q4_wg_fold = mode < 0 ? -1 : mode == 3 ? 3 : (mode ? 1 : 0); }
+static int g_q4_wg_f16 = -1;  // set_q4_wg_f16: -1, CK_Q4_WG_F16 decides (on unless "0")
+void set_q4_wg_f16(int on) { g_q4_wg_f16 = on < 0 ? -1 : (on ? 1 : 0); }
 
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
@@ -755,6 +819,7 @@ struct Q4Form {
   bool bulk = false;      // its bulk-copy form
   int block_tokens = 64;  // tokens a block
   int fold_mode = 0;      // its folded form: 0 off, 1 two warpgroups a block, 3 three
+  bool f16 = false;       // the folded three-warpgroup form in fp16 (gemm_q4_wg.cu "The fp16 form")
 };
 static Q4Form q4_form(const GemvJob* jobs, int n_jobs, int rows, int parts) {
   const int K = jobs[0].w.cols;
@@ -806,6 +871,26 @@ static Q4Form q4_form(const GemvJob* jobs, int n_jobs, int rows, int parts) {
   f.bulk = f.wg && bulk_form;
   f.block_tokens = f.wg ? form_tokens : wg_tokens;
   f.fold_mode = f.wg ? fold_form : 0;
+  // The folded form's fp16 arithmetic (A = s (q - 8) in one fp16 part, x in two fp16 parts of a scaled
+  // row: two wgmmas per product instead of three) where every matrix's scales allow it and the call
+  // has at least CK_Q4_WG_F16_MIN_ROWS output features (1,024): its activation split reads each x row
+  // twice (the row's largest magnitude first), a cost per x element, while the MMAs it saves are per
+  // x element and feature. H100 2026-12-06 (Nsight Compute, 8k-row chunks, us a call): in_proj
+  // (16,480 features) 3,064 -> 2,722 for ~33 more in its split; the mix's down projection (324
+  // features, K = 10,240) 290 -> 254 for ~133 more: a loss, so it keeps the bf16 form. CK_Q4_WG_F16=0
+  // or set_q4_wg_f16(0) keeps the bf16 form everywhere; set_q4_wg_f16(1) takes the fp16 one whatever
+  // the features (tests).
+  static const bool f16_env = !env_is("CK_Q4_WG_F16", "0");
+  static const int f16_min_rows = [] {
+    const char* e = std::getenv("CK_Q4_WG_F16_MIN_ROWS");
+    return e ? std::max(0, std::atoi(e)) : 1024;
+  }();
+  int64_t features = 0;
+  for (int j = 0; j < n_jobs; ++j) features += jobs[j].w.rows;
+  bool f16 = f.bulk && f.fold_mode == 3 &&
+             (g_q4_wg_f16 < 0 ? f16_env && features >= f16_min_rows : g_q4_wg_f16 > 0);
+  for (int j = 0; j < n_jobs && f16; ++j) f16 = jobs[j].w.fmt.f16_exact != 0;
+  f.f16 = f16;
   f.ok = true;
   return f;
 }
@@ -848,7 +933,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (!wg && blocks < sm_count() && splits < 2 && !tiled) return false;
   const int k_groups = static_cast<int>(ceil_div(groups, splits));
   splits = static_cast<int>(ceil_div(groups, k_groups));
-  XFrag f = make_xfrag(x, ldx, rows, K, groups, parts, stream, bulk ? 2 : wg ? 1 : 0, block_tokens);
+  XFrag f = make_xfrag(x, ldx, rows, K, groups, parts, stream, bulk ? 2 : wg ? 1 : 0, block_tokens, false, form.f16);
   const SplitK split = splits > 1 ? split_k_start(jobs, n_jobs, rows, splits, stream) : SplitK{};
   // The dense launch's arguments, the same fields in either kernel's struct (the jobs' blocks: w's
   // first_unit from q4_wg_units, or a's first_tile below).
@@ -862,6 +947,7 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
     d.groups = groups;
     d.split = split;
   };
+  w.x_inv = f.row_inv;  // (the fp16 form's row scales; null otherwise)
   if (wg) {
     dense_args(w);
     if (bulk)
@@ -919,9 +1005,10 @@ bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const
   w.hc_h = H;
   static const bool prefetch = !env_is("CK_HC_GM_PREFETCH", "0");
   w.hc_prefetch = prefetch ? 1 : 0;
-  XFrag f = make_xfrag(d, ldd, rows, K, groups, parts, stream, 2, 128);
+  XFrag f = make_xfrag(d, ldd, rows, K, groups, parts, stream, 2, 128, false, form.f16);
   w.xf = f.xf;
   w.gsum = f.gsum;
+  w.x_inv = f.row_inv;
   launch_q4_wg_gate_mean(w, stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
   return true;

@@ -111,6 +111,26 @@ __device__ __forceinline__ void wg_mma(float (&d)[64], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
 }
 
+// The same m64n128k16 with fp16 operands (the folded form's fp16 arithmetic).
+__device__ __forceinline__ void wg_mma_f16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
+      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
+      "%62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+}
+
 // The group's 4 steps x MF tiles x PARTS wgmmas into d (the first of each tile overwrites it); B of
 // (step s, part p) at xb + (s PARTS + p) b_bytes.
 template <int PARTS, int MF, int ND>
@@ -149,6 +169,32 @@ __device__ __forceinline__ void wg_fold_frags(const uint4& c, uint2 sw, uint32_t
       const __nv_bfloat162 lo = __hfma2(qr, sc, __hneg2(hi));
       ah[s][r] = *reinterpret_cast<const uint32_t*>(&hi);
       al[s][r] = *reinterpret_cast<const uint32_t*>(&lo);
+    }
+  }
+}
+
+// ---- The fp16 form (q4_wg_bulk_kernel<2, 128, true, 3, GM, true>): two wgmmas per product, not three
+//
+// The same A fragments as one fp16 part: s (q - 8) (code_pair_f16m8, then one product by the row's
+// scale as fp16), exact where the matrix's scales allow it (WFormat::f16_exact: at most 11 significant
+// bits, none below fp16's 2^-24, at most 2^15). x comes in two fp16 parts of its row scaled by 2^e
+// (mma_q4.cuh f16_row_scale: 22 significant bits against two bf16 parts' 16), so a product is two
+// wgmmas (A x lo, A x hi) where the bf16 form takes three and leaves lo x lo out. The bias term is
+// Σ_G (b_G + 8 s_G) Σ x_G (the 8 that q - 8 took out), its two windows products as in the bf16 form
+// (bf16: b and 8 s are exact there) over Σ x of the scaled row; the sums are multiplied by 2^-e when
+// they are stored (exact).
+__device__ __forceinline__ void wg_fold_frags_f16(const uint4& c, uint2 sw, uint32_t (&ah)[4][4]) {
+  const __half2 sg = __float2half2_rn(__uint_as_float(sw.x << 16)), sg8 = __float2half2_rn(__uint_as_float(sw.y << 16));
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t w_g = (s >> 1) ? c.y : c.x, w_g8 = (s >> 1) ? c.w : c.z;
+    const int i0 = 2 * (s & 1);
+    const uint32_t q[4] = {code_pair_f16m8(w_g, i0), code_pair_f16m8(w_g8, i0), code_pair_f16m8(w_g, i0 + 1),
+                           code_pair_f16m8(w_g8, i0 + 1)};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const __half2 p = __hmul2(*reinterpret_cast<const __half2*>(&q[r]), (r & 1) ? sg8 : sg);
+      ah[s][r] = *reinterpret_cast<const uint32_t*>(&p);
     }
   }
 }
@@ -234,9 +280,10 @@ __device__ __forceinline__ void wg_add_group(float (&acc)[ND], const float (&d)[
 
 // The warpgroup's outputs: features f_wg + [0, 64 MF) of its job (those below the matrix's rows),
 // tokens drow[] (-1: past the chunk), through the job's epilogue, or into its split-K partial sums.
-template <int NJ, int MF, int ND>
+// SCALE (the fp16 form): each token's sums times inv[its column] (2^-e, exact) first.
+template <int NJ, bool SCALE = false, int MF, int ND>
 __device__ __forceinline__ void wg_store(const Q4WgArgs& a, int job, int f_wg, const float (&acc)[MF][ND],
-                                         const int* drow) {
+                                         const int* drow, const float* inv = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, wq = (threadIdx.x >> 5) & 3;
   const int w_rows = a.job[job].w.rows;
   float* const y = a.job[job].y;
@@ -258,7 +305,8 @@ __device__ __forceinline__ void wg_store(const Q4WgArgs& a, int job, int f_wg, c
         for (int h = 0; h < 2; ++h) {
           const int f = f_wg + 64 * mf + 16 * wq + 8 * h + g;
           if (f >= w_rows) continue;
-          const float v = acc[mf][4 * j + 2 * h + c];
+          float v = acc[mf][4 * j + 2 * h + c];
+          if constexpr (SCALE) v *= inv[8 * j + 2 * t + c];
           yr[f] = a.split.partial ? v : apply_epilogue(v, epi, epi_arg);
         }
     }
@@ -309,9 +357,10 @@ __device__ __forceinline__ void wg_gate_mean_prefetch(const Q4WgArgs& a, const i
 //     in stream order, from their shared memory, and writes u = Σ / S in 16-byte stores.
 // The arithmetic of hc_gate_mean_kernel (acc = 0, then acc + sigmoid(g) X rounded twice per stream, then
 // / S), and the same g as the unfused call (every unit's K loop is the same), so the same bits of u.
-template <int TN, int WGS>
+// SCALE (the fp16 form): g = P inv[token] (2^-e, exact) before its sigmoid.
+template <int TN, int WGS, bool SCALE = false>
 __device__ __forceinline__ void wg_gate_mean_store(const Q4WgArgs& a, const float (&acc)[TN / 2], const int* drow,
-                                                   uint8_t* smem) {
+                                                   uint8_t* smem, const float* inv = nullptr) {
   namespace cg = cooperative_groups;
   constexpr int kF = 64 * WGS, kLd = kF + 4, kQuads = kF / 4, kThreads = 128 * WGS, kJ = TN / 8;
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, wq = (tid >> 5) & 3, wg = tid >> 7;
@@ -346,7 +395,11 @@ __device__ __forceinline__ void wg_gate_mean_store(const Q4WgArgs& a, const floa
   for (int k = 0; k < kPer; ++k) {
     const int e = tid + kThreads * k, r = e / kQuads, q = e - r * kQuads;
     float4* p = reinterpret_cast<float4*>(&P[r * kLd + 4 * q]);
-    const float4 v = *p;
+    float4 v = *p;
+    if constexpr (SCALE) {
+      const float f = inv[r];
+      v = make_float4(v.x * f, v.y * f, v.z * f, v.w * f);
+    }
     *p = make_float4(__fmul_rn(sigmoidf_(v.x), xv[k].x), __fmul_rn(sigmoidf_(v.y), xv[k].y),
                      __fmul_rn(sigmoidf_(v.z), xv[k].z), __fmul_rn(sigmoidf_(v.w), xv[k].w));
   }
@@ -620,13 +673,15 @@ static_assert(wg_bulk_stages(3, 128) > kWgAhead, "stages for the copies ahead");
 // tiles, rows / TN, K splits); x from q4_xfrag_kernel's tile layout for TN rows (a.xf).
 // WGS warpgroups a block, one unit each (3: the folded form only, its default; a.units_per_block).
 // GM: the mix's gate mean as the epilogue (launch_q4_wg_gate_mean; wg_gate_mean_store says how).
-template <int PARTS, int TN, bool FOLD = false, int WGS = 2, bool GM = false>
+// F16: the folded form's fp16 arithmetic ("The fp16 form" above; a.x_inv the rows' 2^-e).
+template <int PARTS, int TN, bool FOLD = false, int WGS = 2, bool GM = false, bool F16 = false>
 __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_constant__ Q4WgArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
   static_assert(TN == 64 || TN == 128, "the wgmma shapes");
   static_assert(WGS == 2 || (WGS == 3 && FOLD), "three warpgroups in the folded form only");
   static_assert(!GM || (FOLD && WGS == 3), "the gate mean in the folded three-warpgroup form only");
+  static_assert(!F16 || (FOLD && WGS == 3), "the fp16 form of the folded three-warpgroup form only");
   static_assert(!GM || TN * (64 * WGS + 4) * 4 <= wg_bulk_stages(PARTS, TN, FOLD, WGS) * wg_bulk_stage_bytes(PARTS, TN, WGS),
                 "the gate mean's products fit the stages");
   constexpr int MF = 128 / TN, NJ = TN / 8, ND = TN / 2, kBBytes = q4_wg_b_bytes(TN);
@@ -646,8 +701,11 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
   const int g_begin = static_cast<int>(blockIdx.z) * a.k_groups;
   const int g_end = min(a.groups, g_begin + a.k_groups);
   __shared__ int drow[TN];
+  __shared__ float tok_inv[F16 ? TN : 1];  // the fp16 form's 2^-e of each token (a.x_inv covers whole tiles)
   __shared__ uint64_t full[kStages], empty[kStages];
   if (tid < TN) drow[tid] = m0 + tid < a.rows ? m0 + tid : -1;
+  if constexpr (F16)
+    if (tid < TN) tok_inv[tid] = a.x_inv[m0 + tid];
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&full[i]);
@@ -747,18 +805,21 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
     for (int i = r_tok; i < kBBytes / 4; i += 128) reinterpret_cast<uint4*>(win)[i] = make_uint4(0u, 0u, 0u, 0u);
     fence_proxy_async();
     wg_bar(wg);
-    uint32_t ah0[4][4], al0[4][4], ah1[4][4], al1[4][4];
-    uint32_t bias_q[4];
+    uint32_t ah0[4][4], al0[4][4], ah1[4][4], al1[4][4];  // (al unused in the fp16 form)
+    uint32_t bias_q[4], bias8_q[4];
     // The window's biases of this warp's 16 rows, [row][column]: the A fragment is loaded from here
     // after a wait (registers of a wgmma that were defined while wgmmas were in flight, as a fragment
     // built group by group would be, serialize every wgmma: ptxas C7513).
     __shared__ __align__(16) uint16_t bias_s[4 * WGS][16][16];
     uint16_t (&bias_w)[16][16] = bias_s[warp];
+    // The fp16 form's second bias operand, 8 s (bf16, exact), laid out as bias_w.
+    __shared__ __align__(16) uint16_t bias8_s[F16 ? 4 * WGS : 1][16][16];
+    uint16_t (&bias8_w)[16][16] = bias8_s[F16 ? warp : 0];
     auto group = [&](int G, uint32_t (&ah)[4][4], uint32_t (&al)[4][4]) {
       const int i = G - g_begin, st = i % kStages;
       wg_wait<1>();  // group G - 2's wgmmas are done: its A registers (these) and its stage are free
       wg_keep(ah);
-      wg_keep(al);
+      if constexpr (!F16) wg_keep(al);
       if (i >= 2) {
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[(i - 2) % kStages]);
@@ -770,7 +831,8 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
       const uint8_t* stage = wg_smem + st * kStage;
       const uint8_t* tile = stage + kAct + wg * kUnitBytes + wq * kTileGroupBytes;
       const uint2 sw = *reinterpret_cast<const uint2*>(tile + 512 + 8 * g);
-      wg_fold_frags(*reinterpret_cast<const uint4*>(tile + 16 * lane), sw, ah, al);
+      if constexpr (F16) wg_fold_frags_f16(*reinterpret_cast<const uint4*>(tile + 16 * lane), sw, ah);
+      else wg_fold_frags(*reinterpret_cast<const uint4*>(tile + 16 * lane), sw, ah, al);
       const int j = i & 15;  // the group's column in its window
       uint8_t* const w = win + ((i >> 4) & 1) * 2 * kBBytes;
       const float sx = reinterpret_cast<const float*>(stage + PARTS * 4 * kBBytes)[r_tok];
@@ -782,14 +844,25 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
       if (t == 0) {  // rows g and g + 8's bf16 biases (the high halves of their scale words)
         bias_w[g][j] = static_cast<uint16_t>(sw.x >> 16);
         bias_w[g + 8][j] = static_cast<uint16_t>(sw.y >> 16);
+        if constexpr (F16) {  // and 8 s (exact in bf16)
+          const __nv_bfloat16 e0 = __float2bfloat16_rn(8.0f * __uint_as_float(sw.x << 16));
+          const __nv_bfloat16 e8 = __float2bfloat16_rn(8.0f * __uint_as_float(sw.y << 16));
+          bias8_w[g][j] = *reinterpret_cast<const uint16_t*>(&e0);
+          bias8_w[g + 8][j] = *reinterpret_cast<const uint16_t*>(&e8);
+        }
       }
       const uint32_t xb = smem_base + static_cast<uint32_t>(st * kStage);
       wg_fence();
 #pragma unroll
       for (int s = 0; s < 4; ++s) {  // small products first
-        wg_mma(acc[0], ah[s], wg_desc(xb + (2 * s + 1) * kBBytes, kWgLbo, kWgSbo), 1);
-        wg_mma(acc[0], al[s], wg_desc(xb + 2 * s * kBBytes, kWgLbo, kWgSbo), 1);
-        wg_mma(acc[0], ah[s], wg_desc(xb + 2 * s * kBBytes, kWgLbo, kWgSbo), 1);
+        if constexpr (F16) {
+          wg_mma_f16(acc[0], ah[s], wg_desc(xb + (2 * s + 1) * kBBytes, kWgLbo, kWgSbo), 1);
+          wg_mma_f16(acc[0], ah[s], wg_desc(xb + 2 * s * kBBytes, kWgLbo, kWgSbo), 1);
+        } else {
+          wg_mma(acc[0], ah[s], wg_desc(xb + (2 * s + 1) * kBBytes, kWgLbo, kWgSbo), 1);
+          wg_mma(acc[0], al[s], wg_desc(xb + 2 * s * kBBytes, kWgLbo, kWgSbo), 1);
+          wg_mma(acc[0], ah[s], wg_desc(xb + 2 * s * kBBytes, kWgLbo, kWgSbo), 1);
+        }
       }
       wg_commit();
     };
@@ -799,6 +872,7 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
       // it read the previous window's bias_q.
       wg_wait<1>();
       wg_keep(bias_q);
+      if constexpr (F16) wg_keep(bias8_q);
       fence_proxy_async();  // the window's Σ x, stored by every thread, for the wgmmas
       wg_bar(wg);  // (and the warp's bias_w)
       // Lane (g, t): columns 2t, 2t + 1 of rows g (word 0) and g + 8 (1), 2t + 8, 2t + 9 (2, 3); the
@@ -809,11 +883,19 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
         const int row = g + 8 * (k & 1), c = 2 * t + 8 * (k >> 1);
         const uint32_t v = *reinterpret_cast<const uint32_t*>(&bias_w[row][c]);
         bias_q[k] = c + 1 < n_cols ? v : c < n_cols ? (v & 0xFFFFu) : 0u;
+        if constexpr (F16) {
+          const uint32_t v8 = *reinterpret_cast<const uint32_t*>(&bias8_w[row][c]);
+          bias8_q[k] = c + 1 < n_cols ? v8 : c < n_cols ? (v8 & 0xFFFFu) : 0u;
+        }
       }
       wg_fence();
       const uint32_t wb = smem_u32(win + ((i_last >> 4) & 1) * 2 * kBBytes);
       wg_mma(acc[0], bias_q, wg_desc(wb + kBBytes, kWgLbo, kWgSbo), 1);
       wg_mma(acc[0], bias_q, wg_desc(wb, kWgLbo, kWgSbo), 1);
+      if constexpr (F16) {
+        wg_mma(acc[0], bias8_q, wg_desc(wb + kBBytes, kWgLbo, kWgSbo), 1);
+        wg_mma(acc[0], bias8_q, wg_desc(wb, kWgLbo, kWgSbo), 1);
+      }
       wg_commit();
       __syncwarp();  // every lane has read bias_w before the next window's first writes
     };
@@ -830,8 +912,8 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
     wg_wait<0>();
     wg_keep(acc[0]);
   }
-  if constexpr (GM) wg_gate_mean_store<TN, WGS>(a, acc[0], drow, wg_smem);
-  else if (active) wg_store<NJ>(a, job, f_wg, acc, drow);
+  if constexpr (GM) wg_gate_mean_store<TN, WGS, F16>(a, acc[0], drow, wg_smem, tok_inv);
+  else if (active) wg_store<NJ, F16>(a, job, f_wg, acc, drow, tok_inv);
 #else
   __trap();  // built for sm_90a only (CMakeLists.txt); q4_wg_ready() keeps other devices off this path
 #endif
@@ -870,7 +952,9 @@ bool q4_wg_ready() {
         {q4_wg_bulk_kernel<2, 128>, wg_bulk_smem(2, 128)}, {q4_wg_bulk_kernel<3, 128>, wg_bulk_smem(3, 128)},
         {q4_wg_bulk_kernel<2, 128, true>, wg_bulk_smem(2, 128, true)},
         {q4_wg_bulk_kernel<2, 128, true, 3>, wg_bulk_smem(2, 128, true, 3)},
-        {q4_wg_bulk_kernel<2, 128, true, 3, true>, wg_bulk_smem(2, 128, true, 3)}};
+        {q4_wg_bulk_kernel<2, 128, true, 3, true>, wg_bulk_smem(2, 128, true, 3)},
+        {q4_wg_bulk_kernel<2, 128, true, 3, false, true>, wg_bulk_smem(2, 128, true, 3)},
+        {q4_wg_bulk_kernel<2, 128, true, 3, true, true>, wg_bulk_smem(2, 128, true, 3)}};
     for (const auto& [k, smem] : bulk)
       if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
           cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
@@ -909,8 +993,10 @@ void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& 
   CK_REQUIRE(wgs == 2 || (wgs == 3 && fold), "q4_wg_bulk: %d units a block", wgs);
   CK_REQUIRE(!fold || (parts == 2 && tokens == 128), "q4_wg_bulk: the folded form with %d parts, %d tokens", parts,
              tokens);
+  CK_REQUIRE(!a.x_inv || (fold && wgs == 3), "q4_wg_bulk: the fp16 form with %d units a block", wgs);
   const int smem = wg_bulk_smem(parts, tokens, fold, wgs);
-  if (fold && wgs == 3) q4_wg_bulk_kernel<2, 128, true, 3><<<grid, 3 * 128, smem, stream>>>(a);
+  if (fold && wgs == 3 && a.x_inv) q4_wg_bulk_kernel<2, 128, true, 3, false, true><<<grid, 3 * 128, smem, stream>>>(a);
+  else if (fold && wgs == 3) q4_wg_bulk_kernel<2, 128, true, 3><<<grid, 3 * 128, smem, stream>>>(a);
   else if (fold) q4_wg_bulk_kernel<2, 128, true><<<grid, kWgThreads, smem, stream>>>(a);
   else if (tokens == 128 && parts == 3) q4_wg_bulk_kernel<3, 128><<<grid, kWgThreads, smem, stream>>>(a);
   else if (tokens == 128) q4_wg_bulk_kernel<2, 128><<<grid, kWgThreads, smem, stream>>>(a);
@@ -948,10 +1034,12 @@ bool q4_wg_gate_mean_ready(int S) {
     a.rows = 128;
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = gate_mean_config(a, attr, nullptr);
-    int clusters = 0;
-    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, q4_wg_bulk_kernel<2, 128, true, 3, true>, &cfg);
+    int clusters = 0, clusters16 = 0;  // (both forms: the fp16 one has more static shared memory)
+    cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, q4_wg_bulk_kernel<2, 128, true, 3, true>, &cfg);
+    if (e == cudaSuccess)
+      e = cudaOccupancyMaxActiveClusters(&clusters16, q4_wg_bulk_kernel<2, 128, true, 3, true, true>, &cfg);
     if (e != cudaSuccess) (void)cudaGetLastError();
-    ready[S] = e == cudaSuccess && clusters > 0 ? 1 : 0;
+    ready[S] = e == cudaSuccess && clusters > 0 && clusters16 > 0 ? 1 : 0;
   }
   return ready[S] == 1;
 }
@@ -963,7 +1051,8 @@ void launch_q4_wg_gate_mean(const Q4WgArgs& a, cudaStream_t stream) {
              a.units_per_block, a.unit_features, a.k_groups, a.groups, a.hc_s, a.hc_h);
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = gate_mean_config(a, attr, stream);
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, q4_wg_bulk_kernel<2, 128, true, 3, true>, a));
+  if (a.x_inv) CUDA_CHECK(cudaLaunchKernelEx(&cfg, q4_wg_bulk_kernel<2, 128, true, 3, true, true>, a));
+  else CUDA_CHECK(cudaLaunchKernelEx(&cfg, q4_wg_bulk_kernel<2, 128, true, 3, true>, a));
 }
 
 }  // namespace ck::cuda

@@ -44,6 +44,9 @@ struct Q4WgArgs {
   int32_t ld_u = 0;
   int32_t hc_s = 0, hc_h = 0;
   int32_t hc_prefetch = 1;  // ask L2 for the block's X when it starts (CK_HC_GM_PREFETCH=0: not)
+  // The folded form's fp16 arithmetic (gemm_q4_wg.cu "The fp16 form"): xf holds two fp16 parts of each
+  // x row scaled by 2^e, and x_inv[row] = 2^-e (rows padded to the tile). Null: the bf16 parts.
+  const float* x_inv = nullptr;
 };
 
 // Lays the jobs' 128-feature units out for q4_wg_dense_kernel (a.first_unit) and returns the blocks

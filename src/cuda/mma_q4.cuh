@@ -11,6 +11,7 @@
 // 2(s&1): pair A = (x[c], x[c+4]), pair B = (x[c+1], x[c+5]).
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -66,6 +67,42 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
 __device__ __forceinline__ uint32_t code_pair_lop3(uint32_t w, int i) {
   const uint32_t m = and_or<0x000F000Fu>(w >> (4 * i), 0x43004300u);
   const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&m), __floats2bfloat162_rn(128.0f, 128.0f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// ---- fp16 parts (the folded prefill form's fp16 arithmetic, gemm_q4_wg.cu "fp16 form")
+//
+// fp16 carries 11 significant bits to bf16's 8, so two fp16 parts of x carry 22 (two bf16 parts: 16),
+// but its range is narrow (normal from 2^-14, largest 65504). So the split first scales each row of x
+// by a power of two, 2^e, chosen from the row's largest magnitude M (f16_row_scale: M 2^e in [2^14,
+// 2^15)); the products' sums are multiplied by 2^-e afterwards (exact). Then hi = fp16(x 2^e) is
+// normal for every element within 2^28 of M, and lo = fp16(x 2^e - hi) keeps its 11 bits for elements
+// within 2^17 of M; below that lo goes subnormal, an absolute error under 2^-25 in the scaled units,
+// 2^-39 M: far below the fp32 rounding of a sum that M enters.
+// The scale 2^e for a row whose largest magnitude is m (1 for 0, a NaN or an infinity: those rows'
+// sums are NaN or infinite whatever the scale). e is clamped to [-126, 126] so 2^e and 2^-e are normal.
+__device__ __forceinline__ float f16_row_scale(float m) {
+  if (!(m > 0.0f) || isinf(m)) return 1.0f;
+  int E = 0;
+  (void)frexpf(m, &E);  // m in [2^(E-1), 2^E)
+  return ldexpf(1.0f, max(-126, min(126, 15 - E)));
+}
+// Part p (0 hi, 1 lo) of the scaled value v as fp16 bits: hi = fp16(v), lo = fp16(v - hi) (v - hi is
+// exact in fp32).
+__device__ __forceinline__ __half f16_part(float v, int p) {
+  const __half hi = __float2half_rn(v);
+  return p == 0 ? hi : __float2half_rn(v - __half2float(hi));
+}
+__device__ __forceinline__ uint32_t f16_pair(__half lo, __half hi) {
+  const __half2 v = __halves2half2(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// Codes i and i+4 of a 4-bit word as an fp16x2 of q - 8 (exact): masked into the mantissa of 1024
+// (0x6400), then 1032 subtracted. s (q - 8) has at most 11 significant bits (s 8, |q - 8| <= 8 at
+// most 3), so it is exact in fp16 where the scales' range allows it (weights.h tiles16_f16_exact).
+__device__ __forceinline__ uint32_t code_pair_f16m8(uint32_t w, int i) {
+  const uint32_t m = and_or<0x000F000Fu>(w >> (4 * i), 0x64006400u);
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&m), __floats2half2_rn(1032.0f, 1032.0f));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 

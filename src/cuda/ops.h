@@ -150,6 +150,10 @@ void set_q4_wg_wide(int on);
 // The folded form of the 128-token bulk kernel (gemm_q4_wg.cu), two parts of x: 1 on, 3 on with three
 // warpgroups a block (the default), 0 off, -1 back to CK_Q4_WG_FOLD (3 unless "0" or "1"; tests).
 void set_q4_wg_fold(int mode);
+// The folded three-warpgroup form's fp16 arithmetic (gemm_q4_wg.cu "The fp16 form"), for calls whose
+// matrices all have WFormat::f16_exact: 1 on for every such call, 0 off (the bf16 folded form), -1
+// back to CK_Q4_WG_F16 (on unless "0") for calls of at least CK_Q4_WG_F16_MIN_ROWS features (tests).
+void set_q4_wg_f16(int on);
 
 // Which GEMV schedule runs (gemv.cu): 2, the default (tensor cores for tall 4-bit matrices, a warp per
 // row group for the other 4/8-bit codes; other formats fall back to 1), or 1 (block per rows, every

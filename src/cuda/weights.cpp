@@ -124,6 +124,20 @@ void pack_tiles16(const Matrix& m, uint8_t* out) {
     }
 }
 
+bool tiles16_f16_exact(const Matrix& m) {
+  if (!tiles16_fit(m)) return false;
+  const auto* sc = reinterpret_cast<const uint16_t*>(m.scales);
+  const int64_t n = m.rows * (m.cols / 64);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(sc[i]) << 16;  // bf16 -> fp32
+    float v;
+    std::memcpy(&v, &bits, sizeof(v));
+    v = std::fabs(v);
+    if (v != 0.0f && !(v >= 0x1p-17f && v <= 0x1p12f)) return false;  // (a NaN fails too)
+  }
+  return true;
+}
+
 Result<DMatrix> DenseUploader::matrix(const Matrix& m, WLayout layout) {
   if (m.empty()) return DMatrix{};
   if (layout == WLayout::Tiles16 && !tiles16_fit(m)) layout = WLayout::Rows;
@@ -162,6 +176,7 @@ Result<DMatrix> DenseUploader::transient_matrix(const Matrix& m, WLayout layout)
   d.fmt = f;
   if (layout == WLayout::Tiles16) {
     d.fmt.layout = static_cast<uint8_t>(WLayout::Tiles16);
+    d.fmt.f16_exact = tiles16_f16_exact(m) ? 1 : 0;
     std::vector<uint8_t> packed(d.stored_bytes());
     pack_tiles16(m, packed.data());
     d.data = static_cast<const uint8_t*>(arena_->upload(packed.data(), packed.size()));

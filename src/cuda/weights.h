@@ -23,6 +23,11 @@ bool tiles16_fit(const Matrix& m);
 // The Tiles16 bytes of a matrix that tiles16_fit (rows / 16 x cols / 64 blocks of 576 bytes), written
 // into out (its stored_bytes()); host code, so the CPU tests check the layout too.
 void pack_tiles16(const Matrix& m, uint8_t* out);
+// Whether a matrix that tiles16_fit has only scales s with s = 0 or 2^-17 <= |s| <= 2^12: then every
+// s (q - 8), q a 4-bit code, is exact in fp16 (at most 11 significant bits, none below 2^-24, at most
+// 2^15), the A operand of the prefill products' fp16 form (gemm_q4_wg.cu). Real checkpoints' scales
+// are ~1e-3; a matrix outside the range keeps the bf16 form (WFormat::f16_exact).
+bool tiles16_f16_exact(const Matrix& m);
 
 // An 8-bit affine matrix as two 4-bit ones over the same columns, for the 4-bit prefill kernels: with
 // q = 16 h + l, s q + b = (16 s) h + (s l + b), so W x = Hi x + Lo x, where Hi has codes h, scales

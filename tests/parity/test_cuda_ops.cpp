@@ -841,14 +841,18 @@ TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
       to_device(x, &xd);
       const std::vector<float> ref = cpu_rows(hm.m, x, ldx, n);
       // Parts of x; 4: two parts in the folded form (set_q4_wg_fold(1)), 5: the same with three
-      // warpgroups a block (set_q4_wg_fold(3)).
-      for (int variant : {2, 3, 4, 5}) {
+      // warpgroups a block (set_q4_wg_fold(3)), 6: that in fp16 (set_q4_wg_f16(1)).
+      for (int variant : {2, 3, 4, 5, 6}) {
         const int parts = variant == 3 ? 3 : 2;
         set_prefill_parts(parts);
-        set_q4_wg_fold(variant == 4 ? 1 : variant == 5 ? 3 : 0);
+        set_q4_wg_fold(variant == 4 ? 1 : variant >= 5 ? 3 : 0);
+        set_q4_wg_f16(variant == 6 ? 1 : 0);
         const std::string what = "wide tiles " + std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " +
                                  std::to_string(n) + " parts " + std::to_string(parts) +
-                                 (variant == 4 ? " folded" : variant == 5 ? " folded, 3 warpgroups" : "");
+                                 (variant == 4   ? " folded"
+                                  : variant == 5 ? " folded, 3 warpgroups"
+                                  : variant == 6 ? " folded, 3 warpgroups, fp16"
+                                                 : "");
         std::vector<float> out[2];
         for (int tiles8 : {1, 0}) {  // the activations split by the 8-row kernel, then row by row
           set_xfrag_tiles8(tiles8);
@@ -865,6 +869,77 @@ TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
   set_prefill_parts(-1);
   set_xfrag_tiles8(-1);
   set_q4_wg_fold(-1);
+  set_q4_wg_f16(-1);
+  set_q4_wg_wide(-1);
+  set_q4_wg_min_rows(-1);
+}
+
+// The folded form's fp16 arithmetic (gemm_q4_wg.cu "The fp16 form") scales each row of x by a power of
+// two before its fp16 parts: rows of every magnitude must come out as the CPU's, within the same
+// tolerance as the bf16 form (relative to Σ|w x|). Rows of ~1, 1e-30, 1e30, zeros, fp32 subnormals, one
+// spike of 1e20 among ~1, and values near fp16's 65504 and 2^-24 unscaled. Both activation splits give
+// the same bits. A matrix with a scale outside [2^-17, 2^12] is not f16_exact and keeps the bf16 form
+// (the same bits as with the fp16 form switched off).
+TEST(CudaOps, FoldedFp16FormKeepsRowsOfAnyMagnitude) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(777);
+  const WeightForm q4{DType::U32, 4, 64, DType::BF16};
+  DeviceArena arena;
+  set_q4_wg_min_rows(1);
+  set_q4_wg_wide(1);
+  set_q4_wg_fold(3);
+  set_prefill_parts(2);
+  for (int out_of_range : {0, 1}) {
+    HostMatrix hm = make_matrix(320, 2560, q4, rng);
+    if (out_of_range) {  // one group's scale below 2^-17: s (q - 8) would lose bits in fp16
+      const uint16_t tiny = f32_to_bf16(0x1p-20f);
+      std::memcpy(hm.scales.data() + 2 * 17, &tiny, 2);
+    }
+    DenseUploader up(&arena);
+    const DMatrix dm = *up.matrix(hm.m, WLayout::Tiles16);
+    ASSERT_TRUE(dm.tiled());
+    EXPECT_EQ(dm.fmt.f16_exact, out_of_range ? 0 : 1);
+    const int n = 200, ldx = 2560 + 4, ldy = 320 + 3;
+    std::vector<float> x = randn(static_cast<size_t>(n) * ldx, rng);
+    const float factors[] = {1.0f, 1e-30f, 1e30f, 0.0f, 1e-41f, 1.0f, 3e4f, 1e-7f};
+    for (int r = 0; r < n; ++r) {
+      float* xr = x.data() + static_cast<size_t>(r) * ldx;
+      const int kind = r % 8;
+      for (int c = 0; c < 2560; ++c) xr[c] *= factors[kind];
+      if (kind == 5) xr[(r * 37) % 2560] = 1e20f;  // one spike
+    }
+    DeviceBuffer<float> xd;
+    to_device(x, &xd);
+    const std::vector<float> ref = cpu_rows(hm.m, x, ldx, n);
+    std::vector<float> out[3];  // fp16 form with the 8-row split, row by row; the bf16 form
+    for (int v = 0; v < 3; ++v) {
+      set_q4_wg_f16(v < 2 ? 1 : 0);
+      set_xfrag_tiles8(v == 1 ? 0 : 1);
+      DeviceBuffer<float> yd(static_cast<size_t>(n) * ldy);
+      matvec(dm, xd.get(), ldx, yd.get(), ldy, n, nullptr);
+      out[v] = to_host(yd.get(), static_cast<size_t>(n) * ldy);
+      const std::string what = std::string(out_of_range ? "scale out of range, " : "") +
+                               (v == 2 ? "bf16 form" : v == 1 ? "fp16 form, row-by-row split" : "fp16 form");
+      report_rows_vs_cpu("rows of any magnitude, " + what, hm.m, x, ldx, n, ref, out[v], ldy);
+      for (int r = 0; r < n; ++r)
+        for (int f = 0; f < 320; ++f) {
+          const float y = out[v][static_cast<size_t>(r) * ldy + f];
+          ASSERT_TRUE(std::isfinite(y)) << what << ": row " << r << " feature " << f;
+          if (r % 8 == 3) {
+            ASSERT_EQ(y, 0.0f) << what << ": a zero row gives " << y;
+          }
+        }
+    }
+    EXPECT_EQ(rows_with_different_bits(out[0], out[1], n, ldy, 320), 0) << "the two splits differ";
+    if (out_of_range)
+      EXPECT_EQ(rows_with_different_bits(out[0], out[2], n, ldy, 320), 0) << "not f16_exact: the bf16 form's bits";
+    else
+      EXPECT_GT(rows_with_different_bits(out[0], out[2], n, ldy, 320), 0) << "the fp16 form did not run";
+  }
+  set_prefill_parts(-1);
+  set_xfrag_tiles8(-1);
+  set_q4_wg_fold(-1);
+  set_q4_wg_f16(-1);
   set_q4_wg_wide(-1);
   set_q4_wg_min_rows(-1);
 }
@@ -2060,11 +2135,13 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
     cpu_taps(cm, tokens, &ref, &ref_logits);
     // Both dense 4-bit kernels on Hopper: the warpgroup-MMA one (below its row threshold only here),
     // where every matrix is in tiles in its 64- and its 128-token bulk-copy forms (set_q4_wg_wide).
-    // 3: the 128-token bulk form folded (set_q4_wg_fold), 4: folded with three warpgroups a block.
-    for (int form : {0, 1, 2, 3, 4}) {
+    // 3: the 128-token bulk form folded (set_q4_wg_fold), 4: folded with three warpgroups a block,
+    // 5: that in fp16 (set_q4_wg_f16).
+    for (int form : {0, 1, 2, 3, 4, 5}) {
       set_q4_wg_min_rows(form ? 1 : -1);
       set_q4_wg_wide(form >= 2 ? 1 : 0);
-      set_q4_wg_fold(form == 3 ? 1 : form == 4 ? 3 : 0);
+      set_q4_wg_fold(form == 3 ? 1 : form >= 4 ? 3 : 0);
+      set_q4_wg_f16(form == 5 ? 1 : 0);
       auto s = (*dm)->new_session(128);
       s->set_prefill_chunk(40);
       StepResult res;
@@ -2076,6 +2153,7 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
                   : form == 2 ? " (wgmma dense, 128-token bulk form)"
                   : form == 3 ? " (wgmma dense, 128-token bulk form, folded)"
                   : form == 4 ? " (wgmma dense, 128-token bulk form, folded, 3 warpgroups)"
+                  : form == 5 ? " (wgmma dense, 128-token bulk form, folded, 3 warpgroups, fp16)"
                               : "",
                   rl);
       EXPECT_LE(rl, 1e-4);
@@ -2083,6 +2161,7 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
     set_q4_wg_min_rows(-1);
     set_q4_wg_wide(-1);
     set_q4_wg_fold(-1);
+    set_q4_wg_f16(-1);
   }
 }
 
