@@ -792,8 +792,14 @@ static int g_q4_wg_wide = -1;  // set_q4_wg_wide: -1, CK_Q4_WG_WIDE decides (on 
 void set_q4_wg_wide(int on) { g_q4_wg_wide = on < 0 ? -1 : (on ? 1 : 0); }
 static int g_q4_wg_fold = -1;  // set_q4_wg_fold: -1, CK_Q4_WG_FOLD decides (3 unless "0" or "1")
 void set_q4_wg_fold(int mode) { g_q4_wg_fold = mode < 0 ? -1 : mode == 3 ? 3 : (mode ? 1 : 0); }
-static int g_q4_wg_f16 = -1;  // set_q4_wg_f16: -1, CK_Q4_WG_F16 decides (on unless "0")
-void set_q4_wg_f16(int on) { g_q4_wg_f16 = on < 0 ? -1 : (on ? 1 : 0); }
+static int g_q4_wg_f16 = -1;  // set_q4_wg_f16: -1, CK_Q4_WG_F16 decides (on unless "0"); 4: on, four warpgroups
+void set_q4_wg_f16(int on) { g_q4_wg_f16 = on < 0 ? -1 : on == 4 ? 4 : (on ? 1 : 0); }
+// Warpgroups a block in the fp16 form when fixed: 3 (set_q4_wg_f16(1), CK_Q4_WG_F16_WGS=3) or 4
+// (set_q4_wg_f16(4), CK_Q4_WG_F16_WGS=4); 0: gemm_q4 chooses per call.
+static int q4_wg_f16_units() {
+  static const int env = env_is("CK_Q4_WG_F16_WGS", "4") ? 4 : env_is("CK_Q4_WG_F16_WGS", "3") ? 3 : 0;
+  return g_q4_wg_f16 == 4 ? 4 : g_q4_wg_f16 == 1 ? 3 : env;
+}
 
 void expert_gate_up_q4(const ExpertPair* pairs, const int32_t* order, const int2* tiles, const int32_t* n_tiles,
                        int max_tiles, int max_inter, const float* x, int ldx, int x_rows, int hidden, float* h, int ldh,
@@ -906,30 +912,52 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   const bool tiled = form.tiled, wg = form.wg, bulk = form.bulk;
   const int block_tokens = form.block_tokens, fold_mode = form.fold_mode;
   const bool fold = fold_mode > 0;
-  Q4WgArgs w;
-  if (wg) {
-    w.n_jobs = n_jobs;
-    for (int j = 0; j < n_jobs; ++j) w.job[j] = jobs[j];
-    // The jobs' units (128 features, or 64 for 128 tokens), two to a block, or three in the folded
-    // three-warpgroup form (dense_args fills the rest).
-    tiles = q4_wg_units(w, q4_wg_unit_features(block_tokens), fold_mode == 3 ? 3 : 2);
-  }
   // Split K when the grid fills its last wave poorly (two q4_tile_kernel blocks per SM, or one wgmma
   // block): the hyper-connection down projection (2 blocks per 64 tokens over K = 10,240: 64 blocks
   // for 2,048 rows) and the DeltaNet out projection (320 blocks: 1.2 waves). The fewest splits whose waves are
   // >= 85% full, each split at least 8 groups long; the partial sums cost a write and a read of the
   // output per split. K < 256 stays on gemm.cu.
   const int row_tiles = static_cast<int>(ceil_div(rows, wg ? block_tokens : 32)), groups = K / 64;
-  const int64_t blocks = static_cast<int64_t>(tiles) * row_tiles,
-                slots = (wg ? 1 : 2) * static_cast<int64_t>(sm_count());
-  auto fill = [&](int s) {
-    const double waves = static_cast<double>(blocks * s) / static_cast<double>(slots);
-    return waves / std::ceil(waves);
+  const int64_t slots = (wg ? 1 : 2) * static_cast<int64_t>(sm_count());
+  auto choose_splits = [&](int64_t blocks) {
+    auto fill = [&](int s) {
+      const double waves = static_cast<double>(blocks * s) / static_cast<double>(slots);
+      return waves / std::ceil(waves);
+    };
+    int splits = 1;
+    const int max_splits = std::min(16, groups / 8);
+    for (int s = 2; fill(splits) < 0.85 && s <= max_splits; ++s)
+      if (fill(s) > fill(splits)) splits = s;
+    return splits;
   };
-  int splits = 1;
-  const int max_splits = std::min(16, groups / 8);
-  for (int s = 2; fill(splits) < 0.85 && s <= max_splits; ++s)
-    if (fill(s) > fill(splits)) splits = s;
+  Q4WgArgs w;
+  if (wg) {
+    w.n_jobs = n_jobs;
+    for (int j = 0; j < n_jobs; ++j) w.job[j] = jobs[j];
+    // The jobs' units (128 features, or 64 for 128 tokens), two to a block, or three in the folded
+    // three-warpgroup form (dense_args fills the rest).
+    int per_block = fold_mode == 3 ? 3 : 2;
+    if (form.f16) {
+      // The fp16 form takes three or four units a block, whichever leaves the shorter estimated time:
+      // waves x units a block x groups a block, four units 3% dearer per unit (their one set of A
+      // registers) and each split of K 3% more (its partial sums and their reduce). H100 2026-12-06,
+      // 8k-row chunks: in_proj 4.18 -> 4.29 us a token with four, out_proj 1.89 -> 1.86; at 496 rows,
+      // where three leave a last wave 60% full (in_proj) or need 7 splits of K against 3 (out_proj,
+      // o_proj), in_proj 6.2 -> 5.7, out_proj 4.3 -> 3.8, o_proj 1.42 -> 1.27. CK_Q4_WG_F16_WGS=3 or 4
+      // fixes it.
+      const int fixed = q4_wg_f16_units();
+      auto cost = [&](int u) {
+        const int64_t b = static_cast<int64_t>(q4_wg_units(w, q4_wg_unit_features(block_tokens), u)) * row_tiles;
+        const int sp = choose_splits(b);
+        const double waves = std::ceil(static_cast<double>(b * sp) / static_cast<double>(slots));
+        return waves * u * std::ceil(static_cast<double>(groups) / sp) * (u == 4 ? 1.03 : 1.0) * (1.0 + 0.03 * (sp - 1));
+      };
+      per_block = fixed ? fixed : cost(4) < cost(3) ? 4 : 3;
+    }
+    tiles = q4_wg_units(w, q4_wg_unit_features(block_tokens), per_block);
+  }
+  const int64_t blocks = static_cast<int64_t>(tiles) * row_tiles;
+  int splits = choose_splits(blocks);
   if (!wg && blocks < sm_count() && splits < 2 && !tiled) return false;
   const int k_groups = static_cast<int>(ceil_div(groups, splits));
   splits = static_cast<int>(ceil_div(groups, k_groups));

@@ -220,7 +220,8 @@ __device__ __forceinline__ void wg_keep(float (&r)[N]) {
 
 // A barrier of one warpgroup's 128 threads (named barrier 1 + wg; 0 is __syncthreads).
 __device__ __forceinline__ void wg_bar(int wg) {
-  if (wg == 2) asm volatile("bar.sync 3, 128;" ::: "memory");
+  if (wg == 3) asm volatile("bar.sync 4, 128;" ::: "memory");
+  else if (wg == 2) asm volatile("bar.sync 3, 128;" ::: "memory");
   else if (wg) asm volatile("bar.sync 2, 128;" ::: "memory");
   else asm volatile("bar.sync 1, 128;" ::: "memory");
 }
@@ -246,6 +247,8 @@ template <class T>
 __device__ __forceinline__ T wg_pick(const T (&v)[2], int u) { return u ? v[1] : v[0]; }
 template <class T>
 __device__ __forceinline__ T wg_pick(const T (&v)[3], int u) { return u == 2 ? v[2] : u ? v[1] : v[0]; }
+template <class T>
+__device__ __forceinline__ T wg_pick(const T (&v)[4], int u) { return u == 3 ? v[3] : u == 2 ? v[2] : u ? v[1] : v[0]; }
 
 // One m64 tile's A fragments (this warp's 16-row slice) for a group's 4 k16 steps, in
 // q4_tile_kernel's code_pair_lop3 order, from the 8 code bytes of row g (c0) and of row g + 8 (c8).
@@ -679,9 +682,9 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(PARTS == 2 || PARTS == 3, "two or three bf16 parts");
   static_assert(TN == 64 || TN == 128, "the wgmma shapes");
-  static_assert(WGS == 2 || (WGS == 3 && FOLD), "three warpgroups in the folded form only");
+  static_assert(WGS == 2 || (WGS == 3 && FOLD) || (WGS == 4 && F16), "three warpgroups folded, four in fp16");
   static_assert(!GM || (FOLD && WGS == 3), "the gate mean in the folded three-warpgroup form only");
-  static_assert(!F16 || (FOLD && WGS == 3), "the fp16 form of the folded three-warpgroup form only");
+  static_assert(!F16 || (FOLD && WGS >= 3), "the fp16 form of the folded three- or four-warpgroup form only");
   static_assert(!GM || TN * (64 * WGS + 4) * 4 <= wg_bulk_stages(PARTS, TN, FOLD, WGS) * wg_bulk_stage_bytes(PARTS, TN, WGS),
                 "the gate mean's products fit the stages");
   constexpr int MF = 128 / TN, NJ = TN / 8, ND = TN / 2, kBBytes = q4_wg_b_bytes(TN);
@@ -815,9 +818,15 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
     // The fp16 form's second bias operand, 8 s (bf16, exact), laid out as bias_w.
     __shared__ __align__(16) uint16_t bias8_s[F16 ? 4 * WGS : 1][16][16];
     uint16_t (&bias8_w)[16][16] = bias8_s[F16 ? warp : 0];
+    // Four warpgroups (fp16 only): one set of A registers (128 a thread at most), so a group waits for
+    // the one before it; the other warpgroups' groups fill the gap.
+    constexpr bool kOneA = WGS == 4;
     auto group = [&](int G, uint32_t (&ah)[4][4], uint32_t (&al)[4][4]) {
       const int i = G - g_begin, st = i % kStages;
-      wg_wait<1>();  // group G - 2's wgmmas are done: its A registers (these) and its stage are free
+      // Group G - 2's wgmmas are done (G - 1's too with one set of A registers): its A registers (these)
+      // and its stage are free.
+      if constexpr (kOneA) wg_wait<0>();
+      else wg_wait<1>();
       wg_keep(ah);
       if constexpr (!F16) wg_keep(al);
       if (i >= 2) {
@@ -905,7 +914,10 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
       const int W_end = min(W + 16, g_end);
       for (int G = W; G < W_end; G += 2) {
         group(G, ah0, al0);
-        if (G + 1 < W_end) group(G + 1, ah1, al1);
+        if (G + 1 < W_end) {
+          if constexpr (kOneA) group(G + 1, ah0, al0);
+          else group(G + 1, ah1, al1);
+        }
       }
       flush(W_end - 1 - g_begin);
     }
@@ -954,7 +966,8 @@ bool q4_wg_ready() {
         {q4_wg_bulk_kernel<2, 128, true, 3>, wg_bulk_smem(2, 128, true, 3)},
         {q4_wg_bulk_kernel<2, 128, true, 3, true>, wg_bulk_smem(2, 128, true, 3)},
         {q4_wg_bulk_kernel<2, 128, true, 3, false, true>, wg_bulk_smem(2, 128, true, 3)},
-        {q4_wg_bulk_kernel<2, 128, true, 3, true, true>, wg_bulk_smem(2, 128, true, 3)}};
+        {q4_wg_bulk_kernel<2, 128, true, 3, true, true>, wg_bulk_smem(2, 128, true, 3)},
+        {q4_wg_bulk_kernel<2, 128, true, 4, false, true>, wg_bulk_smem(2, 128, true, 4)}};
     for (const auto& [k, smem] : bulk)
       if (cudaFuncGetAttributes(&at, k) != cudaSuccess ||
           cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
@@ -990,12 +1003,14 @@ void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& 
                        cudaStream_t stream) {
   const dim3 grid(feature_tiles, static_cast<unsigned>((a.rows + tokens - 1) / tokens), splits);
   const int wgs = a.units_per_block;
-  CK_REQUIRE(wgs == 2 || (wgs == 3 && fold), "q4_wg_bulk: %d units a block", wgs);
+  CK_REQUIRE(wgs == 2 || (wgs >= 3 && fold), "q4_wg_bulk: %d units a block", wgs);
   CK_REQUIRE(!fold || (parts == 2 && tokens == 128), "q4_wg_bulk: the folded form with %d parts, %d tokens", parts,
              tokens);
-  CK_REQUIRE(!a.x_inv || (fold && wgs == 3), "q4_wg_bulk: the fp16 form with %d units a block", wgs);
+  CK_REQUIRE(!a.x_inv || (fold && wgs >= 3), "q4_wg_bulk: the fp16 form with %d units a block", wgs);
+  CK_REQUIRE(wgs != 4 || a.x_inv, "q4_wg_bulk: four units a block in the fp16 form only");
   const int smem = wg_bulk_smem(parts, tokens, fold, wgs);
-  if (fold && wgs == 3 && a.x_inv) q4_wg_bulk_kernel<2, 128, true, 3, false, true><<<grid, 3 * 128, smem, stream>>>(a);
+  if (wgs == 4) q4_wg_bulk_kernel<2, 128, true, 4, false, true><<<grid, 4 * 128, smem, stream>>>(a);
+  else if (fold && wgs == 3 && a.x_inv) q4_wg_bulk_kernel<2, 128, true, 3, false, true><<<grid, 3 * 128, smem, stream>>>(a);
   else if (fold && wgs == 3) q4_wg_bulk_kernel<2, 128, true, 3><<<grid, 3 * 128, smem, stream>>>(a);
   else if (fold) q4_wg_bulk_kernel<2, 128, true><<<grid, kWgThreads, smem, stream>>>(a);
   else if (tokens == 128 && parts == 3) q4_wg_bulk_kernel<3, 128><<<grid, kWgThreads, smem, stream>>>(a);

@@ -152,7 +152,8 @@ void set_q4_wg_wide(int on);
 void set_q4_wg_fold(int mode);
 // The folded three-warpgroup form's fp16 arithmetic (gemm_q4_wg.cu "The fp16 form"), for calls whose
 // matrices all have WFormat::f16_exact: 1 on for every such call, 0 off (the bf16 folded form), -1
-// back to CK_Q4_WG_F16 (on unless "0") for calls of at least CK_Q4_WG_F16_MIN_ROWS features (tests).
+// back to CK_Q4_WG_F16 (on unless "0") for calls of at least CK_Q4_WG_F16_MIN_ROWS features; 4: on, with four
+// warpgroups a block (CK_Q4_WG_F16_WGS=4; tests).
 void set_q4_wg_f16(int on);
 
 // Which GEMV schedule runs (gemv.cu): 2, the default (tensor cores for tall 4-bit matrices, a warp per

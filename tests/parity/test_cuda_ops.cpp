@@ -841,17 +841,19 @@ TEST(CudaOps, WideWarpgroupTilesMatchCpu) {
       to_device(x, &xd);
       const std::vector<float> ref = cpu_rows(hm.m, x, ldx, n);
       // Parts of x; 4: two parts in the folded form (set_q4_wg_fold(1)), 5: the same with three
-      // warpgroups a block (set_q4_wg_fold(3)), 6: that in fp16 (set_q4_wg_f16(1)).
-      for (int variant : {2, 3, 4, 5, 6}) {
+      // warpgroups a block (set_q4_wg_fold(3)), 6: that in fp16 (set_q4_wg_f16(1)), 7: fp16 with four
+      // warpgroups a block (set_q4_wg_f16(4)).
+      for (int variant : {2, 3, 4, 5, 6, 7}) {
         const int parts = variant == 3 ? 3 : 2;
         set_prefill_parts(parts);
         set_q4_wg_fold(variant == 4 ? 1 : variant >= 5 ? 3 : 0);
-        set_q4_wg_f16(variant == 6 ? 1 : 0);
+        set_q4_wg_f16(variant == 6 ? 1 : variant == 7 ? 4 : 0);
         const std::string what = "wide tiles " + std::to_string(c.rows) + "x" + std::to_string(c.cols) + " rows " +
                                  std::to_string(n) + " parts " + std::to_string(parts) +
                                  (variant == 4   ? " folded"
                                   : variant == 5 ? " folded, 3 warpgroups"
                                   : variant == 6 ? " folded, 3 warpgroups, fp16"
+                                  : variant == 7 ? " folded, 4 warpgroups, fp16"
                                                  : "");
         std::vector<float> out[2];
         for (int tiles8 : {1, 0}) {  // the activations split by the 8-row kernel, then row by row
@@ -911,15 +913,18 @@ TEST(CudaOps, FoldedFp16FormKeepsRowsOfAnyMagnitude) {
     DeviceBuffer<float> xd;
     to_device(x, &xd);
     const std::vector<float> ref = cpu_rows(hm.m, x, ldx, n);
-    std::vector<float> out[3];  // fp16 form with the 8-row split, row by row; the bf16 form
-    for (int v = 0; v < 3; ++v) {
-      set_q4_wg_f16(v < 2 ? 1 : 0);
+    std::vector<float> out[4];  // fp16 form with the 8-row split, row by row; the bf16 form; fp16, 4 warpgroups
+    for (int v = 0; v < 4; ++v) {
+      set_q4_wg_f16(v < 2 ? 1 : v == 3 ? 4 : 0);
       set_xfrag_tiles8(v == 1 ? 0 : 1);
       DeviceBuffer<float> yd(static_cast<size_t>(n) * ldy);
       matvec(dm, xd.get(), ldx, yd.get(), ldy, n, nullptr);
       out[v] = to_host(yd.get(), static_cast<size_t>(n) * ldy);
       const std::string what = std::string(out_of_range ? "scale out of range, " : "") +
-                               (v == 2 ? "bf16 form" : v == 1 ? "fp16 form, row-by-row split" : "fp16 form");
+                               (v == 3   ? "fp16 form, 4 warpgroups"
+                                : v == 2 ? "bf16 form"
+                                : v == 1 ? "fp16 form, row-by-row split"
+                                         : "fp16 form");
       report_rows_vs_cpu("rows of any magnitude, " + what, hm.m, x, ldx, n, ref, out[v], ldy);
       for (int r = 0; r < n; ++r)
         for (int f = 0; f < 320; ++f) {
@@ -2136,12 +2141,12 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
     // Both dense 4-bit kernels on Hopper: the warpgroup-MMA one (below its row threshold only here),
     // where every matrix is in tiles in its 64- and its 128-token bulk-copy forms (set_q4_wg_wide).
     // 3: the 128-token bulk form folded (set_q4_wg_fold), 4: folded with three warpgroups a block,
-    // 5: that in fp16 (set_q4_wg_f16).
-    for (int form : {0, 1, 2, 3, 4, 5}) {
+    // 5: that in fp16 (set_q4_wg_f16), 6: fp16 with four warpgroups a block.
+    for (int form : {0, 1, 2, 3, 4, 5, 6}) {
       set_q4_wg_min_rows(form ? 1 : -1);
       set_q4_wg_wide(form >= 2 ? 1 : 0);
       set_q4_wg_fold(form == 3 ? 1 : form >= 4 ? 3 : 0);
-      set_q4_wg_f16(form == 5 ? 1 : 0);
+      set_q4_wg_f16(form == 5 ? 1 : form == 6 ? 4 : 0);
       auto s = (*dm)->new_session(128);
       s->set_prefill_chunk(40);
       StepResult res;
@@ -2154,6 +2159,7 @@ TEST(CudaOps, PrefillChunksMatchCpuOnEveryGeometry) {
                   : form == 3 ? " (wgmma dense, 128-token bulk form, folded)"
                   : form == 4 ? " (wgmma dense, 128-token bulk form, folded, 3 warpgroups)"
                   : form == 5 ? " (wgmma dense, 128-token bulk form, folded, 3 warpgroups, fp16)"
+                  : form == 6 ? " (wgmma dense, 128-token bulk form, folded, 4 warpgroups, fp16)"
                               : "",
                   rl);
       EXPECT_LE(rl, 1e-4);
