@@ -819,7 +819,10 @@ __global__ void __launch_bounds__(WGS * 128, 1) q4_wg_bulk_kernel(const __grid_c
     __shared__ __align__(16) uint16_t bias8_s[F16 ? 4 * WGS : 1][16][16];
     uint16_t (&bias8_w)[16][16] = bias8_s[F16 ? warp : 0];
     // Four warpgroups (fp16 only): one set of A registers (128 a thread at most), so a group waits for
-    // the one before it; the other warpgroups' groups fill the gap.
+    // the one before it; the other warpgroups' groups fill the gap. At 128 registers ptxas serializes
+    // this instance's wgmmas (C7512, "insufficient register resources"; tests/cuda/wgmma_async.sh
+    // knows it): measured so, it is ~3% slower a unit than three warpgroups, and gemm_q4 takes it only
+    // where its fuller waves make up for that (docs/performance.md, forty-sixth session).
     constexpr bool kOneA = WGS == 4;
     auto group = [&](int G, uint32_t (&ah)[4][4], uint32_t (&al)[4][4]) {
       const int i = G - g_begin, st = i % kStages;

@@ -23,9 +23,16 @@ kernels=$(grep -c "Compiling entry function.*q4_wg_bulk_kernel" "$OUT/ptxas.log"
 if [ "$kernels" -lt 1 ]; then
   echo "no q4_wg_bulk_kernel in ptxas's report: nothing was checked"; exit 1
 fi
-if grep -q "(C75[0-9][0-9])" "$OUT/ptxas.log"; then
+# One known exception: the fp16 form with four warpgroups a block (q4_wg_bulk_kernel<2, 128, true, 4,
+# false, true>) has 128 registers a thread, too few for ptxas's wgmma pipeline (C7512). Serialized
+# inside each warpgroup, its four warpgroups still keep the tensor cores as busy as three unserialized
+# ones within ~3% a unit, and gemm_q4 takes it only where its fuller waves win (496-row chunks: in_proj,
+# out_proj and o_proj 9-12% faster on an H100, docs/performance.md, forty-sixth session). Any other
+# C75xx line, or another code on that kernel, still fails.
+KNOWN='(C7512).*q4_wg_bulk_kernelILi2ELi128ELb1ELi4ELb0ELb1E'
+if grep "(C75[0-9][0-9])" "$OUT/ptxas.log" | grep -v -E "$KNOWN" | grep -q .; then
   echo "ptxas serializes wgmmas in gemm_q4_wg.cu:"
-  grep "(C75[0-9][0-9])" "$OUT/ptxas.log"
+  grep "(C75[0-9][0-9])" "$OUT/ptxas.log" | grep -v -E "$KNOWN"
   exit 1
 fi
-echo "gemm_q4_wg.cu: $kernels bulk-kernel forms, no serialized wgmmas"
+echo "gemm_q4_wg.cu: $kernels bulk-kernel forms, no serialized wgmmas but the known four-warpgroup one"
