@@ -934,8 +934,8 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (wg) {
     w.n_jobs = n_jobs;
     for (int j = 0; j < n_jobs; ++j) w.job[j] = jobs[j];
-    // The jobs' units (128 features, or 64 for 128 tokens), two to a block, or three in the folded
-    // three-warpgroup form (dense_args fills the rest).
+    // The jobs' units (128 features, or 64 for 128 tokens), two to a block, three in the folded
+    // three-warpgroup form, or three or four in its fp16 form (dense_args fills the rest).
     int per_block = fold_mode == 3 ? 3 : 2;
     if (form.f16) {
       // The fp16 form takes three or four units a block, whichever leaves the shorter estimated time:
