@@ -25,6 +25,9 @@ g++ -std=c++20 -O2 -Wall -Wextra -Wno-unused-parameter -fopenmp -DCHERENKOV_HAVE
 "$CUDA_HOME/bin/nvcc" -O3 -arch=sm_90 -std=c++17 bench/kernels/icache_lab.cu -o "$B/icache_lab"
 # The weight-layout lab (bench/kernels/gemv_layout_lab.cu): CUDA runtime only.
 "$CUDA_HOME/bin/nvcc" -O3 -arch=sm_90 -std=c++17 -Isrc bench/kernels/gemv_layout_lab.cu -o "$B/gemv_layout_lab"
+# The persistent-step lab (bench/kernels/persistent_step_lab.cu): CUDA runtime only, ~1 MB, so it
+# travels even with CK_NO_LABS=1.
+"$CUDA_HOME/bin/nvcc" -O3 -arch=sm_90 -std=c++17 -Isrc bench/kernels/persistent_step_lab.cu -o "$B/persistent_step_lab"
 
 # Stage, then pack: the working tree that travels with the call is limited to 64 MiB, and ICU's data
 # library alone is 30 MB (7 MB compressed). gpu_check.sh unpacks the bundle.
@@ -33,7 +36,7 @@ rm -rf .devcarry
 mkdir -p $S/lib
 # CK_NO_LABS=1 leaves the two labs behind: the tree and the carry must stay under 64 MiB, and with an
 # older bench_cuda beside the new one (CK_PREV_BENCH) they no longer fit with the labs (2026-12-06).
-BINS="cherenkov test_cuda_ops test_cuda_model bench_cuda"
+BINS="cherenkov test_cuda_ops test_cuda_model bench_cuda persistent_step_lab"
 [ "${CK_NO_LABS:-0}" = 1 ] || BINS="$BINS icache_lab gemv_layout_lab"
 for b in $BINS; do
   cp "$B/$b" $S/
