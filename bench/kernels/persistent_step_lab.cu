@@ -27,6 +27,7 @@
 // streams at ~87% of the copy rate, a grid-wide hand-over costs 1.4 us bare and 2.5 us with the input's
 // read (a kernel boundary 0.6-0.8 us), the persistent skeleton reaches ~50% of the copy ceiling and the
 // kernel chain ~58%, both with no arithmetic at all: below issue 6's 70% for a step of ~179 dependent ops.
+// The same bytes as 98 ops (the fused what-if: 6 a layer) read 59% persistent and 71% as a kernel chain.
 // The consumers read every weight byte from shared memory (16-byte loads, an XOR) but do no MMAs:
 // at one row the engine's tensor-core arithmetic is ~0.5 instructions a code, which a ring-fed warp
 // issues far faster than the bytes arrive (the decode experts' stream loops), so the skeleton's time is
@@ -319,15 +320,37 @@ int64_t q8(int64_t rows, int64_t cols) { return rows * cols + rows * (cols / 64)
 // The one-row step of the 16-layer synthetic model of the released geometry (H 2,560, 4 streams,
 // low rank 320, DeltaNet 16 key / 48 value heads of 128, QSA 24 heads of 256 and 2 KV heads, 512
 // experts of 640 top-10 plus the shared one, vocabulary 248,320), op by op as the engine runs it.
-std::vector<Op> step_ops(int layers) {
+// fused: the same bytes in fewer dependent ops, as if each pair of ops without a grid-wide dependency
+// between them were one (a what-if for the op count, not a design): the mix's two phases, in_proj with
+// the recurrence (a head's recurrence needs only its head's projections), router with route, gate/up
+// with down (an expert's down needs only its own gate/up). 6 ops a layer instead of 11 (10 for QSA).
+std::vector<Op> step_ops(int layers, bool fused = false) {
   const int H = 2560, W = 4 * H, LR = 320, I = 640, V = 248320;
   std::vector<Op> ops;
   auto mix = [&](int inject) {
+    if (fused) {
+      add(ops, q4(LR + inject, W) + q4(W, LR), W, H);
+      return;
+    }
     add(ops, q4(LR + inject, W), W, LR);  // norm + down (+ inject)
     add(ops, q4(W, LR), LR, H);           // up + gate mean
   };
   for (int l = 0; l < layers; ++l) {
     mix(4);
+    if (fused) {
+      if (l % 4 != 3) {
+        add(ops, q4(2 * 16 * 128 + 48 * 128 + 48 * 128 + 2 * 48, H) + int64_t{48} * 128 * 128 * 4, H, 48 * 128);
+        add(ops, q4(H, 48 * 128), 48 * 128, H);
+      } else {
+        add(ops, q4(2 * 24 * 256 + 2 * 256 + 2 * 256 + 4 * 128, H), H, 2 * 24 * 256 + 1024);
+        add(ops, q4(H, 24 * 256), 24 * 256, H);  // attention with o_proj
+      }
+      mix(4);
+      add(ops, q8(512 + 1, H), H, 32);  // router + route
+      const int route = static_cast<int>(ops.size()) - 1;
+      add(ops, 11 * 2 * q4(I, H) + 11 * q4(H, I), H, H, route);  // the experts, gated by the route
+      continue;
+    }
     if (l % 4 != 3) {
       add(ops, q4(2 * 16 * 128 + 48 * 128 + 48 * 128 + 2 * 48, H), H, 2 * 16 * 128 + 48 * 128);  // in_proj (+ conv)
       add(ops, int64_t{48} * 128 * 128 * 4, 2 * 16 * 128 + 48 * 128, 48 * 128);                    // recurrence: the state
@@ -511,6 +534,14 @@ int main(int argc, char** argv) {
       {"chain-hops", true, true, true, false, true, 4},
   };
   for (const Variant& v : chains) run(v, ops, blocks, wbuf, need, act, done, sink, d_ops, copy_gbs, true);
+  // The same bytes in fewer dependent ops (step_ops' fused what-if).
+  const std::vector<Op> fused = step_ops(layers, true);
+  const Variant fused_variants[] = {
+      {"fused-step", true, false, true, false},
+      {"fused-chain", true, false, true, false, true, 4},
+  };
+  run(fused_variants[0], fused, blocks, wbuf, need, act, done, sink, d_ops, copy_gbs);
+  run(fused_variants[1], fused, blocks, wbuf, need, act, done, sink, d_ops, copy_gbs, true);
   // The engine's alternative for the hand-overs: a chain of kernel boundaries. The same number of empty
   // kernels, each waiting on the one before under programmatic dependent launch, in one graph.
   {
