@@ -1,6 +1,6 @@
 // Persistent-step lab: what would a one-row decode step take as ONE persistent kernel, whose blocks
 // stream every weight byte through a shared-memory ring and hand each op's output to the next op by a
-// grid-wide counter instead of a kernel boundary?
+// grid-wide counter instead of a kernel boundary; and what as the engine's chain of kernels at its best?
 //
 // Why (docs/roofline-cuda.md, forty-fifth and forty-seventh sessions): the engine's one-row step is a
 // chain of ~178 kernels, 1.61 ms on an H100 against 0.50 ms for its 1.514 GB at the copy rate. Its
@@ -23,18 +23,18 @@
 // Variants: -nofence (the counter's release add without a fence before it), -noact (no input read),
 // -relaxed (relaxed polling), -9slots, -l2xN (the producer also asks L2 for the chunks N past its
 // ring), ungated (the experts streamed before the route is done, as if their addresses were known).
-// What it found (H100 and H200, 2026-12-06; docs/roofline-cuda.md "Forty-seventh session"): the ring
-// streams at ~87% of the copy rate, a grid-wide hand-over costs 1.4 us bare and 2.5 us with the input's
-// read (a kernel boundary 0.6-0.8 us), the persistent skeleton reaches ~50% of the copy ceiling and the
-// kernel chain ~58%, both with no arithmetic at all: below issue 6's 70% for a step of ~179 dependent ops.
-// The same bytes as 98 ops (the fused what-if: 6 a layer) read 59% persistent and 71% as a kernel chain.
 // The consumers read every weight byte from shared memory (16-byte loads, an XOR) but do no MMAs:
 // at one row the engine's tensor-core arithmetic is ~0.5 instructions a code, which a ring-fed warp
 // issues far faster than the bytes arrive (the decode experts' stream loops), so the skeleton's time is
 // a lower bound for the design, not a prediction. The route, the DeltaNet recurrence and attention are
 // modelled as hand-overs with their bytes (the recurrence's state) and no compute: their own latency
 // (the route's top-k: ~6.6 us a layer in the engine's step) would come on top.
-// Built by scripts/prepare_devcarry.sh (nvcc, sm_90); run on the GPU machine: ./persistent_step_lab
+// What it found (H100 and H200, 2026-12-06; docs/roofline-cuda.md "Forty-seventh session"): the ring
+// streams at ~87% of the copy rate, a grid-wide hand-over costs 1.4 us bare and 2.5 us with the input's
+// read (a kernel boundary 0.6-0.8 us), the persistent skeleton reaches ~50% of the copy ceiling and the
+// kernel chain ~58%, both with no arithmetic at all: below issue 6's 70% for a step of ~179 dependent ops.
+// The same bytes as 98 ops (the fused what-if: 6 a layer) read 59% persistent and 71% as a kernel chain.
+// Built by scripts/prepare_devcarry.sh (nvcc, sm_90); run on the GPU machine: ./persistent_step_lab [layers]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -426,6 +426,7 @@ float run(const Variant& v, std::vector<Op> ops, int blocks, const uint8_t* wbuf
     }
     CHECK(cudaStreamEndCapture(st, &g));
     CHECK(cudaGraphInstantiate(&ge, g, 0));
+    CHECK(cudaGraphDestroy(g));
   }
   for (int rep = 0; rep < 12; ++rep) {
     CHECK(cudaMemsetAsync(done, 0, sizeof(unsigned) * ops.size(), st));
@@ -440,6 +441,10 @@ float run(const Variant& v, std::vector<Op> ops, int blocks, const uint8_t* wbuf
     if (rep >= 2) ms.push_back(t);  // two warm-up runs
   }
   std::sort(ms.begin(), ms.end());
+  if (ge) CHECK(cudaGraphExecDestroy(ge));
+  CHECK(cudaStreamDestroy(st));
+  CHECK(cudaEventDestroy(e0));
+  CHECK(cudaEventDestroy(e1));
   const float med = ms[ms.size() / 2];
   const double gbs = total / (med * 1e-3) / 1e9;
   std::printf("%-12s %3zu ops  %8.1f MB  median %8.1f us (min %8.1f)  %7.1f us/op  %6.0f GB/s  %5.1f%% of copy  %6.1f tok/s\n",
@@ -564,6 +569,7 @@ int main(int argc, char** argv) {
     }
     CHECK(cudaStreamEndCapture(st, &g));
     CHECK(cudaGraphInstantiate(&ge, g, 0));
+    CHECK(cudaGraphDestroy(g));
     std::vector<float> ms;
     for (int rep = 0; rep < 12; ++rep) {
       CHECK(cudaEventRecord(e0, st));
@@ -577,6 +583,8 @@ int main(int argc, char** argv) {
     std::sort(ms.begin(), ms.end());
     std::printf("%-12s %3zu empty kernels in a graph (programmatic launch): median %8.1f us, %5.2f us a boundary\n",
                 "boundaries", ops.size(), ms[ms.size() / 2] * 1e3, ms[ms.size() / 2] * 1e3 / ops.size());
+    CHECK(cudaGraphExecDestroy(ge));
+    CHECK(cudaStreamDestroy(st));
   }
   CHECK(cudaDeviceSynchronize());
   return 0;
