@@ -20,15 +20,8 @@
 #include <vector>
 
 #include "cuda/bulk_copy.cuh"
+#include "lab_check.h"
 
-#define CHECK(x)                                                                        \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
 
 constexpr int kRows = 16384, kCols = 2560, kGroups = kCols / 64, kTiles = kRows / 16, kCopies = 10;
 constexpr size_t kCodeBytes = size_t(kRows) * kCols / 2, kScaleElems = size_t(kRows) * kGroups;

@@ -11,14 +11,7 @@
 #include <cstdio>
 #include <vector>
 
-#define CHECK(x)                                                                   \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      return 1;                                                                    \
-    }                                                                              \
-  } while (0)
+#include "lab_check.h"
 
 // N FFMAs per thread over 8 independent accumulators. STRAIGHT: fully unrolled (N instructions of
 // code); otherwise a loop of N / 64 turns over a 64-FFMA body. Thread 0 of each block stores the SM

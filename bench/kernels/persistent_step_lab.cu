@@ -45,15 +45,8 @@
 #include <vector>
 
 #include "cuda/bulk_copy.cuh"
+#include "lab_check.h"
 
-#define CHECK(x)                                                                        \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
 
 using ck::cuda::bulk_copy_1d;
 using ck::cuda::mbar_arrive;
@@ -372,6 +365,53 @@ std::vector<Op> step_ops(int layers, bool fused = false) {
   return ops;
 }
 
+// n launches captured into one graph, each with programmatic dependent launch (it may start once the
+// one before triggers): launch(i, cfg) issues launch i with cfg (stream and the attribute set).
+template <class Launch>
+cudaGraphExec_t pdl_chain_graph(cudaStream_t st, int n, const Launch& launch) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < n; ++i) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.stream = st;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    launch(i, cfg);
+  }
+  CHECK(cudaStreamEndCapture(st, &g));
+  CHECK(cudaGraphInstantiate(&ge, g, 0));
+  CHECK(cudaGraphDestroy(g));
+  return ge;
+}
+
+// Times body (enqueued on st) 12 times between two events, each after prep (untimed), and returns the
+// last 10 times (ms), sorted: the first two runs are warm-up.
+template <class Prep, class Body>
+std::vector<float> sorted_times(cudaStream_t st, const Prep& prep, const Body& body) {
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 12; ++rep) {
+    prep();
+    CHECK(cudaEventRecord(e0, st));
+    body();
+    CHECK(cudaEventRecord(e1, st));
+    CHECK(cudaEventSynchronize(e1));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, e0, e1));
+    if (rep >= 2) ms.push_back(t);
+  }
+  CHECK(cudaEventDestroy(e0));
+  CHECK(cudaEventDestroy(e1));
+  std::sort(ms.begin(), ms.end());
+  return ms;
+}
+
 struct Variant {
   const char* name;
   bool wait_inputs, zero_bytes, read_act = true, fence = true, gated = true;
@@ -401,50 +441,25 @@ float run(const Variant& v, std::vector<Op> ops, int blocks, const uint8_t* wbuf
   Args a{d_ops, static_cast<int>(ops.size()), wbuf, act, done, sink, v.wait_inputs ? 1 : 0, v.read_act ? 1 : 0,
          v.fence ? 1 : 0, v.slots, v.relaxed_poll ? 1 : 0, v.l2_ahead};
   const size_t smem = static_cast<size_t>(v.slots) * kChunk;
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms;
   cudaStream_t st;
   CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   cudaGraphExec_t ge = nullptr;
-  if (chain) {
-    cudaGraph_t g;
-    CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
-      cudaLaunchConfig_t cfg = {};
+  if (chain)
+    ge = pdl_chain_graph(st, static_cast<int>(ops.size()), [&](int i, cudaLaunchConfig_t& cfg) {
       cfg.gridDim = dim3(blocks);
       cfg.blockDim = dim3(kThreads);
       cfg.dynamicSmemBytes = smem;
-      cfg.stream = st;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
       CHECK(cudaLaunchKernelEx(&cfg, chain_kernel, a, i));
-    }
-    CHECK(cudaStreamEndCapture(st, &g));
-    CHECK(cudaGraphInstantiate(&ge, g, 0));
-    CHECK(cudaGraphDestroy(g));
-  }
-  for (int rep = 0; rep < 12; ++rep) {
-    CHECK(cudaMemsetAsync(done, 0, sizeof(unsigned) * ops.size(), st));
+    });
+  auto reset = [&] { CHECK(cudaMemsetAsync(done, 0, sizeof(unsigned) * ops.size(), st)); };
+  auto step = [&] {
     void* params[] = {&a};
-    CHECK(cudaEventRecord(e0, st));
     if (chain) CHECK(cudaGraphLaunch(ge, st));
     else CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(step_kernel), dim3(blocks), dim3(kThreads), params, smem, st));
-    CHECK(cudaEventRecord(e1, st));
-    CHECK(cudaEventSynchronize(e1));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (rep >= 2) ms.push_back(t);  // two warm-up runs
-  }
-  std::sort(ms.begin(), ms.end());
+  };
+  const std::vector<float> ms = sorted_times(st, reset, step);
   if (ge) CHECK(cudaGraphExecDestroy(ge));
   CHECK(cudaStreamDestroy(st));
-  CHECK(cudaEventDestroy(e0));
-  CHECK(cudaEventDestroy(e1));
   const float med = ms[ms.size() / 2];
   const double gbs = total / (med * 1e-3) / 1e9;
   std::printf("%-12s %3zu ops  %8.1f MB  median %8.1f us (min %8.1f)  %7.1f us/op  %6.0f GB/s  %5.1f%% of copy  %6.1f tok/s\n",
@@ -552,35 +567,12 @@ int main(int argc, char** argv) {
   {
     cudaStream_t st;
     CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    for (size_t i = 0; i < ops.size(); ++i) {
-      cudaLaunchConfig_t cfg = {};
+    const cudaGraphExec_t ge = pdl_chain_graph(st, static_cast<int>(ops.size()), [&](int, cudaLaunchConfig_t& cfg) {
       cfg.gridDim = dim3(blocks);
       cfg.blockDim = dim3(kThreads);
-      cfg.stream = st;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
       CHECK(cudaLaunchKernelEx(&cfg, empty_kernel, act));
-    }
-    CHECK(cudaStreamEndCapture(st, &g));
-    CHECK(cudaGraphInstantiate(&ge, g, 0));
-    CHECK(cudaGraphDestroy(g));
-    std::vector<float> ms;
-    for (int rep = 0; rep < 12; ++rep) {
-      CHECK(cudaEventRecord(e0, st));
-      CHECK(cudaGraphLaunch(ge, st));
-      CHECK(cudaEventRecord(e1, st));
-      CHECK(cudaEventSynchronize(e1));
-      float t = 0;
-      CHECK(cudaEventElapsedTime(&t, e0, e1));
-      if (rep >= 2) ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
+    });
+    const std::vector<float> ms = sorted_times(st, [] {}, [&] { CHECK(cudaGraphLaunch(ge, st)); });
     std::printf("%-12s %3zu empty kernels in a graph (programmatic launch): median %8.1f us, %5.2f us a boundary\n",
                 "boundaries", ops.size(), ms[ms.size() / 2] * 1e3, ms[ms.size() / 2] * 1e3 / ops.size());
     CHECK(cudaGraphExecDestroy(ge));
