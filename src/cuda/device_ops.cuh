@@ -138,8 +138,9 @@ __device__ __forceinline__ void block_topk(const float* v, int n, int k, int* ou
 // The tail of a wide RMS norm (rmsnorm_wide_kernel, hc_combine_rmsnorm_kernel): a 1,024-thread block
 // holds one group of n4 float4 in v (thread j: elements j + 1024k), adds the squares in that order,
 // and writes (v * r) * scale. Both kernels share it so the fused form rounds exactly as the plain one.
+// rinv_out: thread 0 writes 1 / rms there and nothing goes to orow (the XNorm form, cuda/ops.h).
 __device__ __forceinline__ void rmsnorm_wide_tail(const float4 (&v)[4], int n4, int64_t group, const float4* sr,
-                                                  float eps, float4* orow, float* scratch) {
+                                                  float eps, float4* orow, float* scratch, float* rinv_out = nullptr) {
   float4 sc[4];  // the scales, asked for before the block-wide sum (not one round trip after it)
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -151,6 +152,10 @@ __device__ __forceinline__ void rmsnorm_wide_tail(const float4 (&v)[4], int n4, 
   for (int k = 0; k < 4; ++k) ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
   ss = block_sum(ss, scratch);
   const float r = 1.0f / sqrtf(ss / static_cast<float>(group) + eps);
+  if (rinv_out) {
+    if (threadIdx.x == 0) *rinv_out = r;
+    return;
+  }
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int i = threadIdx.x + k * blockDim.x;

@@ -33,6 +33,7 @@
 // worked out once per block. At 1,024-row chunks the kernel is bound by its instruction issue (~10
 // per MMA, eleventh session: docs/roofline-cuda.md), not by memory or the tensor cores.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -166,9 +167,11 @@ __global__ void __launch_bounds__(kQ4Threads) q4_xfrag_kernel(const float* __res
 // row_inv (two parts only): the fp16 form, as q4_xfrag_kernel's: the block first finds its rows'
 // largest magnitudes (every block of the rows' group splits does), the blocks of blockIdx.y == 0 write
 // row_inv.
+// xn (XNorm, cuda/ops.h; not with row_inv): x is the mix's R, each value normalised as it is staged,
+// (R r) scale: the values the norm kernel would have written as X.
 __global__ void __launch_bounds__(256) q4_xfrag_tiles8_kernel(const float* __restrict__ x, int ldx, int x_rows, int K,
                                                               int groups, int parts, int tile_rows, uint2* xf,
-                                                              float* row_inv = nullptr) {
+                                                              float* row_inv = nullptr, XNorm xn = XNorm{}) {
   __shared__ float stage[8][8][68];  // [warp][row][the group's 64 values, padded]
   __shared__ float row_sc[8];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -212,10 +215,17 @@ __global__ void __launch_bounds__(256) q4_xfrag_tiles8_kernel(const float* __res
     const bool on = real && G * 64 < K;  // K % 64 == 0 for the groups that exist
     const float* src = x + static_cast<size_t>(on ? row0 + row : 0) * ldx + static_cast<size_t>(G) * 64 + 16 * t;
     const float sc = f16 ? row_sc[row] : 1.0f;  // (the fp16 form's scale: exact, 1 otherwise)
+    // XNorm: this row's 1 / rms of the group's stream, and the norm weights' 16 values of lane t.
+    const float xr = xn.rinv && on ? xn.rinv[static_cast<size_t>(row0 + row) * xn.S + G * 64 / xn.H] : 0.0f;
+    const float* xw = xn.rinv ? xn.scale + static_cast<size_t>(G) * 64 + 16 * t : nullptr;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       float4 v = on ? *reinterpret_cast<const float4*>(src + 4 * i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       if (f16) v = make_float4(v.x * sc, v.y * sc, v.z * sc, v.w * sc);
+      if (xn.rinv && on) {  // rmsnorm_wide_tail's (v r) s
+        const float4 w = *reinterpret_cast<const float4*>(xw + 4 * i);
+        v = make_float4((v.x * xr) * w.x, (v.y * xr) * w.y, (v.z * xr) * w.z, (v.w * xr) * w.w);
+      }
       *reinterpret_cast<float4*>(&sx[row][16 * t + 4 * i]) = v;
     }
     __syncwarp();
@@ -645,7 +655,7 @@ bool xfrag_split_groups() {
 // wg: 0 (q4_tile_kernel's layout), 1 (q4_wg_dense_kernel's) or 2 (q4_wg_bulk_kernel's tiles of
 // tile_rows rows, Σ x inside). f16 (wg == 2, two parts): the fp16 form's parts and row scales.
 XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts, cudaStream_t stream, int wg = 0,
-                 int tile_rows = 64, bool sum_parts = false, bool f16 = false) {
+                 int tile_rows = 64, bool sum_parts = false, bool f16 = false, const XNorm* xn = nullptr) {
   CK_REQUIRE(!f16 || (wg == 2 && parts == 2 && !sum_parts), "make_xfrag: the fp16 form with layout %d, %d parts", wg,
              parts);
   XFrag f;
@@ -659,12 +669,15 @@ XFrag make_xfrag(const float* x, int ldx, int rows, int K, int groups, int parts
   f.xf = reinterpret_cast<uint2*>(f.mem);
   f.gsum = wg == 2 ? nullptr : reinterpret_cast<float*>(f.mem + xf_bytes);
   f.row_inv = f16 ? reinterpret_cast<float*>(f.mem + xf_bytes + gsum_bytes) : nullptr;
-  if (wg == 2 && xfrag_tiles8_on() && tile_rows % 8 == 0 && ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+  const bool tiles8 =
+      wg == 2 && xfrag_tiles8_on() && tile_rows % 8 == 0 && ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  CK_REQUIRE(!xn || (tiles8 && !f16), "make_xfrag: the mix's norm on the fly needs the 8-row split of bf16 parts");
+  if (tiles8) {
     // Enough blocks for four per SM (at least), the groups split evenly between them.
     const int row_blocks = grid_rows / 8, max_splits = static_cast<int>(ceil_div(groups, 8));
     const int splits = xfrag_split_groups() ? std::clamp(static_cast<int>(ceil_div(4 * sm_count(), row_blocks)), 1, max_splits) : 1;
     q4_xfrag_tiles8_kernel<<<dim3(static_cast<unsigned>(row_blocks), static_cast<unsigned>(splits)), 256, 0, stream>>>(
-        x, ldx, rows, K, groups, parts, tile_rows, f.xf, f.row_inv);
+        x, ldx, rows, K, groups, parts, tile_rows, f.xf, f.row_inv, xn ? *xn : XNorm{});
   } else
     q4_xfrag_kernel<<<static_cast<unsigned>(grid_rows), kQ4Threads, 0, stream>>>(
         x, ldx, rows, K, groups, parts, wg, tile_rows, f.xf, f.gsum, sum_parts ? 1 : 0, f.row_inv);
@@ -901,7 +914,11 @@ static Q4Form q4_form(const GemvJob* jobs, int n_jobs, int rows, int parts) {
   return f;
 }
 
-bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream, int parts) {
+static std::atomic<uint64_t> g_hc_xnorm_calls{0};
+uint64_t hc_xnorm_calls() { return g_hc_xnorm_calls.load(); }
+
+bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream, int parts,
+             const XNorm* xn) {
   if (n_jobs < 1 || n_jobs > kMaxGemvJobs || rows < 1) return false;
   if (parts == 0) parts = prefill_parts();
   CK_REQUIRE(parts == 2 || parts == 3, "gemm_q4: %d bf16 parts of x (2 or 3)", parts);
@@ -961,7 +978,9 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
   if (!wg && blocks < sm_count() && splits < 2 && !tiled) return false;
   const int k_groups = static_cast<int>(ceil_div(groups, splits));
   splits = static_cast<int>(ceil_div(groups, k_groups));
-  XFrag f = make_xfrag(x, ldx, rows, K, groups, parts, stream, bulk ? 2 : wg ? 1 : 0, block_tokens, false, form.f16);
+  CK_REQUIRE(!xn || (bulk && !form.f16), "gemm_q4: the mix's norm on the fly outside the bf16 bulk form");
+  if (xn) g_hc_xnorm_calls.fetch_add(1);
+  XFrag f = make_xfrag(x, ldx, rows, K, groups, parts, stream, bulk ? 2 : wg ? 1 : 0, block_tokens, false, form.f16, xn);
   const SplitK split = splits > 1 ? split_k_start(jobs, n_jobs, rows, splits, stream) : SplitK{};
   // The dense launch's arguments, the same fields in either kernel's struct (the jobs' blocks: w's
   // first_unit from q4_wg_units, or a's first_tile below).
@@ -1003,7 +1022,7 @@ static int g_hc_up_gate_mean = -1;  // set_hc_up_gate_mean: -1, CK_HC_UP_GATE_ME
 void set_hc_up_gate_mean(int on) { g_hc_up_gate_mean = on < 0 ? -1 : (on ? 1 : 0); }
 
 bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const float* X, int ldX, int S, int H,
-                     float* u, int ldu, cudaStream_t stream) {
+                     float* u, int ldu, cudaStream_t stream, const XNorm* xn) {
   static const bool env_on = !env_is("CK_HC_UP_GATE_MEAN", "0");
   if (!(g_hc_up_gate_mean < 0 ? env_on : g_hc_up_gate_mean > 0)) return false;
   if (rows < 1 || up.epi != Epilogue::None || H % 64 || up.w.rows != static_cast<int64_t>(S) * H || ldX % 4 || ldu % 4 ||
@@ -1027,6 +1046,10 @@ bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const
   w.k_groups = groups;
   w.hc_x = X;
   w.ld_x = ldX;
+  if (xn) {  // X is R, normalised where the epilogue reads it
+    w.hc_rinv = xn->rinv;
+    w.hc_scale = xn->scale;
+  }
   w.hc_u = u;
   w.ld_u = ldu;
   w.hc_s = S;
@@ -1040,6 +1063,24 @@ bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const
   launch_q4_wg_gate_mean(w, stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
   return true;
+}
+
+static int g_hc_xnorm = -1;  // set_hc_xnorm: -1, CK_HC_XNORM decides (on unless "0")
+void set_hc_xnorm(int on) { g_hc_xnorm = on < 0 ? -1 : (on ? 1 : 0); }
+
+bool hc_mix_xnorm_ok(const GemvJob* down, int n_down, const GemvJob& up, const float* R, int ldR, int rows, int S,
+                     int H) {
+  static const bool env_on = !env_is("CK_HC_XNORM", "0");
+  if (!(g_hc_xnorm < 0 ? env_on : g_hc_xnorm > 0)) return false;
+  static const bool gm_env = !env_is("CK_HC_UP_GATE_MEAN", "0");
+  if (!(g_hc_up_gate_mean < 0 ? gm_env : g_hc_up_gate_mean > 0)) return false;
+  if (rows <= kMaxRows || n_down < 1 || H % 64 || ldR % 4 || reinterpret_cast<uintptr_t>(R) % 16 || !xfrag_tiles8_on() ||
+      up.epi != Epilogue::None || up.w.rows != static_cast<int64_t>(S) * H)
+    return false;
+  const int parts = prefill_parts();
+  const Q4Form fd = q4_form(down, n_down, rows, parts), fu = q4_form(&up, 1, rows, parts);
+  return fd.ok && fd.wg && fd.bulk && !fd.f16 && parts == 2 && fu.ok && fu.bulk && fu.block_tokens == 128 &&
+         fu.fold_mode == 3 && q4_wg_gate_mean_ready(S);
 }
 
 }  // namespace ck::cuda

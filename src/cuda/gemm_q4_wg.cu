@@ -358,6 +358,18 @@ __device__ __forceinline__ void wg_gate_mean_store(const Q4WgArgs& a, const floa
   const WgGateMeanBlock<WGS> blk(a);
   const int S = a.hc_s, H = a.hc_h, s = blk.s, f0 = blk.f0, nf = blk.nf;  // u's features f0 + [0, nf) here
   float* P = reinterpret_cast<float*>(smem);  // [TN][kLd]
+  // XNorm: the block's tokens' 1 / rms of stream s and its features' norm weights, loaded here so that
+  // they fly while g goes to P, then kept in shared memory and read there beside X's (R's) loads below
+  // (read from global memory after those, they were a second round trip: the up projection +17% at 8k).
+  __shared__ float xn_r[TN];
+  __shared__ float4 xn_w[kQuads];
+  const bool xnorm = a.hc_rinv != nullptr;
+  float xr = 0.0f;
+  float4 xw = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (xnorm) {
+    if (tid < TN && drow[tid] >= 0) xr = a.hc_rinv[static_cast<size_t>(drow[tid]) * S + s];
+    if (tid < kQuads && tid < nf / 4) xw = *reinterpret_cast<const float4*>(a.hc_scale + s * H + f0 + 4 * tid);
+  }
   __syncthreads();  // every warpgroup's wgmmas are done (each waited for its own): the stages are free
   // g as it is into P: any arithmetic on acc here (a sigmoid, a product) is read by ptxas as non-wgmma
   // instructions defining a wgmma's accumulator registers inside its pipeline, and it then serializes
@@ -369,6 +381,10 @@ __device__ __forceinline__ void wg_gate_mean_store(const Q4WgArgs& a, const floa
 #pragma unroll
       for (int h = 0; h < 2; ++h)  // banks 8 t + g: no conflicts
         P[(8 * j + 2 * t + c) * kLd + 64 * wg + 16 * wq + 8 * h + g] = acc[4 * j + 2 * h + c];
+  if (xnorm) {
+    if (tid < TN) xn_r[tid] = xr;
+    if (tid < kQuads) xn_w[tid] = xw;
+  }
   // Each product sigmoid(g_s) X_s in place, X in 16-byte loads along the features (every load first).
   constexpr int kPer = TN * kQuads / kThreads;  // 16 quads a thread
   static_assert(TN * kQuads % kThreads == 0, "whole quads a thread");
@@ -381,6 +397,15 @@ __device__ __forceinline__ void wg_gate_mean_store(const Q4WgArgs& a, const floa
     const int e = tid + kThreads * k, r = e / kQuads, q = e - r * kQuads, row = drow[r];
     xv[k] = row >= 0 && q < nq ? *reinterpret_cast<const float4*>(xs + static_cast<size_t>(row) * a.ld_x + 4 * q)
                                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  if (xnorm) {  // X = (R r) w, rmsnorm_wide_tail's formula (xn_r and xn_w whole: the barrier above)
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int e = tid + kThreads * k, r = e / kQuads, q = e - r * kQuads;
+      const float rv = xn_r[r];
+      const float4 w = xn_w[q];
+      xv[k] = make_float4((xv[k].x * rv) * w.x, (xv[k].y * rv) * w.y, (xv[k].z * rv) * w.z, (xv[k].w * rv) * w.w);
+    }
   }
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {

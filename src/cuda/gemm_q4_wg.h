@@ -44,6 +44,9 @@ struct Q4WgArgs {
   int32_t ld_u = 0;
   int32_t hc_s = 0, hc_h = 0;
   int32_t hc_prefetch = 1;  // ask L2 for the block's X when it starts (CK_HC_GM_PREFETCH=0: not)
+  // XNorm (cuda/ops.h): hc_x is the mix's R, and X = (R hc_rinv[row S + s]) hc_scale[s H + f] where read.
+  const float* hc_rinv = nullptr;
+  const float* hc_scale = nullptr;
   // The folded form's fp16 arithmetic (gemm_q4_wg.cu "The fp16 form"): xf holds two fp16 parts of each
   // x row scaled by 2^e, and x_inv[row] = 2^-e (rows padded to the tile). Null: the bf16 parts.
   const float* x_inv = nullptr;

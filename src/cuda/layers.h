@@ -50,8 +50,9 @@ void hc_combine(float* R, int ldR, const float* o, int ldo, const float* w, int 
 // hc_combine, then the mix's input norm of the updated R: out (rows, S*H at ldR) = rmsnorm of each
 // stream of H with `scale`, in one kernel with the same bits as the two launches. False (nothing
 // launched) when the shape does not suit it (H < 2048, unaligned rows); then launch them apart.
+// rinv: write each (row, stream)'s 1 / rms there ([rows][S]) instead of `out` (XNorm's form).
 bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H,
-                        const float* scale, float eps, float* out, int rows, cudaStream_t stream);
+                        const float* scale, float eps, float* out, int rows, cudaStream_t stream, float* rinv = nullptr);
 
 // The whole mix of one row (spec §4) in one kernel (cuda/hc_mix.cu): with o, first the deferred
 // combine R_s += o w_in_s (R is updated); then X = the grouped input norm of R, d = silu(down X / S),

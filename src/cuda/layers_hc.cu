@@ -154,7 +154,7 @@ __global__ void hc_combine_kernel(float* R, int ldR, const float* o, int ldo, co
 __global__ void __launch_bounds__(1024) hc_combine_rmsnorm_kernel(float* R, int64_t ldR, const float* o, int64_t ldo,
                                                                   const float* w, int ldw, int64_t H,
                                                                   const float* __restrict__ scale, float eps,
-                                                                  float* out, int r_prefetch) {
+                                                                  float* out, int r_prefetch, float* rinv) {
   const int s = blockIdx.x, r = blockIdx.y;
   float4* Rr = reinterpret_cast<float4*>(R + r * ldR + s * H);
   // R (and w): written by the mix before, many kernels back, and out of L2 since; o is the kernel
@@ -192,7 +192,8 @@ __global__ void __launch_bounds__(1024) hc_combine_rmsnorm_kernel(float* R, int6
     }
   }
   rmsnorm_wide_tail(v, n4, H, reinterpret_cast<const float4*>(scale + s * H), eps,
-                    reinterpret_cast<float4*>(out + r * ldR + s * H), scratch);
+                    reinterpret_cast<float4*>(out + r * ldR + s * H), scratch,
+                    rinv ? rinv + static_cast<size_t>(r) * gridDim.x + s : nullptr);
 }
 
 }  // namespace
@@ -236,14 +237,15 @@ bool hc_r_prefetch_on() {
 }
 
 bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float* w, int ldw, int S, int H,
-                        const float* scale, float eps, float* out, int rows, cudaStream_t stream) {
+                        const float* scale, float eps, float* out, int rows, cudaStream_t stream, float* rinv) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   // The shape rmsnorm_grouped sends to its wide kernel, and float4 rows of o.
   if (H < 2048 || H % 4 != 0 || H > 16 * 1024 || ldR % 4 != 0 || ldo % 4 != 0 || !aligned(R) || !aligned(o) ||
-      !aligned(out) || !aligned(scale))
+      (!rinv && !aligned(out)) || !aligned(scale))
     return false;
   launch(hc_combine_rmsnorm_kernel, dim3(static_cast<unsigned>(S), static_cast<unsigned>(rows)), rmsnorm_wide_block(H),
-         0, stream, R, int64_t{ldR}, o, int64_t{ldo}, w, ldw, int64_t{H}, scale, eps, out, hc_r_prefetch_on() ? 1 : 0);
+         0, stream, R, int64_t{ldR}, o, int64_t{ldo}, w, ldw, int64_t{H}, scale, eps, out, hc_r_prefetch_on() ? 1 : 0,
+         rinv);
   CUDA_CHECK_LAUNCH();
   return true;
 }

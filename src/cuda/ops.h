@@ -108,7 +108,17 @@ void gemm_tc(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // aligned scales and biases, and K >= 256, the factored tensor-core form (x in two bf16 parts by
 // default, see set_prefill_parts), K split over blocks where the grid would fill its last wave poorly;
 // false otherwise, or with CK_Q4_DENSE=0. parts: 2 or 3 bf16 parts of x for this call (0: the default).
-bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream, int parts = 0);
+// The hyper-connection mix's input norm applied where its output is read (a prefill chunk's down
+// projection and gate mean) instead of written: X[row][k] = (R[row][k] rinv[row S + k / H]) scale[k],
+// rmsnorm_wide_tail's formula, so the same bits as the X the norm kernel would write.
+struct XNorm {
+  const float* rinv = nullptr;   // [rows][S]: each stream's 1 / rms
+  const float* scale = nullptr;  // [S H]: the norm's weights
+  int S = 0, H = 0;
+};
+// xn: x is the mix's R, normalised on the fly (only where hc_mix_xnorm_ok says the call takes it).
+bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream, int parts = 0,
+             const XNorm* xn = nullptr);
 // The hyper-connection mix's up projection and gate mean of a prefill chunk in one kernel (spec §4: u =
 // Σ_s sigmoid(g_s) X_s / S with g = up · d, never written): the same bits of u as gemv(up) followed by
 // hc_gate_mean, without g's round trip through memory (gemm_q4_wg.h: the folded warpgroup kernel, in
@@ -116,8 +126,19 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 // forms, S not 2, 4 or 8, unaligned X or u) or with CK_HC_UP_GATE_MEAN=0: then nothing is done.
 // set_hc_up_gate_mean(1 or 0) sets it (tests), -1 goes back to the environment's.
 bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const float* X, int ldX, int S, int H,
-                     float* u, int ldu, cudaStream_t stream);
+                     float* u, int ldu, cudaStream_t stream, const XNorm* xn = nullptr);
 void set_hc_up_gate_mean(int on);
+// Whether a prefill chunk's mix can skip writing X (its norm writes only each stream's 1 / rms, and the
+// down projection's activation split and the up projection's gate mean normalise R as they read it):
+// the down jobs on the warpgroup kernel's two-part bf16 bulk form with the 8-row split, the up projection
+// with its gate mean, R 16-byte aligned. Saves X's write (40 KB a token a mix at the released geometry)
+// and its read by the split. CK_HC_XNORM=0 or set_hc_xnorm(0): X written as before; -1 back to the
+// environment's.
+bool hc_mix_xnorm_ok(const GemvJob* down, int n_down, const GemvJob& up, const float* R, int ldR, int rows, int S,
+                     int H);
+void set_hc_xnorm(int on);
+// How many gemm_q4 calls have normalised the mix's R on the fly (XNorm) in this process (tests).
+uint64_t hc_xnorm_calls();
 // The bf16 parts of the activations the factored 4-bit kernels multiply (gemm_q4, expert_*_q4): 2 (the
 // default, x to ~16 significant bits) or 3 (exact products); -1 goes back to CK_PREFILL_PARTS.
 void set_prefill_parts(int parts);

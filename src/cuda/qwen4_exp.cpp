@@ -392,6 +392,7 @@ struct Session::Buffers {
   int64_t nb_max = 1;
   StepParams* params = nullptr;
   float *R = nullptr, *X = nullptr, *hc_d = nullptr, *hc_g = nullptr, *u = nullptr, *w = nullptr, *o = nullptr;
+  float* hc_rinv = nullptr;  // [rows][S]: a prefill mix's 1 / rms per stream, when X is not written (XNorm)
   float *gx = nullptr, *gz = nullptr, *gb = nullptr, *ga = nullptr, *gy = nullptr, *go = nullptr;
   float *qg = nullptr, *ak = nullptr, *av = nullptr, *iqk = nullptr, *q = nullptr, *iq = nullptr, *scores = nullptr,
         *ao = nullptr;
@@ -476,7 +477,7 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
   b.params = static_cast<StepParams*>(arena_.alloc(sizeof(StepParams)));
   step_scratch_.base = static_cast<uint8_t*>(arena_.alloc(kStepScratchBytes));
   step_scratch_.size = kStepScratchBytes;
-  b.R = fbuf(R * b.ldW); b.X = fbuf(R * b.ldW); b.hc_d = fbuf(R * b.ldLR); b.hc_g_rows = std::min(R, hc_gate_rows());
+  b.R = fbuf(R * b.ldW); b.X = fbuf(R * b.ldW); b.hc_d = fbuf(R * b.ldLR); b.hc_rinv = fbuf(R * c.hc_count); b.hc_g_rows = std::min(R, hc_gate_rows());
   b.hc_g = fbuf(static_cast<int64_t>(b.hc_g_rows) * b.ldW);
   b.u = fbuf(R * b.ldH); b.w = fbuf(R * b.ldS); b.o = fbuf(R * b.ldH);
   if (H % 64 == 0) {
@@ -666,15 +667,6 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
     }
   }
   materialize_moe();
-  if (pending_combine_ && pending_combine_->rows == rows &&
-      hc_combine_rmsnorm(b.R, b.ldW, pending_combine_->o, b.ldH, pending_combine_->w, b.ldS, S, H, hc.norm, eps, b.X,
-                         rows, stream_)) {
-    pending_combine_.reset();
-  } else {
-    flush_combine();
-    rmsnorm_grouped(b.R, W, H, hc.norm, eps, b.X, rows, b.ldW, stream_);
-  }
-  mark("hc mix: norm");  // (profiling: the prefill mix's pieces; "hc mix" is then its gate mean)
   GemvJob jobs[2];
   jobs[0].w = hc.down;  // divide by S before the activation (trap 4)
   jobs[0].y = b.hc_d;
@@ -694,18 +686,44 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   // At 2-8 rows the down projection's reduce also writes d's fragments, which the up projection reads.
   const bool row_frags = rows >= 2 && rows <= kMaxRows && b.dfr.rfrag;
   jobs[0].frags_out = row_frags ? &b.dfr : nullptr;
-  gemv(jobs, n, b.X, b.ldW, rows, stream_);
-  mark("hc mix: down");
   GemvJob up;
   up.w = hc.up;
   up.y = b.hc_g;
   up.ldy = static_cast<int32_t>(b.ldW);
+  // The input norm. A prefill chunk whose down and up projections can normalise R where they read it
+  // (hc_mix_xnorm_ok) has its norm write only each stream's 1 / rms: X's write and one read of it saved,
+  // the same bits. Else X, with the deferred combine in the same kernel where it fits.
+  XNorm xn;
+  bool use_xn = false;
+  if (pending_combine_ && pending_combine_->rows == rows && hc_mix_xnorm_ok(jobs, n, up, b.R, b.ldW, rows, S, H) &&
+      hc_combine_rmsnorm(b.R, b.ldW, pending_combine_->o, b.ldH, pending_combine_->w, b.ldS, S, H, hc.norm, eps, b.X,
+                         rows, stream_, b.hc_rinv)) {
+    pending_combine_.reset();
+    xn = XNorm{b.hc_rinv, hc.norm, S, H};
+    use_xn = true;
+  } else if (pending_combine_ && pending_combine_->rows == rows &&
+             hc_combine_rmsnorm(b.R, b.ldW, pending_combine_->o, b.ldH, pending_combine_->w, b.ldS, S, H, hc.norm, eps,
+                                b.X, rows, stream_)) {
+    pending_combine_.reset();
+  } else {
+    flush_combine();
+    rmsnorm_grouped(b.R, W, H, hc.norm, eps, b.X, rows, b.ldW, stream_);
+  }
+  mark("hc mix: norm");  // (profiling: the prefill mix's pieces; "hc mix" is then its gate mean)
+  if (use_xn) {
+    CK_REQUIRE(gemm_q4(jobs, n, b.R, b.ldW, rows, stream_, 0, &xn), "hc mix: the down projection declined R");
+  } else {
+    gemv(jobs, n, b.X, b.ldW, rows, stream_);
+  }
+  mark("hc mix: down");
   if (rows > kMaxRows) {  // a prefill chunk (no fragments of u)
     // The up projection makes u itself (the gate mean in its epilogue: g stays on chip); where it cannot,
     // the two calls, in pieces of g's buffer's rows.
-    if (hc_up_gate_mean(up, b.hc_d, b.ldLR, rows, b.X, b.ldW, S, H, u, b.ldH, stream_)) {
+    if (hc_up_gate_mean(up, b.hc_d, b.ldLR, rows, use_xn ? b.R : b.X, b.ldW, S, H, u, b.ldH, stream_,
+                        use_xn ? &xn : nullptr)) {
       mark("hc mix: up");
     } else {
+      CK_REQUIRE(!use_xn, "hc mix: the up projection's gate mean declined R");
       for (int r0 = 0; r0 < rows; r0 += b.hc_g_rows) {
         const int n = std::min(b.hc_g_rows, rows - r0);
         gemv(&up, 1, b.hc_d + static_cast<size_t>(r0) * b.ldLR, b.ldLR, n, stream_);

@@ -2112,6 +2112,59 @@ TEST(CudaOps, PrefillChunksWithQ4ExpertsMatchCpu) {
   set_prefill_parts(-1);
 }
 
+// A prefill chunk's mix normalises R where its down projection's activation split and its up
+// projection's gate mean read it (XNorm: the norm kernel writes each stream's 1 / rms, not X): the same
+// values as the X it no longer writes, so the same logits, bit for bit, on every geometry, with the
+// warpgroup kernels' folded three-warpgroup form (the one the mix's products take at the released
+// geometry). The counter shows the path ran: on the last geometry, the fused one-row mix's at H = 2,048
+// (hc_combine_rmsnorm's fused kernel, which writes the 1 / rms, takes H >= 2,048; the others keep X).
+TEST(CudaOps, PrefillMixNormWhereReadGivesTheSameBits) {
+  REQUIRE_GPU();
+  std::vector<Geometry> gs = geometries();
+  {
+    Geometry g = gs.back();  // q4g64 H320 hc4 low rank 256, tiles
+    g.name = "q4g64 H2048 hc4 low rank 256, tiles";
+    g.cfg.hidden_size = 2048;
+    gs.push_back(g);
+  }
+  for (size_t gi = 0; gi < gs.size(); ++gi) {
+    const Geometry& g = gs[gi];
+    SCOPED_TRACE(g.name);
+    auto rm = make_random_model(g.cfg, g.opt);
+    auto dm = Model::create(rm->weights, rm->experts);
+    ASSERT_TRUE(dm.ok()) << dm.status().message();
+    const std::vector<int32_t> tokens = random_tokens(100, g.cfg.vocab_size, g.cfg.ple_eos(), 21);
+    set_q4_wg_min_rows(1);
+    set_q4_wg_wide(1);
+    set_q4_wg_fold(3);
+    std::vector<float> logits[2];
+    uint64_t used[2] = {};
+    for (int on : {1, 0}) {
+      set_hc_xnorm(on);
+      const uint64_t before = hc_xnorm_calls();
+      auto s = (*dm)->new_session(128);
+      s->set_prefill_chunk(40);
+      StepResult res;
+      ASSERT_TRUE(s->step_rows(tokens, false, true, &res).ok());
+      logits[on] = res.logits;
+      used[on] = hc_xnorm_calls() - before;
+    }
+    set_hc_xnorm(-1);
+    set_q4_wg_min_rows(-1);
+    set_q4_wg_wide(-1);
+    set_q4_wg_fold(-1);
+    std::printf("  %s: %llu of the mix's down projections normalised R where read\n", g.name.c_str(),
+                static_cast<unsigned long long>(used[1]));
+    if (gi + 1 == gs.size()) {
+      EXPECT_GT(used[1], 0u) << "the mix never took the norm on the fly";
+    }
+    EXPECT_EQ(used[0], 0u);
+    ASSERT_EQ(logits[0].size(), logits[1].size());
+    EXPECT_EQ(std::memcmp(logits[0].data(), logits[1].data(), sizeof(float) * logits[0].size()), 0)
+        << "the logits' bits differ with the norm applied where read";
+  }
+}
+
 // Prefill chunks (more rows than a row-path step) take their own kernels: the chunked delta rule, the
 // grouped GEMMs, and attention with the query heads of one KV head in a block (attn_heads_kernel).
 // Every geometry, plus 24 query heads over 2 KV heads (12 per group, so two blocks of 6, as the
