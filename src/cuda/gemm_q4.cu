@@ -1020,11 +1020,14 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 
 static int g_hc_up_gate_mean = -1;  // set_hc_up_gate_mean: -1, CK_HC_UP_GATE_MEAN decides (on unless "0")
 void set_hc_up_gate_mean(int on) { g_hc_up_gate_mean = on < 0 ? -1 : (on ? 1 : 0); }
+static bool hc_up_gate_mean_on() {
+  static const bool env_on = !env_is("CK_HC_UP_GATE_MEAN", "0");
+  return g_hc_up_gate_mean < 0 ? env_on : g_hc_up_gate_mean > 0;
+}
 
 bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const float* X, int ldX, int S, int H,
                      float* u, int ldu, cudaStream_t stream, const XNorm* xn) {
-  static const bool env_on = !env_is("CK_HC_UP_GATE_MEAN", "0");
-  if (!(g_hc_up_gate_mean < 0 ? env_on : g_hc_up_gate_mean > 0)) return false;
+  if (!hc_up_gate_mean_on()) return false;
   if (rows < 1 || up.epi != Epilogue::None || H % 64 || up.w.rows != static_cast<int64_t>(S) * H || ldX % 4 || ldu % 4 ||
       reinterpret_cast<uintptr_t>(X) % 16 || reinterpret_cast<uintptr_t>(u) % 16)
     return false;
@@ -1072,8 +1075,7 @@ bool hc_mix_xnorm_ok(const GemvJob* down, int n_down, const GemvJob& up, const f
                      int H) {
   static const bool env_on = !env_is("CK_HC_XNORM", "0");
   if (!(g_hc_xnorm < 0 ? env_on : g_hc_xnorm > 0)) return false;
-  static const bool gm_env = !env_is("CK_HC_UP_GATE_MEAN", "0");
-  if (!(g_hc_up_gate_mean < 0 ? gm_env : g_hc_up_gate_mean > 0)) return false;
+  if (!hc_up_gate_mean_on()) return false;
   if (rows <= kMaxRows || n_down < 1 || H % 64 || ldR % 4 || reinterpret_cast<uintptr_t>(R) % 16 || !xfrag_tiles8_on() ||
       up.epi != Epilogue::None || up.w.rows != static_cast<int64_t>(S) * H)
     return false;

@@ -693,18 +693,14 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
   // The input norm. A prefill chunk whose down and up projections can normalise R where they read it
   // (hc_mix_xnorm_ok) has its norm write only each stream's 1 / rms: X's write and one read of it saved,
   // the same bits. Else X, with the deferred combine in the same kernel where it fits.
-  XNorm xn;
+  const bool fused = pending_combine_ && pending_combine_->rows == rows;
+  const bool xn_ok = fused && hc_mix_xnorm_ok(jobs, n, up, b.R, b.ldW, rows, S, H);
+  const XNorm xn{b.hc_rinv, hc.norm, S, H};
   bool use_xn = false;
-  if (pending_combine_ && pending_combine_->rows == rows && hc_mix_xnorm_ok(jobs, n, up, b.R, b.ldW, rows, S, H) &&
-      hc_combine_rmsnorm(b.R, b.ldW, pending_combine_->o, b.ldH, pending_combine_->w, b.ldS, S, H, hc.norm, eps, b.X,
-                         rows, stream_, b.hc_rinv)) {
+  if (fused && hc_combine_rmsnorm(b.R, b.ldW, pending_combine_->o, b.ldH, pending_combine_->w, b.ldS, S, H, hc.norm,
+                                  eps, b.X, rows, stream_, xn_ok ? b.hc_rinv : nullptr)) {
     pending_combine_.reset();
-    xn = XNorm{b.hc_rinv, hc.norm, S, H};
-    use_xn = true;
-  } else if (pending_combine_ && pending_combine_->rows == rows &&
-             hc_combine_rmsnorm(b.R, b.ldW, pending_combine_->o, b.ldH, pending_combine_->w, b.ldS, S, H, hc.norm, eps,
-                                b.X, rows, stream_)) {
-    pending_combine_.reset();
+    use_xn = xn_ok;
   } else {
     flush_combine();
     rmsnorm_grouped(b.R, W, H, hc.norm, eps, b.X, rows, b.ldW, stream_);
@@ -765,6 +761,15 @@ static bool copies_at_ends_on() {
 }
 // Whether a step of `rows` has its PLE rows copied with its params (into b.emb_step) by enqueue_trunk.
 static bool ple_rows_with_params(int rows) { return rows <= kMaxRows && copies_at_ends_on(); }
+// Whether a prefill chunk of `rows` has its first PLE layer's rows (index 0) uploaded on upload_stream_
+// by enqueue_trunk while the layers before it run (prefill chunks: direct launches, no capture), instead
+// of in line before the PLE's product, where the stream waited for them (the profile's "ple" piece).
+// Later PLE layers (the released model has one) share b.emb and keep the in-line copy.
+// CK_PLE_EARLY_UPLOAD=0: in line, to compare.
+static bool ple_rows_early(int rows) {
+  static const bool on = !env_is("CK_PLE_EARLY_UPLOAD", "0");
+  return on && rows > kMaxRows;
+}
 
 void Session::copy_hidden_down(int from, int rows) {
   Buffers& b = *b_;
@@ -789,7 +794,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     const float* emb = b.emb;
     if (ple_rows_with_params(rows)) {  // copied with the step's params (enqueue_trunk)
       emb = b.emb_step + static_cast<size_t>(p.index) * kMaxRows * b.ldE;
-    } else if (p.index == early_ple_) {  // uploaded while the layers before ran (enqueue_trunk)
+    } else if (p.index == 0 && ple_rows_early(rows)) {  // uploaded while the layers before ran (enqueue_trunk)
       CUDA_CHECK(cudaStreamWaitEvent(stream_, emb_ready_, 0));
     } else {
       CUDA_CHECK(cudaMemcpyAsync(b.emb, ple_emb_h_.get() + static_cast<size_t>(p.index) * chunk_rows_ * b.ldE,
@@ -799,7 +804,7 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     jobs[0].w = p.key; jobs[0].y = b.pkey; jobs[0].ldy = b.ldW;
     jobs[1].w = p.value; jobs[1].y = b.pval; jobs[1].ldy = b.ldH;
     gemv(jobs, 2, emb, b.ldE, rows, stream_);
-    if (p.index == early_ple_) CUDA_CHECK(cudaEventRecord(emb_free_, stream_));  // the next chunk's upload may go
+    if (p.index == 0 && ple_rows_early(rows)) CUDA_CHECK(cudaEventRecord(emb_free_, stream_));  // the next upload may go
     (void)E;
     rmsnorm_grouped(b.pkey, W, H, p.norm_key, eps, b.pkn, rows, b.ldW, stream_);
     rmsnorm_grouped(b.R, W, H, p.norm_query, eps, b.pqn, rows, b.ldW, stream_);
@@ -967,14 +972,9 @@ void Session::enqueue_trunk(int rows, int from) {
     CUDA_CHECK(cudaMemcpyAsync(b.emb_step + static_cast<size_t>(i) * kMaxRows * b.ldE,
                                ple_emb_h_.get() + static_cast<size_t>(i) * chunk_rows_ * b.ldE,
                                sizeof(float) * rows * b.ldE, cudaMemcpyHostToDevice, stream_));
-  // A prefill chunk's rows of its first PLE layer (84 MB of fp32 at 8,192 rows) go up beside the layers
-  // before it, on their own stream, instead of in line before the PLE's product: the stream waited for
-  // them there (the profile's "ple" piece). Later PLE layers (the released model has one) share b.emb
-  // and keep the in-line copy. CK_PLE_EARLY_UPLOAD=0: in line, to compare.
-  static const bool early_upload = !env_is("CK_PLE_EARLY_UPLOAD", "0");
-  early_ple_ = -1;
-  if (early_upload && rows > kMaxRows && m_.n_ple_ > 0) {  // prefill chunks: direct launches, no capture
-    early_ple_ = 0;
+  // A prefill chunk's first PLE layer's rows (84 MB of fp32 at 8,192 rows) go up beside the layers
+  // before it (ple_rows_early).
+  if (ple_rows_early(rows) && m_.n_ple_ > 0) {
     CUDA_CHECK(cudaStreamWaitEvent(upload_stream_, emb_free_, 0));  // the chunk before has read b.emb
     CUDA_CHECK(cudaMemcpyAsync(b.emb, ple_emb_h_.get(), sizeof(float) * rows * b.ldE, cudaMemcpyHostToDevice,
                                upload_stream_));

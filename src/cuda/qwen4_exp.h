@@ -292,10 +292,9 @@ class Session {
 
   cudaStream_t stream_ = nullptr;
   // A prefill chunk's rows of its first PLE layer travel on upload_stream_ while the layers before it
-  // run (enqueue_trunk); emb_free_ says the chunk before has read b.emb, emb_ready_ that the rows are in.
+  // run (enqueue_trunk, ple_rows_early); emb_free_ says the chunk before has read b.emb, emb_ready_ that the rows are in.
   cudaStream_t upload_stream_ = nullptr;
   cudaEvent_t emb_free_ = nullptr, emb_ready_ = nullptr;
-  int early_ple_ = -1;  // during a prefill chunk: the PLE index whose rows were uploaded early, else -1
   DeviceArena arena_{size_t{64} << 20};
   StepScratch step_scratch_;  // the decode steps' kernel scratch (common.h ScratchScope), from arena_
   std::vector<LayerState> ls_;
