@@ -268,6 +268,29 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf
 __device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+// sigmoidf_ of four values with the same bits, for kernels whose time is their sigmoids (the prefill
+// mix's gate mean: 84 M a call at 8k tokens). Why: the compiler wraps each 1 / y in a branch on y's
+// exponent (its slow path for results near the subnormal range), and that region keeps it from
+// interleaving independent sigmoids: each is a ~24-instruction dependent chain issued alone (Nsight
+// Compute, docs/roofline-cuda.md, forty-ninth session). Here the four take the division's fast path
+// unconditionally (reciprocal approximation, then one Newton step: the instructions the compiler emits
+// for 1 / y when y's exponent is in range) and the library's division only where some y leaves that
+// range: 1 + exp(-x) >= 1, so that is y >= 2^126 (x below about -87.3), an infinity or a NaN.
+// test_cuda_ops SigmoidFourGivesTheLibraryBits checks every one of the 2^32 inputs.
+__device__ __forceinline__ float rcp_in_range(float y) {  // 1 / y, correctly rounded, for 2^-126 <= |y| < 2^126
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+  const float e = -fmaf(y, r, -1.0f);
+  return fmaf(r, e, r);
+}
+__device__ __forceinline__ float4 sigmoid4_(float4 v) {
+  const float y0 = 1.0f + expf(-v.x), y1 = 1.0f + expf(-v.y), y2 = 1.0f + expf(-v.z), y3 = 1.0f + expf(-v.w);
+  float4 r = make_float4(rcp_in_range(y0), rcp_in_range(y1), rcp_in_range(y2), rcp_in_range(y3));
+  constexpr float kTop = 0x1p126f;
+  if (!(y0 < kTop && y1 < kTop && y2 < kTop && y3 < kTop)) r = make_float4(1.0f / y0, 1.0f / y1, 1.0f / y2, 1.0f / y3);
+  return r;
+}
+
 // A measuring switch, never for results: with CK_HOLLOW=s1,s2,... the kernels whose (mangled) name
 // contains one of the strings are launched as an empty kernel (pdl_begin only) with the same grid,
 // block, shared memory and launch attributes. A step's time with a kernel hollowed, against without,

@@ -1025,6 +1025,19 @@ static bool hc_up_gate_mean_on() {
   return g_hc_up_gate_mean < 0 ? env_on : g_hc_up_gate_mean > 0;
 }
 
+static int g_hc_gm_persistent = -1;  // set_hc_gm_persistent: -1, CK_HC_GM_PERSISTENT decides (off unless "1")
+void set_hc_gm_persistent(int on) { g_hc_gm_persistent = on < 0 ? -1 : (on ? 1 : 0); }
+static bool hc_gm_persistent_on() {
+  static const bool env_on = env_is("CK_HC_GM_PERSISTENT", "1");
+  return g_hc_gm_persistent < 0 ? env_on : g_hc_gm_persistent > 0;
+}
+
+bool hc_gm_persistent_applies(const GemvJob& up, int rows, int S) {
+  if (!hc_gm_persistent_on()) return false;
+  const Q4Form form = q4_form(&up, 1, rows, prefill_parts());
+  return form.ok && form.f16 && up.w.cols / 64 <= kQ4WgGateMeanMaxGroups && q4_wg_gate_mean_persistent_ready(S);
+}
+
 bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const float* X, int ldX, int S, int H,
                      float* u, int ldu, cudaStream_t stream, const XNorm* xn) {
   if (!hc_up_gate_mean_on()) return false;
@@ -1059,11 +1072,13 @@ bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const
   w.hc_h = H;
   static const bool prefetch = !env_is("CK_HC_GM_PREFETCH", "0");
   w.hc_prefetch = prefetch ? 1 : 0;
-  XFrag f = make_xfrag(d, ldd, rows, K, groups, parts, stream, 2, 128, false, form.f16);
+  const bool persistent = hc_gm_persistent_applies(up, rows, S);
+  XFrag f = make_xfrag(d, ldd, rows, K, groups, parts, stream, 2, persistent ? 64 : 128, false, form.f16);
   w.xf = f.xf;
   w.gsum = f.gsum;
   w.x_inv = f.row_inv;
-  launch_q4_wg_gate_mean(w, stream);
+  if (persistent) launch_q4_wg_gate_mean_persistent(w, stream);
+  else launch_q4_wg_gate_mean(w, stream);
   CUDA_CHECK(cudaFreeAsync(f.mem, stream));
   return true;
 }

@@ -84,6 +84,13 @@ void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& 
 // device runs such clusters.
 bool q4_wg_gate_mean_ready(int S);
 void launch_q4_wg_gate_mean(const Q4WgArgs& a, cudaStream_t stream);
+// The same product and gate mean as a persistent kernel (gemm_q4_wg_gate_mean.cu says why), for the
+// fp16 form (a.x_inv) with K of at most kQ4WgGateMeanMaxGroups groups: clusters of S blocks that each
+// take a run of (192 features, 64-token tile) items, so a.xf holds q4_xfrag_kernel's tile layout for tiles
+// of 64 rows. The same bits of u as launch_q4_wg_gate_mean.
+constexpr int kQ4WgGateMeanMaxGroups = 5;  // K <= 320: a warp's A fragments of all of K in registers
+bool q4_wg_gate_mean_persistent_ready(int S);
+void launch_q4_wg_gate_mean_persistent(const Q4WgArgs& a, cudaStream_t stream);
 // One (tile of `rows` rows, group) block of the tile layout: (step s, part p) of B core matrices at
 // (s parts + p) q4_wg_b_bytes(rows) (the rows x 16 k values of bf16), then the rows' Σ x (floats).
 CK_HD constexpr int q4_wg_b_bytes(int rows) { return rows * 32; }

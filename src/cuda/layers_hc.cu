@@ -53,9 +53,16 @@ __global__ void hc_gate_mean_kernel(const float* g, const float* X, int ldgx, in
           gv[b] = gr[(s0 + b) * H + i];
           xv[b] = xr[(s0 + b) * H + i];
         }
+      float sg[kBatch];  // sigmoid4_: sigmoidf_'s bits, four interleaved
+#pragma unroll
+      for (int b = 0; b < kBatch; b += 4) {
+        const float4 v = sigmoid4_(make_float4(s0 + b < S ? gv[b] : 0.0f, s0 + b + 1 < S ? gv[b + 1] : 0.0f,
+                                               s0 + b + 2 < S ? gv[b + 2] : 0.0f, s0 + b + 3 < S ? gv[b + 3] : 0.0f));
+        sg[b] = v.x, sg[b + 1] = v.y, sg[b + 2] = v.z, sg[b + 3] = v.w;
+      }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b)
-        if (s0 + b < S) acc = mul_add_rn(acc, sigmoidf_(gv[b]), xv[b]);
+        if (s0 + b < S) acc = mul_add_rn(acc, sg[b], xv[b]);
     }
     v = acc / static_cast<float>(S);
     u[static_cast<size_t>(blockIdx.y) * ldu + i] = v;
@@ -248,6 +255,34 @@ bool hc_combine_rmsnorm(float* R, int ldR, const float* o, int ldo, const float*
          rinv);
   CUDA_CHECK_LAUNCH();
   return true;
+}
+
+namespace {
+// Every 32-bit pattern x once: thread i takes patterns 4 i .. 4 i + 3 of each 2^32 / stride slice.
+__global__ void sigmoid4_check_kernel(unsigned long long* mismatches) {
+  unsigned long long bad = 0;
+  const uint64_t stride = 4ull * gridDim.x * blockDim.x;
+  for (uint64_t p = 4ull * (blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x); p < (1ull << 32); p += stride) {
+    const float4 v = make_float4(__uint_as_float(static_cast<uint32_t>(p)), __uint_as_float(static_cast<uint32_t>(p + 1)),
+                                 __uint_as_float(static_cast<uint32_t>(p + 2)), __uint_as_float(static_cast<uint32_t>(p + 3)));
+    const float4 r = sigmoid4_(v);
+    const float e[4] = {sigmoidf_(v.x), sigmoidf_(v.y), sigmoidf_(v.z), sigmoidf_(v.w)};
+    const float g[4] = {r.x, r.y, r.z, r.w};
+    for (int k = 0; k < 4; ++k)
+      bad += __float_as_uint(e[k]) != __float_as_uint(g[k]) && !(isnan(e[k]) && isnan(g[k]));
+  }
+  if (bad) atomicAdd(mismatches, bad);
+}
+}  // namespace
+
+int64_t sigmoid4_mismatches() {
+  DeviceBuffer<unsigned long long> n(1);
+  CUDA_CHECK(cudaMemset(n.get(), 0, sizeof(unsigned long long)));
+  sigmoid4_check_kernel<<<4 * sm_count(), 256>>>(n.get());
+  CUDA_CHECK_LAUNCH();
+  unsigned long long h = 0;
+  CUDA_CHECK(cudaMemcpy(&h, n.get(), sizeof(h), cudaMemcpyDeviceToHost));
+  return static_cast<int64_t>(h);
 }
 
 }  // namespace ck::cuda

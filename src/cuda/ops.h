@@ -128,6 +128,17 @@ bool gemm_q4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows,
 bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const float* X, int ldX, int S, int H,
                      float* u, int ldu, cudaStream_t stream, const XNorm* xn = nullptr);
 void set_hc_up_gate_mean(int on);
+// Its persistent form (gemm_q4_wg_gate_mean.cu: clusters that stay, 64-token tiles, the weights in
+// registers) where it applies (the fp16 form, K <= 320); the same bits. Off by default (measured slower
+// than the one-tile blocks: docs/roofline-cuda.md, forty-ninth session); CK_HC_GM_PERSISTENT=1 or
+// set_hc_gm_persistent(1) takes it, 0 not, -1 back to the environment's.
+void set_hc_gm_persistent(int on);
+// How many of the 2^32 float inputs sigmoid4_ (common.h) gives other bits than sigmoidf_ for (NaNs
+// alike count as equal): 0 is the contract (tests).
+int64_t sigmoid4_mismatches();
+// Whether hc_up_gate_mean takes the persistent form for this up projection and row count (when it takes
+// the call at all).
+bool hc_gm_persistent_applies(const GemvJob& up, int rows, int S);
 // Whether a prefill chunk's mix can skip writing X (its norm writes only each stream's 1 / rms, and the
 // down projection's activation split and the up projection's gate mean normalise R as they read it):
 // the down jobs on the warpgroup kernel's two-part bf16 bulk form with the 8-row split, the up projection

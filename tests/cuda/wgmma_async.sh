@@ -35,4 +35,20 @@ if grep "(C75[0-9][0-9])" "$OUT/ptxas.log" | grep -v -E "$KNOWN" | grep -q .; th
   grep "(C75[0-9][0-9])" "$OUT/ptxas.log" | grep -v -E "$KNOWN"
   exit 1
 fi
-echo "gemm_q4_wg.cu: $kernels bulk-kernel forms, no serialized wgmmas but the known four-warpgroup one"
+# The persistent gate-mean kernel (gemm_q4_wg_gate_mean.cu) keeps every warp's A fragments of all of K
+# in registers (168 a thread, ptxas's ceiling at 384 threads): it must not be serialized either.
+"$NVCC" -DCHERENKOV_HAVE_CUDA=1 -I"$SRC/src" -O3 -DNDEBUG -std=c++17 \
+  --generate-code=arch=compute_90a,code=[sm_90a] -Xptxas -v -x cu -c "$SRC/src/cuda/gemm_q4_wg_gate_mean.cu" \
+  -o "$OUT/gemm_q4_wg_gate_mean.o" > "$OUT/ptxas_gm.log" 2>&1
+rc=$?
+if [ $rc != 0 ]; then
+  echo "nvcc failed on gemm_q4_wg_gate_mean.cu (rc $rc):"; tail -20 "$OUT/ptxas_gm.log"; exit 1
+fi
+if ! grep -q "Compiling entry function.*q4_wg_gate_mean_persistent_kernel" "$OUT/ptxas_gm.log"; then
+  echo "no q4_wg_gate_mean_persistent_kernel in ptxas's report: nothing was checked"; exit 1
+fi
+if grep -q "(C75[0-9][0-9])" "$OUT/ptxas_gm.log"; then
+  echo "ptxas serializes wgmmas in gemm_q4_wg_gate_mean.cu:"; grep "(C75[0-9][0-9])" "$OUT/ptxas_gm.log"; exit 1
+fi
+echo "gemm_q4_wg.cu: $kernels bulk-kernel forms, no serialized wgmmas but the known four-warpgroup one;"
+echo "gemm_q4_wg_gate_mean.cu: the persistent gate-mean kernel, none serialized"

@@ -756,6 +756,12 @@ TEST(CudaOps, ProducerFragmentsGiveTheFragmentKernelsBits) {
   }
 }
 
+// The gate mean's four-at-a-time sigmoid (common.h sigmoid4_) against sigmoidf_ on every float.
+TEST(CudaOps, SigmoidFourGivesTheLibraryBits) {
+  REQUIRE_GPU();
+  EXPECT_EQ(sigmoid4_mismatches(), 0);
+}
+
 // The prefill mix's up projection with the gate mean as its epilogue (hc_up_gate_mean: clusters of S
 // blocks, g never written) against the two calls it replaces, gemv(up) and hc_gate_mean: the same bits
 // of u. Shapes: the released geometry, and small ones whose last feature block has idle warpgroups
@@ -769,7 +775,8 @@ TEST(CudaOps, UpGateMeanGivesTheUnfusedBits) {
   struct Case {
     int S, H, lowrank, rows;
   };
-  const Case cases[] = {{4, 2560, 320, 300}, {4, 2560, 320, 2048}, {2, 448, 256, 700}, {8, 128, 320, 257}};
+  const Case cases[] = {{4, 2560, 320, 300}, {4, 2560, 320, 2048}, {2, 448, 256, 700}, {8, 128, 320, 257},
+                        {4, 1024, 256, 1000}, {2, 1600, 320, 300}};
   for (const Case& c : cases) {
     SCOPED_TRACE("S " + std::to_string(c.S) + ", H " + std::to_string(c.H) + ", rows " + std::to_string(c.rows));
     const int W = c.S * c.H, n = c.rows;
@@ -785,12 +792,23 @@ TEST(CudaOps, UpGateMeanGivesTheUnfusedBits) {
     to_device(X, &xd);
     up.y = gd.get();
     up.ldy = W;
-    std::vector<float> u[2];
-    for (int fused : {0, 1}) {
+    // The unfused calls, the one-tile fused blocks and (where it applies) the persistent fused form.
+    std::vector<float> u[3];
+    set_hc_gm_persistent(1);
+    const bool persistent = hc_gm_persistent_applies(up, n, c.S);
+    set_hc_gm_persistent(-1);
+    if (W >= 2048) EXPECT_TRUE(persistent) << "the fp16 form's shapes take the persistent kernel";
+    for (int fused : {0, 1, 2}) {
       CUDA_CHECK(cudaMemset(ud.get(), 0xff, ud.bytes()));
+      if (fused == 2 && !persistent) {
+        u[2] = u[1];
+        continue;
+      }
       if (fused) {
+        set_hc_gm_persistent(fused == 2 ? 1 : 0);
         ASSERT_TRUE(hc_up_gate_mean(up, dd.get(), c.lowrank, n, xd.get(), W, c.S, c.H, ud.get(), c.H, nullptr))
             << "the fused kernel did not take the call";
+        set_hc_gm_persistent(-1);
       } else {
         gemv(&up, 1, dd.get(), c.lowrank, n, nullptr);
         hc_gate_mean(gd.get(), xd.get(), W, c.S, c.H, ud.get(), c.H, n, nullptr);
@@ -799,9 +817,12 @@ TEST(CudaOps, UpGateMeanGivesTheUnfusedBits) {
       u[fused] = to_host(ud.get(), static_cast<size_t>(n) * c.H);
     }
     const int64_t diff = rows_with_different_bits(u[0], u[1], n, c.H, c.H);
-    std::printf("  up + gate mean, S %d, H %d, K %d, %d rows: %lld rows differ\n", c.S, c.H, c.lowrank, n,
-                static_cast<long long>(diff));
+    const int64_t diff_p = rows_with_different_bits(u[0], u[2], n, c.H, c.H);
+    std::printf("  up + gate mean, S %d, H %d, K %d, %d rows: %lld rows differ, persistent form%s: %lld\n", c.S,
+                c.H, c.lowrank, n, static_cast<long long>(diff), persistent ? "" : " (not taken)",
+                static_cast<long long>(diff_p));
     EXPECT_EQ(diff, 0);
+    EXPECT_EQ(diff_p, 0) << "the persistent form";
     double mag = 0.0;
     for (float v : u[1]) mag = std::max(mag, std::fabs(static_cast<double>(v)));
     EXPECT_GT(mag, 1e-3) << "u is not all zeros";
