@@ -38,6 +38,9 @@ mkdir -p $S/lib
 # older bench_cuda beside the new one (CK_PREV_BENCH) they no longer fit with the labs (2026-12-06).
 BINS="cherenkov test_cuda_ops test_cuda_model bench_cuda persistent_step_lab"
 [ "${CK_NO_LABS:-0}" = 1 ] || BINS="$BINS icache_lab gemv_layout_lab"
+# CK_DEVCARRY_SKIP="a b": binaries left behind (the tree plus the carry must stay under 64 MiB: with
+# CK_PREV_BENCH, e.g. CK_DEVCARRY_SKIP="persistent_step_lab test_cuda_model" for an A/B call).
+for skip in ${CK_DEVCARRY_SKIP:-}; do BINS=$(echo " $BINS " | sed "s/ $skip / /"); done
 for b in $BINS; do
   cp "$B/$b" $S/
   strip --strip-debug $S/$b

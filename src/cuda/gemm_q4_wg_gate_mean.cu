@@ -108,8 +108,9 @@ __global__ void __launch_bounds__(kGmThreads, 1)
   };
 
   // The gate mean of an item whose sums are in P (wg_gate_mean_store's steps and arithmetic): products
-  // sigmoid(g_s) X_s in place, then (cluster barrier) block s adds the S blocks' products of tokens
-  // [s 64 / S, + 64 / S) in stream order and writes u. It runs while the next item's wgmmas do.
+  // sigmoid(g_s) X_s in place (gate_mean), then (cluster barrier) block s adds the S blocks' products of
+  // tokens [s 64 / S, + 64 / S) in stream order and writes u (gate_mean_sum). Both run while the next
+  // item's wgmmas do.
   auto gate_mean = [&](int row0, int f0, int nf, float* P) {
     const int nq = nf / 4;
     const float* xs = a.hc_x + s * H + f0;
@@ -147,6 +148,9 @@ __global__ void __launch_bounds__(kGmThreads, 1)
     products(0);
     load_x(kHalf);
     products(kHalf);
+  };
+  auto gate_mean_sum = [&](int row0, int f0, int nf, const float* P) {
+    const int nq = nf / 4;
     cluster.sync();  // every block's products, visible to the cluster
     const int tok = kGmTokens / S;  // this block's tokens of the tile: [s tok, (s + 1) tok)
     for (int e = tid; e < tok * kGmQuads; e += kGmThreads) {
@@ -242,16 +246,20 @@ __global__ void __launch_bounds__(kGmThreads, 1)
     wg_mma(acc, bias8_q, wg_desc(wb, kWgLbo, kWgSbo), 1);
     wg_commit();
 
-    // While they run: the item before's gate mean.
+    // While they run: the item before's gate mean. Between its products and its sums, this item's
+    // group wgmmas are done (all but the bias products' commit group): its stages take the next item's
+    // copies, which then fly during the sums.
     if (p_row0 >= 0) gate_mean(p_row0, p_f0, p_nf, p_P);
-
-    // This item's sums: every wgmma done, its stages free for the next item's copies.
-    wg_wait<0>();
-    wg_keep(acc);
+    wg_wait<1>();
     __syncwarp();
     if (lane == 0)
       for (int G = 0; G < groups; ++G) mbar_arrive(&empty[G]);
     if (warp == 0 && it + 1 < it1) produce(k + 1);
+    if (p_row0 >= 0) gate_mean_sum(p_row0, p_f0, p_nf, p_P);
+
+    // This item's sums: every wgmma done.
+    wg_wait<0>();
+    wg_keep(acc);
     // Its sums into products buffer k % 2 (its last readers, the cluster's blocks, read it before the
     // cluster barrier of the gate mean above), its tokens' 2^-e and 1 / rms, and its norm weights.
     float* const P = P0 + (k & 1) * kGmTokens * kGmLd;
@@ -274,7 +282,10 @@ __global__ void __launch_bounds__(kGmThreads, 1)
     p_nf = nf;
     p_P = P;
   }
-  if (p_row0 >= 0) gate_mean(p_row0, p_f0, p_nf, p_P);
+  if (p_row0 >= 0) {
+    gate_mean(p_row0, p_f0, p_nf, p_P);
+    gate_mean_sum(p_row0, p_f0, p_nf, p_P);
+  }
   cluster.sync();  // the others have read this block's products before it leaves
 #else
   __trap();  // built for sm_90a only (CMakeLists.txt); q4_wg_gate_mean_persistent_ready() keeps others off
