@@ -43,7 +43,7 @@ BINS="cherenkov test_cuda_ops test_cuda_model bench_cuda persistent_step_lab"
 for skip in ${CK_DEVCARRY_SKIP:-}; do BINS=$(echo " $BINS " | sed "s/ $skip / /"); done
 for b in $BINS; do
   cp "$B/$b" $S/
-  strip --strip-debug $S/$b
+  strip --strip-${CK_STRIP:-debug} $S/$b
 done
 for b in $BINS; do ldd "$B/$b" | awk '/=>/{print $3}'; done | sort -u |
   grep -v -E '/(libc|libm|libdl|libpthread|librt|libcuda)\.so|ld-linux' | while read -r lib; do
@@ -63,7 +63,7 @@ done
 # CK_PREV_BENCH2=FILE: a third build, as bench_cuda_prev2.
 if [ -n "${CK_PREV_BENCH:-}" ]; then
   cp "$CK_PREV_BENCH" $S/bench_cuda_prev
-  strip --strip-debug $S/bench_cuda_prev
+  strip --strip-${CK_STRIP:-debug} $S/bench_cuda_prev
 fi
 if [ -n "${CK_PREV_BENCH2:-}" ]; then
   cp "$CK_PREV_BENCH2" $S/bench_cuda_prev2
