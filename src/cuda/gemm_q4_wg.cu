@@ -879,18 +879,8 @@ void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& 
 // up projection's K is hc_lowrank: 5 groups at the released geometry).
 static cudaLaunchConfig_t gate_mean_config(const Q4WgArgs& a, cudaLaunchAttribute* attr, cudaStream_t stream) {
   constexpr int kF = 64 * 3;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(a.hc_s * ((a.hc_h + kF - 1) / kF)), static_cast<unsigned>((a.rows + 127) / 128), 1);
-  cfg.blockDim = dim3(3 * 128);
-  cfg.dynamicSmemBytes = wg_bulk_smem(2, 128, true, 3);
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(a.hc_s);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
+  const dim3 grid(static_cast<unsigned>(a.hc_s * ((a.hc_h + kF - 1) / kF)), static_cast<unsigned>((a.rows + 127) / 128), 1);
+  return wg_cluster_config(grid, 3 * 128, wg_bulk_smem(2, 128, true, 3), a.hc_s, attr, stream);
 }
 
 bool q4_wg_gate_mean_ready(int S) {

@@ -84,6 +84,23 @@ void launch_q4_wg_bulk(unsigned feature_tiles, unsigned splits, const Q4WgArgs& 
 // device runs such clusters.
 bool q4_wg_gate_mean_ready(int S);
 void launch_q4_wg_gate_mean(const Q4WgArgs& a, cudaStream_t stream);
+// The gate-mean kernels' launch: grid, block and dynamic shared memory, in clusters of S blocks along x
+// (attr: the one launch attribute, which the configuration points to).
+inline cudaLaunchConfig_t wg_cluster_config(dim3 grid, unsigned threads, int smem, int S, cudaLaunchAttribute* attr,
+                                            cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(S);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
 // The same product and gate mean as a persistent kernel (gemm_q4_wg_gate_mean.cu says why), for the
 // fp16 form (a.x_inv) with K of at most kQ4WgGateMeanMaxGroups groups: clusters of S blocks that each
 // take a run of (192 features, 64-token tile) items, so a.xf holds q4_xfrag_kernel's tile layout for tiles

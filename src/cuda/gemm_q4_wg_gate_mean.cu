@@ -293,18 +293,7 @@ __global__ void __launch_bounds__(kGmThreads, 1)
 }
 
 cudaLaunchConfig_t persistent_config(int S, unsigned clusters, cudaLaunchAttribute* attr, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(S) * clusters, 1, 1);
-  cfg.blockDim = dim3(kGmThreads);
-  cfg.dynamicSmemBytes = kGmSmem;
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(S);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
+  return wg_cluster_config(dim3(static_cast<unsigned>(S) * clusters, 1, 1), kGmThreads, kGmSmem, S, attr, stream);
 }
 
 // The clusters of S blocks that can be resident at once (0: none; the kernel cannot run here).

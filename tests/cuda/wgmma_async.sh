@@ -12,13 +12,17 @@ NVCC=${1:?nvcc}
 SRC=${2:?source dir}
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
-"$NVCC" -DCHERENKOV_HAVE_CUDA=1 -I"$SRC/src" -O3 -DNDEBUG -std=c++17 \
-  --generate-code=arch=compute_90a,code=[sm_90a] -Xptxas -v -x cu -c "$SRC/src/cuda/gemm_q4_wg.cu" \
-  -o "$OUT/gemm_q4_wg.o" > "$OUT/ptxas.log" 2>&1
-rc=$?
-if [ $rc != 0 ]; then
-  echo "nvcc failed (rc $rc):"; tail -20 "$OUT/ptxas.log"; exit 1
-fi
+# compile NAME LOG: src/cuda/NAME.cu for sm_90a with ptxas's report in LOG; exits on an nvcc error.
+compile() {
+  "$NVCC" -DCHERENKOV_HAVE_CUDA=1 -I"$SRC/src" -O3 -DNDEBUG -std=c++17 \
+    --generate-code=arch=compute_90a,code=[sm_90a] -Xptxas -v -x cu -c "$SRC/src/cuda/$1.cu" \
+    -o "$OUT/$1.o" > "$2" 2>&1
+  local rc=$?
+  if [ $rc != 0 ]; then
+    echo "nvcc failed on $1.cu (rc $rc):"; tail -20 "$2"; exit 1
+  fi
+}
+compile gemm_q4_wg "$OUT/ptxas.log"
 kernels=$(grep -c "Compiling entry function.*q4_wg_bulk_kernel" "$OUT/ptxas.log")
 if [ "$kernels" -lt 1 ]; then
   echo "no q4_wg_bulk_kernel in ptxas's report: nothing was checked"; exit 1
@@ -37,13 +41,7 @@ if grep "(C75[0-9][0-9])" "$OUT/ptxas.log" | grep -v -E "$KNOWN" | grep -q .; th
 fi
 # The persistent gate-mean kernel (gemm_q4_wg_gate_mean.cu) keeps every warp's A fragments of all of K
 # in registers (168 a thread, ptxas's ceiling at 384 threads): it must not be serialized either.
-"$NVCC" -DCHERENKOV_HAVE_CUDA=1 -I"$SRC/src" -O3 -DNDEBUG -std=c++17 \
-  --generate-code=arch=compute_90a,code=[sm_90a] -Xptxas -v -x cu -c "$SRC/src/cuda/gemm_q4_wg_gate_mean.cu" \
-  -o "$OUT/gemm_q4_wg_gate_mean.o" > "$OUT/ptxas_gm.log" 2>&1
-rc=$?
-if [ $rc != 0 ]; then
-  echo "nvcc failed on gemm_q4_wg_gate_mean.cu (rc $rc):"; tail -20 "$OUT/ptxas_gm.log"; exit 1
-fi
+compile gemm_q4_wg_gate_mean "$OUT/ptxas_gm.log"
 if ! grep -q "Compiling entry function.*q4_wg_gate_mean_persistent_kernel" "$OUT/ptxas_gm.log"; then
   echo "no q4_wg_gate_mean_persistent_kernel in ptxas's report: nothing was checked"; exit 1
 fi
