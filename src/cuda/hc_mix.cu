@@ -365,10 +365,20 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     if (tid < 64) {  // hc_gate_mean_kernel's order
       const int i = 64 * b + tid;
       float acc = 0.0f;
-      for (int s = 0; s < S; ++s) {
-        const int k = s * H + i;
-        const float x = (__ldcg(a.R + k) * rinv[s]) * a.norm[k];
-        acc = mul_add_rn(acc, sigmoidf_(gl[s][tid]), x);
+      for (int s0 = 0; s0 < S; s0 += 4) {  // four streams at once: their R loads, then their sigmoids
+        float x[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int k = (s0 + j) * H + i;
+          x[j] = s0 + j < S ? (__ldcg(a.R + k) * rinv[s0 + j]) * a.norm[k] : 0.0f;
+        }
+        // sigmoid4_: sigmoidf_'s bits, the four chains interleaved
+        const float4 sg = sigmoid4_(make_float4(gl[s0][tid], s0 + 1 < S ? gl[s0 + 1][tid] : 0.0f,
+                                                s0 + 2 < S ? gl[s0 + 2][tid] : 0.0f, s0 + 3 < S ? gl[s0 + 3][tid] : 0.0f));
+        const float sv[4] = {sg.x, sg.y, sg.z, sg.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (s0 + j < S) acc = mul_add_rn(acc, sv[j], x[j]);
       }
       const float v = acc / static_cast<float>(S);
       a.u[i] = v;

@@ -53,9 +53,16 @@ __global__ void hc_gate_mean_kernel(const float* g, const float* X, int ldgx, in
           gv[b] = gr[(s0 + b) * H + i];
           xv[b] = xr[(s0 + b) * H + i];
         }
+      float sg[kBatch];  // sigmoid4_: sigmoidf_'s bits, four interleaved
+#pragma unroll
+      for (int b = 0; b < kBatch; b += 4) {
+        const float4 v = sigmoid4_(make_float4(s0 + b < S ? gv[b] : 0.0f, s0 + b + 1 < S ? gv[b + 1] : 0.0f,
+                                               s0 + b + 2 < S ? gv[b + 2] : 0.0f, s0 + b + 3 < S ? gv[b + 3] : 0.0f));
+        sg[b] = v.x, sg[b + 1] = v.y, sg[b + 2] = v.z, sg[b + 3] = v.w;
+      }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b)
-        if (s0 + b < S) acc = mul_add_rn(acc, sigmoidf_(gv[b]), xv[b]);
+        if (s0 + b < S) acc = mul_add_rn(acc, sg[b], xv[b]);
     }
     v = acc / static_cast<float>(S);
     u[static_cast<size_t>(blockIdx.y) * ldu + i] = v;
