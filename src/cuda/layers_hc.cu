@@ -114,11 +114,28 @@ __global__ void __launch_bounds__(64) hc_gate_mean_rows_kernel(const float* g, c
           gv[r][b] = g[static_cast<size_t>(r) * ldgx + (s0 + b) * H + i];
           xv[r][b] = X[static_cast<size_t>(r) * ldgx + (s0 + b) * H + i];
         }
+    // The batch's R x kBatch sigmoids four at a time (sigmoid4_: sigmoidf_'s bits; one at a time, each
+    // was a dependent chain issued alone).
+    static_assert(R * kBatch % 4 == 0, "whole quads of sigmoids");
+    float sg[R][kBatch];
+#pragma unroll
+    for (int q = 0; q < R * kBatch; q += 4) {
+      float in[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = (q + j) / kBatch, b = (q + j) % kBatch;
+        in[j] = r < nx && s0 + b < S ? gv[r][b] : 0.0f;
+      }
+      const float4 o = sigmoid4_(make_float4(in[0], in[1], in[2], in[3]));
+      const float out[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sg[(q + j) / kBatch][(q + j) % kBatch] = out[j];
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int b = 0; b < kBatch; ++b)
-        if (r < nx && s0 + b < S) acc[r] = mul_add_rn(acc[r], sigmoidf_(gv[r][b]), xv[r][b]);
+        if (r < nx && s0 + b < S) acc[r] = mul_add_rn(acc[r], sg[r][b], xv[r][b]);
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) {

@@ -797,7 +797,9 @@ TEST(CudaOps, UpGateMeanGivesTheUnfusedBits) {
     set_hc_gm_persistent(1);
     const bool persistent = hc_gm_persistent_applies(up, n, c.S);
     set_hc_gm_persistent(-1);
-    if (W >= 2048) EXPECT_TRUE(persistent) << "the fp16 form's shapes take the persistent kernel";
+    if (W >= 2048) {
+      EXPECT_TRUE(persistent) << "the fp16 form's shapes take the persistent kernel";
+    }
     for (int fused : {0, 1, 2}) {
       CUDA_CHECK(cudaMemset(ud.get(), 0xff, ud.bytes()));
       if (fused == 2 && !persistent) {
