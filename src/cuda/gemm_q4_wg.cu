@@ -31,6 +31,7 @@
 #include "cuda/bulk_copy.cuh"
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
+#include "cuda/gate_mean_cluster.cuh"
 #include "cuda/mma_q4.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -258,22 +259,8 @@ __device__ __forceinline__ void wg_gate_mean_store(const Q4WgArgs& a, const floa
     const float4 sg = sigmoid4_(v);  // sigmoidf_'s bits
     *p = make_float4(__fmul_rn(sg.x, xv[k].x), __fmul_rn(sg.y, xv[k].y), __fmul_rn(sg.z, xv[k].z), __fmul_rn(sg.w, xv[k].w));
   }
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every block's products, visible to the cluster
-  const int tok = TN / S;  // this block's tokens: [s tok, (s + 1) tok)
-  for (int e = tid; e < tok * kQuads; e += kThreads) {
-    const int r = s * tok + e / kQuads, q = e % kQuads, row = drow[r];
-    if (row < 0 || q >= nq) continue;
-    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int b = 0; b < S; ++b) {
-      const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(&P[r * kLd + 4 * q], b));
-      sum = make_float4(__fadd_rn(sum.x, v.x), __fadd_rn(sum.y, v.y), __fadd_rn(sum.z, v.z), __fadd_rn(sum.w, v.w));
-    }
-    const float fs = static_cast<float>(S);
-    *reinterpret_cast<float4*>(a.hc_u + static_cast<size_t>(row) * a.ld_u + f0 + 4 * q) =
-        make_float4(sum.x / fs, sum.y / fs, sum.z / fs, sum.w / fs);
-  }
-  cluster.sync();  // the others have read this block's products before it leaves
+  gate_mean_cluster_sum<TN, kLd, kQuads, kThreads>(a, P, s, f0, nq, [&](int r) { return drow[r]; });
+  cg::this_cluster().sync();  // the others have read this block's products before it leaves
 }
 
 // y_job[row] = epi(w_job · x[row]) for the dense jobs; grid (feature tiles, rows / TN, K splits). TN: 64

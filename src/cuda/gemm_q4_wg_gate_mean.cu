@@ -25,6 +25,7 @@
 #include "cuda/bulk_copy.cuh"
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
+#include "cuda/gate_mean_cluster.cuh"
 #include "cuda/gemm_q4_wg.h"
 #include "cuda/wgmma.cuh"
 
@@ -150,21 +151,9 @@ __global__ void __launch_bounds__(kGmThreads, 1)
     products(kHalf);
   };
   auto gate_mean_sum = [&](int row0, int f0, int nf, const float* P) {
-    const int nq = nf / 4;
-    cluster.sync();  // every block's products, visible to the cluster
-    const int tok = kGmTokens / S;  // this block's tokens of the tile: [s tok, (s + 1) tok)
-    for (int e = tid; e < tok * kGmQuads; e += kGmThreads) {
-      const int r = s * tok + e / kGmQuads, q = e % kGmQuads, row = row0 + r;
-      if (row >= a.rows || q >= nq) continue;
-      float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      for (int b = 0; b < S; ++b) {
-        const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(&P[r * kGmLd + 4 * q], b));
-        sum = make_float4(__fadd_rn(sum.x, v.x), __fadd_rn(sum.y, v.y), __fadd_rn(sum.z, v.z), __fadd_rn(sum.w, v.w));
-      }
-      const float fs = static_cast<float>(S);
-      *reinterpret_cast<float4*>(a.hc_u + static_cast<size_t>(row) * a.ld_u + f0 + 4 * q) =
-          make_float4(sum.x / fs, sum.y / fs, sum.z / fs, sum.w / fs);
-    }
+    gate_mean_cluster_sum<kGmTokens, kGmLd, kGmQuads, kGmThreads>(a, P, s, f0, nf / 4, [&](int r) {
+      return row0 + r < a.rows ? row0 + r : -1;
+    });
   };
 
   uint32_t ah[kQ4WgGateMeanMaxGroups][4][4] = {};  // this warp's 16 rows, all of K (fp16 A fragments)
