@@ -2,6 +2,11 @@
 // launch_q4_wg_gate_mean_persistent). The arithmetic of q4_wg_bulk_kernel's gate-mean form in fp16
 // (gemm_q4_wg.cu, "The fp16 form"; wg_gate_mean_store), so the same bits of u.
 //
+// Off by default (CK_HC_GM_PERSISTENT=1 to compare): measured slower than the one-tile blocks it would
+// replace, 714 against 579 us a call at 8k rows on an H100 (Nsight Compute durations, 2026-12-06,
+// docs/roofline-cuda.md "Fiftieth session"): three warpgroups of 64-token tiles do not keep the tensor
+// cores fed while the gate mean runs.
+//
 // Why: that form runs one 128-token tile a block, and its K is small (hc_lowrank = 320, five groups), so
 // each block fills its pipeline, multiplies for a fifth of its life and then runs its gate mean while the
 // tensor cores wait: 27 waves of one-tile blocks at 8k tokens, no unit a third busy (Nsight Compute,
