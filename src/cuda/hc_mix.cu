@@ -365,7 +365,11 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     if (tid < 64) {  // hc_gate_mean_kernel's order
       const int i = 64 * b + tid;
       float acc = 0.0f;
-      for (int s0 = 0; s0 < S; s0 += 4) {  // four streams at once: their R loads, then their sigmoids
+      // Four streams at once: their R loads, then their sigmoids. One stream at a time, each sigmoid's
+      // division (a branch region of its own) kept the next stream's load behind it: four round trips
+      // and four ~24-instruction chains in a row, in every mix's tail. One-row decode +1.8% (H100,
+      // 2026-12-06, one call against the build before; docs/roofline-cuda.md "Fiftieth session").
+      for (int s0 = 0; s0 < S; s0 += 4) {
         float x[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
