@@ -1032,10 +1032,14 @@ static bool hc_gm_persistent_on() {
   return g_hc_gm_persistent < 0 ? env_on : g_hc_gm_persistent > 0;
 }
 
+// Whether the persistent form takes an up projection whose prefill form is `form`.
+static bool hc_gm_persistent_takes(const Q4Form& form, const GemvJob& up, int S) {
+  return hc_gm_persistent_on() && form.ok && form.f16 && up.w.cols / 64 <= kQ4WgGateMeanMaxGroups &&
+         q4_wg_gate_mean_persistent_ready(S);
+}
+
 bool hc_gm_persistent_applies(const GemvJob& up, int rows, int S) {
-  if (!hc_gm_persistent_on()) return false;
-  const Q4Form form = q4_form(&up, 1, rows, prefill_parts());
-  return form.ok && form.f16 && up.w.cols / 64 <= kQ4WgGateMeanMaxGroups && q4_wg_gate_mean_persistent_ready(S);
+  return hc_gm_persistent_on() && hc_gm_persistent_takes(q4_form(&up, 1, rows, prefill_parts()), up, S);
 }
 
 bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const float* X, int ldX, int S, int H,
@@ -1072,7 +1076,7 @@ bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const
   w.hc_h = H;
   static const bool prefetch = !env_is("CK_HC_GM_PREFETCH", "0");
   w.hc_prefetch = prefetch ? 1 : 0;
-  const bool persistent = hc_gm_persistent_applies(up, rows, S);
+  const bool persistent = hc_gm_persistent_takes(form, up, S);
   XFrag f = make_xfrag(d, ldd, rows, K, groups, parts, stream, 2, persistent ? 64 : 128, false, form.f16);
   w.xf = f.xf;
   w.gsum = f.gsum;

@@ -129,8 +129,8 @@ bool hc_up_gate_mean(const GemvJob& up, const float* d, int ldd, int rows, const
                      float* u, int ldu, cudaStream_t stream, const XNorm* xn = nullptr);
 void set_hc_up_gate_mean(int on);
 // Its persistent form (gemm_q4_wg_gate_mean.cu: clusters that stay, 64-token tiles, the weights in
-// registers) where it applies (the fp16 form, K <= 320); the same bits. Off by default (measured slower
-// than the one-tile blocks: docs/roofline-cuda.md, forty-ninth session); CK_HC_GM_PERSISTENT=1 or
+// registers) where it applies (the fp16 form, K <= 320); the same bits. Off by default (both of its forms
+// measured slower than the one-tile blocks: docs/roofline-cuda.md, fiftieth session); CK_HC_GM_PERSISTENT=1 or
 // set_hc_gm_persistent(1) takes it, 0 not, -1 back to the environment's.
 void set_hc_gm_persistent(int on);
 // How many of the 2^32 float inputs sigmoid4_ (common.h) gives other bits than sigmoidf_ for (NaNs
