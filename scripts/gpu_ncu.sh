@@ -27,12 +27,13 @@ if [ "${CK_NCU_DURATIONS:-0}" = 1 ]; then
   python3 scripts/ncu_sum.py "$OUT/ncu_durations.csv" --step embed_wide --by-grid --top 40 || true
   exit 0
 fi
-# CK_NCU_SOURCE=1: warp-state samples every 32 cycles per SASS instruction of the kernel
+# CK_NCU_SOURCE=1: warp-state samples every 32 cycles per SASS instruction of the kernel (CK_NCU_CACHE=all:
+# L2 flushed before each of its replays, for kernels whose bytes are not in L2 in a real step)
 # ($OUT/ncu_source.csv, the source page as CSV): where its warps wait, instruction by instruction;
 # the usual sections in $OUT/ncu_source_details.txt. CK_NCU_NAME_BASE=demangled lets CK_NCU_KERNEL
 # name template arguments (regex:q4_tile_kernel<1).
 if [ "${CK_NCU_SOURCE:-0}" = 1 ]; then
-  timeout "${CK_NCU_TIMEOUT:-240}" "$NCU" --cache-control none --clock-control none --section SourceCounters \
+  timeout "${CK_NCU_TIMEOUT:-240}" "$NCU" --cache-control "${CK_NCU_CACHE:-none}" --clock-control none --section SourceCounters \
     --section WarpStateStats --section SpeedOfLight --section Occupancy --section SchedulerStats \
     --section InstructionStats --section MemoryWorkloadAnalysis --warp-sampling-interval 0 \
     --kernel-name-base "${CK_NCU_NAME_BASE:-function}" -k "${CK_NCU_KERNEL:-regex:gemv_q_kernel}" \

@@ -228,7 +228,11 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
   __shared__ float red[2][8][2][16][4];
   constexpr int kAsker = 32;  // warp 1's lane 0 asks for the copies (warp 0 writes the outputs)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int first = blockIdx.x * per, n = min(per, n_tiles - first);
+  // per == 0 (CK_EXPERT_STREAM_EVEN=1, an experiment): the tiles split as evenly as the grid allows,
+  // the first n_tiles % gridDim.x blocks one more.
+  const int q = n_tiles / gridDim.x, r = n_tiles % gridDim.x, b = blockIdx.x;
+  const int first = per > 0 ? b * per : b * q + min(b, r);
+  const int n = per > 0 ? min(per, n_tiles - first) : q + (b < r ? 1 : 0);
   const int groups = vec_groups;
   const uint32_t bytes = static_cast<uint32_t>(groups) * kTileGroupBytes;
   if (threadIdx.x == 0) {
@@ -322,6 +326,12 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
     }
   }
 }
+
+// A team's barrier in the fused kernel: one named barrier of its 256 threads.
+struct HalfSync {
+  int id;  // 1 or 2 (0 is __syncthreads')
+  __device__ __forceinline__ void operator()() const { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+};
 
 // Where expert_down_bulk_kernel's tiles start in its dynamic shared memory (after the fragments and
 // group sums, rounded up to 128 bytes), and its whole size.
@@ -434,6 +444,29 @@ __host__ __device__ constexpr size_t bulk_down_stream_smem(int max_groups) {
   return bulk_down_tiles_offset(max_groups) + 2 * 8 * static_cast<size_t>(max_groups) * kTileGroupBytes;
 }
 constexpr size_t kDownStreamMaxSmem = 110 * 1024;  // two blocks per SM at max_groups 10 (H200: 227 KB)
+
+// The fused kernel's stage: a gate/up tile (both matrices) or a down chunk (8 tiles), the larger.
+__host__ __device__ constexpr size_t fused_stage_bytes(int groups, int max_groups) {
+  return (2 * static_cast<size_t>(groups) > 8 * static_cast<size_t>(max_groups) ? 2 * static_cast<size_t>(groups)
+                                                                                 : 8 * static_cast<size_t>(max_groups)) *
+         kTileGroupBytes;
+}
+// The fused kernel's dynamic shared memory: two teams' two stages and down fragments.
+__host__ __device__ constexpr size_t fused_smem(int groups, int max_groups) {
+  return 2 * (2 * fused_stage_bytes(groups, max_groups) + bulk_down_tiles_offset(max_groups));
+}
+
+// The fused kernel's per-pair counts (n_pairs each, zero between kernels): ready[p], pair p's gate/up
+// tiles stored; ready[n_pairs + p], pair p's down chunks that have read them. The last chunk to read
+// a pair puts both back to zero, so the next layer's kernel finds them zero (its wait orders it after
+// this kernel's end).
+struct PairCounts {
+  unsigned* ready;
+  int n_pairs;
+  int tiles_per_pair;  // a pair's gate/up tiles, its rows or not
+  int bpp;             // a pair's down chunks
+};
+
 __global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const ExpertPair* __restrict__ pairs, int bpp,
                                                                     int n_chunks, int per, int max_groups,
                                                                     const float* __restrict__ h, int ldh,
@@ -442,7 +475,10 @@ __global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const Expert
   __shared__ uint64_t bar[2];
   constexpr int kAsker = 32;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
-  const int first = blockIdx.x * per, n = min(per, n_chunks - first);
+  // per == 0 (CK_EXPERT_STREAM_EVEN=1): the chunks split as evenly as the grid allows.
+  const int q = n_chunks / gridDim.x, r = n_chunks % gridDim.x, b = blockIdx.x;
+  const int first = per > 0 ? b * per : b * q + min(b, r);
+  const int n = per > 0 ? min(per, n_chunks - first) : q + (b < r ? 1 : 0);
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(max_groups) * 4 * 32);
   uint8_t* stiles = reinterpret_cast<uint8_t*>(sfrag) + bulk_down_tiles_offset(max_groups);
   const size_t stage_bytes = 8 * static_cast<size_t>(max_groups) * kTileGroupBytes;
@@ -499,6 +535,220 @@ __global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const Expert
     __syncthreads();  // stage i % 2 read
     if (threadIdx.x == kAsker && i + 2 < n) ask(i + 2);
   }
+}
+
+// Pair p's gate/up tiles are all stored (the fused kernel's count says so): thread tid 0 waits, then
+// the team's barrier; the team then reads h through L2 only.
+template <class Sync>
+__device__ __forceinline__ void wait_pair_ready(const PairCounts& counts, int p, int tid, Sync sync) {
+  if (tid == 0) {
+    const unsigned* r = counts.ready + p;
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(r) : "memory");
+    if (v < static_cast<unsigned>(counts.tiles_per_pair)) {
+      // A wait of seconds means a block that never became resident (the launch's occupancy check
+      // failed to hold): trap, so the step fails with a CUDA error instead of hanging.
+      uint64_t t0, now;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+      do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(r) : "memory");
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - t0 > 2000000000ull) __trap();
+      } while (v < static_cast<unsigned>(counts.tiles_per_pair));
+    }
+  }
+  sync();
+}
+
+// The fused kernel's team: 8 warps (tid 0..255) and one ring of two stages over the team's units, first
+// its gate/up tiles [t_first, t_first + t_n), then its down chunks [c_first, c_first + c_n): unit u's
+// bytes are asked for as soon as unit u - 2 has left its stage, so a team's down chunks stream while
+// its last tiles are multiplied. Each tile's and chunk's arithmetic is expert_gate_up_stream_kernel's
+// and expert_down_stream_kernel's (the same bits). stage_bytes: the larger of a tile's and a chunk's.
+// sfrag: down's fragments and sums (bulk_down_tiles_offset(max_groups) bytes).
+template <class Sync>
+__device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ pairs, int t_first, int t_n, int c_first,
+                                                 int c_n, const uint2* __restrict__ frag, const float* __restrict__ gsum,
+                                                 int vec_groups, float* __restrict__ h, int ldh, int max_groups,
+                                                 float* __restrict__ y, int ldy, const SharedSlot& sh,
+                                                 const PairCounts& counts, uint8_t* stages, size_t stage_bytes,
+                                                 uint2* sfrag, uint64_t* bar, float (*red)[8][2][16][4], int tid,
+                                                 Sync sync) {
+  constexpr int kAsker = 32;  // warp 1's lane 0 asks for the copies (warp 0 writes gate/up's outputs)
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int groups = vec_groups, tpp = counts.tiles_per_pair, bpp = counts.bpp, n_units = t_n + c_n;
+  const uint32_t bytes = static_cast<uint32_t>(groups) * kTileGroupBytes;  // one matrix of a gate/up tile
+  float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(max_groups) * 4 * 32);
+  auto is_shared = [&](int j) { const int p = j / tpp; return sh.k1 > 0 && p % sh.k1 == sh.k1 - 1; };
+  auto tile_of = [&](int j, DMatrix& gate, DMatrix& up, int& vec, int& row0) {
+    const int p = j / tpp;
+    row0 = (j % tpp) * kTileRows;
+    const bool shd = is_shared(j);
+    gate = shd ? sh.gate : pairs[p].gate;
+    up = shd ? sh.up : pairs[p].up;
+    vec = shd ? p / sh.k1 : pairs[p].x_row;
+  };
+  // Unit u into stage u % 2 (none past a matrix's rows: its phase completes).
+  auto ask = [&](int u) {
+    uint64_t* b = &bar[u & 1];
+    uint8_t* st = stages + (u & 1) * stage_bytes;
+    if (u < t_n) {
+      DMatrix gate, up;
+      int vec, row0;
+      tile_of(t_first + u, gate, up, vec, row0);
+      if (row0 >= gate.rows) {
+        mbar_arrive_expect(b, 0);
+        return;
+      }
+      mbar_arrive_expect(b, 2 * bytes);
+      bulk_copy_1d(st, gate.tile_group(row0 / kTileRows, 0), bytes, b);
+      bulk_copy_1d(st + bytes, up.tile_group(row0 / kTileRows, 0), bytes, b);
+      return;
+    }
+    const int c = c_first + u - t_n, T0 = (c % bpp) * 8;
+    const DMatrix w = pairs[c / bpp].down;
+    const int n_tiles = min(8, w.rows / kTileRows - T0);
+    if (n_tiles <= 0) {
+      mbar_arrive_expect(b, 0);
+      return;
+    }
+    const uint32_t cb = static_cast<uint32_t>(n_tiles) * (w.cols / 64) * kTileGroupBytes;
+    mbar_arrive_expect(b, cb);
+    bulk_copy_1d(st, w.tile_group(T0, 0), cb, b);
+  };
+  const bool early0 = t_n > 0 && is_shared(t_first), early1 = t_n > 1 && is_shared(t_first + 1);
+  if (tid == kAsker) {  // weights never change: the shared expert's tiles before the wait
+    if (early0) ask(0);
+    if (early1) ask(1);
+  }
+  pdl_begin();  // the pairs (route) and the fragments (the mix) come from the kernels before
+  if (tid == kAsker) {
+    if (n_units > 0 && !early0) ask(0);
+    if (n_units > 1 && !early1) ask(1);
+  }
+  const int per_w = (groups + 7) / 8, G0 = min(groups, warp * per_w), G1 = min(groups, G0 + per_w);
+  uint2 fb[kStreamWarpGroups][4];
+  float fx[kStreamWarpGroups];
+  int frag_vec = -1, frag_pair = -1;
+  for (int u = 0; u < n_units; ++u) {
+    const int s = u & 1;
+    const uint8_t* st = stages + s * stage_bytes;
+    if (u < t_n) {  // a gate/up tile: expert_gate_up_stream_kernel's loop body
+      DMatrix gate, up;
+      int vec, row0;
+      tile_of(t_first + u, gate, up, vec, row0);
+      const bool valid = row0 < gate.rows;  // team-uniform
+      if (valid && (!gate.tiled() || !up.tiled() || gate.cols != vec_groups * 64 || up.cols != gate.cols)) __trap();
+      if (valid && vec != frag_vec) {
+        const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * kOneFragWords + tc4_one_frag_lane(g, t);
+        const float* gv = gsum + static_cast<size_t>(vec) * vec_groups;
+#pragma unroll
+        for (int j = 0; j < kStreamWarpGroups; ++j)
+          if (G0 + j < G1) fx[j] = tc4_one_frags_group(fv, gv, G0 + j, t, fb[j]);
+        frag_vec = vec;
+      }
+      mbar_wait(&bar[s], (u >> 1) & 1);
+      if (valid) {
+        float acc[2][4] = {};
+#pragma unroll
+        for (int j = 0; j < kStreamWarpGroups; ++j) {
+          if (G0 + j >= G1) break;
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            uint2 wa, wb;
+            float sa, ba, sb, bb;
+            tile_group_lds(st + m * bytes + static_cast<size_t>(G0 + j) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
+            tc4_one_mma_regs(wa, wb, sa, ba, sb, bb, fb[j], fx[j], acc[m]);
+          }
+        }
+#pragma unroll
+        for (int m = 0; m < 2; ++m) one_row_stash(red[s][warp][m], acc[m], g, t);
+      }
+      sync();  // stage s read, red[s] written
+      if (tid == kAsker && u + 2 < n_units) ask(u + 2);
+      if (warp == 0) {
+        const int p = (t_first + u) / tpp;
+        if (valid && lane < 16 && row0 + lane < gate.rows) {
+          const float v0 = one_row_value<2>(red[s], 8, 0, lane), v1 = one_row_value<2>(red[s], 8, 1, lane);
+          h[static_cast<size_t>(p) * ldh + row0 + lane] = siluf_(v0) * v1;
+        }
+        __syncwarp();  // the warp's stores of the tile, then one release of them with the pair's count
+        if (lane == 0) {
+          asm volatile("fence.acq_rel.gpu;" ::: "memory");
+          asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(counts.ready + p) : "memory");
+        }
+      }
+      continue;
+    }
+    // A down chunk: expert_down_stream_kernel's loop body, once its pair's h is all stored.
+    const int c = c_first + u - t_n, p = c / bpp, T0 = (c % bpp) * 8, row0 = (T0 + warp) * kTileRows;
+    const DMatrix w = pairs[p].down;
+    const int kg = w.cols / 64, n_tiles = min(8, w.rows / kTileRows - T0);
+    if (n_tiles > 0 && (!w.tiled() || kg > max_groups)) __trap();  // the launch's promise
+    if (p != frag_pair) {  // team-uniform; the last barrier ended every read of the fragments
+      wait_pair_ready(counts, p, tid, sync);
+      one_row_frags_in_warps<2, true>(h + static_cast<size_t>(p) * ldh, 0, kg, sfrag, sgs, warp, 8);
+      sync();
+      frag_pair = p;
+    }
+    if (tid == 0) {  // this chunk has read the pair's h; the last one puts the counts back
+      if (atomicAdd(counts.ready + counts.n_pairs + p, 1u) == static_cast<unsigned>(bpp) - 1) {
+        counts.ready[p] = 0;
+        counts.ready[counts.n_pairs + p] = 0;
+      }
+    }
+    mbar_wait(&bar[s], (u >> 1) & 1);
+    if (warp < n_tiles) {
+      float acc[4] = {};
+      const uint8_t* tile = st + static_cast<size_t>(warp) * kg * kTileGroupBytes;
+#pragma unroll 2
+      for (int G = 0; G < kg; ++G) {
+        uint2 wa, wb;
+        float sa, ba, sb, bb;
+        tile_group_lds(tile + static_cast<size_t>(G) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
+        tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 4 * 32 + lane, t == 0 ? sgs[G] : 0.0f,
+                    acc);
+      }
+      one_row_tile_store(acc, y + static_cast<size_t>(p) * ldy, row0, w.rows);
+    }
+    sync();  // stage s read
+    if (tid == kAsker && u + 2 < n_units) ask(u + 2);
+  }
+}
+
+// Decode experts' gate/up and down in one kernel (CK_EXPERT_FUSED=1; off by default, see below): 512
+// threads a block, two teams of 8 warps (experts_team_run), one block an SM, all resident. Team k of the
+// grid's 2B (k = team x B + block) takes its share of the gate/up tiles (the first teams one more) and
+// of the down chunks (the last teams one more), so each SM gets the same number of units within one.
+// Why: as two kernels, down's bytes can only stream once its blocks find room beside the gate/up
+// kernel's, and a kernel boundary sits between them. Here gate/up keeps its two streaming blocks an SM
+// (two teams, 4 tiles in flight an SM), down's chunks take the stages the tiles free, and a pair's down
+// waits only for that pair's tiles (ready counts in global memory: PairCounts).
+// No deadlock: a team waits only for tiles, which every team takes before any chunk and multiplies
+// without waiting for anything but their copies, and every block is resident (at most one block an SM).
+// grid = SMs x blocks an SM, block 512, dynamic shared memory 2 x (2 stage_bytes + the fragments).
+__global__ void __launch_bounds__(512, 1) expert_tc4_fused_kernel(
+    const ExpertPair* __restrict__ pairs, int n_tiles, const uint2* __restrict__ frag, const float* __restrict__ gsum,
+    int vec_groups, float* __restrict__ h, int ldh, int n_chunks, int max_groups, float* __restrict__ y, int ldy,
+    const __grid_constant__ SharedSlot sh, const __grid_constant__ PairCounts counts) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ uint64_t bar[2][2];
+  __shared__ float red[2][2][8][2][16][4];
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 2; ++j) mbar_init(&bar[i][j]);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int team = threadIdx.x >> 8, K = 2 * gridDim.x, k = team * gridDim.x + blockIdx.x;
+  const int tq = n_tiles / K, tr = n_tiles % K, cq = n_chunks / K, cr = n_chunks % K;
+  const int t_first = k * tq + min(k, tr), t_n = tq + (k < tr ? 1 : 0);
+  const int c_first = k * cq + max(0, k - (K - cr)), c_n = cq + (k >= K - cr ? 1 : 0);
+  const size_t stage_bytes = fused_stage_bytes(vec_groups, max_groups);
+  uint8_t* mine = smem + team * (2 * stage_bytes + bulk_down_tiles_offset(max_groups));
+  experts_team_run(pairs, t_first, t_n, c_first, c_n, frag, gsum, vec_groups, h, ldh, max_groups, y, ldy, sh, counts,
+                   mine + bulk_down_tiles_offset(max_groups), stage_bytes, reinterpret_cast<uint2*>(mine), bar[team],
+                   red[team], threadIdx.x & 255, HalfSync{1 + team});
 }
 }  // namespace
 
@@ -565,6 +815,17 @@ struct StreamLaunchCache {
   size_t smem = 0;
   int blocks_per_sm = 0;
 };
+// CK_EXPERT_STREAM_EVEN=1 (an experiment): the streaming kernels' tiles or chunks split as evenly as
+// every resident block allows, not in runs of ceil(units / blocks) (which left 44 of 132 SMs one block
+// at one row: 440 tiles in runs of 2).
+bool expert_stream_even() {
+  static const bool on = env_is("CK_EXPERT_STREAM_EVEN", "1");
+  return on;
+}
+// The blocks a streaming kernel's launch may have resident (after stream_run_length filled the cache).
+int resident_blocks(const StreamLaunchCache& c) {
+  return g_expert_stream_blocks > 0 ? g_expert_stream_blocks : sm_count() * c.blocks_per_sm;
+}
 template <class Kernel>
 int stream_run_length(Kernel kernel, size_t max_smem, size_t smem, int units, StreamLaunchCache& c) {
   if (!c.smem_limit_set) {
@@ -586,26 +847,37 @@ bool expert_shared_early_on() {
   return g_shared_early < 0 ? env_on : g_shared_early != 0;
 }
 
+// The compact one-row fragments of x's n_vec rows (Tc4Frags): the producer's, when it made them
+// (pre), else made here in step scratch, which the caller frees (the returned pointer) after its launch.
+uint8_t* frags_for(const float* x, int ldx, int n_vec, int groups, const Tc4Frags* pre, const uint2** frag,
+                   const float** gsum, cudaStream_t s) {
+  if (pre && pre->covers(x, ldx, n_vec, groups)) {  // fragments made by the producer of x
+    *frag = pre->frag;
+    *gsum = pre->gsum;
+    return nullptr;
+  }
+  const size_t frag_elems = static_cast<size_t>(groups) * kOneFragWords;  // the compact one-row layout
+  uint8_t* scratch =
+      static_cast<uint8_t*>(scratch_alloc(n_vec * (frag_elems * sizeof(uint2) + sizeof(float) * groups), s));
+  uint2* f = reinterpret_cast<uint2*>(scratch);
+  float* gs = reinterpret_cast<float*>(scratch + n_vec * frag_elems * sizeof(uint2));
+  tc4_frag_vectors(x, ldx, n_vec, groups, frag_elems, f, gs, s);  // gemv_tc4.cu: tc4_frag_kernel<1>
+  *frag = f;
+  *gsum = gs;
+  return scratch;
+}
+
+int g_expert_fused = -1;  // set_expert_fused; -1: the environment's
+// The fused kernel's dynamic shared memory at most (one block an SM: H100/H200 allow 227 KB).
+constexpr size_t kFusedMaxSmem = 206 * 1024;
+
 template <bool GATE_UP>
 void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int groups, const float* x, int ldx,
                        int n_vec, float* out, int ldo, cudaStream_t s, const Tc4Frags* pre, bool all_tiled,
                        const SharedSlot* shared = nullptr) {
-  const size_t frag_elems = static_cast<size_t>(groups) * kOneFragWords;  // the compact one-row layout
-  uint8_t* scratch = nullptr;
   const uint2* frag = nullptr;
   const float* gsum = nullptr;
-  if (pre && pre->covers(x, ldx, n_vec, groups)) {  // fragments made by the producer of x
-    frag = pre->frag;
-    gsum = pre->gsum;
-  } else {
-    scratch = static_cast<decltype(scratch)>(
-        scratch_alloc(n_vec * (frag_elems * sizeof(uint2) + sizeof(float) * groups), s));
-    uint2* f = reinterpret_cast<uint2*>(scratch);
-    float* gs = reinterpret_cast<float*>(scratch + n_vec * frag_elems * sizeof(uint2));
-    tc4_frag_vectors(x, ldx, n_vec, groups, frag_elems, f, gs, s);  // gemv_tc4.cu: tc4_frag_kernel<1>
-    frag = f;
-    gsum = gs;
-  }
+  uint8_t* scratch = frags_for(x, ldx, n_vec, groups, pre, &frag, &gsum, s);
   const int tiles_per_pair = static_cast<int>(ceil_div(max_rows, 16)), tiles = n_pairs * tiles_per_pair;
   // Tiled experts: gate and up through bulk copies.
   const size_t bulk_smem = 2 * static_cast<size_t>(groups) * kTileGroupBytes;
@@ -621,8 +893,11 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
     if (expert_stream_on() && 2 * bulk_smem <= kBulkMaxSmem && ceil_div(groups, 8) <= kStreamWarpGroups) {
       static StreamLaunchCache cache;
       const int per = stream_run_length(expert_gate_up_stream_kernel, kBulkMaxSmem, 2 * bulk_smem, tiles, cache);
-      launch(expert_gate_up_stream_kernel, static_cast<unsigned>(ceil_div(tiles, per)), 256, 2 * bulk_smem, s, pairs,
-             tiles_per_pair, tiles, per, frag, gsum, groups, out, ldo, sh);
+      const bool even = expert_stream_even();
+      const int grid = even ? std::min(tiles, resident_blocks(cache))
+                            : static_cast<int>(ceil_div(tiles, per));
+      launch(expert_gate_up_stream_kernel, static_cast<unsigned>(grid), 256, 2 * bulk_smem, s, pairs,
+             tiles_per_pair, tiles, even ? 0 : per, frag, gsum, groups, out, ldo, sh);
       CUDA_CHECK_LAUNCH();
       if (scratch) scratch_free(scratch, s);
       return;
@@ -681,8 +956,10 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
       static StreamLaunchCache cache;
       const int chunks = n_pairs * bpp;
       const int per = stream_run_length(expert_down_stream_kernel, kDownStreamMaxSmem, ssmem, chunks, cache);
-      launch(expert_down_stream_kernel, static_cast<unsigned>(ceil_div(chunks, per)), 256, ssmem, stream, pairs, bpp,
-             chunks, per, max_groups, h, ldh, y, ldy);
+      const bool even = expert_stream_even();
+      const int grid = even ? std::min(chunks, resident_blocks(cache)) : static_cast<int>(ceil_div(chunks, per));
+      launch(expert_down_stream_kernel, static_cast<unsigned>(grid), 256, ssmem, stream, pairs, bpp, chunks,
+             even ? 0 : per, max_groups, h, ldh, y, ldy);
       CUDA_CHECK_LAUNCH();
       return;
     }
@@ -700,6 +977,48 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
     return;
   }
   launch_expert_tc4<false>(pairs, n_pairs, hidden, max_inter / 64, h, ldh, n_pairs, y, ldy, stream, nullptr, false);
+}
+
+bool expert_fused_on() {
+  static const bool env_on = env_is("CK_EXPERT_FUSED", "1");
+  return g_expert_fused < 0 ? env_on : g_expert_fused != 0;
+}
+void set_expert_fused(int on) { g_expert_fused = on < 0 ? -1 : (on ? 1 : 0); }
+
+size_t expert_fused_counts(int n_pairs) { return 2 * static_cast<size_t>(n_pairs); }
+
+bool expert_tc4_fused(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
+                      int x_rows, float* h, int ldh, float* y, int ldy, unsigned* counts, cudaStream_t stream,
+                      const Tc4Frags* pre, const SharedSlot* shared) {
+  CK_REQUIRE(n_pairs >= 1 && x_rows >= 1 && hidden % 64 == 0 && max_inter % 64 == 0, "invariant");
+  const int groups = hidden / 64, max_groups = max_inter / 64;
+  const size_t smem = fused_smem(groups, max_groups);
+  if (!expert_fused_on() || !expert_bulk_on() || !expert_stream_on() || !counts || ceil_div(groups, 8) > kStreamWarpGroups ||
+      max_groups > kTcBlockGroups || smem > kFusedMaxSmem || hidden % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(h) % 16 != 0 || ldh % 4 != 0)
+    return false;
+  static const int blocks_per_sm = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(expert_tc4_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(kFusedMaxSmem)));
+    int n = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, expert_tc4_fused_kernel, 512, kFusedMaxSmem));
+    return n;
+  }();
+  if (blocks_per_sm < 1) return false;  // the halves wait for each other's blocks: all must be resident
+  const uint2* frag = nullptr;
+  const float* gsum = nullptr;
+  uint8_t* scratch = frags_for(x, ldx, x_rows, groups, pre, &frag, &gsum, stream);
+  SharedSlot sh;
+  if (expert_shared_early_on() && shared && shared->k1 > 0 && n_pairs % shared->k1 == 0) sh = *shared;
+  const int tiles_per_pair = static_cast<int>(ceil_div(max_inter, 16)), bpp = static_cast<int>(ceil_div(hidden, 128));
+  const int blocks = g_expert_stream_blocks > 0 ? std::min(g_expert_stream_blocks, sm_count() * blocks_per_sm)
+                                                : sm_count() * blocks_per_sm;
+  launch(expert_tc4_fused_kernel, static_cast<unsigned>(blocks), 512, smem, stream, pairs, n_pairs * tiles_per_pair,
+         frag, gsum, groups, h, ldh, n_pairs * bpp, max_groups, y, ldy, sh,
+         PairCounts{counts, n_pairs, tiles_per_pair, bpp});
+  CUDA_CHECK_LAUNCH();
+  if (scratch) scratch_free(scratch, stream);
+  return true;
 }
 
 }  // namespace ck::cuda

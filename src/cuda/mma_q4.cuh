@@ -480,9 +480,13 @@ __device__ __forceinline__ float tc4_one_frag(const float4 (&q)[4], uint2* f) {
 // Why BATCH: the fragments are built after the kernel's wait for x, before its first product, so
 // each further group a warp took one at a time was one more L2 round trip on the step's critical path
 // (at one row: 2 for most GEMVs' blocks, 3 in the streamed LM head's).
-template <int BATCH>
-__device__ __forceinline__ void one_row_frags_in_block(const float* x, int G0, int G1, uint2* sfrag, float* sgs) {
-  const int W = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+// one_row_frags_in_warps: the same by W warps of the block (warp: the caller's index among them), for
+// kernels whose warps are split into parts with different work; L2_ONLY: x read through L2 only
+// (ld.global.cg), for an x that other blocks of the same kernel wrote (L1 is not coherent).
+template <int BATCH, bool L2_ONLY = false>
+__device__ __forceinline__ void one_row_frags_in_warps(const float* x, int G0, int G1, uint2* sfrag, float* sgs,
+                                                       int warp, int W) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
   for (int Gs = G0 + warp; Gs < G1; Gs += BATCH * W) {
     // Past the range a batch's member is group Gs again (the same words and sum stored twice): no
     // branch between the loads and their uses, which kept the compiler from issuing them together.
@@ -493,7 +497,7 @@ __device__ __forceinline__ void one_row_frags_in_block(const float* x, int G0, i
       G[b] = Gs + b * W < G1 ? Gs + b * W : Gs;
       const float4* xp = reinterpret_cast<const float4*>(x + 64 * G[b] + 16 * t);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) q[b][i] = __ldg(xp + i);
+      for (int i = 0; i < 4; ++i) q[b][i] = L2_ONLY ? __ldcg(xp + i) : __ldg(xp + i);
     }
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
@@ -501,6 +505,10 @@ __device__ __forceinline__ void one_row_frags_in_block(const float* x, int G0, i
       if (lane == 0) sgs[G[b] - G0] = gs;
     }
   }
+}
+template <int BATCH>
+__device__ __forceinline__ void one_row_frags_in_block(const float* x, int G0, int G1, uint2* sfrag, float* sgs) {
+  one_row_frags_in_warps<BATCH>(x, G0, G1, sfrag, sgs, threadIdx.x >> 5, blockDim.x >> 5);
 }
 
 // One 64-code group of a one-row tile, its codes and scales already loaded (Tc4Rows::load or

@@ -241,6 +241,18 @@ void set_expert_stream(int on, int blocks = 0);
 // programmatic-launch wait (CK_EXPERT_DOWN_EARLY). h is the kernel just before's output.
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
                      int ldy, cudaStream_t stream, bool all_tiled = false);
+// expert_gate_up_tc4 then expert_down_tc4 of tiled experts (Model::tiled_experts) as one kernel
+// (gemv_experts.cu expert_tc4_fused_kernel): the same h and y bits. Returns false, launching nothing,
+// where it does not apply (off by default, as it measured slower: CK_EXPERT_FUSED=1 or
+// set_expert_fused(1) turn it on; the streaming kernels off; K or shared memory beyond the kernel's;
+// no counts): the caller then launches the two. counts: expert_fused_counts(n_pairs) zeroed words,
+// which the kernel leaves zero (one set per stream: kernels that share it must not overlap).
+bool expert_tc4_fused(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
+                      int x_rows, float* h, int ldh, float* y, int ldy, unsigned* counts, cudaStream_t stream,
+                      const Tc4Frags* pre = nullptr, const SharedSlot* shared = nullptr);
+size_t expert_fused_counts(int n_pairs);
+// set_expert_fused(1 or 0): the fused kernel or not (tests); -1 goes back to the environment's.
+void set_expert_fused(int on);
 
 // The same expert products for a prefill chunk, grouped per expert (gemm.cu): group_pairs sorts the
 // pairs by ExpertPair::group (n_groups = n_experts + 1, the shared expert last) into `order` and cuts

@@ -401,6 +401,7 @@ struct Session::Buffers {
   float *emb = nullptr, *pkey = nullptr, *pkn = nullptr, *pval = nullptr, *pqn = nullptr, *pG = nullptr, *pGn = nullptr;
   float *mlog = nullptr, *mlog2 = nullptr, *mgl = nullptr, *mh = nullptr, *my = nullptr, *mo = nullptr;
   ExpertPair* pairs = nullptr;
+  unsigned* expert_counts = nullptr;  // the fused decode experts' per-pair counts (expert_tc4_fused), zero
   int32_t* order = nullptr;  // prefill chunks: pairs grouped per expert (group_pairs)
   int2* tiles = nullptr;
   int32_t* n_tiles = nullptr;
@@ -516,6 +517,8 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
   const int n_pairs = R * (c.num_experts_per_tok + 1);
   b.mlog = fbuf(R * b.ldEx); b.mlog2 = fbuf(R * b.ldEx); b.mgl = fbuf(R * 4);
   b.pairs = static_cast<ExpertPair*>(arena_.alloc(sizeof(ExpertPair) * n_pairs));
+  b.expert_counts = static_cast<unsigned*>(arena_.alloc(sizeof(unsigned) * expert_fused_counts(n_pairs)));
+  CUDA_CHECK(cudaMemset(b.expert_counts, 0, sizeof(unsigned) * expert_fused_counts(n_pairs)));
   b.mh = fbuf(static_cast<int64_t>(n_pairs) * b.ldMI); b.my = fbuf(static_cast<int64_t>(n_pairs) * b.ldH);
   b.mo = fbuf(R * b.ldH);
   b.max_tiles = grouped_max_tiles(n_pairs, c.num_experts + 1);
@@ -935,10 +938,14 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     } else {
       if (mo.q4 && expert_tc4_enabled() && H % 64 == 0) {
         const SharedSlot sh = route_shared_slot(ra);
-        expert_gate_up_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, rows, b.mh, b.ldMI, stream_, &b.ufr,
-                           m_.tiled_experts(), &sh);
-        // (Right after gate/up: the down kernel reads the route's pairs before its wait, two kernels back.)
-        expert_down_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, stream_, m_.tiled_experts());
+        // Tiled experts: gate/up and down as one kernel where it applies (expert_tc4_fused), else two.
+        if (!m_.tiled_experts() || !expert_tc4_fused(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, rows, b.mh,
+                                                     b.ldMI, b.my, b.ldH, b.expert_counts, stream_, &b.ufr, &sh)) {
+          expert_gate_up_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, rows, b.mh, b.ldMI, stream_, &b.ufr,
+                             m_.tiled_experts(), &sh);
+          // (Right after gate/up: the down kernel reads the route's pairs before its wait, two kernels back.)
+          expert_down_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, stream_, m_.tiled_experts());
+        }
       } else {
         expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, mo.codes48, stream_);
         expert_down(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, mo.codes48, stream_);

@@ -1116,6 +1116,31 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
             << what << ": y differs from the default's";
       }
       set_expert_stream(-1);
+      // The fused kernel (expert_tc4_fused: gate/up and down in one) with every resident block and with
+      // 7 (runs of ~9 tiles, so a block's down half waits for tiles of other blocks), each twice: its
+      // counts must come back to zero for the next call. The same bits of h and y as the two kernels.
+      DeviceBuffer<unsigned> counts(expert_fused_counts(n_pairs));
+      CUDA_CHECK(cudaMemset(counts.get(), 0, counts.bytes()));
+      set_expert_fused(1);
+      for (int blocks : {0, 0, 7, 7}) {
+        set_expert_stream(1, blocks);
+        DeviceBuffer<float> h2(n_pairs * ldh), y2(n_pairs * ldy);
+        CUDA_CHECK(cudaMemcpy(h2.get(), hd.get(), h2.bytes(), cudaMemcpyDeviceToDevice));  // rows past a pair's inter
+        CUDA_CHECK(cudaMemset(y2.get(), 0xff, y2.bytes()));
+        ASSERT_TRUE(expert_tc4_fused(pd.get(), n_pairs, std::max(I, SI), H, xd.get(), H, rows, h2.get(), ldh, y2.get(),
+                                     ldy, counts.get(), nullptr))
+            << "the fused kernel did not apply to the tiled pairs";
+        const std::vector<float> h_other = to_host(h2.get(), n_pairs * ldh), y_other = to_host(y2.get(), n_pairs * ldy);
+        EXPECT_EQ(std::memcmp(h_other.data(), h_default.data(), h_other.size() * sizeof(float)), 0)
+            << "the fused kernel with " << blocks << " blocks (0: all): h differs from the two kernels'";
+        EXPECT_EQ(std::memcmp(y_other.data(), y_default.data(), y_other.size() * sizeof(float)), 0)
+            << "the fused kernel with " << blocks << " blocks (0: all): y differs from the two kernels'";
+        const std::vector<unsigned> left = to_host(counts.get(), expert_fused_counts(n_pairs));
+        EXPECT_EQ(std::count(left.begin(), left.end(), 0u), static_cast<long>(left.size()))
+            << "the fused kernel left its counts non-zero";
+      }
+      set_expert_fused(-1);
+      set_expert_stream(-1);
     }
   } else {
     expert_gate_up(to_device(pairs, &pd), n_pairs, std::max(I, SI), H, to_device(x, &xd), H, hd.get(), ldh, codes48,
@@ -2081,6 +2106,18 @@ TEST(CudaOps, ExpertStreamGivesTheSameLogits) {
   REQUIRE_GPU();
   expect_tiled_switch_keeps_logits(13, [](int on) { set_expert_stream(on, on > 0 ? 5 : 0); },
                                    "the streaming expert kernels changed the logits");
+}
+
+// The tiled experts' gate/up and down as one kernel (set_expert_fused, the default; 5 blocks, so each
+// half runs many tiles or chunks and waits on other blocks' tiles) and as the two streaming kernels:
+// logits bit for bit at steps of 1-8 rows.
+TEST(CudaOps, ExpertFusedGivesTheSameLogits) {
+  REQUIRE_GPU();
+  expect_tiled_switch_keeps_logits(14, [](int on) {
+    set_expert_fused(on);
+    if (on < 0) set_expert_stream(-1);
+    else set_expert_stream(1, on > 0 ? 5 : 0);
+  }, "the fused expert kernel changed the logits");
 }
 
 // A model whose experts cannot all be resident fails at creation with one error naming the sizes
