@@ -201,6 +201,40 @@ __global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const Exper
   out[static_cast<size_t>(p) * ldo + row0 + lane] = siluf_(v0) * v1;
 }
 
+constexpr int kStreamWarpGroups = 6;  // the streaming kernel's groups a warp at most (K <= 48 groups)
+
+// The streaming gate/up loop's pieces (expert_gate_up_stream_kernel and the fused kernel's teams):
+// a warp's groups [G0, G1) of vector vec's fragments into registers, and one tile's products from its
+// stage (gate at st, up at st + bytes) against them, stashed in red_w for the epilogue.
+__device__ __forceinline__ void gate_up_frags_to_regs(const uint2* __restrict__ frag, const float* __restrict__ gsum,
+                                                      int vec, int vec_groups, int G0, int G1, int g, int t,
+                                                      uint2 (&fb)[kStreamWarpGroups][4], float (&fx)[kStreamWarpGroups]) {
+  const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * kOneFragWords + tc4_one_frag_lane(g, t);
+  const float* gv = gsum + static_cast<size_t>(vec) * vec_groups;
+#pragma unroll
+  for (int j = 0; j < kStreamWarpGroups; ++j)
+    if (G0 + j < G1) fx[j] = tc4_one_frags_group(fv, gv, G0 + j, t, fb[j]);
+}
+__device__ __forceinline__ void gate_up_tile_products(const uint8_t* st, uint32_t bytes, int G0, int G1, int lane,
+                                                      const uint2 (&fb)[kStreamWarpGroups][4],
+                                                      const float (&fx)[kStreamWarpGroups], float (*red_w)[16][4]) {
+  const int g = lane >> 2, t = lane & 3;
+  float acc[2][4] = {};
+#pragma unroll
+  for (int j = 0; j < kStreamWarpGroups; ++j) {
+    if (G0 + j >= G1) break;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      uint2 wa, wb;
+      float sa, ba, sb, bb;
+      tile_group_lds(st + m * bytes + static_cast<size_t>(G0 + j) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
+      tc4_one_mma_regs(wa, wb, sa, ba, sb, bb, fb[j], fx[j], acc[m]);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < 2; ++m) one_row_stash(red_w[m], acc[m], g, t);
+}
+
 // expert_gate_up_bulk_kernel as a streaming loop: block b takes the contiguous run of tiles
 // [b per, (b + 1) per) of all pairs' tiles (tile j: pair j / tiles_per_pair, tile j % tiles_per_pair),
 // two at a time in flight through two shared-memory stages: while its warps multiply tile i, tile
@@ -216,7 +250,6 @@ __global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const Exper
 // grid ceil(tiles / per) (all resident: per = ceil(tiles / resident blocks)), block 256, dynamic
 // shared memory 4 * groups * kTileGroupBytes. sh: as in the bulk kernel (the shared expert's tiles
 // among a block's first two are asked for before the wait).
-constexpr int kStreamWarpGroups = 6;  // the streaming kernel's groups a warp at most (K <= 48 groups)
 __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const ExpertPair* __restrict__ pairs,
                                                                       int tiles_per_pair, int n_tiles, int per,
                                                                       const uint2* __restrict__ frag,
@@ -228,11 +261,7 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
   __shared__ float red[2][8][2][16][4];
   constexpr int kAsker = 32;  // warp 1's lane 0 asks for the copies (warp 0 writes the outputs)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  // per == 0 (CK_EXPERT_STREAM_EVEN=1, an experiment): the tiles split as evenly as the grid allows,
-  // the first n_tiles % gridDim.x blocks one more.
-  const int q = n_tiles / gridDim.x, r = n_tiles % gridDim.x, b = blockIdx.x;
-  const int first = per > 0 ? b * per : b * q + min(b, r);
-  const int n = per > 0 ? min(per, n_tiles - first) : q + (b < r ? 1 : 0);
+  const int first = blockIdx.x * per, n = min(per, n_tiles - first);
   const int groups = vec_groups;
   const uint32_t bytes = static_cast<uint32_t>(groups) * kTileGroupBytes;
   if (threadIdx.x == 0) {
@@ -292,31 +321,11 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
     const bool valid = row0 < gate.rows;  // block-uniform
     if (valid && (!gate.tiled() || !up.tiled() || gate.cols != vec_groups * 64 || up.cols != gate.cols)) __trap();
     if (valid && vec != frag_vec) {
-      const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * kOneFragWords + tc4_one_frag_lane(g, t);
-      const float* gv = gsum + static_cast<size_t>(vec) * vec_groups;
-#pragma unroll
-      for (int j = 0; j < kStreamWarpGroups; ++j)
-        if (G0 + j < G1) fx[j] = tc4_one_frags_group(fv, gv, G0 + j, t, fb[j]);
+      gate_up_frags_to_regs(frag, gsum, vec, vec_groups, G0, G1, g, t, fb, fx);
       frag_vec = vec;
     }
     mbar_wait(&bar[s], (i >> 1) & 1);
-    if (valid) {
-      const uint8_t* st = stile + s * 2 * bytes;
-      float acc[2][4] = {};
-#pragma unroll
-      for (int j = 0; j < kStreamWarpGroups; ++j) {
-        if (G0 + j >= G1) break;
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          uint2 wa, wb;
-          float sa, ba, sb, bb;
-          tile_group_lds(st + m * bytes + static_cast<size_t>(G0 + j) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
-          tc4_one_mma_regs(wa, wb, sa, ba, sb, bb, fb[j], fx[j], acc[m]);
-        }
-      }
-#pragma unroll
-      for (int m = 0; m < 2; ++m) one_row_stash(red[s][warp][m], acc[m], g, t);
-    }
+    if (valid) gate_up_tile_products(stile + s * 2 * bytes, bytes, G0, G1, lane, fb, fx, red[s][warp]);
     __syncthreads();  // stage s read, red[s] written
     if (threadIdx.x == kAsker && i + 2 < n) ask(i + 2);
     if (valid && warp == 0 && lane < 16 && row0 + lane < gate.rows) {
@@ -431,6 +440,22 @@ __global__ void __launch_bounds__(256, 3) expert_down_bulk_kernel(const ExpertPa
   one_row_tile_store(acc, y + static_cast<size_t>(p) * ldy, row0, w.rows);
 }
 
+// One warp's down tile from shared memory (groups groups of kTileGroupBytes at tile) against h's
+// fragments in shared memory (sfrag, sums sgs): the arithmetic of expert_down_bulk_kernel and
+// expert_down_stream_kernel (whose loops stay written out: their code is measured as it is), for the
+// fused kernel's teams.
+__device__ __forceinline__ void down_tile_products(const uint8_t* tile, int groups, int lane, const uint2* sfrag,
+                                                   const float* sgs, float (&acc)[4]) {
+  const int t = lane & 3;
+#pragma unroll 2
+  for (int G = 0; G < groups; ++G) {
+    uint2 wa, wb;
+    float sa, ba, sb, bb;
+    tile_group_lds(tile + static_cast<size_t>(G) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
+    tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 4 * 32 + lane, t == 0 ? sgs[G] : 0.0f, acc);
+  }
+}
+
 // expert_down_bulk_kernel as a streaming loop, like expert_gate_up_stream_kernel: chunk c is pair
 // c / bpp's 8 tiles from tile (c % bpp) * 8; block b takes the run [b per, (b + 1) per) of chunks, two
 // in flight through two shared-memory stages, and turns h into fragments once per pair in its run
@@ -475,10 +500,7 @@ __global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const Expert
   __shared__ uint64_t bar[2];
   constexpr int kAsker = 32;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
-  // per == 0 (CK_EXPERT_STREAM_EVEN=1): the chunks split as evenly as the grid allows.
-  const int q = n_chunks / gridDim.x, r = n_chunks % gridDim.x, b = blockIdx.x;
-  const int first = per > 0 ? b * per : b * q + min(b, r);
-  const int n = per > 0 ? min(per, n_chunks - first) : q + (b < r ? 1 : 0);
+  const int first = blockIdx.x * per, n = min(per, n_chunks - first);
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(max_groups) * 4 * 32);
   uint8_t* stiles = reinterpret_cast<uint8_t*>(sfrag) + bulk_down_tiles_offset(max_groups);
   const size_t stage_bytes = 8 * static_cast<size_t>(max_groups) * kTileGroupBytes;
@@ -640,30 +662,11 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
       const bool valid = row0 < gate.rows;  // team-uniform
       if (valid && (!gate.tiled() || !up.tiled() || gate.cols != vec_groups * 64 || up.cols != gate.cols)) __trap();
       if (valid && vec != frag_vec) {
-        const uint2* fv = frag + static_cast<size_t>(vec) * vec_groups * kOneFragWords + tc4_one_frag_lane(g, t);
-        const float* gv = gsum + static_cast<size_t>(vec) * vec_groups;
-#pragma unroll
-        for (int j = 0; j < kStreamWarpGroups; ++j)
-          if (G0 + j < G1) fx[j] = tc4_one_frags_group(fv, gv, G0 + j, t, fb[j]);
+        gate_up_frags_to_regs(frag, gsum, vec, vec_groups, G0, G1, g, t, fb, fx);
         frag_vec = vec;
       }
       mbar_wait(&bar[s], (u >> 1) & 1);
-      if (valid) {
-        float acc[2][4] = {};
-#pragma unroll
-        for (int j = 0; j < kStreamWarpGroups; ++j) {
-          if (G0 + j >= G1) break;
-#pragma unroll
-          for (int m = 0; m < 2; ++m) {
-            uint2 wa, wb;
-            float sa, ba, sb, bb;
-            tile_group_lds(st + m * bytes + static_cast<size_t>(G0 + j) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
-            tc4_one_mma_regs(wa, wb, sa, ba, sb, bb, fb[j], fx[j], acc[m]);
-          }
-        }
-#pragma unroll
-        for (int m = 0; m < 2; ++m) one_row_stash(red[s][warp][m], acc[m], g, t);
-      }
+      if (valid) gate_up_tile_products(st, bytes, G0, G1, lane, fb, fx, red[s][warp]);
       sync();  // stage s read, red[s] written
       if (tid == kAsker && u + 2 < n_units) ask(u + 2);
       if (warp == 0) {
@@ -700,15 +703,7 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
     mbar_wait(&bar[s], (u >> 1) & 1);
     if (warp < n_tiles) {
       float acc[4] = {};
-      const uint8_t* tile = st + static_cast<size_t>(warp) * kg * kTileGroupBytes;
-#pragma unroll 2
-      for (int G = 0; G < kg; ++G) {
-        uint2 wa, wb;
-        float sa, ba, sb, bb;
-        tile_group_lds(tile + static_cast<size_t>(G) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
-        tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G) * 4 * 32 + lane, t == 0 ? sgs[G] : 0.0f,
-                    acc);
-      }
+      down_tile_products(st + static_cast<size_t>(warp) * kg * kTileGroupBytes, kg, lane, sfrag, sgs, acc);
       one_row_tile_store(acc, y + static_cast<size_t>(p) * ldy, row0, w.rows);
     }
     sync();  // stage s read
@@ -716,16 +711,24 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
   }
 }
 
-// Decode experts' gate/up and down in one kernel (CK_EXPERT_FUSED=1; off by default, see below): 512
-// threads a block, two teams of 8 warps (experts_team_run), one block an SM, all resident. Team k of the
-// grid's 2B (k = team x B + block) takes its share of the gate/up tiles (the first teams one more) and
-// of the down chunks (the last teams one more), so each SM gets the same number of units within one.
+// Decode experts' gate/up and down in one kernel (CK_EXPERT_FUSED=1; off by default: slower, below):
+// 512 threads a block, two teams of 8 warps (experts_team_run), one block an SM, all resident. Team k
+// of the grid's 2B (k = team x B + block) takes its share of the gate/up tiles (the first teams one
+// more) and of the down chunks (the last teams one more), so each SM gets the same number of units
+// within one.
 // Why: as two kernels, down's bytes can only stream once its blocks find room beside the gate/up
 // kernel's, and a kernel boundary sits between them. Here gate/up keeps its two streaming blocks an SM
 // (two teams, 4 tiles in flight an SM), down's chunks take the stages the tiles free, and a pair's down
 // waits only for that pair's tiles (ready counts in global memory: PairCounts).
 // No deadlock: a team waits only for tiles, which every team takes before any chunk and multiplies
 // without waiting for anything but their copies, and every block is resident (at most one block an SM).
+// Measured (H100 2026-12-06, docs/roofline-cuda.md "Fifty-first session"): alone it is faster (Nsight
+// Compute, 4 layers: 21.9 us against 15.4 + 9.7 us for the two kernels), but the one-row step is ~3%
+// slower (612.0 / 606.1 against 629.3 / 632.2 tok/s; 4 rows -1 to -3%), also with a team's chunks
+// asked only after its last tile (level with this form). The likely reason (not measured): each block
+// takes a whole SM (221 KB of shared memory, 512 x 128 registers), so the next kernel's blocks cannot
+// start their prologue beside it as they do beside the two kernels. (A first form, warps 0-7 on gate/up
+// and 8-15 on down: -7%.)
 // grid = SMs x blocks an SM, block 512, dynamic shared memory 2 x (2 stage_bytes + the fragments).
 __global__ void __launch_bounds__(512, 1) expert_tc4_fused_kernel(
     const ExpertPair* __restrict__ pairs, int n_tiles, const uint2* __restrict__ frag, const float* __restrict__ gsum,
@@ -815,17 +818,6 @@ struct StreamLaunchCache {
   size_t smem = 0;
   int blocks_per_sm = 0;
 };
-// CK_EXPERT_STREAM_EVEN=1 (an experiment): the streaming kernels' tiles or chunks split as evenly as
-// every resident block allows, not in runs of ceil(units / blocks) (which left 44 of 132 SMs one block
-// at one row: 440 tiles in runs of 2).
-bool expert_stream_even() {
-  static const bool on = env_is("CK_EXPERT_STREAM_EVEN", "1");
-  return on;
-}
-// The blocks a streaming kernel's launch may have resident (after stream_run_length filled the cache).
-int resident_blocks(const StreamLaunchCache& c) {
-  return g_expert_stream_blocks > 0 ? g_expert_stream_blocks : sm_count() * c.blocks_per_sm;
-}
 template <class Kernel>
 int stream_run_length(Kernel kernel, size_t max_smem, size_t smem, int units, StreamLaunchCache& c) {
   if (!c.smem_limit_set) {
@@ -893,11 +885,8 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
     if (expert_stream_on() && 2 * bulk_smem <= kBulkMaxSmem && ceil_div(groups, 8) <= kStreamWarpGroups) {
       static StreamLaunchCache cache;
       const int per = stream_run_length(expert_gate_up_stream_kernel, kBulkMaxSmem, 2 * bulk_smem, tiles, cache);
-      const bool even = expert_stream_even();
-      const int grid = even ? std::min(tiles, resident_blocks(cache))
-                            : static_cast<int>(ceil_div(tiles, per));
-      launch(expert_gate_up_stream_kernel, static_cast<unsigned>(grid), 256, 2 * bulk_smem, s, pairs,
-             tiles_per_pair, tiles, even ? 0 : per, frag, gsum, groups, out, ldo, sh);
+      launch(expert_gate_up_stream_kernel, static_cast<unsigned>(ceil_div(tiles, per)), 256, 2 * bulk_smem, s, pairs,
+             tiles_per_pair, tiles, per, frag, gsum, groups, out, ldo, sh);
       CUDA_CHECK_LAUNCH();
       if (scratch) scratch_free(scratch, s);
       return;
@@ -956,10 +945,8 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
       static StreamLaunchCache cache;
       const int chunks = n_pairs * bpp;
       const int per = stream_run_length(expert_down_stream_kernel, kDownStreamMaxSmem, ssmem, chunks, cache);
-      const bool even = expert_stream_even();
-      const int grid = even ? std::min(chunks, resident_blocks(cache)) : static_cast<int>(ceil_div(chunks, per));
-      launch(expert_down_stream_kernel, static_cast<unsigned>(grid), 256, ssmem, stream, pairs, bpp, chunks,
-             even ? 0 : per, max_groups, h, ldh, y, ldy);
+      launch(expert_down_stream_kernel, static_cast<unsigned>(ceil_div(chunks, per)), 256, ssmem, stream, pairs, bpp,
+             chunks, per, max_groups, h, ldh, y, ldy);
       CUDA_CHECK_LAUNCH();
       return;
     }
