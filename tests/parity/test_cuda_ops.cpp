@@ -1117,8 +1117,8 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
       }
       set_expert_stream(-1);
       // The fused kernel (expert_tc4_fused: gate/up and down in one) with every resident block and with
-      // 7 (runs of ~9 tiles, so a block's down half waits for tiles of other blocks), each twice: its
-      // counts must come back to zero for the next call. The same bits of h and y as the two kernels.
+      // 7 (14 teams of ~34 tiles and ~17 chunks, whose chunks wait for other teams' tiles), each twice:
+      // its counts must come back to zero for the next call. The same bits of h and y as the two kernels.
       DeviceBuffer<unsigned> counts(expert_fused_counts(n_pairs));
       CUDA_CHECK(cudaMemset(counts.get(), 0, counts.bytes()));
       set_expert_fused(1);
@@ -2108,9 +2108,9 @@ TEST(CudaOps, ExpertStreamGivesTheSameLogits) {
                                    "the streaming expert kernels changed the logits");
 }
 
-// The tiled experts' gate/up and down as one kernel (set_expert_fused, the default; 5 blocks, so each
-// half runs many tiles or chunks and waits on other blocks' tiles) and as the two streaming kernels:
-// logits bit for bit at steps of 1-8 rows.
+// The tiled experts' gate/up and down as one kernel (set_expert_fused(1), off by default; 5 blocks, so
+// each team runs many tiles and chunks and waits on other blocks' tiles) and as the two streaming
+// kernels: logits bit for bit at steps of 1-8 rows.
 TEST(CudaOps, ExpertFusedGivesTheSameLogits) {
   REQUIRE_GPU();
   expect_tiled_switch_keeps_logits(14, [](int on) {
