@@ -725,10 +725,11 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
 // Measured (H100 2026-12-06, docs/roofline-cuda.md "Fifty-first session"): alone it is faster (Nsight
 // Compute, 4 layers: 21.9 us against 15.4 + 9.7 us for the two kernels), but the one-row step is ~3%
 // slower (612.0 / 606.1 against 629.3 / 632.2 tok/s; 4 rows -1 to -3%), also with a team's chunks
-// asked only after its last tile (level with this form). The likely reason (not measured): each block
-// takes a whole SM (221 KB of shared memory, 512 x 128 registers), so the next kernel's blocks cannot
-// start their prologue beside it as they do beside the two kernels. (A first form, warps 0-7 on gate/up
-// and 8-15 on down: -7%.)
+// asked only after its last tile (level with this form). Why is not known: the two streaming kernels
+// fill an SM as well (two blocks of ~100 KB each), but a block of theirs needs half an SM, so it can
+// start under programmatic launch where the route's and router's blocks are still running, and each
+// exits as soon as its own work is done, where a fused block lives until its chunks' pairs are all
+// stored. (A first form, warps 0-7 on gate/up and 8-15 on down: -7%.)
 // grid = SMs x blocks an SM, block 512, dynamic shared memory 2 x (2 stage_bytes + the fragments).
 __global__ void __launch_bounds__(512, 1) expert_tc4_fused_kernel(
     const ExpertPair* __restrict__ pairs, int n_tiles, const uint2* __restrict__ frag, const float* __restrict__ gsum,
