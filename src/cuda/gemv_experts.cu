@@ -203,6 +203,23 @@ __global__ void __launch_bounds__(256, 4) expert_gate_up_bulk_kernel(const Exper
 
 constexpr int kStreamWarpGroups = 6;  // the streaming kernel's groups a warp at most (K <= 48 groups)
 
+// Gate/up tile j of all pairs' tiles (tpp a pair): whether its pair is the shared expert's (SharedSlot,
+// known before the kernel's wait), and its matrices, vector and first row (pairs[] only after the wait,
+// unless the pair is the shared one).
+__device__ __forceinline__ bool gate_up_tile_shared(const SharedSlot& sh, int tpp, int j) {
+  const int p = j / tpp;
+  return sh.k1 > 0 && p % sh.k1 == sh.k1 - 1;
+}
+__device__ __forceinline__ void gate_up_tile_of(const ExpertPair* __restrict__ pairs, const SharedSlot& sh, int tpp,
+                                                int j, DMatrix& gate, DMatrix& up, int& vec, int& row0) {
+  const int p = j / tpp;
+  row0 = (j % tpp) * kTileRows;
+  const bool shd = gate_up_tile_shared(sh, tpp, j);
+  gate = shd ? sh.gate : pairs[p].gate;
+  up = shd ? sh.up : pairs[p].up;
+  vec = shd ? p / sh.k1 : pairs[p].x_row;
+}
+
 // The streaming gate/up loop's pieces (expert_gate_up_stream_kernel and the fused kernel's teams):
 // a warp's groups [G0, G1) of vector vec's fragments into registers, and one tile's products from its
 // stage (gate at st, up at st + bytes) against them, stashed in red_w for the epilogue.
@@ -270,15 +287,10 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
     mbar_init_fence();
   }
   __syncthreads();
-  auto is_shared = [&](int i) { const int p = (first + i) / tiles_per_pair; return sh.k1 > 0 && p % sh.k1 == sh.k1 - 1; };
-  // Local tile i's matrices and vector (pairs[] only after the wait, unless the pair is the shared one).
+  auto is_shared = [&](int i) { return gate_up_tile_shared(sh, tiles_per_pair, first + i); };
+  // Local tile i's matrices and vector.
   auto tile_of = [&](int i, DMatrix& gate, DMatrix& up, int& vec, int& row0) {
-    const int p = (first + i) / tiles_per_pair;
-    row0 = ((first + i) % tiles_per_pair) * kTileRows;
-    const bool shd = is_shared(i);
-    gate = shd ? sh.gate : pairs[p].gate;
-    up = shd ? sh.up : pairs[p].up;
-    vec = shd ? p / sh.k1 : pairs[p].x_row;
+    gate_up_tile_of(pairs, sh, tiles_per_pair, first + i, gate, up, vec, row0);
   };
   // Stage i % 2 asks for tile i (a tile past its pair's rows asks for no bytes: its phase completes).
   auto ask = [&](int i) {
@@ -337,7 +349,7 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
 }
 
 // A team's barrier in the fused kernel: one named barrier of its 256 threads.
-struct HalfSync {
+struct TeamSync {
   int id;  // 1 or 2 (0 is __syncthreads')
   __device__ __forceinline__ void operator()() const { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 };
@@ -601,15 +613,6 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
   const int groups = vec_groups, tpp = counts.tiles_per_pair, bpp = counts.bpp, n_units = t_n + c_n;
   const uint32_t bytes = static_cast<uint32_t>(groups) * kTileGroupBytes;  // one matrix of a gate/up tile
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(max_groups) * 4 * 32);
-  auto is_shared = [&](int j) { const int p = j / tpp; return sh.k1 > 0 && p % sh.k1 == sh.k1 - 1; };
-  auto tile_of = [&](int j, DMatrix& gate, DMatrix& up, int& vec, int& row0) {
-    const int p = j / tpp;
-    row0 = (j % tpp) * kTileRows;
-    const bool shd = is_shared(j);
-    gate = shd ? sh.gate : pairs[p].gate;
-    up = shd ? sh.up : pairs[p].up;
-    vec = shd ? p / sh.k1 : pairs[p].x_row;
-  };
   // Unit u into stage u % 2 (none past a matrix's rows: its phase completes).
   auto ask = [&](int u) {
     uint64_t* b = &bar[u & 1];
@@ -617,7 +620,7 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
     if (u < t_n) {
       DMatrix gate, up;
       int vec, row0;
-      tile_of(t_first + u, gate, up, vec, row0);
+      gate_up_tile_of(pairs, sh, tpp, t_first + u, gate, up, vec, row0);
       if (row0 >= gate.rows) {
         mbar_arrive_expect(b, 0);
         return;
@@ -638,7 +641,8 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
     mbar_arrive_expect(b, cb);
     bulk_copy_1d(st, w.tile_group(T0, 0), cb, b);
   };
-  const bool early0 = t_n > 0 && is_shared(t_first), early1 = t_n > 1 && is_shared(t_first + 1);
+  const bool early0 = t_n > 0 && gate_up_tile_shared(sh, tpp, t_first),
+             early1 = t_n > 1 && gate_up_tile_shared(sh, tpp, t_first + 1);
   if (tid == kAsker) {  // weights never change: the shared expert's tiles before the wait
     if (early0) ask(0);
     if (early1) ask(1);
@@ -658,7 +662,7 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
     if (u < t_n) {  // a gate/up tile: expert_gate_up_stream_kernel's loop body
       DMatrix gate, up;
       int vec, row0;
-      tile_of(t_first + u, gate, up, vec, row0);
+      gate_up_tile_of(pairs, sh, tpp, t_first + u, gate, up, vec, row0);
       const bool valid = row0 < gate.rows;  // team-uniform
       if (valid && (!gate.tiled() || !up.tiled() || gate.cols != vec_groups * 64 || up.cols != gate.cols)) __trap();
       if (valid && vec != frag_vec) {
@@ -752,7 +756,7 @@ __global__ void __launch_bounds__(512, 1) expert_tc4_fused_kernel(
   uint8_t* mine = smem + team * (2 * stage_bytes + bulk_down_tiles_offset(max_groups));
   experts_team_run(pairs, t_first, t_n, c_first, c_n, frag, gsum, vec_groups, h, ldh, max_groups, y, ldy, sh, counts,
                    mine + bulk_down_tiles_offset(max_groups), stage_bytes, reinterpret_cast<uint2*>(mine), bar[team],
-                   red[team], threadIdx.x & 255, HalfSync{1 + team});
+                   red[team], threadIdx.x & 255, TeamSync{1 + team});
 }
 }  // namespace
 
@@ -840,6 +844,14 @@ bool expert_shared_early_on() {
   return g_shared_early < 0 ? env_on : g_shared_early != 0;
 }
 
+// The slot the gate/up kernels take the shared expert's tiles from before their wait: the caller's, if
+// the pairs follow its layout and CK_EXPERT_SHARED_EARLY is not 0; else none (k1 = 0).
+SharedSlot early_shared_slot(const SharedSlot* shared, int n_pairs) {
+  SharedSlot sh;
+  if (expert_shared_early_on() && shared && shared->k1 > 0 && n_pairs % shared->k1 == 0) sh = *shared;
+  return sh;
+}
+
 // The compact one-row fragments of x's n_vec rows (Tc4Frags): the producer's, when it made them
 // (pre), else made here in step scratch, which the caller frees (the returned pointer) after its launch.
 uint8_t* frags_for(const float* x, int ldx, int n_vec, int groups, const Tc4Frags* pre, const uint2** frag,
@@ -881,8 +893,7 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
       return true;
     }();
     (void)attr;
-    SharedSlot sh;
-    if (expert_shared_early_on() && shared && shared->k1 > 0 && n_pairs % shared->k1 == 0) sh = *shared;
+    const SharedSlot sh = early_shared_slot(shared, n_pairs);
     if (expert_stream_on() && 2 * bulk_smem <= kBulkMaxSmem && ceil_div(groups, 8) <= kStreamWarpGroups) {
       static StreamLaunchCache cache;
       const int per = stream_run_length(expert_gate_up_stream_kernel, kBulkMaxSmem, 2 * bulk_smem, tiles, cache);
@@ -992,12 +1003,11 @@ bool expert_tc4_fused(const ExpertPair* pairs, int n_pairs, int max_inter, int h
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, expert_tc4_fused_kernel, 512, kFusedMaxSmem));
     return n;
   }();
-  if (blocks_per_sm < 1) return false;  // the halves wait for each other's blocks: all must be resident
+  if (blocks_per_sm < 1) return false;  // teams wait for other blocks' tiles: all must be resident
   const uint2* frag = nullptr;
   const float* gsum = nullptr;
   uint8_t* scratch = frags_for(x, ldx, x_rows, groups, pre, &frag, &gsum, stream);
-  SharedSlot sh;
-  if (expert_shared_early_on() && shared && shared->k1 > 0 && n_pairs % shared->k1 == 0) sh = *shared;
+  const SharedSlot sh = early_shared_slot(shared, n_pairs);
   const int tiles_per_pair = static_cast<int>(ceil_div(max_inter, 16)), bpp = static_cast<int>(ceil_div(hidden, 128));
   const int blocks = g_expert_stream_blocks > 0 ? std::min(g_expert_stream_blocks, sm_count() * blocks_per_sm)
                                                 : sm_count() * blocks_per_sm;
