@@ -33,7 +33,7 @@ for case in ${CK_AB_CASES:-base:}; do
     fi
     timeout "${CK_BENCH_TIMEOUT:-150}" "$D/${CK_BENCH_BIN:-bench_cuda}" $ARGS ${CK_AB_CHUNK:+--prefill-chunk $CK_AB_CHUNK} --out "$OUT/case.txt" > "$OUT/case.log" 2>&1
     rc=$?
-    grep -E "^(decode|graph|mtp|prefill|profile|hc_mix)" "$OUT/case.txt" >> "$OUT/ab.txt"
+    grep -E "^(decode|graph|mtp|prefill|profile|hc_mix|experts)" "$OUT/case.txt" >> "$OUT/ab.txt"
     grep -o "(built .* s, uploaded .* s)" "$OUT/case.log" >> "$OUT/ab.txt"  # the model's build and upload times
     [ $rc = 0 ] || { echo "bench rc=$rc:"; tail -5 "$OUT/case.log"; } >> "$OUT/ab.txt"
   )

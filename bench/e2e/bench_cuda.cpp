@@ -84,6 +84,48 @@ void report_hc_mix_timing(cuda::Session& s, FILE* out) {
   }
 }
 
+// CK_EXPERT_TIMING=1: when the blocks of the step's last decode expert kernels (streaming gate/up and
+// down, or fused: cuda::expert_stamps) entered, ended their programmatic-launch wait and left, in us
+// after the first expert block's entry, as first / median / last over the blocks; with CK_HC_TIMING=1
+// also when the next kernel, the final mixer, started its blocks on the same clock.
+void report_expert_timing(cuda::Session& s, FILE* out) {
+  if (!cuda::expert_timing_on()) return;
+  const std::vector<uint64_t> st = cuda::expert_stamps();
+  constexpr int B = cuda::kExpertStampBlocks, W = cuda::kExpertStampWords;
+  auto at = [&](int k, int b, int w) { return st[(static_cast<size_t>(k) * B + b) * W + w]; };
+  // The kernels of the last step: those whose latest entry is within 1 ms of the latest of all (a
+  // kernel the step did not launch keeps an older run's stamps).
+  uint64_t latest[cuda::kExpertStampKernels] = {}, t0 = UINT64_MAX;
+  for (int k = 0; k < cuda::kExpertStampKernels; ++k)
+    for (int b = 0; b < B; ++b) latest[k] = std::max(latest[k], at(k, b, 0));
+  const uint64_t last = *std::max_element(latest, latest + cuda::kExpertStampKernels);
+  auto in_step = [&](int k) { return latest[k] != 0 && latest[k] + 1000000 >= last; };
+  for (int k = 0; k < cuda::kExpertStampKernels; ++k)
+    for (int b = 0; b < B; ++b)
+      if (in_step(k) && at(k, b, 0) != 0) t0 = std::min(t0, at(k, b, 0));
+  if (t0 == UINT64_MAX) return;
+  static const char* kernels[] = {"gate/up", "down", "fused"};
+  static const char* points[] = {"entry", "wait ended", "exit"};
+  auto row = [&](const char* kernel, const char* point, std::vector<double> v) {
+    if (v.empty()) return;
+    std::sort(v.begin(), v.end());
+    emit(out, "experts  %-8s %-11s first %8.2f  median %8.2f  p90 %8.2f  last %8.2f us  (%zu blocks)\n", kernel, point,
+         v.front(), v[v.size() / 2], v[v.size() * 9 / 10], v.back(), v.size());
+  };
+  for (int k = 0; k < cuda::kExpertStampKernels; ++k)
+    for (int w = 0; w < 3 && in_step(k); ++w) {
+      std::vector<double> v;
+      for (int b = 0; b < B; ++b)
+        if (at(k, b, 0) >= t0 && at(k, b, w) >= t0) v.push_back((at(k, b, w) - t0) * 1e-3);
+      row(kernels[k], points[w], v);
+    }
+  const std::vector<uint64_t> hc = s.hc_mix_stamps();  // entries first, then SM cycles (cuda::kHcStampWords)
+  std::vector<double> v;
+  for (size_t b = 0; b < hc.size() / cuda::kHcStampWords; ++b)
+    if (hc[b * cuda::kHcStampWords] >= t0) v.push_back((hc[b * cuda::kHcStampWords] - t0) * 1e-3);
+  row("mix", "entry", v);
+}
+
 // GB/s of a device-to-device cudaMemcpy of `bytes`, counting bytes read plus bytes written.
 double measure_d2d(size_t bytes) {
   cuda::DeviceBuffer<uint8_t> a(bytes), b(bytes);
@@ -347,6 +389,7 @@ int main(int argc, char** argv) {
     }
     const double step_s = median(t);
     if (rows == 1) report_hc_mix_timing(*s, out);
+    report_expert_timing(*s, out);
     if (!outputs_finite(*s, rows == 1 ? "decode at 1 row" : "decode at several rows")) return 1;
     // Ceiling: the weights one step must read once. With r rows the experts are the union of the rows'
     // choices: E (1 - (1 - k/E)^r) per layer when routing is random (this model's is).

@@ -19,6 +19,35 @@
 namespace ck::cuda {
 namespace {
 
+// Debug timing (CK_EXPERT_TIMING=1: expert_timing_on()): each block of the step's last streaming
+// gate/up, streaming down and fused kernel writes its entry, the end of its programmatic-launch wait
+// and its exit (%globaltimer, ns) and its SM, so a step's expert hand-overs can be read against each
+// other (bench_cuda prints them). Only the STAMP instances write; the default ones have no trace of it.
+__device__ unsigned long long g_expert_stamps[kExpertStampKernels][kExpertStampBlocks][kExpertStampWords];
+template <bool STAMP>
+__device__ __forceinline__ void expert_stamp(int kernel, int point) {
+  if constexpr (STAMP) {
+    if (threadIdx.x == 0 && blockIdx.x < kExpertStampBlocks) {
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      g_expert_stamps[kernel][blockIdx.x][point] = t;
+      if (point == 0) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        g_expert_stamps[kernel][blockIdx.x][3] = sm;
+      }
+    }
+  }
+}
+// The block's exit: after every thread's work.
+template <bool STAMP>
+__device__ __forceinline__ void expert_stamp_exit(int kernel) {
+  if constexpr (STAMP) {
+    __syncthreads();
+    expert_stamp<true>(kernel, 2);
+  }
+}
+
 // Rows g and g + 8 of a one-row tile (tc4_one_mma's acc: columns 0-2 on lanes t = 0 and 1), summed
 // (hi + mid) + lo, into y[row0 + g] and y[row0 + g + 8] below `rows`.
 __device__ __forceinline__ void one_row_tile_store(const float (&acc)[4], float* y, int row0, int rows) {
@@ -267,12 +296,14 @@ __device__ __forceinline__ void gate_up_tile_products(const uint8_t* st, uint32_
 // grid ceil(tiles / per) (all resident: per = ceil(tiles / resident blocks)), block 256, dynamic
 // shared memory 4 * groups * kTileGroupBytes. sh: as in the bulk kernel (the shared expert's tiles
 // among a block's first two are asked for before the wait).
+template <bool STAMP = false>
 __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const ExpertPair* __restrict__ pairs,
                                                                       int tiles_per_pair, int n_tiles, int per,
                                                                       const uint2* __restrict__ frag,
                                                                       const float* __restrict__ gsum, int vec_groups,
                                                                       float* __restrict__ out, int ldo,
                                                                       const __grid_constant__ SharedSlot sh) {
+  expert_stamp<STAMP>(kExpertStampGateUp, 0);
   extern __shared__ __align__(128) uint8_t stile[];  // [stage][gate, up][groups][576]
   __shared__ uint64_t bar[2];
   __shared__ float red[2][8][2][16][4];
@@ -314,6 +345,7 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
     if (early1) ask(1);
   }
   pdl_begin();  // the pairs (route) and the fragments (the mix) come from the kernels before
+  expert_stamp<STAMP>(kExpertStampGateUp, 1);
   if (threadIdx.x == kAsker) {
     if (n > 0 && !early0) ask(0);
     if (n > 1 && !early1) ask(1);
@@ -346,12 +378,17 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
       out[static_cast<size_t>(p) * ldo + row0 + lane] = siluf_(v0) * v1;
     }
   }
+  expert_stamp_exit<STAMP>(kExpertStampGateUp);
 }
 
 // A team's barrier in the fused kernel: one named barrier of its 256 threads.
 struct TeamSync {
   int id;  // 1 or 2 (0 is __syncthreads')
   __device__ __forceinline__ void operator()() const { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+};
+// The same where a block is one team (CK_EXPERT_FUSED=2): the block's barrier.
+struct BlockSync {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
 };
 
 // Where expert_down_bulk_kernel's tiles start in its dynamic shared memory (after the fragments and
@@ -488,9 +525,9 @@ __host__ __device__ constexpr size_t fused_stage_bytes(int groups, int max_group
                                                                                  : 8 * static_cast<size_t>(max_groups)) *
          kTileGroupBytes;
 }
-// The fused kernel's dynamic shared memory: two teams' two stages and down fragments.
-__host__ __device__ constexpr size_t fused_smem(int groups, int max_groups) {
-  return 2 * (2 * fused_stage_bytes(groups, max_groups) + bulk_down_tiles_offset(max_groups));
+// The fused kernel's dynamic shared memory: each team's two stages and down fragments.
+__host__ __device__ constexpr size_t fused_smem(int groups, int max_groups, int teams) {
+  return teams * (2 * fused_stage_bytes(groups, max_groups) + bulk_down_tiles_offset(max_groups));
 }
 
 // The fused kernel's per-pair counts (n_pairs each, zero between kernels): ready[p], pair p's gate/up
@@ -504,10 +541,12 @@ struct PairCounts {
   int bpp;             // a pair's down chunks
 };
 
+template <bool STAMP = false>
 __global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const ExpertPair* __restrict__ pairs, int bpp,
                                                                     int n_chunks, int per, int max_groups,
                                                                     const float* __restrict__ h, int ldh,
                                                                     float* __restrict__ y, int ldy) {
+  expert_stamp<STAMP>(kExpertStampDown, 0);
   extern __shared__ __align__(128) uint2 sfrag[];
   __shared__ uint64_t bar[2];
   constexpr int kAsker = 32;
@@ -541,6 +580,7 @@ __global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const Expert
     if (n > 1) ask(1);
   }
   pdl_begin();  // h comes from the kernel before
+  expert_stamp<STAMP>(kExpertStampDown, 1);
   int frag_pair = -1;
   for (int i = 0; i < n; ++i) {
     const int c = first + i, p = c / bpp, T0 = (c % bpp) * 8, row0 = (T0 + warp) * kTileRows;
@@ -569,6 +609,7 @@ __global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const Expert
     __syncthreads();  // stage i % 2 read
     if (threadIdx.x == kAsker && i + 2 < n) ask(i + 2);
   }
+  expert_stamp_exit<STAMP>(kExpertStampDown);
 }
 
 // Pair p's gate/up tiles are all stored (the fused kernel's count says so): thread tid 0 waits, then
@@ -600,7 +641,7 @@ __device__ __forceinline__ void wait_pair_ready(const PairCounts& counts, int p,
 // its last tiles are multiplied. Each tile's and chunk's arithmetic is expert_gate_up_stream_kernel's
 // and expert_down_stream_kernel's (the same bits). stage_bytes: the larger of a tile's and a chunk's.
 // sfrag: down's fragments and sums (bulk_down_tiles_offset(max_groups) bytes).
-template <class Sync>
+template <bool STAMP, class Sync>
 __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ pairs, int t_first, int t_n, int c_first,
                                                  int c_n, const uint2* __restrict__ frag, const float* __restrict__ gsum,
                                                  int vec_groups, float* __restrict__ h, int ldh, int max_groups,
@@ -648,6 +689,7 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
     if (early1) ask(1);
   }
   pdl_begin();  // the pairs (route) and the fragments (the mix) come from the kernels before
+  expert_stamp<STAMP>(kExpertStampFused, 1);
   if (tid == kAsker) {
     if (n_units > 0 && !early0) ask(0);
     if (n_units > 1 && !early1) ask(1);
@@ -735,28 +777,37 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
 // exits as soon as its own work is done, where a fused block lives until its chunks' pairs are all
 // stored. (A first form, warps 0-7 on gate/up and 8-15 on down: -7%.)
 // grid = SMs x blocks an SM, block 512, dynamic shared memory 2 x (2 stage_bytes + the fragments).
-__global__ void __launch_bounds__(512, 1) expert_tc4_fused_kernel(
+// TEAMS = 1 (CK_EXPERT_FUSED=2): blocks of one team, 256 threads, two an SM: a block needs half an SM
+// to start and leaves when its own team is done.
+template <int TEAMS, bool STAMP = false>
+__global__ void __launch_bounds__(256 * TEAMS, 2 / TEAMS) expert_tc4_fused_kernel(
     const ExpertPair* __restrict__ pairs, int n_tiles, const uint2* __restrict__ frag, const float* __restrict__ gsum,
     int vec_groups, float* __restrict__ h, int ldh, int n_chunks, int max_groups, float* __restrict__ y, int ldy,
     const __grid_constant__ SharedSlot sh, const __grid_constant__ PairCounts counts) {
+  expert_stamp<STAMP>(kExpertStampFused, 0);
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint64_t bar[2][2];
-  __shared__ float red[2][2][8][2][16][4];
+  __shared__ uint64_t bar[TEAMS][2];
+  __shared__ float red[TEAMS][2][8][2][16][4];
   if (threadIdx.x == 0) {
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < TEAMS; ++i)
       for (int j = 0; j < 2; ++j) mbar_init(&bar[i][j]);
     mbar_init_fence();
   }
   __syncthreads();
-  const int team = threadIdx.x >> 8, K = 2 * gridDim.x, k = team * gridDim.x + blockIdx.x;
+  const int team = TEAMS == 1 ? 0 : threadIdx.x >> 8, K = TEAMS * gridDim.x, k = team * gridDim.x + blockIdx.x;
   const int tq = n_tiles / K, tr = n_tiles % K, cq = n_chunks / K, cr = n_chunks % K;
   const int t_first = k * tq + min(k, tr), t_n = tq + (k < tr ? 1 : 0);
   const int c_first = k * cq + max(0, k - (K - cr)), c_n = cq + (k >= K - cr ? 1 : 0);
   const size_t stage_bytes = fused_stage_bytes(vec_groups, max_groups);
   uint8_t* mine = smem + team * (2 * stage_bytes + bulk_down_tiles_offset(max_groups));
-  experts_team_run(pairs, t_first, t_n, c_first, c_n, frag, gsum, vec_groups, h, ldh, max_groups, y, ldy, sh, counts,
-                   mine + bulk_down_tiles_offset(max_groups), stage_bytes, reinterpret_cast<uint2*>(mine), bar[team],
-                   red[team], threadIdx.x & 255, TeamSync{1 + team});
+  auto run = [&](auto sync) {
+    experts_team_run<STAMP>(pairs, t_first, t_n, c_first, c_n, frag, gsum, vec_groups, h, ldh, max_groups, y, ldy, sh, counts,
+                     mine + bulk_down_tiles_offset(max_groups), stage_bytes, reinterpret_cast<uint2*>(mine), bar[team],
+                     red[team], threadIdx.x & 255, sync);
+  };
+  if constexpr (TEAMS == 1) run(BlockSync{});
+  else run(TeamSync{1 + team});
+  expert_stamp_exit<STAMP>(kExpertStampFused);
 }
 }  // namespace
 
@@ -838,6 +889,15 @@ int stream_run_length(Kernel kernel, size_t max_smem, size_t smem, int units, St
   return static_cast<int>(ceil_div(units, blocks));
 }
 
+// The STAMP instance of a kernel when CK_EXPERT_TIMING=1 (its dynamic shared memory limit raised to
+// max_smem at each call: a debug run), else the default one.
+template <class Kernel>
+Kernel stamped_or_not(Kernel plain, Kernel stamped, size_t max_smem) {
+  if (!expert_timing_on()) return plain;
+  CUDA_CHECK(cudaFuncSetAttribute(stamped, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_smem)));
+  return stamped;
+}
+
 int g_shared_early = -1;  // set_expert_shared_early; -1: the environment's
 bool expert_shared_early_on() {
   static const bool env_on = !env_is("CK_EXPERT_SHARED_EARLY", "0");
@@ -896,9 +956,10 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
     const SharedSlot sh = early_shared_slot(shared, n_pairs);
     if (expert_stream_on() && 2 * bulk_smem <= kBulkMaxSmem && ceil_div(groups, 8) <= kStreamWarpGroups) {
       static StreamLaunchCache cache;
-      const int per = stream_run_length(expert_gate_up_stream_kernel, kBulkMaxSmem, 2 * bulk_smem, tiles, cache);
-      launch(expert_gate_up_stream_kernel, static_cast<unsigned>(ceil_div(tiles, per)), 256, 2 * bulk_smem, s, pairs,
-             tiles_per_pair, tiles, per, frag, gsum, groups, out, ldo, sh);
+      const int per = stream_run_length(expert_gate_up_stream_kernel<false>, kBulkMaxSmem, 2 * bulk_smem, tiles, cache);
+      launch(stamped_or_not(expert_gate_up_stream_kernel<false>, expert_gate_up_stream_kernel<true>, kBulkMaxSmem),
+             static_cast<unsigned>(ceil_div(tiles, per)), 256, 2 * bulk_smem, s, pairs, tiles_per_pair, tiles, per, frag,
+             gsum, groups, out, ldo, sh);
       CUDA_CHECK_LAUNCH();
       if (scratch) scratch_free(scratch, s);
       return;
@@ -956,9 +1017,10 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
     if (expert_down_stream_on() && early && ssmem <= kDownStreamMaxSmem) {
       static StreamLaunchCache cache;
       const int chunks = n_pairs * bpp;
-      const int per = stream_run_length(expert_down_stream_kernel, kDownStreamMaxSmem, ssmem, chunks, cache);
-      launch(expert_down_stream_kernel, static_cast<unsigned>(ceil_div(chunks, per)), 256, ssmem, stream, pairs, bpp,
-             chunks, per, max_groups, h, ldh, y, ldy);
+      const int per = stream_run_length(expert_down_stream_kernel<false>, kDownStreamMaxSmem, ssmem, chunks, cache);
+      launch(stamped_or_not(expert_down_stream_kernel<false>, expert_down_stream_kernel<true>, kDownStreamMaxSmem),
+             static_cast<unsigned>(ceil_div(chunks, per)), 256, ssmem, stream, pairs, bpp, chunks, per, max_groups, h,
+             ldh, y, ldy);
       CUDA_CHECK_LAUNCH();
       return;
     }
@@ -978,31 +1040,56 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
   launch_expert_tc4<false>(pairs, n_pairs, hidden, max_inter / 64, h, ldh, n_pairs, y, ldy, stream, nullptr, false);
 }
 
-bool expert_fused_on() {
-  static const bool env_on = env_is("CK_EXPERT_FUSED", "1");
-  return g_expert_fused < 0 ? env_on : g_expert_fused != 0;
+// 0: off; 1: blocks of two teams (expert_tc4_fused_kernel<2>); 2: blocks of one team (<1>).
+int expert_fused_mode() {
+  static const int env_mode = env_is("CK_EXPERT_FUSED", "1") ? 1 : env_is("CK_EXPERT_FUSED", "2") ? 2 : 0;
+  return g_expert_fused < 0 ? env_mode : g_expert_fused;
 }
-void set_expert_fused(int on) { g_expert_fused = on < 0 ? -1 : (on ? 1 : 0); }
+void set_expert_fused(int mode) { g_expert_fused = mode < 0 ? -1 : std::min(mode, 2); }
 
 size_t expert_fused_counts(int n_pairs) { return 2 * static_cast<size_t>(n_pairs); }
+
+bool expert_timing_on() {
+  static const bool on = env_is("CK_EXPERT_TIMING", "1");
+  return on;
+}
+
+std::vector<uint64_t> expert_stamps() {
+  std::vector<uint64_t> st(static_cast<size_t>(kExpertStampKernels) * kExpertStampBlocks * kExpertStampWords);
+  CUDA_CHECK(cudaMemcpyFromSymbol(st.data(), g_expert_stamps, st.size() * sizeof(uint64_t)));
+  return st;
+}
+
+namespace {
+// Blocks of the fused kernel with TEAMS teams (dynamic shared memory smem) resident an SM.
+template <int TEAMS>
+int fused_blocks_per_sm(size_t smem) {
+  static StreamLaunchCache c;
+  if (!c.smem_limit_set) {
+    CUDA_CHECK(cudaFuncSetAttribute(expert_tc4_fused_kernel<TEAMS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(kFusedMaxSmem)));
+    c.smem_limit_set = true;
+  }
+  if (c.smem != smem) {
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c.blocks_per_sm, expert_tc4_fused_kernel<TEAMS>,
+                                                             256 * TEAMS, smem));
+    c.smem = smem;
+  }
+  return c.blocks_per_sm;
+}
+}  // namespace
 
 bool expert_tc4_fused(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
                       int x_rows, float* h, int ldh, float* y, int ldy, unsigned* counts, cudaStream_t stream,
                       const Tc4Frags* pre, const SharedSlot* shared) {
   CK_REQUIRE(n_pairs >= 1 && x_rows >= 1 && hidden % 64 == 0 && max_inter % 64 == 0, "invariant");
-  const int groups = hidden / 64, max_groups = max_inter / 64;
-  const size_t smem = fused_smem(groups, max_groups);
-  if (!expert_fused_on() || !expert_bulk_on() || !expert_stream_on() || !counts || ceil_div(groups, 8) > kStreamWarpGroups ||
+  const int groups = hidden / 64, max_groups = max_inter / 64, mode = expert_fused_mode(), teams = mode == 1 ? 2 : 1;
+  const size_t smem = fused_smem(groups, max_groups, teams);
+  if (mode == 0 || !expert_bulk_on() || !expert_stream_on() || !counts || ceil_div(groups, 8) > kStreamWarpGroups ||
       max_groups > kTcBlockGroups || smem > kFusedMaxSmem || hidden % 16 != 0 ||
       reinterpret_cast<uintptr_t>(h) % 16 != 0 || ldh % 4 != 0)
     return false;
-  static const int blocks_per_sm = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(expert_tc4_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(kFusedMaxSmem)));
-    int n = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, expert_tc4_fused_kernel, 512, kFusedMaxSmem));
-    return n;
-  }();
+  const int blocks_per_sm = teams == 2 ? fused_blocks_per_sm<2>(smem) : fused_blocks_per_sm<1>(smem);
   if (blocks_per_sm < 1) return false;  // teams wait for other blocks' tiles: all must be resident
   const uint2* frag = nullptr;
   const float* gsum = nullptr;
@@ -1011,9 +1098,11 @@ bool expert_tc4_fused(const ExpertPair* pairs, int n_pairs, int max_inter, int h
   const int tiles_per_pair = static_cast<int>(ceil_div(max_inter, 16)), bpp = static_cast<int>(ceil_div(hidden, 128));
   const int blocks = g_expert_stream_blocks > 0 ? std::min(g_expert_stream_blocks, sm_count() * blocks_per_sm)
                                                 : sm_count() * blocks_per_sm;
-  launch(expert_tc4_fused_kernel, static_cast<unsigned>(blocks), 512, smem, stream, pairs, n_pairs * tiles_per_pair,
-         frag, gsum, groups, h, ldh, n_pairs * bpp, max_groups, y, ldy, sh,
-         PairCounts{counts, n_pairs, tiles_per_pair, bpp});
+  const PairCounts pc{counts, n_pairs, tiles_per_pair, bpp};
+  const auto kernel = teams == 2 ? stamped_or_not(expert_tc4_fused_kernel<2>, expert_tc4_fused_kernel<2, true>, kFusedMaxSmem)
+                                  : stamped_or_not(expert_tc4_fused_kernel<1>, expert_tc4_fused_kernel<1, true>, kFusedMaxSmem);
+  launch(kernel, static_cast<unsigned>(blocks), 256 * teams, smem, stream, pairs, n_pairs * tiles_per_pair, frag, gsum,
+         groups, h, ldh, n_pairs * bpp, max_groups, y, ldy, sh, pc);
   CUDA_CHECK_LAUNCH();
   if (scratch) scratch_free(scratch, stream);
   return true;

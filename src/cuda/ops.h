@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "cuda/dmatrix.h"
 
@@ -251,7 +252,16 @@ bool expert_tc4_fused(const ExpertPair* pairs, int n_pairs, int max_inter, int h
                       int x_rows, float* h, int ldh, float* y, int ldy, unsigned* counts, cudaStream_t stream,
                       const Tc4Frags* pre = nullptr, const SharedSlot* shared = nullptr);
 size_t expert_fused_counts(int n_pairs);
-// set_expert_fused(1 or 0): the fused kernel or not (tests); -1 goes back to the environment's.
+// Debug timing of the decode expert kernels (CK_EXPERT_TIMING=1, read once): each block of the last
+// streaming gate/up (kernel 0), streaming down (1) and fused (2) kernel launched leaves its entry, the
+// end of its programmatic-launch wait and its exit (%globaltimer, ns; 0: not run) and its SM.
+// expert_stamps(): [kernel][block][word], blocks past kExpertStampBlocks not kept.
+constexpr int kExpertStampKernels = 3, kExpertStampBlocks = 512, kExpertStampWords = 4;
+constexpr int kExpertStampGateUp = 0, kExpertStampDown = 1, kExpertStampFused = 2;
+bool expert_timing_on();
+std::vector<uint64_t> expert_stamps();
+// set_expert_fused(1, 2 or 0): the fused kernel in blocks of two teams, of one team (CK_EXPERT_FUSED=2), or
+// not (tests); -1 goes back to the environment's.
 void set_expert_fused(int on);
 
 // The same expert products for a prefill chunk, grouped per expert (gemm.cu): group_pairs sorts the

@@ -1116,13 +1116,15 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
             << what << ": y differs from the default's";
       }
       set_expert_stream(-1);
-      // The fused kernel (expert_tc4_fused: gate/up and down in one) with every resident block and with
-      // 7 (14 teams of ~34 tiles and ~17 chunks, whose chunks wait for other teams' tiles), each twice:
+      // The fused kernel (expert_tc4_fused: gate/up and down in one), in blocks of two teams and of one,
+      // with every resident block and with 7 (14 or 7 teams of many tiles and chunks, whose chunks wait
+      // for other teams' tiles), each twice:
       // its counts must come back to zero for the next call. The same bits of h and y as the two kernels.
       DeviceBuffer<unsigned> counts(expert_fused_counts(n_pairs));
       CUDA_CHECK(cudaMemset(counts.get(), 0, counts.bytes()));
-      set_expert_fused(1);
+      for (int mode : {1, 2})  // blocks of two teams, of one team
       for (int blocks : {0, 0, 7, 7}) {
+        set_expert_fused(mode);
         set_expert_stream(1, blocks);
         DeviceBuffer<float> h2(n_pairs * ldh), y2(n_pairs * ldy);
         CUDA_CHECK(cudaMemcpy(h2.get(), hd.get(), h2.bytes(), cudaMemcpyDeviceToDevice));  // rows past a pair's inter
@@ -1132,9 +1134,9 @@ TEST(CudaOps, ExpertProductsThroughPairViews) {
             << "the fused kernel did not apply to the tiled pairs";
         const std::vector<float> h_other = to_host(h2.get(), n_pairs * ldh), y_other = to_host(y2.get(), n_pairs * ldy);
         EXPECT_EQ(std::memcmp(h_other.data(), h_default.data(), h_other.size() * sizeof(float)), 0)
-            << "the fused kernel with " << blocks << " blocks (0: all): h differs from the two kernels'";
+            << "the fused kernel (mode " << mode << ") with " << blocks << " blocks (0: all): h differs from the two kernels'";
         EXPECT_EQ(std::memcmp(y_other.data(), y_default.data(), y_other.size() * sizeof(float)), 0)
-            << "the fused kernel with " << blocks << " blocks (0: all): y differs from the two kernels'";
+            << "the fused kernel (mode " << mode << ") with " << blocks << " blocks (0: all): y differs from the two kernels'";
         const std::vector<unsigned> left = to_host(counts.get(), expert_fused_counts(n_pairs));
         EXPECT_EQ(std::count(left.begin(), left.end(), 0u), static_cast<long>(left.size()))
             << "the fused kernel left its counts non-zero";
@@ -2108,16 +2110,17 @@ TEST(CudaOps, ExpertStreamGivesTheSameLogits) {
                                    "the streaming expert kernels changed the logits");
 }
 
-// The tiled experts' gate/up and down as one kernel (set_expert_fused(1), off by default; 5 blocks, so
+// The tiled experts' gate/up and down as one kernel (set_expert_fused(1) and (2), off by default; 5 blocks, so
 // each team runs many tiles and chunks and waits on other blocks' tiles) and as the two streaming
 // kernels: logits bit for bit at steps of 1-8 rows.
 TEST(CudaOps, ExpertFusedGivesTheSameLogits) {
   REQUIRE_GPU();
-  expect_tiled_switch_keeps_logits(14, [](int on) {
-    set_expert_fused(on);
-    if (on < 0) set_expert_stream(-1);
-    else set_expert_stream(1, on > 0 ? 5 : 0);
-  }, "the fused expert kernel changed the logits");
+  for (int mode : {1, 2})  // blocks of two teams, of one team
+    expect_tiled_switch_keeps_logits(14, [mode](int on) {
+      set_expert_fused(on > 0 ? mode : on);
+      if (on < 0) set_expert_stream(-1);
+      else set_expert_stream(1, on > 0 ? 5 : 0);
+    }, mode == 1 ? "the fused expert kernel changed the logits" : "the one-team fused expert kernel changed the logits");
 }
 
 // A model whose experts cannot all be resident fails at creation with one error naming the sizes
