@@ -698,6 +698,7 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
   uint2 fb[kStreamWarpGroups][4];
   float fx[kStreamWarpGroups];
   int frag_vec = -1, frag_pair = -1;
+  unsigned unreleased = 0;  // warp 0: the team's stored tiles of the current pair not yet counted
   for (int u = 0; u < n_units; ++u) {
     const int s = u & 1;
     const uint8_t* st = stages + s * stage_bytes;
@@ -721,10 +722,16 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
           const float v0 = one_row_value<2>(red[s], 8, 0, lane), v1 = one_row_value<2>(red[s], 8, 1, lane);
           h[static_cast<size_t>(p) * ldh + row0 + lane] = siluf_(v0) * v1;
         }
-        __syncwarp();  // the warp's stores of the tile, then one release of them with the pair's count
-        if (lane == 0) {
-          asm volatile("fence.acq_rel.gpu;" ::: "memory");
-          asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(counts.ready + p) : "memory");
+        // The team's tiles of one pair are released together, after the last of them: one GPU-scope
+        // fence a pair, not one a tile (the fence holds warp 0, and the team's next barrier with it).
+        ++unreleased;
+        if (u + 1 >= t_n || (t_first + u + 1) / tpp != p) {
+          __syncwarp();  // the warp's stores of the tiles, then one release of them with the pair's count
+          if (lane == 0) {
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(counts.ready + p), "r"(unreleased) : "memory");
+          }
+          unreleased = 0;
         }
       }
       continue;
@@ -767,7 +774,8 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
 // (two teams, 4 tiles in flight an SM), down's chunks take the stages the tiles free, and a pair's down
 // waits only for that pair's tiles (ready counts in global memory: PairCounts).
 // No deadlock: a team waits only for tiles, which every team takes before any chunk and multiplies
-// without waiting for anything but their copies, and every block is resident (at most one block an SM).
+// without waiting for anything but their copies, and every block is resident (the grid is at most the
+// blocks that fit at once: one an SM of two teams, two of one team).
 // Measured (H100 2026-12-06, docs/roofline-cuda.md "Fifty-first session"): alone it is faster (Nsight
 // Compute, 4 layers: 21.9 us against 15.4 + 9.7 us for the two kernels), but the one-row step is ~3%
 // slower (612.0 / 606.1 against 629.3 / 632.2 tok/s; 4 rows -1 to -3%), also with a team's chunks
