@@ -776,16 +776,17 @@ __device__ __forceinline__ void experts_team_run(const ExpertPair* __restrict__ 
 // No deadlock: a team waits only for tiles, which every team takes before any chunk and multiplies
 // without waiting for anything but their copies, and every block is resident (the grid is at most the
 // blocks that fit at once: one an SM of two teams, two of one team).
-// Measured (H100 2026-12-06, docs/roofline-cuda.md "Fifty-first session"): alone it is faster (Nsight
-// Compute, 4 layers: 21.9 us against 15.4 + 9.7 us for the two kernels), but the one-row step is ~3%
-// slower (612.0 / 606.1 against 629.3 / 632.2 tok/s; 4 rows -1 to -3%), also with a team's chunks
-// asked only after its last tile (level with this form). Why is not known: the two streaming kernels
-// fill an SM as well (two blocks of ~100 KB each), but a block of theirs needs half an SM, so it can
-// start under programmatic launch where the route's and router's blocks are still running, and each
-// exits as soon as its own work is done, where a fused block lives until its chunks' pairs are all
-// stored. (A first form, warps 0-7 on gate/up and 8-15 on down: -7%.)
-// grid = SMs x blocks an SM, block 512, dynamic shared memory 2 x (2 stage_bytes + the fragments).
-// TEAMS = 1 (CK_EXPERT_FUSED=2): blocks of one team, 256 threads, two an SM: a block needs half an SM
+// Measured (H100 2026-12-06, docs/roofline-cuda.md "Fifty-first session" and "Fifty-second session"):
+// alone it is faster (Nsight Compute, 4 layers: 21.9 us against 15.4 + 9.7 us for the two kernels), but
+// the one-row step is ~3% slower (two teams -3.4%, blocks of one team -2.9%; 4 rows -1 to -2%). The
+// per-block stamps (CK_EXPERT_TIMING=1) show that the start is not why: every block is resident before
+// the route ends, in both forms. From the route's end to the last block's exit it takes 17.2-17.6 us
+// against 15.9 us for the two kernels: a chunk waits for its pair's tiles, which the teams finish at
+// about the moment all tiles are done, so the counts buy nothing over a kernel boundary at one row and
+// cost their fences and polls; alone, the two kernels lose the overlap of down's copies with gate/up
+// that they have in the step. (A first form, warps 0-7 on gate/up and 8-15 on down: -7%.)
+// grid = SMs x blocks an SM, block 256 TEAMS, dynamic shared memory TEAMS x (2 stage_bytes + the
+// fragments: fused_smem). TEAMS = 1 (CK_EXPERT_FUSED=2): blocks of one team, 256 threads, two an SM: a block needs half an SM
 // to start and leaves when its own team is done.
 template <int TEAMS, bool STAMP = false>
 __global__ void __launch_bounds__(256 * TEAMS, 2 / TEAMS) expert_tc4_fused_kernel(
