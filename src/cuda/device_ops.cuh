@@ -47,6 +47,22 @@ __device__ __forceinline__ float dmatrix_elem(const DMatrix& m, int64_t r, int64
 }
 
 // acc + a * b with two roundings, as the CPU reference adds products (no FMA contraction).
+// Polls the word at w with acquire loads until done(value) (one thread; its later reads see what the
+// writer released before the value). A wait of seconds means a block that never became resident (a
+// launch's occupancy check failed to hold, e.g. under MPS with fewer SMs): trap, so the step fails with
+// a CUDA error instead of hanging.
+template <class Done>
+__device__ __forceinline__ void poll_acquire_until(const unsigned* w, Done done) {
+  unsigned v;
+  uint64_t t0, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(w) : "memory");
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - t0 > 2000000000ull) __trap();
+  } while (!done(v));
+}
+
 __device__ __forceinline__ float mul_add_rn(float acc, float a, float b) { return __fadd_rn(acc, __fmul_rn(a, b)); }
 
 // Asynchronous copies global -> shared (sm_80+): 16 bytes (bypassing L1) or 4 bytes, grouped by

@@ -74,7 +74,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, bool wait) {
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned* gen = bar + 32;
-    unsigned g0, old, g;
+    unsigned g0, old;
     asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(g0) : "l"(gen) : "memory");
     asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the block's writes (ordered by __syncthreads) first
     asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(bar) : "memory");
@@ -82,16 +82,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, bool wait) {
       asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(bar) : "memory");
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(gen) : "memory");
     } else if (wait) {
-      // A wait of seconds means some block never became resident (the launch's occupancy check
-      // failed to hold, e.g. under MPS with fewer SMs): trap, so the step fails with a CUDA error
-      // instead of hanging.
-      uint64_t t0, now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-      do {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(g) : "l"(gen) : "memory");
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - t0 > 2000000000ull) __trap();
-      } while (g == g0);
+      poll_acquire_until(gen, [&](unsigned g) { return g != g0; });  // (traps after seconds)
     }
   }
   __syncthreads();
