@@ -33,9 +33,12 @@
 // The down product of the norm differs in rounding from the unfused kernels (r_s applied after the
 // product, not to X before it), within the parity tolerances against the CPU reference (tests/parity).
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
+#include "cuda/fixed_sum.h"
 #include "cuda/layers.h"
 #include "cuda/mma_q4.cuh"
 
@@ -62,6 +65,12 @@ struct HcMixLaunch {
   int prefetch;          // ask L2 for the block's weights before pdl_begin (CK_HC_OWN_PREFETCH)
   int norm_prefetch;     // and for its part of the norm's scale (CK_HC_NORM_PREFETCH=0: not)
   int r_prefetch;        // and for its chunk of R and the injection weights w_in (CK_HC_R_PREFETCH=0: not)
+  // The exact sums of the partial products (HcMixArgs::acc; nullptr: phase 2 sums the 80 chunks' partials
+  // itself, as before): two buffers of acc_words, this mix's chosen by the barrier's generation.
+  long long* acc;
+  int acc_stride;        // words of one stream's rows in one limb (low rank + one inject tile)
+  int acc_words;         // one buffer: kHcAccFlagWords, then limb A and limb B, each S x acc_stride
+  float acc_limit;       // a partial at or above this magnitude (or not finite) sends the mix to the fallback
 };
 
 // All blocks of the grid arrive here; those that `wait` leave once all have arrived, and then see
@@ -86,6 +95,26 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, bool wait) {
     }
   }
   __syncthreads();
+}
+
+// The exact sums of a row's partial products (HcMixArgs::acc). Why: every consumer block of phase 2 used to
+// copy all chunks' partials (80 x 336 floats, 107 KB at the released geometry) and add them in chunk order,
+// the same work in 40 blocks. Integer additions do not depend on their order, so the chunks add their
+// partials into fixed-point limbs as they finish (cuda/fixed_sum.h), and a consumer reads S x 336 sums.
+// The sums are nearer the true sum than the fp32 chain they replace, and the same bits whichever block
+// adds first. A partial out of range (or not finite) sets the buffer's flag: the consumers then add the
+// chunks' partials (always stored as well) straight from L2, in chunk order (the fp32 chain's bits).
+constexpr int kHcAccFlagWords = 16;  // the flag word, padded so the limbs start on a 128-byte line
+
+__device__ __forceinline__ void hc_acc_add(long long* buf, int stride, int S, int s, int j, float v, float limit) {
+  if (!(fabsf(v) < limit)) {
+    *reinterpret_cast<volatile long long*>(buf) = 1;
+    return;
+  }
+  const FixedParts p = fixed_split(v);
+  long long* a = buf + kHcAccFlagWords + s * stride + j;
+  atomicAdd(reinterpret_cast<unsigned long long*>(a), static_cast<unsigned long long>(p.hi));
+  atomicAdd(reinterpret_cast<unsigned long long*>(a + S * stride), static_cast<unsigned long long>(p.lo));
 }
 
 // The 16-row one-row tile at rows row0.. of m over groups [G0, G1) against fragments f (group G at
@@ -236,6 +265,17 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   }
   pdl_begin();  // R, o and w come from the kernels before
   mark(1);
+  // This mix's accumulators: the buffer of the barrier's generation parity (the generation advances once a
+  // mix, at its barrier, after every block has read it here). The other buffer is the previous mix's, whose
+  // readers are done (it ran before this kernel's wait): zero it for the next mix.
+  long long* accum = nullptr;
+  if (L.acc) {
+    const unsigned gen = __ldcg(L.bar + 32);
+    accum = L.acc + static_cast<size_t>(gen & 1u) * L.acc_words;
+    long long* next = L.acc + static_cast<size_t>((gen & 1u) ^ 1u) * L.acc_words;
+#pragma unroll 1
+    for (int w = blockIdx.x * kHcThreads + tid; w < L.acc_words; w += gridDim.x * kHcThreads) next[w] = 0;
+  }
 
   // 1. The chunk: combine, x' = R n, sum of squares, partial products of down and inject.
   if (c < L.n_chunks) {
@@ -276,14 +316,21 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       float y0, y1;
       hc_tile_rows(acc_a, y0, y1);
       float* p = L.part + static_cast<size_t>(c) * td * 16;
+      // Rows of this chunk's stream that exist (an inject tile's rows past inject.rows are clamped copies).
+      const int s = c * cg * 64 / H;
+      auto add = [&](int j, float v) {
+        if (j < 16 * L.tiles_d || j - 16 * L.tiles_d < a.inject.rows) hc_acc_add(accum, L.acc_stride, S, s, j, v, L.acc_limit);
+      };
       if (t == 0) {
         p[16 * tile + g] = y0;
         p[16 * tile + g + 8] = y1;
+        if (accum) add(16 * tile + g, y0), add(16 * tile + g + 8, y1);
       }
       hc_tile_rows(acc_b, y0, y1);
       if (t == 0 && tb != tile) {
         p[16 * tb + g] = y0;
         p[16 * tb + g + 8] = y1;
+        if (accum) add(16 * tb + g, y0), add(16 * tb + g + 8, y1);
       }
     }
   }
@@ -299,8 +346,19 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   mark(4);
 
   // 1 / rms per stream: its chunks' sums of squares in chunk order (every block, for phases 2 and 3).
+  // With accumulators, their sums (and the flag) come in the same round trip, to sp as S x 16 td floats.
   const int cps = H / (64 * cg);  // chunks per stream
   if (tid < L.n_chunks) sss[tid] = __ldcg(L.ss + tid);  // one round trip for all
+  bool exact = false;
+  if (accum) {
+    exact = __ldcg(accum) == 0;
+    const int per = 16 * td;
+#pragma unroll 2
+    for (int e = tid; e < S * per; e += kHcThreads) {
+      const long long* A = accum + kHcAccFlagWords + (e / per) * L.acc_stride + e % per;
+      sp[e] = fixed_value(__ldcg(A), __ldcg(A + S * L.acc_stride));
+    }
+  }
   __syncthreads();
   if (tid < S) {
     float tot = 0.0f;
@@ -314,19 +372,26 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // second grid barrier. The partials come to shared memory in one round trip of 16-byte loads.
   const int ngd = lowrank / 64;
   if (static_cast<int>(blockIdx.x) < H / 64) {
-    const int n4 = L.n_chunks * td * 4;
-    const float4* src = reinterpret_cast<const float4*>(L.part);
-    float4* dst = reinterpret_cast<float4*>(sp);
+    if (!accum) {
+      const int n4 = L.n_chunks * td * 4;
+      const float4* src = reinterpret_cast<const float4*>(L.part);
+      float4* dst = reinterpret_cast<float4*>(sp);
 #pragma unroll 4
-    for (int e = tid; e < n4; e += kHcThreads) dst[e] = __ldcg(src + e);
-    __syncthreads();
+      for (int e = tid; e < n4; e += kHcThreads) dst[e] = __ldcg(src + e);
+      __syncthreads();
+    }
     mark(5);
 #pragma unroll 1
     for (int j = tid; j < 16 * td; j += kHcThreads) {
       float v = 0.0f;
+      if (exact) {
+        for (int s = 0; s < S; ++s) v += sp[s * td * 16 + j] * rinv[s];
+      } else {  // the chunks' partials in chunk order: copied to sp above, or (the fallback) from L2
 #pragma unroll 1
-      for (int s = 0, k = 0; s < S; ++s)
-        for (int e = 0; e < cps; ++e, ++k) v += sp[k * td * 16 + j] * rinv[s];
+        for (int s = 0, k = 0; s < S; ++s)
+          for (int e = 0; e < cps; ++e, ++k)
+            v += (accum ? __ldcg(L.part + static_cast<size_t>(k) * td * 16 + j) : sp[k * td * 16 + j]) * rinv[s];
+      }
       if (j < lowrank) xs[j] = apply_epilogue(v, Epilogue::SiluDiv, static_cast<float>(S));  // trap 4: divide first
       else if (blockIdx.x == 0 && j >= 16 * L.tiles_d && j - 16 * L.tiles_d < a.inject.rows)
         a.w_out[j - 16 * L.tiles_d] = apply_epilogue(v, Epilogue::TwoSigmoidDiv, static_cast<float>(S));
@@ -406,6 +471,24 @@ void hc_mix_init() {
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kHcMaxPartialBytes));
 }
 
+namespace {
+int g_hc_exact_sum = -1;  // set_hc_exact_sum; -1: the environment's
+std::atomic<size_t> g_hc_exact_launches{0};
+}  // namespace
+
+size_t hc_exact_sum_launches() { return g_hc_exact_launches.load(); }
+
+int hc_exact_sum_mode() {
+  // Off by default until measured on a GPU (written in the fifty-third session, when no machine could be had).
+  static const int env_mode = env_is("CK_HC_EXACT_SUM", "1") ? 1 : env_is("CK_HC_EXACT_SUM", "2") ? 2 : 0;
+  return g_hc_exact_sum < 0 ? env_mode : g_hc_exact_sum;
+}
+void set_hc_exact_sum(int mode) { g_hc_exact_sum = mode < 0 ? -1 : std::min(mode, 2); }
+
+size_t hc_mix_acc_words(int S, int lowrank) {
+  return 2 * (kHcAccFlagWords + 2 * static_cast<size_t>(S) * (lowrank + kHcMaxInject));
+}
+
 size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
   const size_t chunks = static_cast<size_t>(S) * H / 64;  // at most: chunks of one group
   return chunks * (lowrank + kHcMaxInject) + chunks;
@@ -443,8 +526,24 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   L.tiles_d = lowrank / 16;
   L.tiles_i = static_cast<int>(ceil_div(a.inject.rows, 16));
   if (L.tiles_d + L.tiles_i > 2 * kHcWarps || L.n_chunks > kHcMaxChunks) return false;
-  const size_t part_bytes = sizeof(float) * L.n_chunks * (L.tiles_d + L.tiles_i) * 16;
+  size_t part_bytes = sizeof(float) * L.n_chunks * (L.tiles_d + L.tiles_i) * 16;
   if (part_bytes > kHcMaxPartialBytes) return false;
+  // The exact sums (hc_acc_add) with CK_HC_EXACT_SUM=1; mode 2 (tests) sends every mix to the fallback.
+  // Phase 2 then keeps S x 16 (tiles) sums in shared memory, not every chunk's partials.
+  // Limb A adds |hi| < limit 2^20 once for each of a stream's chunks (cps), so its sum stays below 2^62;
+  // limb B's |lo| <= 2^55 as often (cps <= 128: below 2^62 too). cuda/fixed_sum.h.
+  const int cps = gps / L.cg;
+  const int exact_mode = a.acc && cps <= 128 ? hc_exact_sum_mode() : 0;
+  L.acc = exact_mode > 0 ? a.acc : nullptr;
+  L.acc_stride = lowrank + kHcMaxInject;
+  L.acc_words = static_cast<int>(hc_mix_acc_words(a.S, lowrank) / 2);
+  int log2_cps = 0;
+  while ((1 << log2_cps) < cps) ++log2_cps;
+  L.acc_limit = exact_mode == 2 ? 0.0f : std::ldexp(1.0f, 62 - 20 - log2_cps);
+  if (L.acc) {
+    part_bytes = sizeof(float) * a.S * (L.tiles_d + L.tiles_i) * 16;
+    ++g_hc_exact_launches;
+  }
   L.part = a.scratch;  // 256-byte aligned (cudaMalloc): phase 2 reads it in 16-byte loads
   L.ss = L.part + L.n_chunks * (L.tiles_d + L.tiles_i) * 16;
   L.bar = a.barrier;

@@ -75,6 +75,10 @@ struct HcMixArgs {
   int S = 0, H = 0;
   float* scratch = nullptr; size_t scratch_floats = 0;    // hc_mix_scratch_floats(S, H, low rank)
   unsigned* barrier = nullptr;                            // 64 words, zero before the first call
+  // The partial products' exact sums (hc_mix.cu hc_acc_add): hc_mix_acc_words(S, low rank) words, zero
+  // before the first call, then kept by the kernel; shared by every mix that shares `barrier` (one stream).
+  // nullptr (or the exact sums off, the default): every consumer block adds all chunks' partials in chunk order.
+  long long* acc = nullptr;
   // Debug (CK_HC_TIMING=1): per block, kHcStampWords words: its start (%globaltimer, ns), then the SM
   // cycles of each piece (kHcStampNames; 0 where the block has no share of it). nullptr: none.
   unsigned long long* stamps = nullptr;
@@ -82,9 +86,15 @@ struct HcMixArgs {
 constexpr int kHcStampWords = 9;
 inline constexpr const char* kHcStampNames[kHcStampWords] = {
     "start after the first (ns)", "prefetch, wait for inputs", "combine + norm", "fragments + down tiles",
-    "grid barrier", "partials to shared", "d: sum + fragments", "up tiles", "gate mean + fragments"};
+    "grid barrier", "sums or partials to shared", "d: sum + fragments", "up tiles", "gate mean + fragments"};
 bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream);
 size_t hc_mix_scratch_floats(int S, int H, int lowrank);
+size_t hc_mix_acc_words(int S, int lowrank);
+// The exact sums: 1 on (CK_HC_EXACT_SUM=1), 0 off (the default: not yet measured on a GPU), 2 on with every
+// partial out of range, so every mix takes the fallback (tests); set_hc_exact_sum(-1): the environment's.
+int hc_exact_sum_mode();
+void set_hc_exact_sum(int mode);
+size_t hc_exact_sum_launches();  // launches (or graph captures) of the mix with its exact sums, for tests
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;

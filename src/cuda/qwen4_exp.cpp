@@ -414,6 +414,7 @@ struct Session::Buffers {
   float* hc_scratch = nullptr;  // hc_mix_row's partial products, one row
   size_t hc_scratch_n = 0;
   unsigned* hc_barrier = nullptr;
+  long long* hc_acc = nullptr;  // hc_mix_row's exact sums (two buffers), zeroed with the barrier
   unsigned long long* hc_stamps = nullptr;  // CK_HC_TIMING=1: the last one-row mix's per-block timing
   Tc4Frags ufr;
   // 2-8-row steps: the R-row fragments of u (beside ufrag) and of the mix's low-rank d, written by the
@@ -497,6 +498,7 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
     b.hc_scratch_n = hc_mix_scratch_floats(S, H, c.hc_lowrank);
     b.hc_scratch = fbuf(static_cast<int64_t>(b.hc_scratch_n));
     b.hc_barrier = reinterpret_cast<unsigned*>(fbuf(64));  // zeroed by fbuf
+    b.hc_acc = reinterpret_cast<long long*>(fbuf(static_cast<int64_t>(2 * hc_mix_acc_words(S, c.hc_lowrank))));
     if (env_is("CK_HC_TIMING", "1"))  // kHcStampWords words per block, one block per SM
       b.hc_stamps = reinterpret_cast<unsigned long long*>(fbuf(2 * kHcStampWords * sm_count()));
   }
@@ -662,6 +664,7 @@ void Session::hc_mix(const DHc& hc, int rows, float* u, float* w) {
     a.scratch = b.hc_scratch;
     a.scratch_floats = b.hc_scratch_n;
     a.barrier = b.hc_barrier;
+    a.acc = b.hc_acc;
     a.stamps = b.hc_stamps;
     if (hc_mix_row(a, stream_)) {
       pending_combine_.reset();

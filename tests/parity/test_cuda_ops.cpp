@@ -2077,6 +2077,51 @@ TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
   }
 }
 
+// The one-row mix's phase 2 from the exact sums of its chunks' partial products (hc_mix.cu hc_acc_add,
+// set_hc_exact_sum(1)) against every consumer block adding the partials in chunk order (0): the sums
+// round once instead of at every addition, so the logits move by roundings only (within the CPU parity
+// tolerance); the same bits on a
+// second session (the accumulators' two buffers alternate every mix and are zeroed for the next one: a
+// buffer left dirty would add one mix's partials into another's). With every partial out of range
+// (set_hc_exact_sum(2)), each mix takes the fallback, the chunk-order sums read from L2: the old bits.
+TEST(CudaOps, OneRowMixExactSumsMatchTheChunkOrderSums) {
+  REQUIRE_GPU();
+  for (int gi : {1, 3}) {
+    const Geometry g = geometries()[gi];
+    SCOPED_TRACE(g.name);
+    auto rm = make_random_model(g.cfg, g.opt);
+    auto dm = Model::create(rm->weights, rm->experts);
+    ASSERT_TRUE(dm.ok()) << dm.status().message();
+    expect_switch_keeps_logits(**dm, g, 15, [](int on) { set_hc_exact_sum(on > 0 ? 2 : on); },
+                               "the exact sums' fallback changed the chunk-order sums' logits");
+    const std::vector<int32_t> tokens = random_tokens(24, g.cfg.vocab_size, g.cfg.ple_eos(), 16);
+    auto run = [&](int mode) {
+      set_hc_exact_sum(mode);
+      auto s = (*dm)->new_session(64);
+      std::vector<float> out;
+      StepResult res;
+      for (int pos = 0; pos < 24; ++pos) {  // one row a step: every mix is the one-row kernel
+        EXPECT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, 1), false, true, &res).ok());
+        s->commit(1);
+        out.insert(out.end(), res.logits.begin(), res.logits.end());
+      }
+      return out;
+    };
+    const size_t launches = hc_exact_sum_launches();
+    const std::vector<float> chunk_order = run(0);
+    EXPECT_EQ(hc_exact_sum_launches(), launches);
+    const std::vector<float> exact = run(1), again = run(1);
+    EXPECT_GT(hc_exact_sum_launches(), launches) << "the one-row mix did not take its exact sums";
+    set_hc_exact_sum(-1);
+    ASSERT_EQ(exact.size(), chunk_order.size());
+    const double rl = rel_l2(exact.data(), chunk_order.data(), exact.size());
+    std::printf("  %-60s exact sums against chunk order: logits rel L2 %.3g\n", g.name.c_str(), rl);
+    EXPECT_LE(rl, 1e-4);  // LayerPiecesOnRandomModels' tolerance against the CPU
+    EXPECT_EQ(std::memcmp(exact.data(), again.data(), exact.size() * sizeof(float)), 0)
+        << "the exact sums gave other bits in a second session";
+  }
+}
+
 // expect_switch_keeps_logits on every geometry whose experts are in tiles (Model::tiled_experts; at
 // least one is, or the switch's path did not run).
 template <class Set>
