@@ -22,7 +22,9 @@
 //     to the chunks' products after the grid barrier: down X = Σ_c r_s(c) y_c.
 //  2. (grid barrier) Each block that has a group of u copies every chunk's y to shared memory in one
 //     round trip of 16-byte loads and makes all of d: Σ_c r_s(c) y_c in chunk order, silu(y / S), the
-//     same bits in every block; block 0 also writes the injection weights 2 sigmoid(y / S).
+//     same bits in every block; block 0 also writes the injection weights 2 sigmoid(y / S). With the
+//     exact sums (CK_HC_EXACT_SUM=1, hc_acc_add below), phase 1 also adds each y_c into its stream's
+//     fixed-point sums, and phase 2 reads those: Σ_s r_s Y_s.
 //  3. Block b takes u's 64-group b: the up rows s H + 64 b + i for every stream, X_s,i = (R_s,i r_s)
 //     n_s,i (the CPU's norm formula), u_i = Σ_s sigmoid(g) X / S, and the group's v4 fragments.
 // Loops that run at most once per thread at the released geometry (a block's 128 elements, its d rows,

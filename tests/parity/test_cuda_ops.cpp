@@ -2061,43 +2061,46 @@ void expect_switch_keeps_logits(const Model& m, const Geometry& g, uint64_t seed
   EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0) << what;
 }
 
-// The one-row mix's kernel instance for tiles (set_layout_kernels: no layout branch per group) gives
-// the default instance's logits bit for bit, at steps of 1 to 8 rows, on the 4-bit geometry and the
-// fused one-row mix's (its down and up projections in tiles).
-TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
-  REQUIRE_GPU();
+// fn(model, geometry) on the 4-bit geometry and the fused one-row mix's (its down and up projections in
+// tiles): the two whose one-row mixes take hc_mix.cu's kernel.
+template <class Fn>
+void for_each_one_row_mix_model(Fn fn) {
   for (int gi : {1, 3}) {
     const Geometry g = geometries()[gi];
     SCOPED_TRACE(g.name);
     auto rm = make_random_model(g.cfg, g.opt);
     auto dm = Model::create(rm->weights, rm->experts);
     ASSERT_TRUE(dm.ok()) << dm.status().message();
-    expect_switch_keeps_logits(**dm, g, 11, [](int on) { set_layout_kernels(on); },
-                               "the layout kernels' logits differ from the default kernels'");
+    fn(**dm, g);
   }
+}
+
+// The one-row mix's kernel instance for tiles (set_layout_kernels: no layout branch per group) gives
+// the default instance's logits bit for bit, at steps of 1 to 8 rows.
+TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
+  REQUIRE_GPU();
+  for_each_one_row_mix_model([](const Model& m, const Geometry& g) {
+    expect_switch_keeps_logits(m, g, 11, [](int on) { set_layout_kernels(on); },
+                               "the layout kernels' logits differ from the default kernels'");
+  });
 }
 
 // The one-row mix's phase 2 from the exact sums of its chunks' partial products (hc_mix.cu hc_acc_add,
 // set_hc_exact_sum(1)) against every consumer block adding the partials in chunk order (0): the sums
 // round once instead of at every addition, so the logits move by roundings only (within the CPU parity
-// tolerance); the same bits on a
-// second session (the accumulators' two buffers alternate every mix and are zeroed for the next one: a
-// buffer left dirty would add one mix's partials into another's). With every partial out of range
-// (set_hc_exact_sum(2)), each mix takes the fallback, the chunk-order sums read from L2: the old bits.
+// tolerance); the same bits on a second session (the accumulators' two buffers alternate every mix and
+// are zeroed for the next one: a buffer left dirty would add one mix's partials into another's). With
+// every partial out of range (set_hc_exact_sum(2)), each mix takes the fallback, the chunk-order sums
+// read from L2: the old bits.
 TEST(CudaOps, OneRowMixExactSumsMatchTheChunkOrderSums) {
   REQUIRE_GPU();
-  for (int gi : {1, 3}) {
-    const Geometry g = geometries()[gi];
-    SCOPED_TRACE(g.name);
-    auto rm = make_random_model(g.cfg, g.opt);
-    auto dm = Model::create(rm->weights, rm->experts);
-    ASSERT_TRUE(dm.ok()) << dm.status().message();
-    expect_switch_keeps_logits(**dm, g, 15, [](int on) { set_hc_exact_sum(on > 0 ? 2 : on); },
+  for_each_one_row_mix_model([](const Model& m, const Geometry& g) {
+    expect_switch_keeps_logits(m, g, 15, [](int on) { set_hc_exact_sum(on > 0 ? 2 : on); },
                                "the exact sums' fallback changed the chunk-order sums' logits");
     const std::vector<int32_t> tokens = random_tokens(24, g.cfg.vocab_size, g.cfg.ple_eos(), 16);
     auto run = [&](int mode) {
       set_hc_exact_sum(mode);
-      auto s = (*dm)->new_session(64);
+      auto s = m.new_session(64);
       std::vector<float> out;
       StepResult res;
       for (int pos = 0; pos < 24; ++pos) {  // one row a step: every mix is the one-row kernel
@@ -2119,7 +2122,7 @@ TEST(CudaOps, OneRowMixExactSumsMatchTheChunkOrderSums) {
     EXPECT_LE(rl, 1e-4);  // LayerPiecesOnRandomModels' tolerance against the CPU
     EXPECT_EQ(std::memcmp(exact.data(), again.data(), exact.size() * sizeof(float)), 0)
         << "the exact sums gave other bits in a second session";
-  }
+  });
 }
 
 // expect_switch_keeps_logits on every geometry whose experts are in tiles (Model::tiled_experts; at
