@@ -7,9 +7,9 @@
 // most v's 24 significant bits, so hi 2^-20 is a float and the rest is v's bits below 2^-20 (|rest| <=
 // 2^-21, so |lo| <= 2^55). lo is exact while v's last bit is at or above 2^-76 (|v| >= ~2^-53); below, the
 // rest rounds at 2^-76. Limb A adds the hi's, limb B the lo's: n additions of values below 2^(42 - log2 n)
-// keep |A| below 2^62 (hc_mix.cu acc_limit), and |B| stays below 2^62 for n <= 128. fixed_value moves B's
-// carries into A, adds A 2^-20 + B 2^-76 in double and rounds to float: the exact sum rounded twice (to 53,
-// then 24 bits), the same bits for the same limbs.
+// keep |A| below 2^62 (fixed_limit), and |B| stays below 2^62 for n <= kFixedMaxAdditions. fixed_value
+// moves B's carries into A, adds A 2^-20 + B 2^-76 in double and rounds to float: the exact sum rounded
+// twice (to 53, then 24 bits), the same bits for the same limbs.
 #pragma once
 
 #include <cmath>
@@ -36,6 +36,17 @@ CK_FIXED_HD FixedParts fixed_split(float v) {
   const float rest = v - static_cast<float>(hi) * 0x1p-20f;
   return {hi, std::llrint(rest * 0x1p76f)};
 #endif
+}
+
+// Additions into one pair of limbs at most: limb B gains up to 2^55 each and stays below 2^62.
+constexpr int kFixedMaxAdditions = 128;
+
+// The bound on |v| for n additions (n <= kFixedMaxAdditions): |hi| < 2^(62 - ceil(log2 n)) each, so limb A
+// stays below 2^62. A value at or above it (or not finite) is the caller's to handle.
+inline float fixed_limit(int n) {
+  int log2n = 0;
+  while ((1 << log2n) < n) ++log2n;
+  return std::ldexp(1.0f, 62 - 20 - log2n);
 }
 
 CK_FIXED_HD float fixed_value(long long A, long long B) {

@@ -36,7 +36,6 @@
 // product, not to X before it), within the parity tolerances against the CPU reference (tests/parity).
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
@@ -476,6 +475,10 @@ void hc_mix_init() {
 namespace {
 int g_hc_exact_sum = -1;  // set_hc_exact_sum; -1: the environment's
 std::atomic<size_t> g_hc_exact_launches{0};
+// One buffer of the exact sums: the flag's words, then limbs A and B of S x (low rank + an inject tile).
+size_t hc_acc_buffer_words(int S, int lowrank) {
+  return kHcAccFlagWords + 2 * static_cast<size_t>(S) * (lowrank + kHcMaxInject);
+}
 }  // namespace
 
 size_t hc_exact_sum_launches() { return g_hc_exact_launches.load(); }
@@ -487,9 +490,7 @@ int hc_exact_sum_mode() {
 }
 void set_hc_exact_sum(int mode) { g_hc_exact_sum = mode < 0 ? -1 : std::min(mode, 2); }
 
-size_t hc_mix_acc_words(int S, int lowrank) {
-  return 2 * (kHcAccFlagWords + 2 * static_cast<size_t>(S) * (lowrank + kHcMaxInject));
-}
+size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
 size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
   const size_t chunks = static_cast<size_t>(S) * H / 64;  // at most: chunks of one group
@@ -531,17 +532,14 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   size_t part_bytes = sizeof(float) * L.n_chunks * (L.tiles_d + L.tiles_i) * 16;
   if (part_bytes > kHcMaxPartialBytes) return false;
   // The exact sums (hc_acc_add) with CK_HC_EXACT_SUM=1; mode 2 (tests) sends every mix to the fallback.
-  // Phase 2 then keeps S x 16 (tiles) sums in shared memory, not every chunk's partials.
-  // Limb A adds |hi| < limit 2^20 once for each of a stream's chunks (cps), so its sum stays below 2^62;
-  // limb B's |lo| <= 2^55 as often (cps <= 128: below 2^62 too). cuda/fixed_sum.h.
+  // Phase 2 then keeps S x 16 (tiles) sums in shared memory, not every chunk's partials. Each sum takes one
+  // addition from each of its stream's chunks (cuda/fixed_sum.h bounds them).
   const int cps = gps / L.cg;
-  const int exact_mode = a.acc && cps <= 128 ? hc_exact_sum_mode() : 0;
+  const int exact_mode = a.acc && cps <= kFixedMaxAdditions ? hc_exact_sum_mode() : 0;
   L.acc = exact_mode > 0 ? a.acc : nullptr;
   L.acc_stride = lowrank + kHcMaxInject;
-  L.acc_words = static_cast<int>(hc_mix_acc_words(a.S, lowrank) / 2);
-  int log2_cps = 0;
-  while ((1 << log2_cps) < cps) ++log2_cps;
-  L.acc_limit = exact_mode == 2 ? 0.0f : std::ldexp(1.0f, 62 - 20 - log2_cps);
+  L.acc_words = static_cast<int>(hc_acc_buffer_words(a.S, lowrank));
+  L.acc_limit = exact_mode == 2 ? 0.0f : fixed_limit(cps);
   if (L.acc) {
     part_bytes = sizeof(float) * a.S * (L.tiles_d + L.tiles_i) * 16;
     ++g_hc_exact_launches;

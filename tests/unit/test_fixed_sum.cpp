@@ -44,7 +44,7 @@ TEST(FixedSum, SumIsTheTrueSumRoundedWhateverTheOrder) {
   for (int n : {1, 2, 20, 80, 128}) {
     const int log2n = n <= 1 ? 0 : static_cast<int>(std::ceil(std::log2(n)));
     for (int trial = 0; trial < 400; ++trial, ++cases) {
-      // Values up to the range the kernel admits for n additions (hc_mix.cu acc_limit), down to 2^-50.
+      // Values up to the range the kernel admits for n additions (fixed_limit), down to 2^-50.
       std::vector<float> v = random_floats(rng, n, -50, 41 - log2n);
       if (trial % 4 == 0) v = random_floats(rng, n, -3, 3);  // one scale, signs cancelling
       long long A = 0, B = 0;
