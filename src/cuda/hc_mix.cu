@@ -36,6 +36,7 @@
 // product, not to X before it), within the parity tolerances against the CPU reference (tests/parity).
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
@@ -184,7 +185,9 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 // inject head's tiles keep it); hc_layout_kernels_on(), the default (CK_HC_LAYOUT_KERNELS=0: the
 // branching instance). Measured 2026-12-01 22:2xZ: one-row decode +1.1 to +1.8% in four interleaved
 // rounds (mean +1.35%).
-template <bool BF16S, bool TILES = false>
+// EXACT: L.acc is set (the exact sums). A template flag, not a test of L.acc: the chunk-order kernel keeps
+// its registers and code (with the test in one kernel its one-row decode lost ~6%, H200 2026-12-06).
+template <bool BF16S, bool TILES, bool EXACT>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
@@ -270,7 +273,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // mix, at its barrier, after every block has read it here). The other buffer is the previous mix's, whose
   // readers are done (it ran before this kernel's wait): zero it for the next mix.
   long long* accum = nullptr;
-  if (L.acc) {
+  if (EXACT) {
     const unsigned gen = __ldcg(L.bar + 32);
     accum = L.acc + static_cast<size_t>(gen & 1u) * L.acc_words;
     long long* next = L.acc + static_cast<size_t>((gen & 1u) ^ 1u) * L.acc_words;
@@ -325,13 +328,13 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       if (t == 0) {
         p[16 * tile + g] = y0;
         p[16 * tile + g + 8] = y1;
-        if (accum) add(16 * tile + g, y0), add(16 * tile + g + 8, y1);
+        if (EXACT) add(16 * tile + g, y0), add(16 * tile + g + 8, y1);
       }
       hc_tile_rows(acc_b, y0, y1);
       if (t == 0 && tb != tile) {
         p[16 * tb + g] = y0;
         p[16 * tb + g + 8] = y1;
-        if (accum) add(16 * tb + g, y0), add(16 * tb + g + 8, y1);
+        if (EXACT) add(16 * tb + g, y0), add(16 * tb + g + 8, y1);
       }
     }
   }
@@ -351,13 +354,25 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   const int cps = H / (64 * cg);  // chunks per stream
   if (tid < L.n_chunks) sss[tid] = __ldcg(L.ss + tid);  // one round trip for all
   bool exact = false;
-  if (accum) {
+  if (EXACT) {
+    // Every limb a thread needs is asked for before any is used: one round trip (4 x 336 sums over 512
+    // threads at the released geometry: three pairs a thread).
     exact = __ldcg(accum) == 0;
     const int per = 16 * td;
-#pragma unroll 2
-    for (int e = tid; e < S * per; e += kHcThreads) {
-      const long long* A = accum + kHcAccFlagWords + (e / per) * L.acc_stride + e % per;
-      sp[e] = fixed_value(__ldcg(A), __ldcg(A + S * L.acc_stride));
+    constexpr int kU = 4;
+#pragma unroll 1
+    for (int e0 = tid; e0 < S * per; e0 += kU * kHcThreads) {
+      long long A[kU], B[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int e = e0 + u * kHcThreads;
+        const long long* p = accum + kHcAccFlagWords + (e / per) * L.acc_stride + e % per;
+        A[u] = e < S * per ? __ldcg(p) : 0;
+        B[u] = e < S * per ? __ldcg(p + S * L.acc_stride) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (e0 + u * kHcThreads < S * per) sp[e0 + u * kHcThreads] = fixed_value(A[u], B[u]);
     }
   }
   __syncthreads();
@@ -373,7 +388,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // second grid barrier. The partials come to shared memory in one round trip of 16-byte loads.
   const int ngd = lowrank / 64;
   if (static_cast<int>(blockIdx.x) < H / 64) {
-    if (!accum) {
+    if (!EXACT) {
       const int n4 = L.n_chunks * td * 4;
       const float4* src = reinterpret_cast<const float4*>(L.part);
       float4* dst = reinterpret_cast<float4*>(sp);
@@ -391,7 +406,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
 #pragma unroll 1
         for (int s = 0, k = 0; s < S; ++s)
           for (int e = 0; e < cps; ++e, ++k)
-            v += (accum ? __ldcg(L.part + static_cast<size_t>(k) * td * 16 + j) : sp[k * td * 16 + j]) * rinv[s];
+            v += (EXACT ? __ldcg(L.part + static_cast<size_t>(k) * td * 16 + j) : sp[k * td * 16 + j]) * rinv[s];
       }
       if (j < lowrank) xs[j] = apply_epilogue(v, Epilogue::SiluDiv, static_cast<float>(S));  // trap 4: divide first
       else if (blockIdx.x == 0 && j >= 16 * L.tiles_d && j - 16 * L.tiles_d < a.inject.rows)
@@ -467,8 +482,10 @@ bool q4_suits(const DMatrix& m, int64_t rows, int64_t cols) { return expert_q4_o
 }  // namespace
 
 void hc_mix_init() {
-  for (auto k : {hc_mix_row_kernel<true>, hc_mix_row_kernel<false>, hc_mix_row_kernel<true, true>,
-                 hc_mix_row_kernel<false, true>})
+  for (auto k : {hc_mix_row_kernel<true, false, false>, hc_mix_row_kernel<false, false, false>,
+                 hc_mix_row_kernel<true, true, false>, hc_mix_row_kernel<false, true, false>,
+                 hc_mix_row_kernel<true, false, true>, hc_mix_row_kernel<false, false, true>,
+                 hc_mix_row_kernel<true, true, true>, hc_mix_row_kernel<false, true, true>})
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kHcMaxPartialBytes));
 }
 
@@ -501,7 +518,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   static const bool on = !env_is("CK_HC_FUSED", "0");
   static const int blocks = [] {  // one block per SM, if one fits
     int n = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, hc_mix_row_kernel<true>, kHcThreads, kHcMaxPartialBytes) == cudaSuccess &&
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, hc_mix_row_kernel<true, false, false>, kHcThreads, kHcMaxPartialBytes) == cudaSuccess &&
                    n >= 1
                ? sm_count()
                : 0;
@@ -564,8 +581,14 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };
-  if (tiles) bf16s ? go(hc_mix_row_kernel<true, true>) : go(hc_mix_row_kernel<false, true>);
-  else bf16s ? go(hc_mix_row_kernel<true>) : go(hc_mix_row_kernel<false>);
+  auto go_exact = [&](auto bf16s_c, auto tiles_c) {
+    if (L.acc) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), true>);
+    else go(hc_mix_row_kernel<bf16s_c(), tiles_c(), false>);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (tiles) bf16s ? go_exact(T{}, T{}) : go_exact(F{}, T{});
+  else bf16s ? go_exact(T{}, F{}) : go_exact(F{}, F{});
   return true;
 }
 

@@ -2061,11 +2061,10 @@ void expect_switch_keeps_logits(const Model& m, const Geometry& g, uint64_t seed
   EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0) << what;
 }
 
-// fn(model, geometry) on the 4-bit geometry and the fused one-row mix's (its down and up projections in
-// tiles): the two whose one-row mixes take hc_mix.cu's kernel.
+// fn(model, geometry) on the given geometries (indices into geometries()).
 template <class Fn>
-void for_each_one_row_mix_model(Fn fn) {
-  for (int gi : {1, 3}) {
+void for_each_model(std::initializer_list<int> which, Fn fn) {
+  for (int gi : which) {
     const Geometry g = geometries()[gi];
     SCOPED_TRACE(g.name);
     auto rm = make_random_model(g.cfg, g.opt);
@@ -2076,10 +2075,11 @@ void for_each_one_row_mix_model(Fn fn) {
 }
 
 // The one-row mix's kernel instance for tiles (set_layout_kernels: no layout branch per group) gives
-// the default instance's logits bit for bit, at steps of 1 to 8 rows.
+// the default instance's logits bit for bit, at steps of 1 to 8 rows: on the fused one-row mix's geometry
+// (3) and on the 4-bit geometry (1, whose mixes take the unfused kernels: low rank 32, groups of 32).
 TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
   REQUIRE_GPU();
-  for_each_one_row_mix_model([](const Model& m, const Geometry& g) {
+  for_each_model({1, 3}, [](const Model& m, const Geometry& g) {
     expect_switch_keeps_logits(m, g, 11, [](int on) { set_layout_kernels(on); },
                                "the layout kernels' logits differ from the default kernels'");
   });
@@ -2091,10 +2091,10 @@ TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
 // tolerance); the same bits on a second session (the accumulators' two buffers alternate every mix and
 // are zeroed for the next one: a buffer left dirty would add one mix's partials into another's). With
 // every partial out of range (set_hc_exact_sum(2)), each mix takes the fallback, the chunk-order sums
-// read from L2: the old bits.
+// read from L2: the old bits. On the one geometry whose one-row mixes take hc_mix.cu's kernel (3).
 TEST(CudaOps, OneRowMixExactSumsMatchTheChunkOrderSums) {
   REQUIRE_GPU();
-  for_each_one_row_mix_model([](const Model& m, const Geometry& g) {
+  for_each_model({3}, [](const Model& m, const Geometry& g) {
     expect_switch_keeps_logits(m, g, 15, [](int on) { set_hc_exact_sum(on > 0 ? 2 : on); },
                                "the exact sums' fallback changed the chunk-order sums' logits");
     const std::vector<int32_t> tokens = random_tokens(24, g.cfg.vocab_size, g.cfg.ple_eos(), 16);
