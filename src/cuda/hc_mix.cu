@@ -73,7 +73,6 @@ struct HcMixLaunch {
   int acc_stride;        // words of one stream's rows in one limb (low rank + one inject tile)
   int acc_words;         // one buffer: kHcAccFlagWords, then limb A and limb B, each S x acc_stride
   float acc_limit;       // a partial at or above this magnitude (or not finite) sends the mix to the fallback
-  int acc_spread;        // the four lanes of a tile row pair share its additions (CK_HC_EXACT_SPREAD=1)
 };
 
 // All blocks of the grid arrive here; those that `wait` leave once all have arrived, and then see
@@ -109,17 +108,15 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, bool wait) {
 // chunks' partials (always stored as well) straight from L2, in chunk order (the fp32 chain's bits).
 constexpr int kHcAccFlagWords = 16;  // the flag word, padded so the limbs start on a 128-byte line
 
-// limbs: 1 adds hi into limb A, 2 lo into limb B, 3 both.
-__device__ __forceinline__ void hc_acc_add(long long* buf, int stride, int S, int s, int j, float v, float limit,
-                                           int limbs) {
+__device__ __forceinline__ void hc_acc_add(long long* buf, int stride, int S, int s, int j, float v, float limit) {
   if (!(fabsf(v) < limit)) {
     *reinterpret_cast<volatile long long*>(buf) = 1;
     return;
   }
   const FixedParts p = fixed_split(v);
   long long* a = buf + kHcAccFlagWords + s * stride + j;
-  if (limbs & 1) atomicAdd(reinterpret_cast<unsigned long long*>(a), static_cast<unsigned long long>(p.hi));
-  if (limbs & 2) atomicAdd(reinterpret_cast<unsigned long long*>(a + S * stride), static_cast<unsigned long long>(p.lo));
+  atomicAdd(reinterpret_cast<unsigned long long*>(a), static_cast<unsigned long long>(p.hi));
+  atomicAdd(reinterpret_cast<unsigned long long*>(a + S * stride), static_cast<unsigned long long>(p.lo));
 }
 
 // The 16-row one-row tile at rows row0.. of m over groups [G0, G1) against fragments f (group G at
@@ -325,31 +322,21 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       float* p = L.part + static_cast<size_t>(c) * td * 16;
       // Rows of this chunk's stream that exist (an inject tile's rows past inject.rows are clamped copies).
       const int s = c * cg * 64 / H;
-      auto add = [&](int j, float v, int limbs) {
-        if (j < 16 * L.tiles_d || j - 16 * L.tiles_d < a.inject.rows)
-          hc_acc_add(accum, L.acc_stride, S, s, j, v, L.acc_limit, limbs);
+      auto add = [&](int j, float v) {
+        if (j < 16 * L.tiles_d || j - 16 * L.tiles_d < a.inject.rows) hc_acc_add(accum, L.acc_stride, S, s, j, v, L.acc_limit);
       };
-      // A tile's rows g and g + 8 into the sums: by lane t = 0 (both limbs of both rows), or with
-      // L.acc_spread by the four lanes of the row pair (lane t: row g or g + 8, limb A or B).
-      auto add_tile = [&](int x, float yg, float yg8) {
-        if (L.acc_spread) {
-          const float v0 = __shfl_sync(0xffffffffu, yg, lane & ~3), v1 = __shfl_sync(0xffffffffu, yg8, lane & ~3);
-          add(16 * x + g + (t & 2 ? 8 : 0), t & 2 ? v1 : v0, 1 + (t & 1));
-        } else if (t == 0) {
-          add(16 * x + g, yg, 3), add(16 * x + g + 8, yg8, 3);
-        }
-      };
+      // (Spreading a row pair's four additions over its four lanes measured level: H100 2026-12-07.)
       if (t == 0) {
         p[16 * tile + g] = y0;
         p[16 * tile + g + 8] = y1;
+        if (EXACT) add(16 * tile + g, y0), add(16 * tile + g + 8, y1);
       }
-      if (EXACT) add_tile(tile, y0, y1);
       hc_tile_rows(acc_b, y0, y1);
       if (t == 0 && tb != tile) {
         p[16 * tb + g] = y0;
         p[16 * tb + g + 8] = y1;
+        if (EXACT) add(16 * tb + g, y0), add(16 * tb + g + 8, y1);
       }
-      if (EXACT && tb != tile) add_tile(tb, y0, y1);
     }
   }
   mark(3);
@@ -515,7 +502,9 @@ size_t hc_acc_buffer_words(int S, int lowrank) {
 size_t hc_exact_sum_launches() { return g_hc_exact_launches.load(); }
 
 int hc_exact_sum_mode() {
-  // Off by default until measured on a GPU (written in the fifty-third session, when no machine could be had).
+  // Off by default: measured slower in the step than the chunk-order kernel (H100 2026-12-07: 617.7-619.1
+  // against 628.1-629.2 tok/s at one row; H200 661.3 / 651.8 against 673.1 for the build before it):
+  // the reductions cost phase 1 more than the sums save phase 2 (docs/roofline-cuda.md, fifty-fourth session).
   static const int env_mode = env_is("CK_HC_EXACT_SUM", "1") ? 1 : env_is("CK_HC_EXACT_SUM", "2") ? 2 : 0;
   return g_hc_exact_sum < 0 ? env_mode : g_hc_exact_sum;
 }
@@ -571,8 +560,6 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   L.acc_stride = lowrank + kHcMaxInject;
   L.acc_words = static_cast<int>(hc_acc_buffer_words(a.S, lowrank));
   L.acc_limit = exact_mode == 2 ? 0.0f : fixed_limit(cps);
-  static const bool spread = env_is("CK_HC_EXACT_SPREAD", "1");
-  L.acc_spread = spread ? 1 : 0;
   if (L.acc) {
     part_bytes = sizeof(float) * a.S * (L.tiles_d + L.tiles_i) * 16;
     ++g_hc_exact_launches;
