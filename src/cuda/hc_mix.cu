@@ -518,11 +518,6 @@ int hc_exact_sum_mode() {
 }
 void set_hc_exact_sum(int mode) { g_hc_exact_sum = mode < 0 ? -1 : std::min(mode, 2); }
 
-namespace {
-int g_hc_flat_d = -1;  // set_hc_flat_d; -1: the environment's
-}  // namespace
-void set_hc_flat_d(int on) { g_hc_flat_d = on < 0 ? -1 : (on ? 1 : 0); }
-
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
 size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
@@ -594,8 +589,8 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   static const bool norm_prefetch = !env_is("CK_HC_NORM_PREFETCH", "0");
   L.norm_prefetch = norm_prefetch ? 1 : 0;
   L.r_prefetch = hc_r_prefetch_on() ? 1 : 0;
-  static const bool flat_d_env = !env_is("CK_HC_FLAT_D", "0");
-  L.flat_d = g_hc_flat_d < 0 ? (flat_d_env ? 1 : 0) : g_hc_flat_d;
+  static const bool flat_d = !env_is("CK_HC_FLAT_D", "0");
+  L.flat_d = flat_d ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };

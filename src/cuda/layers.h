@@ -95,9 +95,6 @@ size_t hc_mix_acc_words(int S, int lowrank);
 int hc_exact_sum_mode();
 void set_hc_exact_sum(int mode);
 size_t hc_exact_sum_launches();  // launches (or graph captures) of the mix with its exact sums, for tests
-// The one-row mix's chunk-order sums of d in one flat loop over the chunks (1, the default) or nested by
-// stream (0; CK_HC_FLAT_D=0): the same additions in the same order. set_hc_flat_d(-1): the environment's.
-void set_hc_flat_d(int on);
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;

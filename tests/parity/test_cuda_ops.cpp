@@ -2085,16 +2085,6 @@ TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
   });
 }
 
-// The one-row mix's chunk-order sums of d in one flat loop over the chunks give the nested loop's
-// logits bit for bit (the same additions in the same order), at steps of 1 to 8 rows.
-TEST(CudaOps, OneRowMixFlatSumsGiveTheNestedSumsBits) {
-  REQUIRE_GPU();
-  for_each_model({3}, [](const Model& m, const Geometry& g) {
-    expect_switch_keeps_logits(m, g, 17, [](int on) { set_hc_flat_d(on); },
-                               "the flat loop's sums of d differ from the nested loop's");
-  });
-}
-
 // The one-row mix's phase 2 from the exact sums of its chunks' partial products (hc_mix.cu hc_acc_add,
 // set_hc_exact_sum(1)) against every consumer block adding the partials in chunk order (0): the sums
 // round once instead of at every addition, so the logits move by roundings only (within the CPU parity
