@@ -73,7 +73,6 @@ struct HcMixLaunch {
   int acc_stride;        // words of one stream's rows in one limb (low rank + one inject tile)
   int acc_words;         // one buffer: kHcAccFlagWords, then limb A and limb B, each S x acc_stride
   float acc_limit;       // a partial at or above this magnitude (or not finite) sends the mix to the fallback
-  int flat_d;            // phase 2's chunk-order sums in one flat loop (CK_HC_FLAT_D=0: nested by stream)
 };
 
 // All blocks of the grid arrive here; those that `wait` leave once all have arrived, and then see
@@ -391,8 +390,6 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   const int ngd = lowrank / 64;
   if (static_cast<int>(blockIdx.x) < H / 64) {
     if (!EXACT) {
-      // Each chunk's 1 / rms factor, for the flat loop below (sss is free once rinv is made).
-      if (tid < L.n_chunks) sss[tid] = rinv[tid / cps];
       const int n4 = L.n_chunks * td * 4;
       const float4* src = reinterpret_cast<const float4*>(L.part);
       float4* dst = reinterpret_cast<float4*>(sp);
@@ -406,11 +403,6 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       float v = 0.0f;
       if (exact) {
         for (int s = 0; s < S; ++s) v += sp[s * td * 16 + j] * rinv[s];
-      } else if (!EXACT && L.flat_d) {
-        // The same additions in the same order as below, in one loop over the chunks: the unrolled loads
-        // run across a stream's end (in the nested loop each stream's loads waited for the last one's).
-#pragma unroll 16
-        for (int k = 0; k < L.n_chunks; ++k) v += sp[k * td * 16 + j] * sss[k];
       } else {  // the chunks' partials in chunk order: copied to sp above, or (the fallback) from L2
 #pragma unroll 1
         for (int s = 0, k = 0; s < S; ++s)
@@ -589,8 +581,6 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   static const bool norm_prefetch = !env_is("CK_HC_NORM_PREFETCH", "0");
   L.norm_prefetch = norm_prefetch ? 1 : 0;
   L.r_prefetch = hc_r_prefetch_on() ? 1 : 0;
-  static const bool flat_d = !env_is("CK_HC_FLAT_D", "0");
-  L.flat_d = flat_d ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };
