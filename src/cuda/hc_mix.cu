@@ -584,6 +584,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };
+  // The instance for (bf16 scales, tiles) with or without the exact sums.
   auto go_exact = [&](auto bf16s_c, auto tiles_c) {
     if (L.acc) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), true>);
     else go(hc_mix_row_kernel<bf16s_c(), tiles_c(), false>);
