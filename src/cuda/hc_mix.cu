@@ -532,7 +532,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
       (a.inject.rows > 0 && (!q4_suits(a.inject, a.inject.rows, W) || a.inject.rows > kHcMaxInject)))
     return false;
   if (a.scratch_floats < hc_mix_scratch_floats(a.S, a.H, lowrank)) return false;
-  HcMixLaunch L;
+  HcMixLaunch L{};  // (the exact sums' fields stay zero when they are off)
   L.a = a;
   L.lowrank = lowrank;
   // The fewest groups per chunk (a divisor of a stream's groups) that leave a chunk per block.
@@ -557,10 +557,10 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const int cps = gps / L.cg;
   const int exact_mode = a.acc && cps <= kFixedMaxAdditions ? hc_exact_sum_mode() : 0;
   L.acc = exact_mode > 0 ? a.acc : nullptr;
-  L.acc_stride = lowrank + kHcMaxInject;
-  L.acc_words = static_cast<int>(hc_acc_buffer_words(a.S, lowrank));
-  L.acc_limit = exact_mode == 2 ? 0.0f : fixed_limit(cps);
   if (L.acc) {
+    L.acc_stride = lowrank + kHcMaxInject;
+    L.acc_words = static_cast<int>(hc_acc_buffer_words(a.S, lowrank));
+    L.acc_limit = exact_mode == 2 ? 0.0f : fixed_limit(cps);
     part_bytes = sizeof(float) * a.S * (L.tiles_d + L.tiles_i) * 16;
     ++g_hc_exact_launches;
   }

@@ -90,7 +90,7 @@ inline constexpr const char* kHcStampNames[kHcStampWords] = {
 bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream);
 size_t hc_mix_scratch_floats(int S, int H, int lowrank);
 size_t hc_mix_acc_words(int S, int lowrank);
-// The exact sums: 1 on (CK_HC_EXACT_SUM=1), 0 off (the default: not yet measured on a GPU), 2 on with every
+// The exact sums: 1 on (CK_HC_EXACT_SUM=1), 0 off (the default: slower in the step, docs/roofline-cuda.md), 2 on with every
 // partial out of range, so every mix takes the fallback (tests); set_hc_exact_sum(-1): the environment's.
 int hc_exact_sum_mode();
 void set_hc_exact_sum(int mode);
