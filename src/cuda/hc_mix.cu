@@ -38,6 +38,7 @@
 #include <atomic>
 #include <type_traits>
 
+#include "cuda/bulk_copy.cuh"
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/fixed_sum.h"
@@ -54,6 +55,7 @@ constexpr int kHcMaxChunkGroups = 16;
 constexpr int kHcMaxInject = 16;
 constexpr int kHcMaxChunks = 256;
 constexpr int kHcMaxPartialBytes = 160 * 1024;  // dynamic shared memory for phase 2
+constexpr int kHcMaxDynamicBytes = 200 * 1024;  // and with the up tiles (kP2BulkUp), within 227 KB less the static
 
 struct HcMixLaunch {
   HcMixArgs a;
@@ -185,19 +187,49 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 // inject head's tiles keep it); hc_layout_kernels_on(), the default (CK_HC_LAYOUT_KERNELS=0: the
 // branching instance). Measured 2026-12-01 22:2xZ: one-row decode +1.1 to +1.8% in four interleaved
 // rounds (mean +1.35%).
-// EXACT: L.acc is set (the exact sums). A template flag, not a test of L.acc: the chunk-order kernel keeps
-// its registers and code (with the test in one kernel its one-row decode lost ~6%, H200 2026-12-06).
-template <bool BF16S, bool TILES, bool EXACT>
+// P2, how phase 2 gets d's sums (template flags, not tests of L: with the exact path's test in the one
+// kernel its one-row decode lost ~6%, H200 2026-12-06):
+//  kP2Loads: the chunks' partials copied to shared memory by the threads' 16-byte loads, summed in chunk
+//            order (nested by stream);
+//  kP2Exact: the exact sums (L.acc is set);
+//  kP2Bulk:  the same partials copied by the copy engine (one thread's bulk copies, completed through an
+//            mbarrier) while the threads make 1 / rms, then summed in one flat loop over the chunks: the
+//            same additions in the same order as kP2Loads, so the same bits (CK_HC_BULK_PARTS=1).
+//            Why: the loads' loop issues 4 loads and waits for them before their stores, so the 107 KB
+//            came in ~4 dependent L2 round trips after the one for the sums of squares.
+//  kP2BulkUp: kP2Bulk, and (TILES) the block's tiles of the up projection bulk-copied to shared memory
+//            at its start, before its wait (weights never change), so phase 3's tiles read shared memory,
+//            not L2, after the barrier (CK_HC_BULK_PARTS=2; the same bits: the same words).
+enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3 };
+template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
+  constexpr bool EXACT = P2 == kP2Exact, BULK = P2 == kP2Bulk || P2 == kP2BulkUp, UP_SMEM = TILES && P2 == kP2BulkUp;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
   __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
   __shared__ float sss[kHcMaxChunks];
   extern __shared__ __align__(16) float sp[];  // phase 2: every chunk's partial products
+  __shared__ __align__(8) uint64_t parts_bar;  // kP2Bulk: the partials' copies have landed
+  __shared__ __align__(8) uint64_t up_bar;     // UP_SMEM: the up projection's tiles have landed
   const HcMixArgs& a = L.a;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int S = a.S, H = a.H, lowrank = L.lowrank, cg = L.cg, td = L.tiles_d + L.tiles_i;
   const int c = blockIdx.x;
+  // UP_SMEM: the block's up tiles (S streams x 4 tiles x the low rank's groups, 576 bytes each) after the
+  // partials in dynamic shared memory (the launch checks they fit and that a block has one u group).
+  uint8_t* const up_tiles = reinterpret_cast<uint8_t*>(sp + static_cast<size_t>(L.n_chunks) * td * 16);
+  if (BULK && tid == 0) {  // (phase 1's block sum and the grid barrier synchronise before their use)
+    mbar_init(&parts_bar, 1);
+    if (UP_SMEM) mbar_init(&up_bar, 1);
+    mbar_init_fence();
+    if (UP_SMEM && static_cast<int>(blockIdx.x) < H / 64) {
+      const uint32_t stream_bytes = 4u * (lowrank / 64) * kTileGroupBytes;  // a stream's 4 tiles, contiguous
+      mbar_arrive_expect(&up_bar, stream_bytes * S);
+      for (int s = 0; s < S; ++s)
+        bulk_copy_1d(up_tiles + s * stream_bytes, a.up.tile_group((static_cast<size_t>(s) * H + 64 * blockIdx.x) / kTileRows, 0),
+                     stream_bytes, &up_bar);
+    }
+  }
 
   // Debug timing (HcMixArgs::stamps, kHcStampWords per block): the entry time, then SM cycles per piece.
   const bool stamp = a.stamps != nullptr && tid == 0;
@@ -232,7 +264,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       prefetch_l2(m.biases + si, es);
     }
   }
-  if (blockIdx.x < H / 64 && L.prefetch) {
+  if (blockIdx.x < H / 64 && L.prefetch && !UP_SMEM) {
     const DMatrix& m = a.up;
     const int gpr = m.cols / m.fmt.group, es = wkind_bytes(m.fmt.scale_kind);
     for (int s = warp; s < S; s += kHcWarps) {  // a warp per stream: 64 contiguous rows
@@ -349,6 +381,18 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     return;
   }
   mark(4);
+  // kP2Bulk: the copy engine brings every chunk's partials while the threads make 1 / rms below. Thread 0
+  // acquired the other blocks' partials at the barrier; the proxy fence orders the copies (the async
+  // proxy) after that.
+  if (BULK && tid == 0) {
+    const uint32_t bytes = static_cast<uint32_t>(sizeof(float)) * L.n_chunks * td * 16;  // a multiple of 64
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    mbar_arrive_expect(&parts_bar, bytes);
+    constexpr uint32_t kPiece = 16384;
+    for (uint32_t off = 0; off < bytes; off += kPiece)
+      bulk_copy_1d(reinterpret_cast<uint8_t*>(sp) + off, reinterpret_cast<const uint8_t*>(L.part) + off,
+                   min(kPiece, bytes - off), &parts_bar);
+  }
 
   // 1 / rms per stream: its chunks' sums of squares in chunk order (every block, for phases 2 and 3).
   // With accumulators, their sums (and the flag) come in the same round trip, to sp as S x 16 td floats.
@@ -389,7 +433,11 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // second grid barrier. The partials come to shared memory in one round trip of 16-byte loads.
   const int ngd = lowrank / 64;
   if (static_cast<int>(blockIdx.x) < H / 64) {
-    if (!EXACT) {
+    if (BULK) {
+      if (tid < L.n_chunks) sss[tid] = rinv[tid / cps];  // each chunk's 1 / rms, for the flat loop below
+      mbar_wait(&parts_bar, 0);
+      __syncthreads();
+    } else if (!EXACT) {
       const int n4 = L.n_chunks * td * 4;
       const float4* src = reinterpret_cast<const float4*>(L.part);
       float4* dst = reinterpret_cast<float4*>(sp);
@@ -403,6 +451,11 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       float v = 0.0f;
       if (exact) {
         for (int s = 0; s < S; ++s) v += sp[s * td * 16 + j] * rinv[s];
+      } else if (BULK) {
+        // kP2Loads' additions in its order, in one loop over the chunks: the unrolled shared loads run on
+        // across a stream's end (in the nested loop each stream's loads waited for the last one's sums).
+#pragma unroll 16
+        for (int k = 0; k < L.n_chunks; ++k) v += sp[k * td * 16 + j] * sss[k];
       } else {  // the chunks' partials in chunk order: copied to sp above, or (the fallback) from L2
 #pragma unroll 1
         for (int s = 0, k = 0; s < S; ++s)
@@ -421,11 +474,23 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   }
 #pragma unroll 1
   for (int b = blockIdx.x; b < H / 64; b += gridDim.x) {
+    if (UP_SMEM) mbar_wait(&up_bar, 0);  // (long done: asked for at the kernel's start)
 #pragma unroll 1
     for (int it = warp; it < 4 * S; it += kHcWarps) {  // (stream, 16-row tile)
       const int s = it >> 2, r0 = 16 * (it & 3);
       float acc[4] = {};
-      hc_tile<BF16S, 2, TILES>(a.up, s * H + 64 * b + r0, 0, ngd, frag, xg, acc);
+      if (UP_SMEM) {  // Tc4Rows' words for tiles, from the copy: the same bits
+        const uint8_t* tile = up_tiles + static_cast<size_t>(it) * ngd * kTileGroupBytes;
+#pragma unroll 2
+        for (int G = 0; G < ngd; ++G) {
+          uint2 wa, wb;
+          float sa, ba, sb, bb;
+          tile_group_lds(tile + G * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
+          tc4_one_mma(wa, wb, sa, ba, sb, bb, frag + G * 128 + lane, t == 0 ? xg[G] : 0.0f, acc);
+        }
+      } else {
+        hc_tile<BF16S, 2, TILES>(a.up, s * H + 64 * b + r0, 0, ngd, frag, xg, acc);
+      }
       float y0, y1;
       hc_tile_rows(acc, y0, y1);
       if (t == 0) {
@@ -483,11 +548,18 @@ bool q4_suits(const DMatrix& m, int64_t rows, int64_t cols) { return expert_q4_o
 }  // namespace
 
 void hc_mix_init() {
-  for (auto k : {hc_mix_row_kernel<true, false, false>, hc_mix_row_kernel<false, false, false>,
-                 hc_mix_row_kernel<true, true, false>, hc_mix_row_kernel<false, true, false>,
-                 hc_mix_row_kernel<true, false, true>, hc_mix_row_kernel<false, false, true>,
-                 hc_mix_row_kernel<true, true, true>, hc_mix_row_kernel<false, true, true>})
-    CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kHcMaxPartialBytes));
+  auto set = [](auto k) {
+    CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kHcMaxDynamicBytes));
+  };
+  auto each_p2 = [&](auto bf16s, auto tiles) {
+    set(hc_mix_row_kernel<bf16s(), tiles(), kP2Loads>);
+    set(hc_mix_row_kernel<bf16s(), tiles(), kP2Exact>);
+    set(hc_mix_row_kernel<bf16s(), tiles(), kP2Bulk>);
+    set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkUp>);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  each_p2(T{}, T{}), each_p2(T{}, F{}), each_p2(F{}, T{}), each_p2(F{}, F{});
 }
 
 namespace {
@@ -510,6 +582,19 @@ int hc_exact_sum_mode() {
 }
 void set_hc_exact_sum(int mode) { g_hc_exact_sum = mode < 0 ? -1 : std::min(mode, 2); }
 
+namespace {
+int g_hc_bulk_parts = -1;  // set_hc_bulk_parts; -1: the environment's
+std::atomic<size_t> g_hc_bulk_launches{0}, g_hc_bulk_up_launches{0};
+}  // namespace
+size_t hc_bulk_parts_launches() { return g_hc_bulk_launches.load(); }
+size_t hc_bulk_up_launches() { return g_hc_bulk_up_launches.load(); }
+int hc_bulk_parts_mode() {
+  // Off by default until measured in the step (CK_HC_BULK_PARTS=1: the partials; 2: and the up tiles).
+  static const int env_mode = env_is("CK_HC_BULK_PARTS", "1") ? 1 : env_is("CK_HC_BULK_PARTS", "2") ? 2 : 0;
+  return g_hc_bulk_parts < 0 ? env_mode : g_hc_bulk_parts;
+}
+void set_hc_bulk_parts(int mode) { g_hc_bulk_parts = mode < 0 ? -1 : std::min(mode, 2); }
+
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
 size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
@@ -521,7 +606,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   static const bool on = !env_is("CK_HC_FUSED", "0");
   static const int blocks = [] {  // one block per SM, if one fits
     int n = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, hc_mix_row_kernel<true, false, false>, kHcThreads, kHcMaxPartialBytes) == cudaSuccess &&
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, hc_mix_row_kernel<true, false, kP2Loads>, kHcThreads, kHcMaxPartialBytes) == cudaSuccess &&
                    n >= 1
                ? sm_count()
                : 0;
@@ -584,10 +669,19 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };
-  // The instance for (bf16 scales, tiles) with or without the exact sums.
+  // The instance for (bf16 scales, tiles) with phase 2's form: the exact sums, the bulk copies or the loads.
+  const int bulk = L.acc ? 0 : hc_bulk_parts_mode();
+  // kP2BulkUp: the up tiles after the partials, if they fit and every u group has its own block.
+  const size_t up_bytes = static_cast<size_t>(a.S) * 4 * (lowrank / 64) * kTileGroupBytes;
+  const bool up_smem = bulk == 2 && tiles && static_cast<int>(grid.x) >= a.H / 64 &&
+                       part_bytes + up_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
+  if (bulk > 0) ++g_hc_bulk_launches;
+  if (up_smem) ++g_hc_bulk_up_launches;
   auto go_exact = [&](auto bf16s_c, auto tiles_c) {
-    if (L.acc) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), true>);
-    else go(hc_mix_row_kernel<bf16s_c(), tiles_c(), false>);
+    if (L.acc) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
+    else if (up_smem) launch(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2BulkUp>, grid, kHcThreads, part_bytes + up_bytes, stream, L);
+    else if (bulk > 0) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);
+    else go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Loads>);
   };
   using T = std::true_type;
   using F = std::false_type;
