@@ -200,10 +200,13 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //  kP2BulkUp: kP2Bulk, and (TILES) the block's tiles of the up projection bulk-copied to shared memory
 //            at its start, before its wait (weights never change), so phase 3's tiles read shared memory,
 //            not L2, after the barrier (CK_HC_BULK_PARTS=2; the same bits: the same words).
-enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3 };
+//  kP2BulkAll: kP2BulkUp, and the chunk's groups of the down tiles the same way for phase 1 (the inject
+//            head's tile still from L2) (CK_HC_BULK_PARTS=3).
+enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4 };
 template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
-  constexpr bool EXACT = P2 == kP2Exact, BULK = P2 == kP2Bulk || P2 == kP2BulkUp, UP_SMEM = TILES && P2 == kP2BulkUp;
+  constexpr bool EXACT = P2 == kP2Exact, BULK = P2 >= kP2Bulk;
+  constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 == kP2BulkAll;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
   __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
@@ -211,17 +214,27 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   extern __shared__ __align__(16) float sp[];  // phase 2: every chunk's partial products
   __shared__ __align__(8) uint64_t parts_bar;  // kP2Bulk: the partials' copies have landed
   __shared__ __align__(8) uint64_t up_bar;     // UP_SMEM: the up projection's tiles have landed
+  __shared__ __align__(8) uint64_t down_bar;   // DOWN_SMEM: the down projection's tiles have landed
   const HcMixArgs& a = L.a;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int S = a.S, H = a.H, lowrank = L.lowrank, cg = L.cg, td = L.tiles_d + L.tiles_i;
   const int c = blockIdx.x;
   // UP_SMEM: the block's up tiles (S streams x 4 tiles x the low rank's groups, 576 bytes each) after the
   // partials in dynamic shared memory (the launch checks they fit and that a block has one u group).
+  // DOWN_SMEM: then the chunk's groups of the down tiles (tiles_d x cg x 576 bytes).
   uint8_t* const up_tiles = reinterpret_cast<uint8_t*>(sp + static_cast<size_t>(L.n_chunks) * td * 16);
+  uint8_t* const down_tiles = up_tiles + static_cast<size_t>(S) * 4 * (lowrank / 64) * kTileGroupBytes;
   if (BULK && tid == 0) {  // (phase 1's block sum and the grid barrier synchronise before their use)
     mbar_init(&parts_bar, 1);
     if (UP_SMEM) mbar_init(&up_bar, 1);
+    if (DOWN_SMEM) mbar_init(&down_bar, 1);
     mbar_init_fence();
+    if (DOWN_SMEM && c < L.n_chunks) {
+      const uint32_t tile_bytes = static_cast<uint32_t>(cg) * kTileGroupBytes;  // a tile's groups, contiguous
+      mbar_arrive_expect(&down_bar, tile_bytes * L.tiles_d);
+      for (int tl = 0; tl < L.tiles_d; ++tl)
+        bulk_copy_1d(down_tiles + tl * tile_bytes, a.down.tile_group(tl, c * cg), tile_bytes, &down_bar);
+    }
     if (UP_SMEM && static_cast<int>(blockIdx.x) < H / 64) {
       const uint32_t stream_bytes = 4u * (lowrank / 64) * kTileGroupBytes;  // a stream's 4 tiles, contiguous
       mbar_arrive_expect(&up_bar, stream_bytes * S);
@@ -251,7 +264,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   if (c < L.n_chunks && L.prefetch) {
     const int G0 = c * cg;
     const int first = a.down.tiled() ? a.down.rows : 0;  // tiled: a thread per tile, its groups contiguous
-    if (a.down.tiled())
+    if (a.down.tiled())  // (DOWN_SMEM too: the tile paired with the inject head's is read from L2)
       for (int tl = tid; tl < a.down.rows / kTileRows; tl += kHcThreads)
         prefetch_l2(a.down.tile_group(tl, G0), cg * kTileGroupBytes);
     for (int r = first + tid; r < a.down.rows + a.inject.rows; r += kHcThreads) {
@@ -345,7 +358,22 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       auto mat = [&](int x) -> const DMatrix& { return x >= L.tiles_d ? a.inject : a.down; };
       auto row = [&](int x) { return 16 * (x >= L.tiles_d ? x - L.tiles_d : x); };
       float acc_a[4] = {}, acc_b[4] = {};
-      if (TILES && tb < L.tiles_d)  // (tile < tb: both down tiles)
+      if (DOWN_SMEM && tb < L.tiles_d) {  // hc_tile_pair's words and products, from the copy: the same bits
+        mbar_wait(&down_bar, 0);
+        const uint8_t* ta = down_tiles + static_cast<size_t>(tile) * cg * kTileGroupBytes;
+        const uint8_t* tbp = down_tiles + static_cast<size_t>(tb) * cg * kTileGroupBytes;
+#pragma unroll 2
+        for (int G = 0; G < cg; ++G) {
+          uint2 wa0, wb0, wa1, wb1;
+          float sc[8];
+          tile_group_lds(ta + G * kTileGroupBytes, lane, wa0, wb0, sc[0], sc[1], sc[2], sc[3]);
+          tile_group_lds(tbp + G * kTileGroupBytes, lane, wa1, wb1, sc[4], sc[5], sc[6], sc[7]);
+          const uint2* fg = frag + G * 128 + lane;
+          const float xsg = t == 0 ? xg[G] : 0.0f;
+          tc4_one_mma(wa0, wb0, sc[0], sc[1], sc[2], sc[3], fg, xsg, acc_a);
+          tc4_one_mma(wa1, wb1, sc[4], sc[5], sc[6], sc[7], fg, xsg, acc_b);
+        }
+      } else if (TILES && tb < L.tiles_d)  // (tile < tb: both down tiles)
         hc_tile_pair<BF16S, TILES>(a.down, row(tile), a.down, row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
       else
         hc_tile_pair<BF16S>(mat(tile), row(tile), mat(tb), row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
@@ -555,7 +583,10 @@ void hc_mix_init() {
     set(hc_mix_row_kernel<bf16s(), tiles(), kP2Loads>);
     set(hc_mix_row_kernel<bf16s(), tiles(), kP2Exact>);
     set(hc_mix_row_kernel<bf16s(), tiles(), kP2Bulk>);
-    set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkUp>);
+    if constexpr (tiles()) {  // (the up and down tiles' copies need tiles)
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkUp>);
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll>);
+    }
   };
   using T = std::true_type;
   using F = std::false_type;
@@ -584,16 +615,20 @@ void set_hc_exact_sum(int mode) { g_hc_exact_sum = mode < 0 ? -1 : std::min(mode
 
 namespace {
 int g_hc_bulk_parts = -1;  // set_hc_bulk_parts; -1: the environment's
-std::atomic<size_t> g_hc_bulk_launches{0}, g_hc_bulk_up_launches{0};
+std::atomic<size_t> g_hc_bulk_launches{0}, g_hc_bulk_up_launches{0}, g_hc_bulk_down_launches{0};
 }  // namespace
 size_t hc_bulk_parts_launches() { return g_hc_bulk_launches.load(); }
 size_t hc_bulk_up_launches() { return g_hc_bulk_up_launches.load(); }
+size_t hc_bulk_down_launches() { return g_hc_bulk_down_launches.load(); }
 int hc_bulk_parts_mode() {
   // Off by default until measured in the step (CK_HC_BULK_PARTS=1: the partials; 2: and the up tiles).
-  static const int env_mode = env_is("CK_HC_BULK_PARTS", "1") ? 1 : env_is("CK_HC_BULK_PARTS", "2") ? 2 : 0;
+  static const int env_mode = env_is("CK_HC_BULK_PARTS", "1")   ? 1
+                              : env_is("CK_HC_BULK_PARTS", "2") ? 2
+                              : env_is("CK_HC_BULK_PARTS", "3") ? 3
+                                                                : 0;
   return g_hc_bulk_parts < 0 ? env_mode : g_hc_bulk_parts;
 }
-void set_hc_bulk_parts(int mode) { g_hc_bulk_parts = mode < 0 ? -1 : std::min(mode, 2); }
+void set_hc_bulk_parts(int mode) { g_hc_bulk_parts = mode < 0 ? -1 : std::min(mode, 3); }
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -671,17 +706,28 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };
   // The instance for (bf16 scales, tiles) with phase 2's form: the exact sums, the bulk copies or the loads.
   const int bulk = L.acc ? 0 : hc_bulk_parts_mode();
-  // kP2BulkUp: the up tiles after the partials, if they fit and every u group has its own block.
+  // kP2BulkUp (kP2BulkAll): the up (and down) tiles after the partials, if they fit and every u group has
+  // its own block.
   const size_t up_bytes = static_cast<size_t>(a.S) * 4 * (lowrank / 64) * kTileGroupBytes;
-  const bool up_smem = bulk == 2 && tiles && static_cast<int>(grid.x) >= a.H / 64 &&
+  const size_t down_bytes = static_cast<size_t>(L.tiles_d) * L.cg * kTileGroupBytes;
+  const bool up_smem = bulk >= 2 && tiles && static_cast<int>(grid.x) >= a.H / 64 &&
                        part_bytes + up_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
+  const bool down_smem = up_smem && bulk == 3 && part_bytes + up_bytes + down_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
   if (bulk > 0) ++g_hc_bulk_launches;
   if (up_smem) ++g_hc_bulk_up_launches;
+  if (down_smem) ++g_hc_bulk_down_launches;
   auto go_exact = [&](auto bf16s_c, auto tiles_c) {
     if (L.acc) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
-    else if (up_smem) launch(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2BulkUp>, grid, kHcThreads, part_bytes + up_bytes, stream, L);
-    else if (bulk > 0) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);
-    else go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Loads>);
+    else if (bulk > 0) {
+      if constexpr (tiles_c()) {
+        if (down_smem)
+          return launch(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll>, grid, kHcThreads, part_bytes + up_bytes + down_bytes, stream, L);
+        if (up_smem) return launch(hc_mix_row_kernel<bf16s_c(), true, kP2BulkUp>, grid, kHcThreads, part_bytes + up_bytes, stream, L);
+      }
+      go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);
+    } else {
+      go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Loads>);
+    }
   };
   using T = std::true_type;
   using F = std::false_type;
