@@ -201,12 +201,13 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //            at its start, before its wait (weights never change), so phase 3's tiles read shared memory,
 //            not L2, after the barrier (CK_HC_BULK_PARTS=2; the same bits: the same words).
 //  kP2BulkAll: kP2BulkUp, and the chunk's groups of the down tiles the same way for phase 1 (the inject
-//            head's tile still from L2) (CK_HC_BULK_PARTS=3).
-enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4 };
+//            head's tile still from L2) (CK_HC_BULK_PARTS=3, the default).
+//  kP2LoadsTiles: kP2BulkAll's tiles with kP2Loads' partials (CK_HC_BULK_PARTS=4, to compare).
+enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5 };
 template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
-  constexpr bool EXACT = P2 == kP2Exact, BULK = P2 >= kP2Bulk;
-  constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 == kP2BulkAll;
+  constexpr bool EXACT = P2 == kP2Exact, BULK = P2 == kP2Bulk || P2 == kP2BulkUp || P2 == kP2BulkAll;
+  constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
   __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
@@ -224,8 +225,8 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // DOWN_SMEM: then the chunk's groups of the down tiles (tiles_d x cg x 576 bytes).
   uint8_t* const up_tiles = reinterpret_cast<uint8_t*>(sp + static_cast<size_t>(L.n_chunks) * td * 16);
   uint8_t* const down_tiles = up_tiles + static_cast<size_t>(S) * 4 * (lowrank / 64) * kTileGroupBytes;
-  if (BULK && tid == 0) {  // (phase 1's block sum and the grid barrier synchronise before their use)
-    mbar_init(&parts_bar, 1);
+  if ((BULK || UP_SMEM) && tid == 0) {  // (phase 1's block sum and the grid barrier synchronise before use)
+    if (BULK) mbar_init(&parts_bar, 1);
     if (UP_SMEM) mbar_init(&up_bar, 1);
     if (DOWN_SMEM) mbar_init(&down_bar, 1);
     mbar_init_fence();
@@ -586,6 +587,7 @@ void hc_mix_init() {
     if constexpr (tiles()) {  // (the up and down tiles' copies need tiles)
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkUp>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll>);
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2LoadsTiles>);
     }
   };
   using T = std::true_type;
@@ -621,14 +623,16 @@ size_t hc_bulk_parts_launches() { return g_hc_bulk_launches.load(); }
 size_t hc_bulk_up_launches() { return g_hc_bulk_up_launches.load(); }
 size_t hc_bulk_down_launches() { return g_hc_bulk_down_launches.load(); }
 int hc_bulk_parts_mode() {
-  // Off by default until measured in the step (CK_HC_BULK_PARTS=1: the partials; 2: and the up tiles).
-  static const int env_mode = env_is("CK_HC_BULK_PARTS", "1")   ? 1
-                              : env_is("CK_HC_BULK_PARTS", "2") ? 2
-                              : env_is("CK_HC_BULK_PARTS", "3") ? 3
-                                                                : 0;
+  // 3 by default: one-row decode +2.0% against 0 (H100 2026-12-07, three interleaved rounds: 639.1-644.4
+  // against 627.2-631.3 tok/s); 1 lost 0.7% and 2 gained 1.0% in the same call (docs/roofline-cuda.md,
+  // "Fifty-fifth session"). CK_HC_BULK_PARTS=0 / 1 / 2 / 4 to compare.
+  static const int env_mode = [] {
+    const char* v = std::getenv("CK_HC_BULK_PARTS");
+    return v && v[0] >= '0' && v[0] <= '4' && v[1] == 0 ? v[0] - '0' : 3;
+  }();
   return g_hc_bulk_parts < 0 ? env_mode : g_hc_bulk_parts;
 }
-void set_hc_bulk_parts(int mode) { g_hc_bulk_parts = mode < 0 ? -1 : std::min(mode, 3); }
+void set_hc_bulk_parts(int mode) { g_hc_bulk_parts = mode < 0 ? -1 : std::min(mode, 4); }
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -706,28 +710,34 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };
   // The instance for (bf16 scales, tiles) with phase 2's form: the exact sums, the bulk copies or the loads.
   const int bulk = L.acc ? 0 : hc_bulk_parts_mode();
-  // kP2BulkUp (kP2BulkAll): the up (and down) tiles after the partials, if they fit and every u group has
-  // its own block.
+  // Modes 2-4 copy the up (and down) tiles after the partials, if they fit and every u group has its own
+  // block; mode 3 (the default) without them takes the loads' form (0: the bulk partials alone lost).
   const size_t up_bytes = static_cast<size_t>(a.S) * 4 * (lowrank / 64) * kTileGroupBytes;
   const size_t down_bytes = static_cast<size_t>(L.tiles_d) * L.cg * kTileGroupBytes;
   const bool up_smem = bulk >= 2 && tiles && static_cast<int>(grid.x) >= a.H / 64 &&
                        part_bytes + up_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
-  const bool down_smem = up_smem && bulk == 3 && part_bytes + up_bytes + down_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
-  if (bulk > 0) ++g_hc_bulk_launches;
-  if (up_smem) ++g_hc_bulk_up_launches;
-  if (down_smem) ++g_hc_bulk_down_launches;
+  const bool down_smem = up_smem && bulk >= 3 && part_bytes + up_bytes + down_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
+  const int p2 = L.acc                     ? kP2Exact
+                 : bulk == 1               ? kP2Bulk
+                 : bulk == 2 && up_smem    ? kP2BulkUp
+                 : bulk == 2               ? kP2Bulk
+                 : bulk == 3 && down_smem  ? kP2BulkAll
+                 : bulk == 4 && down_smem  ? kP2LoadsTiles
+                                           : kP2Loads;
+  if (p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll) ++g_hc_bulk_launches;
+  if (p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2LoadsTiles) ++g_hc_bulk_up_launches;
+  if (p2 == kP2BulkAll || p2 == kP2LoadsTiles) ++g_hc_bulk_down_launches;
+  const size_t smem = part_bytes + (p2 >= kP2BulkUp ? up_bytes : 0) + (p2 >= kP2BulkAll ? down_bytes : 0);
   auto go_exact = [&](auto bf16s_c, auto tiles_c) {
-    if (L.acc) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
-    else if (bulk > 0) {
-      if constexpr (tiles_c()) {
-        if (down_smem)
-          return launch(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll>, grid, kHcThreads, part_bytes + up_bytes + down_bytes, stream, L);
-        if (up_smem) return launch(hc_mix_row_kernel<bf16s_c(), true, kP2BulkUp>, grid, kHcThreads, part_bytes + up_bytes, stream, L);
-      }
-      go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);
-    } else {
-      go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Loads>);
+    auto go_p2 = [&](auto kernel) { launch(kernel, grid, kHcThreads, smem, stream, L); };
+    if constexpr (tiles_c()) {  // (the tiles' copies have instances only with tiles)
+      if (p2 == kP2BulkUp) return go_p2(hc_mix_row_kernel<bf16s_c(), true, kP2BulkUp>);
+      if (p2 == kP2BulkAll) return go_p2(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll>);
+      if (p2 == kP2LoadsTiles) return go_p2(hc_mix_row_kernel<bf16s_c(), true, kP2LoadsTiles>);
     }
+    if (p2 == kP2Exact) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
+    else if (p2 == kP2Bulk) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);
+    else go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Loads>);
   };
   using T = std::true_type;
   using F = std::false_type;
