@@ -203,15 +203,17 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //  kP2BulkAll: kP2BulkUp, and the chunk's groups of the down tiles the same way for phase 1 (the inject
 //            head's tile still from L2) (CK_HC_BULK_PARTS=3, the default).
 //  kP2LoadsTiles: kP2BulkAll's tiles with kP2Loads' partials (CK_HC_BULK_PARTS=4, to compare).
-enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5 };
+//  kP2BulkAll4: kP2BulkAll with the flat loop's 1 / rms factors read four at a time (one 16-byte shared
+//            load for four chunks instead of four 4-byte loads; CK_HC_BULK_PARTS=5, to measure).
+enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6 };
 template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
-  constexpr bool EXACT = P2 == kP2Exact, BULK = P2 == kP2Bulk || P2 == kP2BulkUp || P2 == kP2BulkAll;
+  constexpr bool EXACT = P2 == kP2Exact, BULK = P2 == kP2Bulk || P2 == kP2BulkUp || P2 == kP2BulkAll || P2 == kP2BulkAll4;
   constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
   __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
-  __shared__ float sss[kHcMaxChunks];
+  __shared__ __align__(16) float sss[kHcMaxChunks];
   extern __shared__ __align__(16) float sp[];  // phase 2: every chunk's partial products
   __shared__ __align__(8) uint64_t parts_bar;  // kP2Bulk: the partials' copies have landed
   __shared__ __align__(8) uint64_t up_bar;     // UP_SMEM: the up projection's tiles have landed
@@ -483,8 +485,19 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       } else if (BULK) {
         // kP2Loads' additions in its order, in one loop over the chunks: the unrolled shared loads run on
         // across a stream's end (in the nested loop each stream's loads waited for the last one's sums).
+        int k = 0;
+        if (P2 == kP2BulkAll4) {  // the same additions, the factors of four chunks in one load
+#pragma unroll 4
+          for (; k + 4 <= L.n_chunks; k += 4) {
+            const float4 r = *reinterpret_cast<const float4*>(sss + k);
+            v += sp[k * td * 16 + j] * r.x;
+            v += sp[(k + 1) * td * 16 + j] * r.y;
+            v += sp[(k + 2) * td * 16 + j] * r.z;
+            v += sp[(k + 3) * td * 16 + j] * r.w;
+          }
+        }
 #pragma unroll 16
-        for (int k = 0; k < L.n_chunks; ++k) v += sp[k * td * 16 + j] * sss[k];
+        for (; k < L.n_chunks; ++k) v += sp[k * td * 16 + j] * sss[k];
       } else {  // the chunks' partials in chunk order: copied to sp above, or (the fallback) from L2
 #pragma unroll 1
         for (int s = 0, k = 0; s < S; ++s)
@@ -588,6 +601,7 @@ void hc_mix_init() {
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkUp>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2LoadsTiles>);
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll4>);
     }
   };
   using T = std::true_type;
@@ -628,11 +642,11 @@ int hc_bulk_parts_mode() {
   // "Fifty-fifth session"). CK_HC_BULK_PARTS=0 / 1 / 2 / 4 to compare.
   static const int env_mode = [] {
     const char* v = std::getenv("CK_HC_BULK_PARTS");
-    return v && v[0] >= '0' && v[0] <= '4' && v[1] == 0 ? v[0] - '0' : 3;
+    return v && v[0] >= '0' && v[0] <= '5' && v[1] == 0 ? v[0] - '0' : 3;
   }();
   return g_hc_bulk_parts < 0 ? env_mode : g_hc_bulk_parts;
 }
-void set_hc_bulk_parts(int mode) { g_hc_bulk_parts = mode < 0 ? -1 : std::min(mode, 4); }
+void set_hc_bulk_parts(int mode) { g_hc_bulk_parts = mode < 0 ? -1 : std::min(mode, 5); }
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -723,10 +737,11 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
                  : bulk == 2               ? kP2Bulk
                  : bulk == 3 && down_smem  ? kP2BulkAll
                  : bulk == 4 && down_smem  ? kP2LoadsTiles
+                 : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
-  if (p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll) ++g_hc_bulk_launches;
-  if (p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2LoadsTiles) ++g_hc_bulk_up_launches;
-  if (p2 == kP2BulkAll || p2 == kP2LoadsTiles) ++g_hc_bulk_down_launches;
+  if (p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4) ++g_hc_bulk_launches;
+  if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
+  if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;
   const size_t smem = part_bytes + (p2 >= kP2BulkUp ? up_bytes : 0) + (p2 >= kP2BulkAll ? down_bytes : 0);
   auto go_exact = [&](auto bf16s_c, auto tiles_c) {
     auto go_p2 = [&](auto kernel) { launch(kernel, grid, kHcThreads, smem, stream, L); };
@@ -734,6 +749,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
       if (p2 == kP2BulkUp) return go_p2(hc_mix_row_kernel<bf16s_c(), true, kP2BulkUp>);
       if (p2 == kP2BulkAll) return go_p2(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll>);
       if (p2 == kP2LoadsTiles) return go_p2(hc_mix_row_kernel<bf16s_c(), true, kP2LoadsTiles>);
+      if (p2 == kP2BulkAll4) return go_p2(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll4>);
     }
     if (p2 == kP2Exact) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
     else if (p2 == kP2Bulk) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);
