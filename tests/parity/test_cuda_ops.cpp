@@ -2085,6 +2085,19 @@ TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
   });
 }
 
+// The one-row in-warp GEMV with each warp's tiles bulk-copied to shared memory before its wait
+// (set_gemv_one_smem(1)) gives the loads' logits bit for bit (the same words, the same products), at steps
+// of 1 to 8 rows; on the geometries whose out projections are 4-bit tiles.
+TEST(CudaOps, GemvOneSmemGivesTheSameLogits) {
+  REQUIRE_GPU();
+  for_each_model({1, 3}, [](const Model& m, const Geometry& g) {
+    const size_t launches = gemv_one_smem_launches();
+    expect_switch_keeps_logits(m, g, 23, [](int on) { set_gemv_one_smem(on); },
+                               "the in-warp GEMV's logits with its tiles in shared memory differ");
+    EXPECT_GT(gemv_one_smem_launches(), launches) << "no GEMV took the shared-memory tiles";
+  });
+}
+
 // The one-row mix's forms of phase 2 and of its tiles (set_hc_bulk_parts): the partials brought by bulk
 // copies and summed in one flat loop (1), with the up tiles bulk-copied to shared memory at the start too
 // (2), and the down tiles (3, the default), the tiles with the loaded partials (4), 3 with the flat loop's
