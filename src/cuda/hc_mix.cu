@@ -402,6 +402,9 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       }
     }
   }
+  // A block must not leave with copies into its shared memory in flight: a geometry where no warp's tile
+  // pair is two down tiles would not have waited above.
+  if (DOWN_SMEM && c < L.n_chunks && tid == 0) mbar_wait(&down_bar, 0);
   mark(3);
   // Only the blocks of u's groups have work after the barrier (phases 2 and 3).
   const bool consumer = static_cast<int>(blockIdx.x) < H / 64;
