@@ -79,6 +79,15 @@ int device_attribute(cudaDeviceAttr attr);
 int sm_count();
 // One line naming the device: name, SMs, memory, L2 (for the startup banner).
 std::string device_banner();
+// Why the CUDA engine cannot run on a device ("" when it can). Its kernels are built for sm_90 only
+// (Hopper: wgmma, the copy engine's bulk copies, up to 227 KB of shared memory a block), so another
+// compute capability, or a device that cannot load the build's kernel images, gets one clear error
+// (cuda::Model::create) instead of an abort at the first kernel attribute. Pure, for tests.
+std::string device_unsupported_reason(const std::string& name, int major, int minor, bool kernels_load);
+// The reason for the current device (device_unsupported_reason with its properties).
+std::string current_device_unsupported_reason();
+// Whether this build's kernel images load on the current device (ops.cu; clears the error if not).
+bool kernel_images_load();
 
 // An owning device allocation.
 template <typename T>

@@ -97,6 +97,23 @@ std::string device_banner() {
                      p.multiProcessorCount, total_b / 1073741824.0, free_b / 1073741824.0, p.l2CacheSize >> 20);
 }
 
+std::string device_unsupported_reason(const std::string& name, int major, int minor, bool kernels_load) {
+  if (major == 9 && kernels_load) return "";
+  return fmt::format("{} is sm_{}{}, and this build's CUDA kernels are for sm_90 (Hopper: H100, H200, GH200){}; use "
+                     "--backend cpu",
+                     name, major, minor, kernels_load ? "" : ", whose images this device cannot load");
+}
+
+std::string current_device_unsupported_reason() {
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp p{};
+  CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
+  // (On Hopper the images are this build's own: only another device is probed, so the engine's start on
+  // the supported GPUs makes no call it did not make before.)
+  return p.major == 9 ? "" : device_unsupported_reason(p.name, p.major, p.minor, kernel_images_load());
+}
+
 DeviceArena::~DeviceArena() {
   for (void* c : chunks_) cudaFree(c);  // no CHECK in a destructor that may run at exit
 }

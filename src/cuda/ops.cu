@@ -145,6 +145,15 @@ __global__ void hollow_kernel() { pdl_begin(); }
 
 }  // namespace
 
+// Whether this build's kernel images load on the current device (an sm_90 image on another compute
+// capability: cudaErrorNoKernelImageForDevice or cudaErrorInvalidDeviceFunction). The error is cleared.
+bool kernel_images_load() {
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, hollow_kernel) == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  return false;
+}
+
 void rmsnorm_grouped(const float* x, int64_t n, int64_t group, const float* scale, float eps, float* out, int rows,
                      int64_t ld, cudaStream_t stream) {
   CK_REQUIRE(group > 0 && n % group == 0 && rows >= 1, "invariant");

@@ -215,6 +215,8 @@ bool Model::expert_tiles_fit() const {
 Status Model::init() {
   const ModelConfig& c = cfg();
   LOG_INF("cuda", "device: {}", device_banner());
+  // Before any kernel attribute: on a device without the build's images those abort.
+  if (const std::string why = current_device_unsupported_reason(); !why.empty()) return error("--backend cuda: {}", why);
   init_kernels();
   expert_tiles_ = expert_tiles_fit();
   DenseUploader up(&arena_);

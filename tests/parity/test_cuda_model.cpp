@@ -468,6 +468,25 @@ TEST(CudaMtp, ModelWithoutTheHeadIsAnError) {
   EXPECT_NE(st.message().find("no MTP head"), std::string::npos) << st.message();
 }
 
+// The CUDA engine's kernels are built for sm_90: another device gets one error naming it, its compute
+// capability and the way out (cuda::Model::create returns it before any kernel attribute, which would
+// abort; --backend auto then runs the CPU engine with a warning). Runs without a GPU; with one (the GPU
+// machine's H100 or H200), the current device is supported.
+TEST(CudaDevice, OnlyHopperIsSupported) {
+  EXPECT_EQ(cuda::device_unsupported_reason("NVIDIA H100 80GB HBM3", 9, 0, true), "");
+  const std::string ada = cuda::device_unsupported_reason("NVIDIA GeForce RTX 4090", 8, 9, false);
+  EXPECT_NE(ada.find("NVIDIA GeForce RTX 4090 is sm_89"), std::string::npos) << ada;
+  EXPECT_NE(ada.find("cannot load"), std::string::npos) << ada;
+  EXPECT_NE(ada.find("--backend cpu"), std::string::npos) << ada;
+  // A newer GPU that could JIT the PTX still lacks sm_90a's wgmma kernels and takes the error.
+  const std::string blackwell = cuda::device_unsupported_reason("NVIDIA GeForce RTX 5090", 12, 0, true);
+  EXPECT_NE(blackwell.find("sm_120"), std::string::npos) << blackwell;
+  EXPECT_EQ(cuda::device_unsupported_reason("an image that does not load", 9, 0, false).empty(), false);
+  if (have_gpu()) {
+    EXPECT_EQ(cuda::current_device_unsupported_reason(), "");
+  }
+}
+
 #else
 TEST_P(CudaOracle, NotBuilt) { GTEST_SKIP() << "this build has no CUDA engine"; }
 TEST(CudaMtp, NotBuilt) { GTEST_SKIP() << "this build has no CUDA engine"; }
