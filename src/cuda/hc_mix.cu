@@ -20,13 +20,17 @@
 //     (n the norm's scale), its sum of squares, and y_c = down_c x'_c for every down and inject row
 //     (a warp's two tiles load together). The norm's 1 / rms is a per-stream factor, so it is applied
 //     to the chunks' products after the grid barrier: down X = Σ_c r_s(c) y_c.
-//  2. (grid barrier) Each block that has a group of u copies every chunk's y to shared memory in one
-//     round trip of 16-byte loads and makes all of d: Σ_c r_s(c) y_c in chunk order, silu(y / S), the
-//     same bits in every block; block 0 also writes the injection weights 2 sigmoid(y / S). With the
-//     exact sums (CK_HC_EXACT_SUM=1, hc_acc_add below), phase 1 also adds each y_c into its stream's
-//     fixed-point sums, and phase 2 reads those: Σ_s r_s Y_s.
+//  2. (grid barrier) Each block that has a group of u copies every chunk's y to shared memory and makes
+//     all of d: Σ_c r_s(c) y_c in chunk order, silu(y / S), the same bits in every block; block 0 also
+//     writes the injection weights 2 sigmoid(y / S). With the exact sums (CK_HC_EXACT_SUM=1, hc_acc_add
+//     below), phase 1 also adds each y_c into its stream's fixed-point sums, and phase 2 reads those:
+//     Σ_s r_s Y_s.
 //  3. Block b takes u's 64-group b: the up rows s H + 64 b + i for every stream, X_s,i = (R_s,i r_s)
 //     n_s,i (the CPU's norm formula), u_i = Σ_s sigmoid(g) X / S, and the group's v4 fragments.
+// By default (CK_HC_BULK_PARTS=3, kP2BulkAll below) the copy engine moves the bytes: a block's down tiles
+// (phase 1) and up tiles (phase 3) into shared memory when it starts, before its wait (weights never
+// change), and the chunks' y after the barrier; the threads then read shared memory where they made L2
+// round trips (one-row decode +2.0%, H100 2026-12-07). CK_HC_BULK_PARTS=0: the threads' loads.
 // Loops that run at most once per thread at the released geometry (a block's 128 elements, its d rows,
 // its u group, ...) are not unrolled (#pragma unroll 1): their copies were ~2 KB of the kernel's SASS;
 // decode +0.5-1% in one call (H200 2026-12-01 18:30Z, within its spread).
