@@ -470,6 +470,11 @@ __global__ void __launch_bounds__(256) gemv_tc4_reduce_frag_kernel(const __grid_
 constexpr int kTcInWarpMax = 16384;
 
 // Dynamic shared memory: [range groups][4 steps][32 lanes] uint2 fragments, then [range groups] Σ x.
+__host__ __device__ constexpr size_t one_frag_bytes(int per_b) {
+  return static_cast<size_t>(per_b) * (4 * 32 * sizeof(uint2) + sizeof(float));
+}
+// Where SMEM_W's weights start: after the fragments and sums, 16-byte aligned for the bulk copies.
+__host__ __device__ constexpr size_t one_weights_offset(int per_b) { return (one_frag_bytes(per_b) + 15) & ~size_t{15}; }
 // SMEM_W (4-bit tiles only; CK_GEMV_ONE_SMEM=1): then each warp's groups of its tile, [8 warps][per
 // groups][576 bytes], bulk-copied there before the kernel's wait (weights never change), so the group
 // loop after the wait reads shared memory instead of making its L2 round trips. The same words, so the
@@ -495,10 +500,10 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(per_b) * 4 * 32);
   float acc[4] = {};
   Tc4Rows<BF16S, BITS> tr;
-  // SMEM_W: the warp's groups after the fragments and sums (16-byte aligned: per_b x 1,028 bytes rounded up).
+  // SMEM_W: the warp's groups after the fragments and sums.
   const int per_w = (per_b + L.ks - 1) / L.ks;
-  uint8_t* const wsm = reinterpret_cast<uint8_t*>(sfrag) + ((static_cast<size_t>(per_b) * 1028 + 15) & ~size_t{15}) +
-                       static_cast<size_t>(warp) * per_w * kTileGroupBytes;
+  uint8_t* const wsm =
+      reinterpret_cast<uint8_t*>(sfrag) + one_weights_offset(per_b) + static_cast<size_t>(warp) * per_w * kTileGroupBytes;
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
     if (SMEM_W) {
@@ -745,17 +750,13 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, i
   const int per_b = static_cast<int>(ceil_div(L.groups, kb));
   if (per_b > kTcBlockGroups) return false;
   L.ks = std::max(1, parts / kb);
-  size_t smem = static_cast<size_t>(per_b) * (4 * 32 * sizeof(uint2) + sizeof(float));
   // The warps' weights in shared memory too (gemv_tc4_one_kernel SMEM_W): 4-bit tiles, within the 48 KB a
   // launch takes without an attribute.
-  bool smem_w = bits == 4 && gemv_one_smem_on();
+  const size_t smem_w_bytes = one_weights_offset(per_b) + 8 * ceil_div(per_b, L.ks) * kTileGroupBytes;
+  bool smem_w = bits == 4 && gemv_one_smem_on() && smem_w_bytes <= 48 * 1024;
   for (int j = 0; j < n_jobs && smem_w; ++j) smem_w = jobs[j].w.tiled();
-  const size_t w_bytes = 8 * ceil_div(per_b, L.ks) * kTileGroupBytes;
-  if (smem_w && ((smem + 15) & ~size_t{15}) + w_bytes > 48 * 1024) smem_w = false;
-  if (smem_w) {
-    smem = ((smem + 15) & ~size_t{15}) + w_bytes;
-    ++g_gemv_one_smem_launches;
-  }
+  if (smem_w) ++g_gemv_one_smem_launches;
+  const size_t smem = smem_w ? smem_w_bytes : one_frag_bytes(per_b);
   const dim3 grid(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1),
       cluster(static_cast<unsigned>(kb), 1, 1);
   auto go = [&](auto kernel) { launch_cluster(kernel, grid, 256, smem, s, cluster, L, x, kb); };

@@ -210,9 +210,18 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //  kP2BulkAll4: kP2BulkAll with the flat loop's 1 / rms factors read four at a time (one 16-byte shared
 //            load for four chunks instead of four 4-byte loads; CK_HC_BULK_PARTS=5, to measure).
 enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6 };
+// The forms whose partials come by bulk copies (kernel and launch).
+__host__ __device__ constexpr bool p2_bulk_partials(int p2) {
+  return p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4;
+}
+// Bytes of a consumer block's up tiles: S streams x 4 tiles x the low rank's groups (one stream's 4 tiles
+// contiguous), after the partials in dynamic shared memory (the launch; the kernel writes it out).
+__host__ __device__ constexpr size_t hc_up_tile_bytes(int S, int lowrank) {
+  return static_cast<size_t>(S) * 4 * (lowrank / 64) * kTileGroupBytes;
+}
 template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
-  constexpr bool EXACT = P2 == kP2Exact, BULK = P2 == kP2Bulk || P2 == kP2BulkUp || P2 == kP2BulkAll || P2 == kP2BulkAll4;
+  constexpr bool EXACT = P2 == kP2Exact, BULK = p2_bulk_partials(P2);
   constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
@@ -230,6 +239,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // partials in dynamic shared memory (the launch checks they fit and that a block has one u group).
   // DOWN_SMEM: then the chunk's groups of the down tiles (tiles_d x cg x 576 bytes).
   uint8_t* const up_tiles = reinterpret_cast<uint8_t*>(sp + static_cast<size_t>(L.n_chunks) * td * 16);
+  // (hc_up_tile_bytes(S, lowrank) written out: the call compiled to other SASS than this measured form)
   uint8_t* const down_tiles = up_tiles + static_cast<size_t>(S) * 4 * (lowrank / 64) * kTileGroupBytes;
   if ((BULK || UP_SMEM) && tid == 0) {  // (phase 1's block sum and the grid barrier synchronise before use)
     if (BULK) mbar_init(&parts_bar, 1);
@@ -243,7 +253,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
         bulk_copy_1d(down_tiles + tl * tile_bytes, a.down.tile_group(tl, c * cg), tile_bytes, &down_bar);
     }
     if (UP_SMEM && static_cast<int>(blockIdx.x) < H / 64) {
-      const uint32_t stream_bytes = 4u * (lowrank / 64) * kTileGroupBytes;  // a stream's 4 tiles, contiguous
+      const uint32_t stream_bytes = 4u * (lowrank / 64) * kTileGroupBytes;  // hc_up_tile_bytes(1, lowrank)
       mbar_arrive_expect(&up_bar, stream_bytes * S);
       for (int s = 0; s < S; ++s)
         bulk_copy_1d(up_tiles + s * stream_bytes, a.up.tile_group((static_cast<size_t>(s) * H + 64 * blockIdx.x) / kTileRows, 0),
@@ -728,12 +738,11 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   L.r_prefetch = hc_r_prefetch_on() ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
-  auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, part_bytes, stream, L); };
   // The instance for (bf16 scales, tiles) with phase 2's form: the exact sums, the bulk copies or the loads.
   const int bulk = L.acc ? 0 : hc_bulk_parts_mode();
   // Modes 2-4 copy the up (and down) tiles after the partials, if they fit and every u group has its own
   // block; mode 3 (the default) without them takes the loads' form (0: the bulk partials alone lost).
-  const size_t up_bytes = static_cast<size_t>(a.S) * 4 * (lowrank / 64) * kTileGroupBytes;
+  const size_t up_bytes = hc_up_tile_bytes(a.S, lowrank);
   const size_t down_bytes = static_cast<size_t>(L.tiles_d) * L.cg * kTileGroupBytes;
   const bool up_smem = bulk >= 2 && tiles && static_cast<int>(grid.x) >= a.H / 64 &&
                        part_bytes + up_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
@@ -746,17 +755,17 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
                  : bulk == 4 && down_smem  ? kP2LoadsTiles
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
-  if (p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4) ++g_hc_bulk_launches;
+  if (p2_bulk_partials(p2)) ++g_hc_bulk_launches;
   if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
   if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;
   const size_t smem = part_bytes + (p2 >= kP2BulkUp ? up_bytes : 0) + (p2 >= kP2BulkAll ? down_bytes : 0);
+  auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, smem, stream, L); };
   auto go_exact = [&](auto bf16s_c, auto tiles_c) {
-    auto go_p2 = [&](auto kernel) { launch(kernel, grid, kHcThreads, smem, stream, L); };
     if constexpr (tiles_c()) {  // (the tiles' copies have instances only with tiles)
-      if (p2 == kP2BulkUp) return go_p2(hc_mix_row_kernel<bf16s_c(), true, kP2BulkUp>);
-      if (p2 == kP2BulkAll) return go_p2(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll>);
-      if (p2 == kP2LoadsTiles) return go_p2(hc_mix_row_kernel<bf16s_c(), true, kP2LoadsTiles>);
-      if (p2 == kP2BulkAll4) return go_p2(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll4>);
+      if (p2 == kP2BulkUp) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkUp>);
+      if (p2 == kP2BulkAll) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll>);
+      if (p2 == kP2LoadsTiles) return go(hc_mix_row_kernel<bf16s_c(), true, kP2LoadsTiles>);
+      if (p2 == kP2BulkAll4) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll4>);
     }
     if (p2 == kP2Exact) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
     else if (p2 == kP2Bulk) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);

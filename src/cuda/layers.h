@@ -97,8 +97,9 @@ void set_hc_exact_sum(int mode);
 size_t hc_exact_sum_launches();  // launches (or graph captures) of the mix with its exact sums, for tests
 // The one-row mix's phase 2 with its chunks' partials brought by the copy engine and summed in one flat
 // loop (mode 1, CK_HC_BULK_PARTS=1), and with its up tiles copied to shared memory at its start too (mode
-// 2, where they fit; tiled weights), and its chunk's down tiles too (mode 3): the same words and the same
-// additions in the same order as the loads' form (mode 0, the default), so the same bits.
+// 2, where they fit; tiled weights), and its chunk's down tiles too (mode 3, the default; 4 the tiles with
+// loaded partials, 5 mode 3 with its factors read four at a time): the same words and the same additions
+// in the same order as the loads' form (mode 0), so the same bits.
 // set_hc_bulk_parts(-1): the environment's.
 int hc_bulk_parts_mode();
 void set_hc_bulk_parts(int mode);
