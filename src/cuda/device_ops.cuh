@@ -103,6 +103,32 @@ __device__ __forceinline__ float moe_combine_elem(const float* y, int64_t ldy, c
   return __fadd_rn(static_cast<float>(acc), __fmul_rn(gamma, y[k * ldy + i]));
 }
 
+// moe_combine_elem with every slot's load issued before the first addition (k <= kFlatCombineSlots):
+// the same fp32 products and the same fp64 sum in slot order, so the same bits. Why: the loop above
+// runs its runtime count in unrolled batches (8, then the rest), each a round trip to L2 that waits for
+// the one before, after the gate's sigmoid (a branch the loads are not hoisted over); here all k + 2
+// loads (the slots, the shared expert and the gate logit) are one round trip. The one-row mix's phase 1
+// takes it (CK_HC_FLAT_COMBINE).
+constexpr int kFlatCombineSlots = 16;
+__device__ __forceinline__ float moe_combine_elem_flat(const float* y, int64_t ldy, const ExpertPair* pairs, int k,
+                                                       const float* gate_logit, int64_t i) {
+  // Slots past k read slot k (the shared expert's, which exists) and are not added: unconditional loads,
+  // which the compiler issues together (predicated ones it interleaved with the additions, a round trip each).
+  const float ys = y[k * ldy + i], gl = *gate_logit;
+  float yv[kFlatCombineSlots], wv[kFlatCombineSlots];
+#pragma unroll
+  for (int t = 0; t < kFlatCombineSlots; ++t) {
+    const int u = t < k ? t : k;
+    yv[t] = y[u * ldy + i];
+    wv[t] = pairs[u].weight;
+  }
+  double acc = 0.0;
+#pragma unroll
+  for (int t = 0; t < kFlatCombineSlots; ++t)
+    if (t < k) acc += static_cast<double>(__fmul_rn(yv[t], wv[t]));
+  return __fadd_rn(static_cast<float>(acc), __fmul_rn(sigmoidf_(gl), ys));
+}
+
 // (v, i) beats (bv, bi): larger value, or equal value and lower index. NaN never beats anything.
 __device__ __forceinline__ bool arg_better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
 

@@ -73,6 +73,7 @@ struct HcMixLaunch {
   int prefetch;          // ask L2 for the block's weights before pdl_begin (CK_HC_OWN_PREFETCH)
   int norm_prefetch;     // and for its part of the norm's scale (CK_HC_NORM_PREFETCH=0: not)
   int r_prefetch;        // and for its chunk of R and the injection weights w_in (CK_HC_R_PREFETCH=0: not)
+  int flat_combine;      // a deferred MoE output's slots by moe_combine_elem_flat (CK_HC_FLAT_COMBINE=1)
   // The exact sums of the partial products (HcMixArgs::acc; nullptr: phase 2 sums the 80 chunks' partials
   // itself, as before): two buffers of acc_words, this mix's chosen by the barrier's generation.
   long long* acc;
@@ -346,20 +347,26 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // 1. The chunk: combine, x' = R n, sum of squares, partial products of down and inject.
   if (c < L.n_chunks) {
     const int k0 = c * cg * 64, n = cg * 64, s = k0 / H;
-    const float gamma = a.moe_y ? sigmoidf_(a.moe_gl[0]) : 0.0f;
+    const bool flat = a.moe_y && L.flat_combine;  // (the launch checks moe_k <= kFlatCombineSlots)
+    const float gamma = a.moe_y && !flat ? sigmoidf_(a.moe_gl[0]) : 0.0f;
     float sq = 0.0f;
 #pragma unroll 1
     for (int e = tid; e < n; e += kHcThreads) {
       const int k = k0 + e;
+      // The norm's scale and the injection weight are loaded first: written after the combine, the
+      // norm's load waited for the store to R (they might alias) and the weight's for the combine, each
+      // one more round trip to L2 after the inputs' (SASS, 2026-12-07).
+      const float nk = a.norm[k], w = a.o || a.moe_y ? a.w_in[s] : 0.0f;
       float v = a.R[k];
       if (a.o || a.moe_y) {
-        const float o = a.moe_y ? moe_combine_elem(a.moe_y, a.moe_ldy, a.moe_pairs, a.moe_k, gamma, k - s * H)
-                                : a.o[k - s * H];
-        v = mul_add_rn(v, o, a.w_in[s]);
+        const float o = flat      ? moe_combine_elem_flat(a.moe_y, a.moe_ldy, a.moe_pairs, a.moe_k, a.moe_gl, k - s * H)
+                        : a.moe_y ? moe_combine_elem(a.moe_y, a.moe_ldy, a.moe_pairs, a.moe_k, gamma, k - s * H)
+                                  : a.o[k - s * H];
+        v = mul_add_rn(v, o, w);
         a.R[k] = v;
       }
       sq += v * v;
-      xs[e] = v * a.norm[k];
+      xs[e] = v * nk;
     }
     sq = block_sum(sq, scratch);  // synchronises: xs is complete
     if (tid == 0) L.ss[c] = sq;
@@ -665,6 +672,18 @@ int hc_bulk_parts_mode() {
 }
 void set_hc_bulk_parts(int mode) { g_hc_bulk_parts = mode < 0 ? -1 : std::min(mode, 5); }
 
+namespace {
+int g_hc_flat_combine = -1;  // set_hc_flat_combine; -1: the environment's
+std::atomic<size_t> g_hc_flat_combine_launches{0};
+}  // namespace
+size_t hc_flat_combine_launches() { return g_hc_flat_combine_launches.load(); }
+bool hc_flat_combine_on() {
+  // Off by default until measured in the step (written 2026-12-07, fifty-sixth session).
+  static const bool env_on = env_is("CK_HC_FLAT_COMBINE", "1");
+  return g_hc_flat_combine < 0 ? env_on : g_hc_flat_combine > 0;
+}
+void set_hc_flat_combine(int on) { g_hc_flat_combine = on < 0 ? -1 : on > 0; }
+
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
 size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
@@ -736,6 +755,8 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   static const bool norm_prefetch = !env_is("CK_HC_NORM_PREFETCH", "0");
   L.norm_prefetch = norm_prefetch ? 1 : 0;
   L.r_prefetch = hc_r_prefetch_on() ? 1 : 0;
+  L.flat_combine = a.moe_y && a.moe_k <= kFlatCombineSlots && hc_flat_combine_on() ? 1 : 0;
+  if (L.flat_combine) ++g_hc_flat_combine_launches;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   // The instance for (bf16 scales, tiles) with phase 2's form: the exact sums, the bulk copies or the loads.

@@ -2124,6 +2124,25 @@ TEST(CudaOps, OneRowMixBulkPartialsGiveTheLoadsBits) {
   });
 }
 
+// A deferred MoE output combined in the one-row mix with every slot's load first (hc_mix.cu,
+// moe_combine_elem_flat, set_hc_flat_combine(1)) against the loop (0): the same products and the same
+// fp64 sum in slot order, so the same logits bits, in the instances for tiles and for rows. On the one
+// geometry whose one-row mixes take hc_mix.cu's kernel (3).
+TEST(CudaOps, OneRowMixFlatCombineGivesTheLoopsBits) {
+  REQUIRE_GPU();
+  for_each_model({3}, [](const Model& m, const Geometry& g) {
+    for (int layout : {-1, 0}) {
+      SCOPED_TRACE(layout < 0 ? "default layout" : "rows");
+      set_layout_kernels(layout);
+      const size_t launches = hc_flat_combine_launches();
+      expect_switch_keeps_logits(m, g, 23, [](int on) { set_hc_flat_combine(on); },
+                                 "the flat combine's logits differ from the loop's");
+      EXPECT_GT(hc_flat_combine_launches(), launches) << "no one-row mix combined a MoE output the flat way";
+    }
+    set_layout_kernels(-1);
+  });
+}
+
 // The one-row mix's phase 2 from the exact sums of its chunks' partial products (hc_mix.cu hc_acc_add,
 // set_hc_exact_sum(1)) against every consumer block adding the partials in chunk order (0): the sums
 // round once instead of at every addition, so the logits move by roundings only (within the CPU parity
