@@ -59,7 +59,7 @@ constexpr int kHcMaxChunkGroups = 16;
 constexpr int kHcMaxInject = 16;
 constexpr int kHcMaxChunks = 256;
 constexpr int kHcMaxPartialBytes = 160 * 1024;  // dynamic shared memory for phase 2
-constexpr int kHcMaxDynamicBytes = 200 * 1024;  // and with the up tiles (kP2BulkUp), within 227 KB less the static
+constexpr int kHcMaxDynamicBytes = 196 * 1024;  // and with the up tiles (kP2BulkUp), within 227 KB less the static (27.5 KB)
 
 struct HcMixLaunch {
   HcMixArgs a;
@@ -74,6 +74,7 @@ struct HcMixLaunch {
   int norm_prefetch;     // and for its part of the norm's scale (CK_HC_NORM_PREFETCH=0: not)
   int r_prefetch;        // and for its chunk of R and the injection weights w_in (CK_HC_R_PREFETCH=0: not)
   int flat_combine;      // a deferred MoE output's slots by moe_combine_elem_flat (CK_HC_FLAT_COMBINE=1)
+  int gate_copy;         // the gate mean's R and norm scale by bulk copies (CK_HC_GATE_COPY=1; bulk modes with up tiles)
   // The exact sums of the partial products (HcMixArgs::acc; nullptr: phase 2 sums the 80 chunks' partials
   // itself, as before): two buffers of acc_words, this mix's chosen by the barrier's generation.
   long long* acc;
@@ -228,6 +229,9 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
   __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
   __shared__ __align__(16) float sss[kHcMaxChunks];
+  // L.gate_copy: the block's u group of R (copied after the barrier) and of the norm's scale (at the start),
+  // S x 64 floats each, for the gate mean at the end.
+  __shared__ __align__(16) float gate_r[kHcMaxStreams][64], gate_n[kHcMaxStreams][64];
   extern __shared__ __align__(16) float sp[];  // phase 2: every chunk's partial products
   __shared__ __align__(8) uint64_t parts_bar;  // kP2Bulk: the partials' copies have landed
   __shared__ __align__(8) uint64_t up_bar;     // UP_SMEM: the up projection's tiles have landed
@@ -255,10 +259,12 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     }
     if (UP_SMEM && static_cast<int>(blockIdx.x) < H / 64) {
       const uint32_t stream_bytes = 4u * (lowrank / 64) * kTileGroupBytes;  // hc_up_tile_bytes(1, lowrank)
-      mbar_arrive_expect(&up_bar, stream_bytes * S);
+      mbar_arrive_expect(&up_bar, (stream_bytes + (L.gate_copy ? 256u : 0u)) * S);
       for (int s = 0; s < S; ++s)
         bulk_copy_1d(up_tiles + s * stream_bytes, a.up.tile_group((static_cast<size_t>(s) * H + 64 * blockIdx.x) / kTileRows, 0),
                      stream_bytes, &up_bar);
+      if (L.gate_copy)  // the norm's scale is a weight too
+        for (int s = 0; s < S; ++s) bulk_copy_1d(gate_n[s], a.norm + static_cast<size_t>(s) * H + 64 * blockIdx.x, 256, &up_bar);
     }
   }
 
@@ -439,14 +445,18 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // kP2Bulk: the copy engine brings every chunk's partials while the threads make 1 / rms below. Thread 0
   // acquired the other blocks' partials at the barrier; the proxy fence orders the copies (the async
   // proxy) after that.
+  // L.gate_copy: the block's u group of R (the combine of phase 1 wrote it) comes the same way, for the
+  // gate mean at the end: its loads were a round trip to L2 in the kernel's tail.
   if (BULK && tid == 0) {
     const uint32_t bytes = static_cast<uint32_t>(sizeof(float)) * L.n_chunks * td * 16;  // a multiple of 64
     asm volatile("fence.proxy.async.global;" ::: "memory");
-    mbar_arrive_expect(&parts_bar, bytes);
+    mbar_arrive_expect(&parts_bar, bytes + (UP_SMEM && L.gate_copy ? 256u * S : 0u));
     constexpr uint32_t kPiece = 16384;
     for (uint32_t off = 0; off < bytes; off += kPiece)
       bulk_copy_1d(reinterpret_cast<uint8_t*>(sp) + off, reinterpret_cast<const uint8_t*>(L.part) + off,
                    min(kPiece, bytes - off), &parts_bar);
+    if (UP_SMEM && L.gate_copy)
+      for (int s = 0; s < S; ++s) bulk_copy_1d(gate_r[s], a.R + static_cast<size_t>(s) * H + 64 * blockIdx.x, 256, &parts_bar);
   }
 
   // 1 / rms per stream: its chunks' sums of squares in chunk order (every block, for phases 2 and 3).
@@ -578,7 +588,10 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int k = (s0 + j) * H + i;
-          x[j] = s0 + j < S ? (__ldcg(a.R + k) * rinv[s0 + j]) * a.norm[k] : 0.0f;
+          if (UP_SMEM && BULK && L.gate_copy)  // (the copies landed: waited for in phases 2 and 3)
+            x[j] = s0 + j < S ? (gate_r[s0 + j][tid] * rinv[s0 + j]) * gate_n[s0 + j][tid] : 0.0f;
+          else
+            x[j] = s0 + j < S ? (__ldcg(a.R + k) * rinv[s0 + j]) * a.norm[k] : 0.0f;
         }
         // sigmoid4_: sigmoidf_'s bits, the four chains interleaved
         const float4 sg = sigmoid4_(make_float4(gl[s0][tid], s0 + 1 < S ? gl[s0 + 1][tid] : 0.0f,
@@ -684,6 +697,18 @@ bool hc_flat_combine_on() {
 }
 void set_hc_flat_combine(int on) { g_hc_flat_combine = on < 0 ? -1 : on > 0; }
 
+namespace {
+int g_hc_gate_copy = -1;  // set_hc_gate_copy; -1: the environment's
+std::atomic<size_t> g_hc_gate_copy_launches{0};
+}  // namespace
+size_t hc_gate_copy_launches() { return g_hc_gate_copy_launches.load(); }
+bool hc_gate_copy_on() {
+  // Off by default until measured in the step (written 2026-12-07, fifty-sixth session).
+  static const bool env_on = env_is("CK_HC_GATE_COPY", "1");
+  return g_hc_gate_copy < 0 ? env_on : g_hc_gate_copy > 0;
+}
+void set_hc_gate_copy(int on) { g_hc_gate_copy = on < 0 ? -1 : on > 0; }
+
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
 size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
@@ -776,6 +801,13 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
                  : bulk == 4 && down_smem  ? kP2LoadsTiles
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
+  // The gate mean's inputs by bulk copies: forms with the partials' and the up tiles' copies, 16-byte
+  // aligned rows (each stream's 64 floats of a u group are 256 contiguous bytes).
+  L.gate_copy = hc_gate_copy_on() && p2_bulk_partials(p2) && p2 >= kP2BulkUp &&
+                        reinterpret_cast<uintptr_t>(a.R) % 16 == 0 && reinterpret_cast<uintptr_t>(a.norm) % 16 == 0
+                    ? 1
+                    : 0;
+  if (L.gate_copy) ++g_hc_gate_copy_launches;
   if (p2_bulk_partials(p2)) ++g_hc_bulk_launches;
   if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
   if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;

@@ -2143,6 +2143,24 @@ TEST(CudaOps, OneRowMixFlatCombineGivesTheLoopsBits) {
   });
 }
 
+// The one-row mix's gate mean with its u group of R and of the norm's scale copied to shared memory
+// (hc_mix.cu, set_hc_gate_copy(1)) against its loads (0): the same words, so the same logits bits, in the
+// bulk modes that copy (2, 3, 5). On the one geometry whose one-row mixes take hc_mix.cu's kernel (3).
+TEST(CudaOps, OneRowMixGateCopyGivesTheLoadsBits) {
+  REQUIRE_GPU();
+  for_each_model({3}, [](const Model& m, const Geometry& g) {
+    for (int mode : {2, 3, 5}) {
+      SCOPED_TRACE(fmt::format("mode {}", mode));
+      set_hc_bulk_parts(mode);
+      const size_t launches = hc_gate_copy_launches();
+      expect_switch_keeps_logits(m, g, 29, [](int on) { set_hc_gate_copy(on); },
+                                 "the copied gate inputs' logits differ from the loaded ones'");
+      EXPECT_GT(hc_gate_copy_launches(), launches) << "no one-row mix copied its gate mean's inputs";
+    }
+    set_hc_bulk_parts(-1);
+  });
+}
+
 // The one-row mix's phase 2 from the exact sums of its chunks' partial products (hc_mix.cu hc_acc_add,
 // set_hc_exact_sum(1)) against every consumer block adding the partials in chunk order (0): the sums
 // round once instead of at every addition, so the logits move by roundings only (within the CPU parity
