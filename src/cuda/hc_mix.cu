@@ -450,12 +450,13 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   if (BULK && tid == 0) {
     const uint32_t bytes = static_cast<uint32_t>(sizeof(float)) * L.n_chunks * td * 16;  // a multiple of 64
     asm volatile("fence.proxy.async.global;" ::: "memory");
-    mbar_arrive_expect(&parts_bar, bytes + (UP_SMEM && L.gate_copy ? 256u * S : 0u));
+    const bool gate = UP_SMEM && L.gate_copy && consumer;  // (CK_HC_NARROW=0: blocks past u's groups go on)
+    mbar_arrive_expect(&parts_bar, bytes + (gate ? 256u * S : 0u));
     constexpr uint32_t kPiece = 16384;
     for (uint32_t off = 0; off < bytes; off += kPiece)
       bulk_copy_1d(reinterpret_cast<uint8_t*>(sp) + off, reinterpret_cast<const uint8_t*>(L.part) + off,
                    min(kPiece, bytes - off), &parts_bar);
-    if (UP_SMEM && L.gate_copy)
+    if (gate)
       for (int s = 0; s < S; ++s) bulk_copy_1d(gate_r[s], a.R + static_cast<size_t>(s) * H + 64 * blockIdx.x, 256, &parts_bar);
   }
 
