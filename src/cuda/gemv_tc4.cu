@@ -12,12 +12,10 @@
 //     of tall 4-bit matrices to gemv_tc4_kernel. CK_GEMV=v3 turns v4 off, CK_GEMV_INWARP=0 the
 //     one-row kernel, CK_GEMV_STREAM=0 the streamed one.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <type_traits>
 
-#include "cuda/bulk_copy.cuh"
 #include "cuda/common.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/gdn_conv.cuh"
@@ -470,22 +468,11 @@ __global__ void __launch_bounds__(256) gemv_tc4_reduce_frag_kernel(const __grid_
 constexpr int kTcInWarpMax = 16384;
 
 // Dynamic shared memory: [range groups][4 steps][32 lanes] uint2 fragments, then [range groups] Σ x.
-__host__ __device__ constexpr size_t one_frag_bytes(int per_b) {
-  return static_cast<size_t>(per_b) * (4 * 32 * sizeof(uint2) + sizeof(float));
-}
-// Where SMEM_W's weights start: after the fragments and sums, 16-byte aligned for the bulk copies.
-__host__ __device__ constexpr size_t one_weights_offset(int per_b) { return (one_frag_bytes(per_b) + 15) & ~size_t{15}; }
-// SMEM_W (4-bit tiles only; CK_GEMV_ONE_SMEM=1): then each warp's groups of its tile, [8 warps][per
-// groups][576 bytes], bulk-copied there before the kernel's wait (weights never change), so the group
-// loop after the wait reads shared memory instead of making its L2 round trips. The same words, so the
-// same bits. Why: the one-row mix's tiles copied this way took +2% (docs/roofline-cuda.md, fifty-fifth
-// session); these are latency-bound calls of the same kind (the out projections, 16 a step).
-template <bool BF16S, int BITS, bool SMEM_W = false>
+template <bool BF16S, int BITS>
 __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_constant__ TcLaunch L,
                                                               const float* __restrict__ x, int kb) {
   extern __shared__ uint2 sfrag[];
   __shared__ float red[8][16][3];
-  __shared__ __align__(8) uint64_t wbar[8];  // SMEM_W: a warp's copy has landed
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int ks = L.ks, tile = blockIdx.y * (8 / ks) + warp / ks, part = warp % ks;
   const int n_tiles = L.first_tile[L.n_jobs];
@@ -500,38 +487,14 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(per_b) * 4 * 32);
   float acc[4] = {};
   Tc4Rows<BF16S, BITS> tr;
-  // SMEM_W: the warp's groups after the fragments and sums.
-  const int per_w = (per_b + L.ks - 1) / L.ks;
-  uint8_t* const wsm =
-      reinterpret_cast<uint8_t*>(sfrag) + one_weights_offset(per_b) + static_cast<size_t>(warp) * per_w * kTileGroupBytes;
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
-    if (SMEM_W) {
-      if (lane == 0 && G1 > G0) {
-        const uint32_t bytes = static_cast<uint32_t>(G1 - G0) * kTileGroupBytes;
-        mbar_init(&wbar[warp], 1);
-        mbar_init_fence();
-        mbar_arrive_expect(&wbar[warp], bytes);
-        bulk_copy_1d(wsm, w.tile_group(row0 / kTileRows, G0), bytes, &wbar[warp]);
-      }
-    } else if (L.prefetch) {
-      tr.prefetch(G0, G1, t);
-    }
+    if (L.prefetch) tr.prefetch(G0, G1, t);
   }
   pdl_begin();  // x comes from the kernel before
   one_row_frags_in_block<2>(x, B0, B1, sfrag, sgs);
-  __syncthreads();  // (also makes the warps' barriers' initialisation visible to their lanes)
-  if (SMEM_W && tile < n_tiles && G1 > G0) {
-    mbar_wait(&wbar[warp], 0);
-#pragma unroll 2
-    for (int G = G0; G < G1; ++G) {
-      uint2 wa, wb;
-      float sa, ba, sb, bb;
-      tile_group_lds(wsm + static_cast<size_t>(G - G0) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
-      tc4_one_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane, t == 0 ? sgs[G - B0] : 0.0f,
-                  acc);
-    }
-  } else if (!SMEM_W && tile < n_tiles) {
+  __syncthreads();
+  if (tile < n_tiles) {
 #pragma unroll 2
     for (int G = G0; G < G1; ++G) {
       const float xs = t == 0 ? sgs[G - B0] : 0.0f;
@@ -720,13 +683,6 @@ TcLaunch tc_launch_of(const GemvJob* jobs, int n_jobs) {
   return L;
 }
 
-int g_gemv_one_smem = -1;  // set_gemv_one_smem; -1: the environment's
-std::atomic<size_t> g_gemv_one_smem_launches{0};
-bool gemv_one_smem_on() {
-  static const bool env_on = env_is("CK_GEMV_ONE_SMEM", "1");  // off until measured in the step
-  return g_gemv_one_smem < 0 ? env_on : g_gemv_one_smem != 0;
-}
-
 // The one-row v4 launch with block-built fragments (gemv_tc4_one_kernel), or false when the jobs are
 // too large for it (tiles x groups > kTcInWarpMax, CK_GEMV_INWARP_MAX to move it), x is not 16-byte
 // aligned, or CK_GEMV_INWARP=0.
@@ -750,22 +706,13 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, i
   const int per_b = static_cast<int>(ceil_div(L.groups, kb));
   if (per_b > kTcBlockGroups) return false;
   L.ks = std::max(1, parts / kb);
-  // The warps' weights in shared memory too (gemv_tc4_one_kernel SMEM_W): 4-bit tiles, within the 48 KB a
-  // launch takes without an attribute.
-  const size_t smem_w_bytes = one_weights_offset(per_b) + 8 * ceil_div(per_b, L.ks) * kTileGroupBytes;
-  bool smem_w = bits == 4 && gemv_one_smem_on() && smem_w_bytes <= 48 * 1024;
-  for (int j = 0; j < n_jobs && smem_w; ++j) smem_w = jobs[j].w.tiled();
-  if (smem_w) ++g_gemv_one_smem_launches;
-  const size_t smem = smem_w ? smem_w_bytes : one_frag_bytes(per_b);
+  const size_t smem = static_cast<size_t>(per_b) * (4 * 32 * sizeof(uint2) + sizeof(float));
   const dim3 grid(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1),
       cluster(static_cast<unsigned>(kb), 1, 1);
   auto go = [&](auto kernel) { launch_cluster(kernel, grid, 256, smem, s, cluster, L, x, kb); };
   if (bits == 8) {
     if (bf16s) go(gemv_tc4_one_kernel<true, 8>);
     else go(gemv_tc4_one_kernel<false, 8>);
-  } else if (smem_w) {
-    if (bf16s) go(gemv_tc4_one_kernel<true, 4, true>);
-    else go(gemv_tc4_one_kernel<false, 4, true>);
   } else {
     if (bf16s) go(gemv_tc4_one_kernel<true, 4>);
     else go(gemv_tc4_one_kernel<false, 4>);
@@ -773,9 +720,6 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, i
   return true;
 }
 }  // namespace
-
-void set_gemv_one_smem(int on) { g_gemv_one_smem = on < 0 ? -1 : (on ? 1 : 0); }
-size_t gemv_one_smem_launches() { return g_gemv_one_smem_launches.load(); }
 
 // The DeltaNet conv for gemv_tc4's epilogue (gemv_conv).
 struct ConvTail {

@@ -59,7 +59,7 @@ constexpr int kHcMaxChunkGroups = 16;
 constexpr int kHcMaxInject = 16;
 constexpr int kHcMaxChunks = 256;
 constexpr int kHcMaxPartialBytes = 160 * 1024;  // dynamic shared memory for phase 2
-constexpr int kHcMaxDynamicBytes = 196 * 1024;  // and with the up tiles (kP2BulkUp), within 227 KB less the static (27.5 KB)
+constexpr int kHcMaxDynamicBytes = 200 * 1024;  // and with the up tiles (kP2BulkUp), within 227 KB less the static
 
 struct HcMixLaunch {
   HcMixArgs a;
@@ -73,8 +73,6 @@ struct HcMixLaunch {
   int prefetch;          // ask L2 for the block's weights before pdl_begin (CK_HC_OWN_PREFETCH)
   int norm_prefetch;     // and for its part of the norm's scale (CK_HC_NORM_PREFETCH=0: not)
   int r_prefetch;        // and for its chunk of R and the injection weights w_in (CK_HC_R_PREFETCH=0: not)
-  int flat_combine;      // a deferred MoE output's slots by moe_combine_elem_flat (CK_HC_FLAT_COMBINE=1)
-  int gate_copy;         // the gate mean's R and norm scale by bulk copies (CK_HC_GATE_COPY=1; bulk modes with up tiles)
   // The exact sums of the partial products (HcMixArgs::acc; nullptr: phase 2 sums the 80 chunks' partials
   // itself, as before): two buffers of acc_words, this mix's chosen by the barrier's generation.
   long long* acc;
@@ -210,11 +208,16 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //            head's tile still from L2) (CK_HC_BULK_PARTS=3, the default).
 //  kP2LoadsTiles: kP2BulkAll's tiles with kP2Loads' partials (CK_HC_BULK_PARTS=4, to compare).
 //  kP2BulkAll4: kP2BulkAll with the flat loop's 1 / rms factors read four at a time (one 16-byte shared
-//            load for four chunks instead of four 4-byte loads; CK_HC_BULK_PARTS=5, to measure).
-enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6 };
+//            load for four chunks instead of four 4-byte loads; CK_HC_BULK_PARTS=5: level, H100 2026-12-07).
+//  kP2BulkAllFlat: kP2BulkAll whose phase 1 issues every load of an element at once: a deferred MoE
+//            output's slots by moe_combine_elem_flat (k <= 16), the norm's scale and the injection weight
+//            with R (CK_HC_FLAT_COMBINE=1). An instance of its own: the same code as a runtime branch in
+//            the default kernel cost it 3.7% at one row (H100 2026-12-07; its instruction fetch).
+enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6,
+       kP2BulkAllFlat = 7 };
 // The forms whose partials come by bulk copies (kernel and launch).
 __host__ __device__ constexpr bool p2_bulk_partials(int p2) {
-  return p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4;
+  return p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4 || p2 == kP2BulkAllFlat;
 }
 // Bytes of a consumer block's up tiles: S streams x 4 tiles x the low rank's groups (one stream's 4 tiles
 // contiguous), after the partials in dynamic shared memory (the launch; the kernel writes it out).
@@ -225,13 +228,11 @@ template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   constexpr bool EXACT = P2 == kP2Exact, BULK = p2_bulk_partials(P2);
   constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
+  constexpr bool FLAT = P2 == kP2BulkAllFlat;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
   __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
   __shared__ __align__(16) float sss[kHcMaxChunks];
-  // L.gate_copy: the block's u group of R (copied after the barrier) and of the norm's scale (at the start),
-  // S x 64 floats each, for the gate mean at the end.
-  __shared__ __align__(16) float gate_r[kHcMaxStreams][64], gate_n[kHcMaxStreams][64];
   extern __shared__ __align__(16) float sp[];  // phase 2: every chunk's partial products
   __shared__ __align__(8) uint64_t parts_bar;  // kP2Bulk: the partials' copies have landed
   __shared__ __align__(8) uint64_t up_bar;     // UP_SMEM: the up projection's tiles have landed
@@ -259,12 +260,10 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     }
     if (UP_SMEM && static_cast<int>(blockIdx.x) < H / 64) {
       const uint32_t stream_bytes = 4u * (lowrank / 64) * kTileGroupBytes;  // hc_up_tile_bytes(1, lowrank)
-      mbar_arrive_expect(&up_bar, (stream_bytes + (L.gate_copy ? 256u : 0u)) * S);
+      mbar_arrive_expect(&up_bar, stream_bytes * S);
       for (int s = 0; s < S; ++s)
         bulk_copy_1d(up_tiles + s * stream_bytes, a.up.tile_group((static_cast<size_t>(s) * H + 64 * blockIdx.x) / kTileRows, 0),
                      stream_bytes, &up_bar);
-      if (L.gate_copy)  // the norm's scale is a weight too
-        for (int s = 0; s < S; ++s) bulk_copy_1d(gate_n[s], a.norm + static_cast<size_t>(s) * H + 64 * blockIdx.x, 256, &up_bar);
     }
   }
 
@@ -353,26 +352,26 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // 1. The chunk: combine, x' = R n, sum of squares, partial products of down and inject.
   if (c < L.n_chunks) {
     const int k0 = c * cg * 64, n = cg * 64, s = k0 / H;
-    const bool flat = a.moe_y && L.flat_combine;  // (the launch checks moe_k <= kFlatCombineSlots)
-    const float gamma = a.moe_y && !flat ? sigmoidf_(a.moe_gl[0]) : 0.0f;
+    const float gamma = a.moe_y && !FLAT ? sigmoidf_(a.moe_gl[0]) : 0.0f;
     float sq = 0.0f;
 #pragma unroll 1
     for (int e = tid; e < n; e += kHcThreads) {
       const int k = k0 + e;
-      // The norm's scale and the injection weight are loaded first: written after the combine, the
-      // norm's load waited for the store to R (they might alias) and the weight's for the combine, each
-      // one more round trip to L2 after the inputs' (SASS, 2026-12-07).
-      const float nk = a.norm[k], w = a.o || a.moe_y ? a.w_in[s] : 0.0f;
+      // FLAT: the norm's scale and the injection weight are loaded first. Read where they are used, the
+      // norm's load waits for the store to R (they might alias) and the weight's for the combine: two
+      // more round trips to L2 after the inputs' (SASS, 2026-12-07).
+      float nk = 0.0f, w = 0.0f;
+      if constexpr (FLAT) nk = a.norm[k], w = a.o || a.moe_y ? a.w_in[s] : 0.0f;
       float v = a.R[k];
       if (a.o || a.moe_y) {
-        const float o = flat      ? moe_combine_elem_flat(a.moe_y, a.moe_ldy, a.moe_pairs, a.moe_k, a.moe_gl, k - s * H)
-                        : a.moe_y ? moe_combine_elem(a.moe_y, a.moe_ldy, a.moe_pairs, a.moe_k, gamma, k - s * H)
-                                  : a.o[k - s * H];
-        v = mul_add_rn(v, o, w);
+        const float o = FLAT && a.moe_y ? moe_combine_elem_flat(a.moe_y, a.moe_ldy, a.moe_pairs, a.moe_k, a.moe_gl, k - s * H)
+                        : a.moe_y       ? moe_combine_elem(a.moe_y, a.moe_ldy, a.moe_pairs, a.moe_k, gamma, k - s * H)
+                                        : a.o[k - s * H];
+        v = mul_add_rn(v, o, FLAT ? w : a.w_in[s]);
         a.R[k] = v;
       }
       sq += v * v;
-      xs[e] = v * nk;
+      xs[e] = v * (FLAT ? nk : a.norm[k]);
     }
     sq = block_sum(sq, scratch);  // synchronises: xs is complete
     if (tid == 0) L.ss[c] = sq;
@@ -445,19 +444,14 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // kP2Bulk: the copy engine brings every chunk's partials while the threads make 1 / rms below. Thread 0
   // acquired the other blocks' partials at the barrier; the proxy fence orders the copies (the async
   // proxy) after that.
-  // L.gate_copy: the block's u group of R (the combine of phase 1 wrote it) comes the same way, for the
-  // gate mean at the end: its loads were a round trip to L2 in the kernel's tail.
   if (BULK && tid == 0) {
     const uint32_t bytes = static_cast<uint32_t>(sizeof(float)) * L.n_chunks * td * 16;  // a multiple of 64
     asm volatile("fence.proxy.async.global;" ::: "memory");
-    const bool gate = UP_SMEM && L.gate_copy && consumer;  // (CK_HC_NARROW=0: blocks past u's groups go on)
-    mbar_arrive_expect(&parts_bar, bytes + (gate ? 256u * S : 0u));
+    mbar_arrive_expect(&parts_bar, bytes);
     constexpr uint32_t kPiece = 16384;
     for (uint32_t off = 0; off < bytes; off += kPiece)
       bulk_copy_1d(reinterpret_cast<uint8_t*>(sp) + off, reinterpret_cast<const uint8_t*>(L.part) + off,
                    min(kPiece, bytes - off), &parts_bar);
-    if (gate)
-      for (int s = 0; s < S; ++s) bulk_copy_1d(gate_r[s], a.R + static_cast<size_t>(s) * H + 64 * blockIdx.x, 256, &parts_bar);
   }
 
   // 1 / rms per stream: its chunks' sums of squares in chunk order (every block, for phases 2 and 3).
@@ -589,10 +583,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int k = (s0 + j) * H + i;
-          if (UP_SMEM && BULK && L.gate_copy)  // (the copies landed: waited for in phases 2 and 3)
-            x[j] = s0 + j < S ? (gate_r[s0 + j][tid] * rinv[s0 + j]) * gate_n[s0 + j][tid] : 0.0f;
-          else
-            x[j] = s0 + j < S ? (__ldcg(a.R + k) * rinv[s0 + j]) * a.norm[k] : 0.0f;
+          x[j] = s0 + j < S ? (__ldcg(a.R + k) * rinv[s0 + j]) * a.norm[k] : 0.0f;
         }
         // sigmoid4_: sigmoidf_'s bits, the four chains interleaved
         const float4 sg = sigmoid4_(make_float4(gl[s0][tid], s0 + 1 < S ? gl[s0 + 1][tid] : 0.0f,
@@ -640,6 +631,7 @@ void hc_mix_init() {
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2LoadsTiles>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll4>);
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAllFlat>);
     }
   };
   using T = std::true_type;
@@ -692,23 +684,11 @@ std::atomic<size_t> g_hc_flat_combine_launches{0};
 }  // namespace
 size_t hc_flat_combine_launches() { return g_hc_flat_combine_launches.load(); }
 bool hc_flat_combine_on() {
-  // Off by default until measured in the step (written 2026-12-07, fifty-sixth session).
+  // Off by default until measured as an instance of its own (written 2026-12-07, fifty-sixth session).
   static const bool env_on = env_is("CK_HC_FLAT_COMBINE", "1");
   return g_hc_flat_combine < 0 ? env_on : g_hc_flat_combine > 0;
 }
 void set_hc_flat_combine(int on) { g_hc_flat_combine = on < 0 ? -1 : on > 0; }
-
-namespace {
-int g_hc_gate_copy = -1;  // set_hc_gate_copy; -1: the environment's
-std::atomic<size_t> g_hc_gate_copy_launches{0};
-}  // namespace
-size_t hc_gate_copy_launches() { return g_hc_gate_copy_launches.load(); }
-bool hc_gate_copy_on() {
-  // Off by default until measured in the step (written 2026-12-07, fifty-sixth session).
-  static const bool env_on = env_is("CK_HC_GATE_COPY", "1");
-  return g_hc_gate_copy < 0 ? env_on : g_hc_gate_copy > 0;
-}
-void set_hc_gate_copy(int on) { g_hc_gate_copy = on < 0 ? -1 : on > 0; }
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -781,8 +761,6 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   static const bool norm_prefetch = !env_is("CK_HC_NORM_PREFETCH", "0");
   L.norm_prefetch = norm_prefetch ? 1 : 0;
   L.r_prefetch = hc_r_prefetch_on() ? 1 : 0;
-  L.flat_combine = a.moe_y && a.moe_k <= kFlatCombineSlots && hc_flat_combine_on() ? 1 : 0;
-  if (L.flat_combine) ++g_hc_flat_combine_launches;
   const dim3 grid(static_cast<unsigned>(narrow ? std::min(blocks, std::max(L.n_chunks, a.H / 64)) : blocks));
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   // The instance for (bf16 scales, tiles) with phase 2's form: the exact sums, the bulk copies or the loads.
@@ -794,21 +772,18 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const bool up_smem = bulk >= 2 && tiles && static_cast<int>(grid.x) >= a.H / 64 &&
                        part_bytes + up_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
   const bool down_smem = up_smem && bulk >= 3 && part_bytes + up_bytes + down_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
+  // CK_HC_FLAT_COMBINE=1 takes mode 3's flat form for a MoE output of at most 16 slots (or none).
+  const bool flat = hc_flat_combine_on() && (!a.moe_y || a.moe_k <= kFlatCombineSlots);
   const int p2 = L.acc                     ? kP2Exact
                  : bulk == 1               ? kP2Bulk
                  : bulk == 2 && up_smem    ? kP2BulkUp
                  : bulk == 2               ? kP2Bulk
+                 : bulk == 3 && down_smem && flat ? kP2BulkAllFlat
                  : bulk == 3 && down_smem  ? kP2BulkAll
                  : bulk == 4 && down_smem  ? kP2LoadsTiles
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
-  // The gate mean's inputs by bulk copies: forms with the partials' and the up tiles' copies, 16-byte
-  // aligned rows (each stream's 64 floats of a u group are 256 contiguous bytes).
-  L.gate_copy = hc_gate_copy_on() && p2_bulk_partials(p2) && p2 >= kP2BulkUp &&
-                        reinterpret_cast<uintptr_t>(a.R) % 16 == 0 && reinterpret_cast<uintptr_t>(a.norm) % 16 == 0
-                    ? 1
-                    : 0;
-  if (L.gate_copy) ++g_hc_gate_copy_launches;
+  if (p2 == kP2BulkAllFlat && a.moe_y) ++g_hc_flat_combine_launches;
   if (p2_bulk_partials(p2)) ++g_hc_bulk_launches;
   if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
   if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;
@@ -820,6 +795,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
       if (p2 == kP2BulkAll) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll>);
       if (p2 == kP2LoadsTiles) return go(hc_mix_row_kernel<bf16s_c(), true, kP2LoadsTiles>);
       if (p2 == kP2BulkAll4) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll4>);
+      if (p2 == kP2BulkAllFlat) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAllFlat>);
     }
     if (p2 == kP2Exact) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
     else if (p2 == kP2Bulk) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);

@@ -112,12 +112,6 @@ size_t hc_bulk_down_launches();   // and of those with the down tiles in shared 
 bool hc_flat_combine_on();
 void set_hc_flat_combine(int on);
 size_t hc_flat_combine_launches();  // launches (or graph captures) of the mix that combine so, for tests
-// The one-row mix's gate mean reads its u group of R and of the norm's scale from shared memory, copied
-// there by the copy engine (R with the partials after the barrier, the scale at the start) instead of
-// loading them at the kernel's end (CK_HC_GATE_COPY=1; modes 2, 3 and 5 of CK_HC_BULK_PARTS): the same bits.
-bool hc_gate_copy_on();
-void set_hc_gate_copy(int on);
-size_t hc_gate_copy_launches();  // launches (or graph captures) of the mix that copy so, for tests
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;

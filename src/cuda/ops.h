@@ -167,10 +167,6 @@ void set_q4_codes128(int on);
 // 0) sets it (tests), -1 goes back to the environment's. (The GEMVs' instances for one layout were
 // measured 1-3% slower at 1-4 rows, 2026-12-01, and removed.)
 void set_layout_kernels(int on);
-// The one-row in-warp GEMV (out projections) with each warp's 4-bit tiles bulk-copied to shared memory
-// before its wait (CK_GEMV_ONE_SMEM=1; the same bits). set_gemv_one_smem(-1): the environment's.
-void set_gemv_one_smem(int on);
-size_t gemv_one_smem_launches();  // launches (or graph captures) that took it, for tests
 bool hc_layout_kernels_on();
 // Whether the bulk kernel's activation tiles are split by the 8-row kernel with whole-line stores (1,
 // the default) or row by row (0, CK_XFRAG_TILES8=0); the same bytes. -1: the environment's (tests).

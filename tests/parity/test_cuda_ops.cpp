@@ -2085,19 +2085,6 @@ TEST(CudaOps, LayoutKernelsGiveTheSameLogits) {
   });
 }
 
-// The one-row in-warp GEMV with each warp's tiles bulk-copied to shared memory before its wait
-// (set_gemv_one_smem(1)) gives the loads' logits bit for bit (the same words, the same products), at steps
-// of 1 to 8 rows; on the geometries whose out projections are 4-bit tiles.
-TEST(CudaOps, GemvOneSmemGivesTheSameLogits) {
-  REQUIRE_GPU();
-  for_each_model({1, 3}, [](const Model& m, const Geometry& g) {
-    const size_t launches = gemv_one_smem_launches();
-    expect_switch_keeps_logits(m, g, 23, [](int on) { set_gemv_one_smem(on); },
-                               "the in-warp GEMV's logits with its tiles in shared memory differ");
-    EXPECT_GT(gemv_one_smem_launches(), launches) << "no GEMV took the shared-memory tiles";
-  });
-}
-
 // The one-row mix's forms of phase 2 and of its tiles (set_hc_bulk_parts): the partials brought by bulk
 // copies and summed in one flat loop (1), with the up tiles bulk-copied to shared memory at the start too
 // (2), and the down tiles (3, the default), the tiles with the loaded partials (4), 3 with the flat loop's
@@ -2124,40 +2111,17 @@ TEST(CudaOps, OneRowMixBulkPartialsGiveTheLoadsBits) {
   });
 }
 
-// A deferred MoE output combined in the one-row mix with every slot's load first (hc_mix.cu,
-// moe_combine_elem_flat, set_hc_flat_combine(1)) against the loop (0): the same products and the same
-// fp64 sum in slot order, so the same logits bits, in the instances for tiles and for rows. On the one
-// geometry whose one-row mixes take hc_mix.cu's kernel (3).
+// A deferred MoE output combined in the one-row mix with every slot's load first (hc_mix.cu's
+// kP2BulkAllFlat instance, moe_combine_elem_flat, set_hc_flat_combine(1)) against the default
+// instance's loop (0): the same products and the same fp64 sum in slot order, so the same logits bits.
+// On the one geometry whose one-row mixes take hc_mix.cu's kernel (3), with its tiles (the form needs them).
 TEST(CudaOps, OneRowMixFlatCombineGivesTheLoopsBits) {
   REQUIRE_GPU();
   for_each_model({3}, [](const Model& m, const Geometry& g) {
-    for (int layout : {-1, 0}) {
-      SCOPED_TRACE(layout < 0 ? "default layout" : "rows");
-      set_layout_kernels(layout);
-      const size_t launches = hc_flat_combine_launches();
-      expect_switch_keeps_logits(m, g, 23, [](int on) { set_hc_flat_combine(on); },
-                                 "the flat combine's logits differ from the loop's");
-      EXPECT_GT(hc_flat_combine_launches(), launches) << "no one-row mix combined a MoE output the flat way";
-    }
-    set_layout_kernels(-1);
-  });
-}
-
-// The one-row mix's gate mean with its u group of R and of the norm's scale copied to shared memory
-// (hc_mix.cu, set_hc_gate_copy(1)) against its loads (0): the same words, so the same logits bits, in the
-// bulk modes that copy (2, 3, 5). On the one geometry whose one-row mixes take hc_mix.cu's kernel (3).
-TEST(CudaOps, OneRowMixGateCopyGivesTheLoadsBits) {
-  REQUIRE_GPU();
-  for_each_model({3}, [](const Model& m, const Geometry& g) {
-    for (int mode : {2, 3, 5}) {
-      SCOPED_TRACE(fmt::format("mode {}", mode));
-      set_hc_bulk_parts(mode);
-      const size_t launches = hc_gate_copy_launches();
-      expect_switch_keeps_logits(m, g, 29, [](int on) { set_hc_gate_copy(on); },
-                                 "the copied gate inputs' logits differ from the loaded ones'");
-      EXPECT_GT(hc_gate_copy_launches(), launches) << "no one-row mix copied its gate mean's inputs";
-    }
-    set_hc_bulk_parts(-1);
+    const size_t launches = hc_flat_combine_launches();
+    expect_switch_keeps_logits(m, g, 23, [](int on) { set_hc_flat_combine(on); },
+                               "the flat combine's logits differ from the loop's");
+    EXPECT_GT(hc_flat_combine_launches(), launches) << "no one-row mix combined a MoE output the flat way";
   });
 }
 
