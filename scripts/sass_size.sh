@@ -19,16 +19,17 @@ CUOBJDUMP=$(command -v cuobjdump || true)
 [ -n "$CUOBJDUMP" ] || [ ! -x "$CUDA_HOME/bin/cuobjdump" ] || CUOBJDUMP=$CUDA_HOME/bin/cuobjdump
 if [ -z "$CUOBJDUMP" ] || ! command -v nvdisasm >/dev/null && [ ! -x "$(dirname "$CUOBJDUMP")/nvdisasm" ]; then
   T=${XDG_CACHE_HOME:-$HOME/.cache}/cherenkov/nvtools
-  if ! ls "$T"/nvidia/cu*/bin/nvdisasm >/dev/null 2>&1; then
+  if [ -z "$(find "$T"/nvidia -path '*/bin/nvdisasm' 2>/dev/null | head -1)" ]; then
     mkdir -p "$T"
     python3 -m pip download -q --no-deps -d "$T" nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm >&2 ||
       { echo "sass_size: cuobjdump is not installed and could not be fetched from PyPI" >&2; exit 3; }
     for w in "$T"/*.whl; do python3 -m zipfile -e "$w" "$T"; done
     chmod +x "$T"/nvidia/cu*/bin/*
   fi
-  CUOBJDUMP=$(ls "$T"/nvidia/cu*/bin/cuobjdump | head -1)
+  CUOBJDUMP=$(find "$T"/nvidia -path '*/bin/cuobjdump' | head -1)
 fi
-export PATH=$(dirname "$CUOBJDUMP"):$PATH  # (cuobjdump runs nvdisasm)
+PATH=$(dirname "$CUOBJDUMP"):$PATH  # (cuobjdump runs nvdisasm)
+export PATH
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 "$CUDA_HOME/bin/nvcc" -DCHERENKOV_HAVE_CUDA=1 -DFMT_SHARED -Isrc -O3 -DNDEBUG \
