@@ -224,7 +224,11 @@ __host__ __device__ constexpr bool p2_bulk_partials(int p2) {
 __host__ __device__ constexpr size_t hc_up_tile_bytes(int S, int lowrank) {
   return static_cast<size_t>(S) * 4 * (lowrank / 64) * kTileGroupBytes;
 }
-template <bool BF16S, bool TILES, int P2>
+// STAMPS = false (CK_HC_LEAN=1, modes 3 and its flat form): the instance without the debug timing's code
+// (96 of the default's 4,424 instructions), whose stamps are then never written. Why: this kernel's
+// code is part of its cost (936 instructions of branches that were off cost the step 3.7%,
+// docs/roofline-cuda.md, fifty-sixth session). Off until measured.
+template <bool BF16S, bool TILES, int P2, bool STAMPS = true>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   constexpr bool EXACT = P2 == kP2Exact, BULK = p2_bulk_partials(P2);
   constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
@@ -268,7 +272,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   }
 
   // Debug timing (HcMixArgs::stamps, kHcStampWords per block): the entry time, then SM cycles per piece.
-  const bool stamp = a.stamps != nullptr && tid == 0;
+  const bool stamp = STAMPS && a.stamps != nullptr && tid == 0;
   unsigned long long* st = stamp ? a.stamps + kHcStampWords * blockIdx.x : nullptr;
   long long last = 0;
   if (stamp) {
@@ -632,6 +636,8 @@ void hc_mix_init() {
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2LoadsTiles>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll4>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAllFlat>);
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll, false>);
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAllFlat, false>);
     }
   };
   using T = std::true_type;
@@ -689,6 +695,18 @@ bool hc_flat_combine_on() {
   return g_hc_flat_combine < 0 ? env_on : g_hc_flat_combine > 0;
 }
 void set_hc_flat_combine(int on) { g_hc_flat_combine = on < 0 ? -1 : on > 0; }
+
+namespace {
+int g_hc_lean = -1;  // set_hc_lean; -1: the environment's
+std::atomic<size_t> g_hc_lean_launches{0};
+}  // namespace
+size_t hc_lean_launches() { return g_hc_lean_launches.load(); }
+bool hc_lean_on() {
+  // Off by default until measured (written 2026-12-07, fifty-sixth session).
+  static const bool env_on = env_is("CK_HC_LEAN", "1");
+  return g_hc_lean < 0 ? env_on : g_hc_lean > 0;
+}
+void set_hc_lean(int on) { g_hc_lean = on < 0 ? -1 : on > 0; }
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -784,6 +802,9 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
   if (p2 == kP2BulkAllFlat && a.moe_y) ++g_hc_flat_combine_launches;
+  // CK_HC_LEAN=1: mode 3's instances without the timing code, unless the stamps are asked for.
+  const bool lean = hc_lean_on() && !a.stamps && (p2 == kP2BulkAll || p2 == kP2BulkAllFlat);
+  if (lean) ++g_hc_lean_launches;
   if (p2_bulk_partials(p2)) ++g_hc_bulk_launches;
   if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
   if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;
@@ -792,6 +813,8 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   auto go_exact = [&](auto bf16s_c, auto tiles_c) {
     if constexpr (tiles_c()) {  // (the tiles' copies have instances only with tiles)
       if (p2 == kP2BulkUp) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkUp>);
+      if (p2 == kP2BulkAll && lean) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll, false>);
+      if (p2 == kP2BulkAllFlat && lean) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAllFlat, false>);
       if (p2 == kP2BulkAll) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll>);
       if (p2 == kP2LoadsTiles) return go(hc_mix_row_kernel<bf16s_c(), true, kP2LoadsTiles>);
       if (p2 == kP2BulkAll4) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll4>);

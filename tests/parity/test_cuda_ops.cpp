@@ -2125,6 +2125,24 @@ TEST(CudaOps, OneRowMixFlatCombineGivesTheLoopsBits) {
   });
 }
 
+// The one-row mix's mode 3 instances without the timing code (set_hc_lean(1)), alone and with the flat
+// combine, against the default instances: the same arithmetic, so the same logits bits. On the one
+// geometry whose one-row mixes take hc_mix.cu's kernel (3).
+TEST(CudaOps, OneRowMixLeanGivesTheSameBits) {
+  REQUIRE_GPU();
+  for_each_model({3}, [](const Model& m, const Geometry& g) {
+    for (int flat : {0, 1}) {
+      SCOPED_TRACE(flat ? "flat combine" : "default combine");
+      set_hc_flat_combine(flat);
+      const size_t launches = hc_lean_launches();
+      expect_switch_keeps_logits(m, g, 31, [](int on) { set_hc_lean(on); },
+                                 "the lean instance's logits differ from the default's");
+      EXPECT_GT(hc_lean_launches(), launches) << "no one-row mix took the lean instance";
+    }
+    set_hc_flat_combine(-1);
+  });
+}
+
 // The one-row mix's phase 2 from the exact sums of its chunks' partial products (hc_mix.cu hc_acc_add,
 // set_hc_exact_sum(1)) against every consumer block adding the partials in chunk order (0): the sums
 // round once instead of at every addition, so the logits move by roundings only (within the CPU parity
