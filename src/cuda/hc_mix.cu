@@ -685,28 +685,31 @@ int hc_bulk_parts_mode() {
 void set_hc_bulk_parts(int mode) { g_hc_bulk_parts = mode < 0 ? -1 : std::min(mode, 5); }
 
 namespace {
-int g_hc_flat_combine = -1;  // set_hc_flat_combine; -1: the environment's
-std::atomic<size_t> g_hc_flat_combine_launches{0};
-}  // namespace
-size_t hc_flat_combine_launches() { return g_hc_flat_combine_launches.load(); }
-bool hc_flat_combine_on() {
-  // Off by default until measured as an instance of its own (written 2026-12-07, fifty-sixth session).
-  static const bool env_on = env_is("CK_HC_FLAT_COMBINE", "1");
-  return g_hc_flat_combine < 0 ? env_on : g_hc_flat_combine > 0;
-}
-void set_hc_flat_combine(int on) { g_hc_flat_combine = on < 0 ? -1 : on > 0; }
+// An opt-in instance of the one-row mix: on with its variable set to 1, or where a test sets it (set(-1):
+// the environment's again), and the launches that took it, for tests.
+class HcOptIn {
+ public:
+  explicit HcOptIn(const char* env) : env_on_(env_is(env, "1")) {}
+  bool on() const { return forced_ < 0 ? env_on_ : forced_ > 0; }
+  void set(int on) { forced_ = on < 0 ? -1 : on > 0; }
+  void count() { ++launches_; }
+  size_t launches() const { return launches_.load(); }
 
-namespace {
-int g_hc_lean = -1;  // set_hc_lean; -1: the environment's
-std::atomic<size_t> g_hc_lean_launches{0};
+ private:
+  bool env_on_;
+  int forced_ = -1;
+  std::atomic<size_t> launches_{0};
+};
+// Both off by default until measured as instances of their own (written 2026-12-07, fifty-sixth session).
+HcOptIn g_hc_flat_combine("CK_HC_FLAT_COMBINE");  // kP2BulkAllFlat
+HcOptIn g_hc_lean("CK_HC_LEAN");                  // STAMPS = false
 }  // namespace
-size_t hc_lean_launches() { return g_hc_lean_launches.load(); }
-bool hc_lean_on() {
-  // Off by default until measured (written 2026-12-07, fifty-sixth session).
-  static const bool env_on = env_is("CK_HC_LEAN", "1");
-  return g_hc_lean < 0 ? env_on : g_hc_lean > 0;
-}
-void set_hc_lean(int on) { g_hc_lean = on < 0 ? -1 : on > 0; }
+bool hc_flat_combine_on() { return g_hc_flat_combine.on(); }
+void set_hc_flat_combine(int on) { g_hc_flat_combine.set(on); }
+size_t hc_flat_combine_launches() { return g_hc_flat_combine.launches(); }
+bool hc_lean_on() { return g_hc_lean.on(); }
+void set_hc_lean(int on) { g_hc_lean.set(on); }
+size_t hc_lean_launches() { return g_hc_lean.launches(); }
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -783,7 +786,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const bool tiles = hc_layout_kernels_on() && a.down.tiled() && a.up.tiled();
   // The instance for (bf16 scales, tiles) with phase 2's form: the exact sums, the bulk copies or the loads.
   const int bulk = L.acc ? 0 : hc_bulk_parts_mode();
-  // Modes 2-4 copy the up (and down) tiles after the partials, if they fit and every u group has its own
+  // Modes 2-5 copy the up (and down) tiles after the partials, if they fit and every u group has its own
   // block; mode 3 (the default) without them takes the loads' form (0: the bulk partials alone lost).
   const size_t up_bytes = hc_up_tile_bytes(a.S, lowrank);
   const size_t down_bytes = static_cast<size_t>(L.tiles_d) * L.cg * kTileGroupBytes;
@@ -801,10 +804,10 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
                  : bulk == 4 && down_smem  ? kP2LoadsTiles
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
-  if (p2 == kP2BulkAllFlat && a.moe_y) ++g_hc_flat_combine_launches;
+  if (p2 == kP2BulkAllFlat && a.moe_y) g_hc_flat_combine.count();
   // CK_HC_LEAN=1: mode 3's instances without the timing code, unless the stamps are asked for.
   const bool lean = hc_lean_on() && !a.stamps && (p2 == kP2BulkAll || p2 == kP2BulkAllFlat);
-  if (lean) ++g_hc_lean_launches;
+  if (lean) g_hc_lean.count();
   if (p2_bulk_partials(p2)) ++g_hc_bulk_launches;
   if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
   if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;
