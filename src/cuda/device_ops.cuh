@@ -108,7 +108,7 @@ __device__ __forceinline__ float moe_combine_elem(const float* y, int64_t ldy, c
 // runs its runtime count in unrolled batches (8, then the rest), each a round trip to L2 that waits for
 // the one before, after the gate's sigmoid (a branch the loads are not hoisted over); here all k + 2
 // loads (the slots, the shared expert and the gate logit) are one round trip. The one-row mix's phase 1
-// takes it (CK_HC_FLAT_COMBINE).
+// takes it (CK_HC_FLAT_COMBINE, on by default: one-row decode +2.3%, H200 2026-12-07).
 constexpr int kFlatCombineSlots = 16;
 __device__ __forceinline__ float moe_combine_elem_flat(const float* y, int64_t ldy, const ExpertPair* pairs, int k,
                                                        const float* gate_logit, int64_t i) {

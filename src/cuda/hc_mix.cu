@@ -211,8 +211,9 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //            load for four chunks instead of four 4-byte loads; CK_HC_BULK_PARTS=5: level, H100 2026-12-07).
 //  kP2BulkAllFlat: kP2BulkAll whose phase 1 issues every load of an element at once: a deferred MoE
 //            output's slots by moe_combine_elem_flat (k <= 16), the norm's scale and the injection weight
-//            with R (CK_HC_FLAT_COMBINE=1). An instance of its own: the same code as a runtime branch in
-//            the default kernel cost it 3.7% at one row (H100 2026-12-07; its instruction fetch).
+//            with R (the default where it applies; CK_HC_FLAT_COMBINE=0 for kP2BulkAll): one-row decode
+//            +2.3% (H200 2026-12-07, three rounds). An instance of its own: the same code as a runtime
+//            branch in kP2BulkAll cost it 3.7% at one row (H100 2026-12-07; its instruction fetch).
 enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6,
        kP2BulkAllFlat = 7 };
 // The forms whose partials come by bulk copies (kernel and launch).
@@ -224,11 +225,7 @@ __host__ __device__ constexpr bool p2_bulk_partials(int p2) {
 __host__ __device__ constexpr size_t hc_up_tile_bytes(int S, int lowrank) {
   return static_cast<size_t>(S) * 4 * (lowrank / 64) * kTileGroupBytes;
 }
-// STAMPS = false (CK_HC_LEAN=1, modes 3 and its flat form): the instance without the debug timing's code
-// (96 of the default's 4,424 instructions), whose stamps are then never written. Why: this kernel's
-// code is part of its cost (936 instructions of branches that were off cost the step 3.7%,
-// docs/roofline-cuda.md, fifty-sixth session). Off until measured.
-template <bool BF16S, bool TILES, int P2, bool STAMPS = true>
+template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   constexpr bool EXACT = P2 == kP2Exact, BULK = p2_bulk_partials(P2);
   constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
@@ -272,7 +269,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   }
 
   // Debug timing (HcMixArgs::stamps, kHcStampWords per block): the entry time, then SM cycles per piece.
-  const bool stamp = STAMPS && a.stamps != nullptr && tid == 0;
+  const bool stamp = a.stamps != nullptr && tid == 0;
   unsigned long long* st = stamp ? a.stamps + kHcStampWords * blockIdx.x : nullptr;
   long long last = 0;
   if (stamp) {
@@ -636,8 +633,6 @@ void hc_mix_init() {
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2LoadsTiles>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll4>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAllFlat>);
-      set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll, false>);
-      set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAllFlat, false>);
     }
   };
   using T = std::true_type;
@@ -685,31 +680,17 @@ int hc_bulk_parts_mode() {
 void set_hc_bulk_parts(int mode) { g_hc_bulk_parts = mode < 0 ? -1 : std::min(mode, 5); }
 
 namespace {
-// An opt-in instance of the one-row mix: on with its variable set to 1, or where a test sets it (set(-1):
-// the environment's again), and the launches that took it, for tests.
-class HcOptIn {
- public:
-  explicit HcOptIn(const char* env) : env_on_(env_is(env, "1")) {}
-  bool on() const { return forced_ < 0 ? env_on_ : forced_ > 0; }
-  void set(int on) { forced_ = on < 0 ? -1 : on > 0; }
-  void count() { ++launches_; }
-  size_t launches() const { return launches_.load(); }
-
- private:
-  bool env_on_;
-  int forced_ = -1;
-  std::atomic<size_t> launches_{0};
-};
-// Both off by default until measured as instances of their own (written 2026-12-07, fifty-sixth session).
-HcOptIn g_hc_flat_combine("CK_HC_FLAT_COMBINE");  // kP2BulkAllFlat
-HcOptIn g_hc_lean("CK_HC_LEAN");                  // STAMPS = false
+int g_hc_flat_combine = -1;  // set_hc_flat_combine; -1: the environment's
+std::atomic<size_t> g_hc_flat_launches{0};
 }  // namespace
-bool hc_flat_combine_on() { return g_hc_flat_combine.on(); }
-void set_hc_flat_combine(int on) { g_hc_flat_combine.set(on); }
-size_t hc_flat_combine_launches() { return g_hc_flat_combine.launches(); }
-bool hc_lean_on() { return g_hc_lean.on(); }
-void set_hc_lean(int on) { g_hc_lean.set(on); }
-size_t hc_lean_launches() { return g_hc_lean.launches(); }
+bool hc_flat_combine_on() {
+  // On by default: one-row decode +2.3% against kP2BulkAll (H200 2026-12-07, three interleaved rounds:
+  // 708.6-709.9 against 692.8-694.2 tok/s). CK_HC_FLAT_COMBINE=0 to compare.
+  static const bool env_on = !env_is("CK_HC_FLAT_COMBINE", "0");
+  return g_hc_flat_combine < 0 ? env_on : g_hc_flat_combine > 0;
+}
+void set_hc_flat_combine(int on) { g_hc_flat_combine = on < 0 ? -1 : on > 0; }
+size_t hc_flat_combine_launches() { return g_hc_flat_launches.load(); }
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -793,7 +774,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const bool up_smem = bulk >= 2 && tiles && static_cast<int>(grid.x) >= a.H / 64 &&
                        part_bytes + up_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
   const bool down_smem = up_smem && bulk >= 3 && part_bytes + up_bytes + down_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
-  // CK_HC_FLAT_COMBINE=1 takes mode 3's flat form for a MoE output of at most 16 slots (or none).
+  // Mode 3 takes its flat form (CK_HC_FLAT_COMBINE, on) for a MoE output of at most 16 slots (or none).
   const bool flat = hc_flat_combine_on() && (!a.moe_y || a.moe_k <= kFlatCombineSlots);
   const int p2 = L.acc                     ? kP2Exact
                  : bulk == 1               ? kP2Bulk
@@ -804,10 +785,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
                  : bulk == 4 && down_smem  ? kP2LoadsTiles
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
-  if (p2 == kP2BulkAllFlat && a.moe_y) g_hc_flat_combine.count();
-  // CK_HC_LEAN=1: mode 3's instances without the timing code, unless the stamps are asked for.
-  const bool lean = hc_lean_on() && !a.stamps && (p2 == kP2BulkAll || p2 == kP2BulkAllFlat);
-  if (lean) g_hc_lean.count();
+  if (p2 == kP2BulkAllFlat && a.moe_y) ++g_hc_flat_launches;
   if (p2_bulk_partials(p2)) ++g_hc_bulk_launches;
   if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
   if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;
@@ -816,8 +794,6 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   auto go_exact = [&](auto bf16s_c, auto tiles_c) {
     if constexpr (tiles_c()) {  // (the tiles' copies have instances only with tiles)
       if (p2 == kP2BulkUp) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkUp>);
-      if (p2 == kP2BulkAll && lean) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll, false>);
-      if (p2 == kP2BulkAllFlat && lean) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAllFlat, false>);
       if (p2 == kP2BulkAll) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll>);
       if (p2 == kP2LoadsTiles) return go(hc_mix_row_kernel<bf16s_c(), true, kP2LoadsTiles>);
       if (p2 == kP2BulkAll4) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll4>);

@@ -107,16 +107,11 @@ size_t hc_bulk_parts_launches();  // launches (or graph captures) of the mix wit
 size_t hc_bulk_up_launches();     // and of those with the up tiles in shared memory
 size_t hc_bulk_down_launches();   // and of those with the down tiles in shared memory too
 // A deferred MoE output's slots combined in the one-row mix's phase 1 with every load issued first
-// (device_ops.cuh moe_combine_elem_flat, CK_HC_FLAT_COMBINE=1; top-k <= 16): the same bits.
-// set_hc_flat_combine(-1): the environment's.
+// (device_ops.cuh moe_combine_elem_flat; top-k <= 16; mode 3 only): the same bits. On by default;
+// CK_HC_FLAT_COMBINE=0 (or set_hc_flat_combine(0)) for the loop's form. set_hc_flat_combine(-1): the environment's.
 bool hc_flat_combine_on();
 void set_hc_flat_combine(int on);
 size_t hc_flat_combine_launches();  // launches (or graph captures) of the mix that combine so, for tests
-// The one-row mix's mode 3 (and its flat form) without the debug timing's code (CK_HC_LEAN=1; not while
-// CK_HC_TIMING asks for stamps): the same arithmetic, so the same bits. set_hc_lean(-1): the environment's.
-bool hc_lean_on();
-void set_hc_lean(int on);
-size_t hc_lean_launches();  // launches (or graph captures) of the lean instances, for tests
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;

@@ -2112,8 +2112,8 @@ TEST(CudaOps, OneRowMixBulkPartialsGiveTheLoadsBits) {
 }
 
 // A deferred MoE output combined in the one-row mix with every slot's load first (hc_mix.cu's
-// kP2BulkAllFlat instance, moe_combine_elem_flat, set_hc_flat_combine(1)) against the default
-// instance's loop (0): the same products and the same fp64 sum in slot order, so the same logits bits.
+// kP2BulkAllFlat instance, moe_combine_elem_flat, set_hc_flat_combine(1), the default) against the
+// kP2BulkAll instance's loop (0): the same products and the same fp64 sum in slot order, so the same logits bits.
 // On the one geometry whose one-row mixes take hc_mix.cu's kernel (3), with its tiles (the form needs them).
 TEST(CudaOps, OneRowMixFlatCombineGivesTheLoopsBits) {
   REQUIRE_GPU();
@@ -2122,24 +2122,6 @@ TEST(CudaOps, OneRowMixFlatCombineGivesTheLoopsBits) {
     expect_switch_keeps_logits(m, g, 23, [](int on) { set_hc_flat_combine(on); },
                                "the flat combine's logits differ from the loop's");
     EXPECT_GT(hc_flat_combine_launches(), launches) << "no one-row mix combined a MoE output the flat way";
-  });
-}
-
-// The one-row mix's mode 3 instances without the timing code (set_hc_lean(1)), alone and with the flat
-// combine, against the default instances: the same arithmetic, so the same logits bits. On the one
-// geometry whose one-row mixes take hc_mix.cu's kernel (3).
-TEST(CudaOps, OneRowMixLeanGivesTheSameBits) {
-  REQUIRE_GPU();
-  for_each_model({3}, [](const Model& m, const Geometry& g) {
-    for (int flat : {0, 1}) {
-      SCOPED_TRACE(flat ? "flat combine" : "default combine");
-      set_hc_flat_combine(flat);
-      const size_t launches = hc_lean_launches();
-      expect_switch_keeps_logits(m, g, 31, [](int on) { set_hc_lean(on); },
-                                 "the lean instance's logits differ from the default's");
-      EXPECT_GT(hc_lean_launches(), launches) << "no one-row mix took the lean instance";
-    }
-    set_hc_flat_combine(-1);
   });
 }
 
