@@ -171,6 +171,50 @@ __device__ __forceinline__ void hc_tile_pair(const DMatrix& ma, int ra, const DM
   }
 }
 
+// hc_tile_pair's words and scales for groups [G0, G1), written to shared memory for the warp that runs
+// the pair later (hc_tile_pair_staged): word k of group G of lane l at out[(4 (G - G0) + k) 32 + l] (no
+// bank conflicts). For a kernel's prologue, before its wait: weights never change. Why: the one-row mix's
+// pair with the inject head's tile reads both tiles from L2 after the wait (the inject head is not in
+// tiles, so not in the down tiles' copy), a round trip a group on the one warp every block then waits for.
+template <bool BF16S>
+__device__ __forceinline__ void hc_tile_pair_stage(const DMatrix& ma, int ra, const DMatrix& mb, int rb, int G0, int G1,
+                                                   uint4* out) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  Tc4Rows<BF16S> ta, tb;
+  ta.init(ma, min(ra + g, static_cast<int>(ma.rows) - 1), min(ra + g + 8, static_cast<int>(ma.rows) - 1), t);
+  tb.init(mb, min(rb + g, static_cast<int>(mb.rows) - 1), min(rb + g + 8, static_cast<int>(mb.rows) - 1), t);
+#pragma unroll 1
+  for (int G = G0; G < G1; ++G) {
+    uint2 wa0, wb0, wa1, wb1;
+    float s[8];
+    ta.load(G, wa0, wb0, s[0], s[1], s[2], s[3]);
+    tb.load(G, wa1, wb1, s[4], s[5], s[6], s[7]);
+    uint4* o = out + 4 * 32 * (G - G0) + lane;
+    o[0] = make_uint4(wa0.x, wa0.y, wb0.x, wb0.y);
+    o[32] = make_uint4(wa1.x, wa1.y, wb1.x, wb1.y);
+    o[64] = make_uint4(__float_as_uint(s[0]), __float_as_uint(s[1]), __float_as_uint(s[2]), __float_as_uint(s[3]));
+    o[96] = make_uint4(__float_as_uint(s[4]), __float_as_uint(s[5]), __float_as_uint(s[6]), __float_as_uint(s[7]));
+  }
+}
+
+// hc_tile_pair from the words hc_tile_pair_stage wrote (the same lanes' values, the same MMAs in the same
+// order: the same bits).
+__device__ __forceinline__ void hc_tile_pair_staged(const uint4* in, int n_groups, const uint2* f, const float* xg,
+                                                    float (&acc_a)[4], float (&acc_b)[4]) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+#pragma unroll 2
+  for (int G = 0; G < n_groups; ++G) {
+    const uint4* p = in + 4 * 32 * G + lane;
+    const uint4 w0 = p[0], w1 = p[32], s0 = p[64], s1 = p[96];
+    const uint2* fg = f + static_cast<size_t>(G) * 128 + lane;
+    const float xs = t == 0 ? xg[G] : 0.0f;
+    tc4_one_mma(make_uint2(w0.x, w0.y), make_uint2(w0.z, w0.w), __uint_as_float(s0.x), __uint_as_float(s0.y),
+                __uint_as_float(s0.z), __uint_as_float(s0.w), fg, xs, acc_a);
+    tc4_one_mma(make_uint2(w1.x, w1.y), make_uint2(w1.z, w1.w), __uint_as_float(s1.x), __uint_as_float(s1.y),
+                __uint_as_float(s1.z), __uint_as_float(s1.w), fg, xs, acc_b);
+  }
+}
+
 // Rows g and g + 8 of a tile, (hi + mid) + lo, on lanes t == 0 (columns 0-2 sit on lanes t = 0 and 1).
 __device__ __forceinline__ void hc_tile_rows(const float (&acc)[4], float& yg, float& yg8) {
   const float lo0 = __shfl_down_sync(0xffffffffu, acc[0], 1), lo2 = __shfl_down_sync(0xffffffffu, acc[2], 1);
@@ -214,11 +258,15 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //            with R (the default where it applies; CK_HC_FLAT_COMBINE=0 for kP2BulkAll): one-row decode
 //            +2.3% (H200 2026-12-07, three rounds). An instance of its own: the same code as a runtime
 //            branch in kP2BulkAll cost it 3.7% at one row (H100 2026-12-07; its instruction fetch).
+//  kP2BulkAllStaged: kP2BulkAllFlat, and the tile pair with the inject head's tile (one warp's) staged
+//            in shared memory before the wait by the block's last warp (hc_tile_pair_stage), so no warp
+//            of phase 1 reads a weight from L2 after the wait (CK_HC_STAGED_PAIR=1; not yet measured).
 enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6,
-       kP2BulkAllFlat = 7 };
+       kP2BulkAllFlat = 7, kP2BulkAllStaged = 8 };
 // The forms whose partials come by bulk copies (kernel and launch).
 __host__ __device__ constexpr bool p2_bulk_partials(int p2) {
-  return p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4 || p2 == kP2BulkAllFlat;
+  return p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4 || p2 == kP2BulkAllFlat ||
+         p2 == kP2BulkAllStaged;
 }
 // Bytes of a consumer block's up tiles: S streams x 4 tiles x the low rank's groups (one stream's 4 tiles
 // contiguous), after the partials in dynamic shared memory (the launch; the kernel writes it out).
@@ -229,7 +277,7 @@ template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   constexpr bool EXACT = P2 == kP2Exact, BULK = p2_bulk_partials(P2);
   constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
-  constexpr bool FLAT = P2 == kP2BulkAllFlat;
+  constexpr bool STAGED = P2 == kP2BulkAllStaged, FLAT = P2 == kP2BulkAllFlat || STAGED;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
   __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
@@ -248,6 +296,8 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   uint8_t* const up_tiles = reinterpret_cast<uint8_t*>(sp + static_cast<size_t>(L.n_chunks) * td * 16);
   // (hc_up_tile_bytes(S, lowrank) written out: the call compiled to other SASS than this measured form)
   uint8_t* const down_tiles = up_tiles + static_cast<size_t>(S) * 4 * (lowrank / 64) * kTileGroupBytes;
+  // STAGED: then the pair with the inject head's tile, cg x 2 KB (hc_tile_pair_stage's layout).
+  uint4* const staged = reinterpret_cast<uint4*>(down_tiles + static_cast<size_t>(L.tiles_d) * cg * kTileGroupBytes);
   if ((BULK || UP_SMEM) && tid == 0) {  // (phase 1's block sum and the grid barrier synchronise before use)
     if (BULK) mbar_init(&parts_bar, 1);
     if (UP_SMEM) mbar_init(&up_bar, 1);
@@ -336,6 +386,17 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     if (tid * 128 < cg * 64 * 4) prefetch_l2(rb + tid * 128);
     if (tid == 31 && a.w_in) prefetch_l2(a.w_in);
   }
+  // STAGED: the warp whose pair holds the inject head's tile (tiles_d, the only one: at most 16 inject
+  // rows) is warp tiles_d mod 16 (the loop in phase 1); the block's last warp, which has none of phase
+  // 1's elements at the released geometry (128 a chunk), stages that pair's words before its wait.
+  const int stage_warp = STAGED && L.tiles_i > 0 ? L.tiles_d % kHcWarps : -1;
+  auto mat = [&](int x) -> const DMatrix& { return x >= L.tiles_d ? a.inject : a.down; };
+  auto row = [&](int x) { return 16 * (x >= L.tiles_d ? x - L.tiles_d : x); };
+  auto pair_of = [&](int tile) { return tile + kHcWarps < td ? tile + kHcWarps : tile; };
+  if (STAGED && stage_warp >= 0 && c < L.n_chunks && warp == kHcWarps - 1) {
+    const int tb = pair_of(stage_warp);
+    hc_tile_pair_stage<BF16S>(mat(stage_warp), row(stage_warp), mat(tb), row(tb), c * cg, (c + 1) * cg, staged);
+  }
   pdl_begin();  // R, o and w come from the kernels before
   mark(1);
   // This mix's accumulators: the buffer of the barrier's generation parity (the generation advances once a
@@ -384,11 +445,11 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     // tile runs the pair on it twice and stores it once: a one-tile branch would add code to a kernel
     // whose instruction fetch shows (not measured; docs/performance.md "Seventh session").
     for (int tile = warp; tile < td && tile < kHcWarps; tile += 2 * kHcWarps) {
-      const int tb = tile + kHcWarps < td ? tile + kHcWarps : tile;
-      auto mat = [&](int x) -> const DMatrix& { return x >= L.tiles_d ? a.inject : a.down; };
-      auto row = [&](int x) { return 16 * (x >= L.tiles_d ? x - L.tiles_d : x); };
+      const int tb = pair_of(tile);
       float acc_a[4] = {}, acc_b[4] = {};
-      if (DOWN_SMEM && tb < L.tiles_d) {  // hc_tile_pair's words and products, from the copy: the same bits
+      if (STAGED && tile == stage_warp) {  // (the block's syncs since the staging: phase 1's block sum)
+        hc_tile_pair_staged(staged, cg, frag, xg, acc_a, acc_b);
+      } else if (DOWN_SMEM && tb < L.tiles_d) {  // hc_tile_pair's words and products, from the copy: the same bits
         mbar_wait(&down_bar, 0);
         const uint8_t* ta = down_tiles + static_cast<size_t>(tile) * cg * kTileGroupBytes;
         const uint8_t* tbp = down_tiles + static_cast<size_t>(tb) * cg * kTileGroupBytes;
@@ -403,10 +464,12 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
           tc4_one_mma(wa0, wb0, sc[0], sc[1], sc[2], sc[3], fg, xsg, acc_a);
           tc4_one_mma(wa1, wb1, sc[4], sc[5], sc[6], sc[7], fg, xsg, acc_b);
         }
-      } else if (TILES && tb < L.tiles_d)  // (tile < tb: both down tiles)
-        hc_tile_pair<BF16S, TILES>(a.down, row(tile), a.down, row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
-      else
-        hc_tile_pair<BF16S>(mat(tile), row(tile), mat(tb), row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
+      } else if constexpr (!STAGED) {  // (STAGED: every other pair is two down tiles, above)
+        if (TILES && tb < L.tiles_d)  // (tile < tb: both down tiles)
+          hc_tile_pair<BF16S, TILES>(a.down, row(tile), a.down, row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
+        else
+          hc_tile_pair<BF16S>(mat(tile), row(tile), mat(tb), row(tb), c * cg, (c + 1) * cg, frag, xg, acc_a, acc_b);
+      }
       float y0, y1;
       hc_tile_rows(acc_a, y0, y1);
       float* p = L.part + static_cast<size_t>(c) * td * 16;
@@ -633,6 +696,7 @@ void hc_mix_init() {
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2LoadsTiles>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll4>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAllFlat>);
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAllStaged>);
     }
   };
   using T = std::true_type;
@@ -691,6 +755,17 @@ bool hc_flat_combine_on() {
 }
 void set_hc_flat_combine(int on) { g_hc_flat_combine = on < 0 ? -1 : on > 0; }
 size_t hc_flat_combine_launches() { return g_hc_flat_launches.load(); }
+
+namespace {
+int g_hc_staged_pair = -1;  // set_hc_staged_pair; -1: the environment's
+std::atomic<size_t> g_hc_staged_launches{0};
+}  // namespace
+bool hc_staged_pair_on() {
+  static const bool env_on = env_is("CK_HC_STAGED_PAIR", "1");  // off until measured (written 2026-12-07)
+  return g_hc_staged_pair < 0 ? env_on : g_hc_staged_pair > 0;
+}
+void set_hc_staged_pair(int on) { g_hc_staged_pair = on < 0 ? -1 : on > 0; }
+size_t hc_staged_pair_launches() { return g_hc_staged_launches.load(); }
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -776,20 +851,28 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const bool down_smem = up_smem && bulk >= 3 && part_bytes + up_bytes + down_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
   // Mode 3 takes its flat form (CK_HC_FLAT_COMBINE, on) for a MoE output of at most 16 slots (or none).
   const bool flat = hc_flat_combine_on() && (!a.moe_y || a.moe_k <= kFlatCombineSlots);
+  // CK_HC_STAGED_PAIR=1: the flat form with the inject head's tile pair staged before the wait, if its
+  // words fit after the tiles (cg groups x 2 KB).
+  const size_t stage_bytes = static_cast<size_t>(L.cg) * 4 * 32 * sizeof(uint4);
+  const bool staged = flat && hc_staged_pair_on() &&
+                      part_bytes + up_bytes + down_bytes + stage_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
   const int p2 = L.acc                     ? kP2Exact
                  : bulk == 1               ? kP2Bulk
                  : bulk == 2 && up_smem    ? kP2BulkUp
                  : bulk == 2               ? kP2Bulk
+                 : bulk == 3 && down_smem && staged ? kP2BulkAllStaged
                  : bulk == 3 && down_smem && flat ? kP2BulkAllFlat
                  : bulk == 3 && down_smem  ? kP2BulkAll
                  : bulk == 4 && down_smem  ? kP2LoadsTiles
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
-  if (p2 == kP2BulkAllFlat && a.moe_y) ++g_hc_flat_launches;
+  if ((p2 == kP2BulkAllFlat || p2 == kP2BulkAllStaged) && a.moe_y) ++g_hc_flat_launches;
+  if (p2 == kP2BulkAllStaged) ++g_hc_staged_launches;
   if (p2_bulk_partials(p2)) ++g_hc_bulk_launches;
   if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
   if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;
-  const size_t smem = part_bytes + (p2 >= kP2BulkUp ? up_bytes : 0) + (p2 >= kP2BulkAll ? down_bytes : 0);
+  const size_t smem = part_bytes + (p2 >= kP2BulkUp ? up_bytes : 0) + (p2 >= kP2BulkAll ? down_bytes : 0) +
+                      (p2 == kP2BulkAllStaged ? stage_bytes : 0);
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, smem, stream, L); };
   auto go_exact = [&](auto bf16s_c, auto tiles_c) {
     if constexpr (tiles_c()) {  // (the tiles' copies have instances only with tiles)
@@ -798,6 +881,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
       if (p2 == kP2LoadsTiles) return go(hc_mix_row_kernel<bf16s_c(), true, kP2LoadsTiles>);
       if (p2 == kP2BulkAll4) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll4>);
       if (p2 == kP2BulkAllFlat) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAllFlat>);
+      if (p2 == kP2BulkAllStaged) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAllStaged>);
     }
     if (p2 == kP2Exact) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
     else if (p2 == kP2Bulk) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);

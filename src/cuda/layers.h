@@ -112,6 +112,12 @@ size_t hc_bulk_down_launches();   // and of those with the down tiles in shared 
 bool hc_flat_combine_on();
 void set_hc_flat_combine(int on);
 size_t hc_flat_combine_launches();  // launches (or graph captures) of the mix that combine so, for tests
+// The flat form with the tile pair that holds the inject head's tile staged in shared memory before the
+// kernel's wait (CK_HC_STAGED_PAIR=1, off until measured): the same words and MMAs, so the same bits.
+// set_hc_staged_pair(-1): the environment's.
+bool hc_staged_pair_on();
+void set_hc_staged_pair(int on);
+size_t hc_staged_pair_launches();  // launches (or graph captures) of the staged instance, for tests
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;

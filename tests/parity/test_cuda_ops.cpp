@@ -2125,6 +2125,19 @@ TEST(CudaOps, OneRowMixFlatCombineGivesTheLoopsBits) {
   });
 }
 
+// The one-row mix's flat form with the inject head's tile pair staged in shared memory before the wait
+// (hc_mix.cu's kP2BulkAllStaged, set_hc_staged_pair(1)) against the flat form (0): the same words and
+// MMAs in the same order, so the same logits bits.
+TEST(CudaOps, OneRowMixStagedPairGivesTheFlatBits) {
+  REQUIRE_GPU();
+  for_each_model({3}, [](const Model& m, const Geometry& g) {
+    const size_t launches = hc_staged_pair_launches();
+    expect_switch_keeps_logits(m, g, 29, [](int on) { set_hc_staged_pair(on); },
+                               "the staged pair's logits differ from the flat form's");
+    EXPECT_GT(hc_staged_pair_launches(), launches) << "no one-row mix took the staged instance";
+  });
+}
+
 // The one-row mix's phase 2 from the exact sums of its chunks' partial products (hc_mix.cu hc_acc_add,
 // set_hc_exact_sum(1)) against every consumer block adding the partials in chunk order (0): the sums
 // round once instead of at every addition, so the logits move by roundings only (within the CPU parity
