@@ -70,6 +70,7 @@ struct HcMixLaunch {
   float* part;           // [n_chunks][16 (tiles_d + tiles_i)] partial products ((hi + mid) + lo)
   unsigned* bar;         // grid barrier: arrivals (bar[0]), generation (bar[32])
   int leave_early;       // blocks without phase 2-3 work leave at the barrier (else all wait)
+  unsigned wrap_at;      // grid_barrier_count's bound: a multiple of the grid's blocks, less one
   int prefetch;          // ask L2 for the block's weights before pdl_begin (CK_HC_OWN_PREFETCH)
   int norm_prefetch;     // and for its part of the norm's scale (CK_HC_NORM_PREFETCH=0: not)
   int r_prefetch;        // and for its chunk of R and the injection weights w_in (CK_HC_R_PREFETCH=0: not)
@@ -101,6 +102,27 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, bool wait) {
     } else if (wait) {
       poll_acquire_until(gen, [&](unsigned g) { return g != g0; });  // (traps after seconds)
     }
+  }
+  __syncthreads();
+}
+
+// grid_barrier with one atomic on the path: the arrivals count on in bar[48] (its own line after the
+// generation's words), wrapping to 0 at wrap_at + 1, a multiple of the grid's blocks, so every launch
+// finds it at a multiple of gridDim.x (zeroed at first; every launch on one barrier has the same grid:
+// a session's mixes share one S and H). A block's arrival returns old = base + i; the last (i = N - 1)
+// leaves at once, the others until the count has left [base, base + N). Why: in grid_barrier the
+// waiters wait for the last block's second atomic, after its first returned and a release fence
+// drained its reset of the count: about three L2 round trips after the last arrival where this has one
+// (CK_HC_COUNT_BARRIER=1).
+__device__ __forceinline__ void grid_barrier_count(unsigned* bar, unsigned wrap_at, bool wait) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* cnt = bar + 48;
+    unsigned old;
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the block's writes (ordered by __syncthreads) first
+    asm volatile("atom.inc.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(cnt), "r"(wrap_at) : "memory");
+    const unsigned n = gridDim.x, base = old - old % n;
+    if (wait && old - base != n - 1) poll_acquire_until(cnt, [&](unsigned v) { return v - base >= n; });
   }
   __syncthreads();
 }
@@ -261,12 +283,14 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //  kP2BulkAllStaged: kP2BulkAllFlat, and the tile pair with the inject head's tile (one warp's) staged
 //            in shared memory before the wait by the block's last warp (hc_tile_pair_stage), so no warp
 //            of phase 1 reads a weight from L2 after the wait (CK_HC_STAGED_PAIR=1; not yet measured).
+//  kP2FlatCount, kP2StagedCount: kP2BulkAllFlat and kP2BulkAllStaged with grid_barrier_count
+//            (CK_HC_COUNT_BARRIER=1; not yet measured).
 enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6,
-       kP2BulkAllFlat = 7, kP2BulkAllStaged = 8 };
+       kP2BulkAllFlat = 7, kP2BulkAllStaged = 8, kP2FlatCount = 9, kP2StagedCount = 10 };
 // The forms whose partials come by bulk copies (kernel and launch).
 __host__ __device__ constexpr bool p2_bulk_partials(int p2) {
   return p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4 || p2 == kP2BulkAllFlat ||
-         p2 == kP2BulkAllStaged;
+         p2 == kP2BulkAllStaged || p2 == kP2FlatCount || p2 == kP2StagedCount;
 }
 // Bytes of a consumer block's up tiles: S streams x 4 tiles x the low rank's groups (one stream's 4 tiles
 // contiguous), after the partials in dynamic shared memory (the launch; the kernel writes it out).
@@ -277,7 +301,9 @@ template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   constexpr bool EXACT = P2 == kP2Exact, BULK = p2_bulk_partials(P2);
   constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
-  constexpr bool STAGED = P2 == kP2BulkAllStaged, FLAT = P2 == kP2BulkAllFlat || STAGED;
+  constexpr bool COUNT = P2 == kP2FlatCount || P2 == kP2StagedCount;
+  constexpr bool STAGED = P2 == kP2BulkAllStaged || P2 == kP2StagedCount;
+  constexpr bool FLAT = P2 == kP2BulkAllFlat || STAGED || COUNT;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
   __shared__ float xg[kHcMaxChunkGroups], gl[kHcMaxStreams][64], su[64], rinv[kHcMaxStreams], scratch[32];
@@ -498,7 +524,8 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   mark(3);
   // Only the blocks of u's groups have work after the barrier (phases 2 and 3).
   const bool consumer = static_cast<int>(blockIdx.x) < H / 64;
-  grid_barrier(L.bar, consumer || !L.leave_early);
+  if constexpr (COUNT) grid_barrier_count(L.bar, L.wrap_at, consumer || !L.leave_early);
+  else grid_barrier(L.bar, consumer || !L.leave_early);
   if (!consumer && L.leave_early) {
     if (stamp)
       for (int k = 4; k < kHcStampWords; ++k) st[k] = 0;  // pieces this block does not run
@@ -697,6 +724,8 @@ void hc_mix_init() {
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAll4>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAllFlat>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAllStaged>);
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2FlatCount>);
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2StagedCount>);
     }
   };
   using T = std::true_type;
@@ -766,6 +795,17 @@ bool hc_staged_pair_on() {
 }
 void set_hc_staged_pair(int on) { g_hc_staged_pair = on < 0 ? -1 : on > 0; }
 size_t hc_staged_pair_launches() { return g_hc_staged_launches.load(); }
+
+namespace {
+int g_hc_count_barrier = -1;  // set_hc_count_barrier; -1: the environment's
+std::atomic<size_t> g_hc_count_launches{0};
+}  // namespace
+bool hc_count_barrier_on() {
+  static const bool env_on = env_is("CK_HC_COUNT_BARRIER", "1");  // off until measured (written 2026-12-07)
+  return g_hc_count_barrier < 0 ? env_on : g_hc_count_barrier > 0;
+}
+void set_hc_count_barrier(int on) { g_hc_count_barrier = on < 0 ? -1 : on > 0; }
+size_t hc_count_barrier_launches() { return g_hc_count_launches.load(); }
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -856,23 +896,28 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const size_t stage_bytes = static_cast<size_t>(L.cg) * 4 * 32 * sizeof(uint4);
   const bool staged = flat && hc_staged_pair_on() &&
                       part_bytes + up_bytes + down_bytes + stage_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
+  // CK_HC_COUNT_BARRIER=1: either with grid_barrier_count.
+  const bool count = flat && hc_count_barrier_on();
+  L.wrap_at = (0xffffffffu / grid.x) * grid.x - 1;
   const int p2 = L.acc                     ? kP2Exact
                  : bulk == 1               ? kP2Bulk
                  : bulk == 2 && up_smem    ? kP2BulkUp
                  : bulk == 2               ? kP2Bulk
-                 : bulk == 3 && down_smem && staged ? kP2BulkAllStaged
-                 : bulk == 3 && down_smem && flat ? kP2BulkAllFlat
+                 : bulk == 3 && down_smem && staged ? (count ? kP2StagedCount : kP2BulkAllStaged)
+                 : bulk == 3 && down_smem && flat ? (count ? kP2FlatCount : kP2BulkAllFlat)
                  : bulk == 3 && down_smem  ? kP2BulkAll
                  : bulk == 4 && down_smem  ? kP2LoadsTiles
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
-  if ((p2 == kP2BulkAllFlat || p2 == kP2BulkAllStaged) && a.moe_y) ++g_hc_flat_launches;
-  if (p2 == kP2BulkAllStaged) ++g_hc_staged_launches;
+  const bool p2_staged = p2 == kP2BulkAllStaged || p2 == kP2StagedCount;
+  if ((p2 == kP2BulkAllFlat || p2 == kP2FlatCount || p2_staged) && a.moe_y) ++g_hc_flat_launches;
+  if (p2_staged) ++g_hc_staged_launches;
+  if (p2 == kP2FlatCount || p2 == kP2StagedCount) ++g_hc_count_launches;
   if (p2_bulk_partials(p2)) ++g_hc_bulk_launches;
   if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
   if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;
   const size_t smem = part_bytes + (p2 >= kP2BulkUp ? up_bytes : 0) + (p2 >= kP2BulkAll ? down_bytes : 0) +
-                      (p2 == kP2BulkAllStaged ? stage_bytes : 0);
+                      (p2_staged ? stage_bytes : 0);
   auto go = [&](auto kernel) { launch(kernel, grid, kHcThreads, smem, stream, L); };
   auto go_exact = [&](auto bf16s_c, auto tiles_c) {
     if constexpr (tiles_c()) {  // (the tiles' copies have instances only with tiles)
@@ -882,6 +927,8 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
       if (p2 == kP2BulkAll4) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAll4>);
       if (p2 == kP2BulkAllFlat) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAllFlat>);
       if (p2 == kP2BulkAllStaged) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAllStaged>);
+      if (p2 == kP2FlatCount) return go(hc_mix_row_kernel<bf16s_c(), true, kP2FlatCount>);
+      if (p2 == kP2StagedCount) return go(hc_mix_row_kernel<bf16s_c(), true, kP2StagedCount>);
     }
     if (p2 == kP2Exact) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
     else if (p2 == kP2Bulk) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);

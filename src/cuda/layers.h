@@ -75,6 +75,7 @@ struct HcMixArgs {
   int S = 0, H = 0;
   float* scratch = nullptr; size_t scratch_floats = 0;    // hc_mix_scratch_floats(S, H, low rank)
   unsigned* barrier = nullptr;                            // 64 words, zero before the first call
+  // (Every mix on one barrier must run the same grid, i.e. the same S and H: hc_mix.cu grid_barrier_count.)
   // The partial products' exact sums (hc_mix.cu hc_acc_add): hc_mix_acc_words(S, low rank) words, zero
   // before the first call, then kept by the kernel; shared by every mix that shares `barrier` (one stream).
   // nullptr (or the exact sums off, the default): every consumer block adds all chunks' partials in chunk order.
@@ -118,6 +119,12 @@ size_t hc_flat_combine_launches();  // launches (or graph captures) of the mix t
 bool hc_staged_pair_on();
 void set_hc_staged_pair(int on);
 size_t hc_staged_pair_launches();  // launches (or graph captures) of the staged instance, for tests
+// The flat (and staged) forms with a grid barrier of one atomic on the waiters' path (a count that wraps
+// at a multiple of the grid; CK_HC_COUNT_BARRIER=1, off until measured): the same bits.
+// set_hc_count_barrier(-1): the environment's.
+bool hc_count_barrier_on();
+void set_hc_count_barrier(int on);
+size_t hc_count_barrier_launches();  // launches (or graph captures) of the count barrier's instances, for tests
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;

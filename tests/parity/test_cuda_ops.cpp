@@ -2138,6 +2138,26 @@ TEST(CudaOps, OneRowMixStagedPairGivesTheFlatBits) {
   });
 }
 
+// The one-row mix's grid barrier as one wrapping count (hc_mix.cu grid_barrier_count,
+// set_hc_count_barrier(1)) against the generation barrier (0), with the flat form and the staged pair:
+// the same arithmetic, so the same logits bits (a barrier that let a block through early would read
+// partial products not yet written: other bits, or a trap where it never let one through).
+TEST(CudaOps, OneRowMixCountBarrierGivesTheSameBits) {
+  REQUIRE_GPU();
+  for_each_model({3}, [](const Model& m, const Geometry& g) {
+    for (int staged : {0, 1}) {
+      SCOPED_TRACE(staged ? "staged pair" : "flat form");
+      set_hc_staged_pair(staged);
+      const size_t launches = hc_count_barrier_launches(), staged_launches = hc_staged_pair_launches();
+      expect_switch_keeps_logits(m, g, 37, [](int on) { set_hc_count_barrier(on); },
+                                 "the count barrier's logits differ from the generation barrier's");
+      EXPECT_GT(hc_count_barrier_launches(), launches) << "no one-row mix took a count barrier's instance";
+      EXPECT_EQ(hc_staged_pair_launches() > staged_launches, staged == 1);
+    }
+    set_hc_staged_pair(-1);
+  });
+}
+
 // The one-row mix's phase 2 from the exact sums of its chunks' partial products (hc_mix.cu hc_acc_add,
 // set_hc_exact_sum(1)) against every consumer block adding the partials in chunk order (0): the sums
 // round once instead of at every addition, so the logits move by roundings only (within the CPU parity
