@@ -773,39 +773,38 @@ int hc_bulk_parts_mode() {
 void set_hc_bulk_parts(int mode) { g_hc_bulk_parts = mode < 0 ? -1 : std::min(mode, 5); }
 
 namespace {
-int g_hc_flat_combine = -1;  // set_hc_flat_combine; -1: the environment's
-std::atomic<size_t> g_hc_flat_launches{0};
-}  // namespace
-bool hc_flat_combine_on() {
-  // On by default: one-row decode +2.3% against kP2BulkAll (H200 2026-12-07, three interleaved rounds:
-  // 708.6-709.9 against 692.8-694.2 tok/s). CK_HC_FLAT_COMBINE=0 to compare.
-  static const bool env_on = !env_is("CK_HC_FLAT_COMBINE", "0");
-  return g_hc_flat_combine < 0 ? env_on : g_hc_flat_combine > 0;
-}
-void set_hc_flat_combine(int on) { g_hc_flat_combine = on < 0 ? -1 : on > 0; }
-size_t hc_flat_combine_launches() { return g_hc_flat_launches.load(); }
+// A form of the one-row mix chosen by a variable (on by default unless `opt_in`: then only with it set
+// to 1; off with 0), or where a test sets it (set(-1): the environment's again), and the launches that
+// took it, for tests.
+class HcSwitch {
+ public:
+  HcSwitch(const char* env, bool opt_in) : env_on_(opt_in ? env_is(env, "1") : !env_is(env, "0")) {}
+  bool on() const { return forced_ < 0 ? env_on_ : forced_ > 0; }
+  void set(int on) { forced_ = on < 0 ? -1 : on > 0; }
+  void count() { ++launches_; }
+  size_t launches() const { return launches_.load(); }
 
-namespace {
-int g_hc_staged_pair = -1;  // set_hc_staged_pair; -1: the environment's
-std::atomic<size_t> g_hc_staged_launches{0};
+ private:
+  bool env_on_;
+  int forced_ = -1;
+  std::atomic<size_t> launches_{0};
+};
+// On by default: one-row decode +2.3% against kP2BulkAll (H200 2026-12-07, three interleaved rounds:
+// 708.6-709.9 against 692.8-694.2 tok/s). CK_HC_FLAT_COMBINE=0 to compare.
+HcSwitch g_hc_flat_combine("CK_HC_FLAT_COMBINE", false);
+// Off until measured (written 2026-12-07).
+HcSwitch g_hc_staged_pair("CK_HC_STAGED_PAIR", true);
+HcSwitch g_hc_count_barrier("CK_HC_COUNT_BARRIER", true);
 }  // namespace
-bool hc_staged_pair_on() {
-  static const bool env_on = env_is("CK_HC_STAGED_PAIR", "1");  // off until measured (written 2026-12-07)
-  return g_hc_staged_pair < 0 ? env_on : g_hc_staged_pair > 0;
-}
-void set_hc_staged_pair(int on) { g_hc_staged_pair = on < 0 ? -1 : on > 0; }
-size_t hc_staged_pair_launches() { return g_hc_staged_launches.load(); }
-
-namespace {
-int g_hc_count_barrier = -1;  // set_hc_count_barrier; -1: the environment's
-std::atomic<size_t> g_hc_count_launches{0};
-}  // namespace
-bool hc_count_barrier_on() {
-  static const bool env_on = env_is("CK_HC_COUNT_BARRIER", "1");  // off until measured (written 2026-12-07)
-  return g_hc_count_barrier < 0 ? env_on : g_hc_count_barrier > 0;
-}
-void set_hc_count_barrier(int on) { g_hc_count_barrier = on < 0 ? -1 : on > 0; }
-size_t hc_count_barrier_launches() { return g_hc_count_launches.load(); }
+bool hc_flat_combine_on() { return g_hc_flat_combine.on(); }
+void set_hc_flat_combine(int on) { g_hc_flat_combine.set(on); }
+size_t hc_flat_combine_launches() { return g_hc_flat_combine.launches(); }
+bool hc_staged_pair_on() { return g_hc_staged_pair.on(); }
+void set_hc_staged_pair(int on) { g_hc_staged_pair.set(on); }
+size_t hc_staged_pair_launches() { return g_hc_staged_pair.launches(); }
+bool hc_count_barrier_on() { return g_hc_count_barrier.on(); }
+void set_hc_count_barrier(int on) { g_hc_count_barrier.set(on); }
+size_t hc_count_barrier_launches() { return g_hc_count_barrier.launches(); }
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -910,9 +909,9 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
   const bool p2_staged = p2 == kP2BulkAllStaged || p2 == kP2StagedCount;
-  if ((p2 == kP2BulkAllFlat || p2 == kP2FlatCount || p2_staged) && a.moe_y) ++g_hc_flat_launches;
-  if (p2_staged) ++g_hc_staged_launches;
-  if (p2 == kP2FlatCount || p2 == kP2StagedCount) ++g_hc_count_launches;
+  if ((p2 == kP2BulkAllFlat || p2 == kP2FlatCount || p2_staged) && a.moe_y) g_hc_flat_combine.count();
+  if (p2_staged) g_hc_staged_pair.count();
+  if (p2 == kP2FlatCount || p2 == kP2StagedCount) g_hc_count_barrier.count();
   if (p2_bulk_partials(p2)) ++g_hc_bulk_launches;
   if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
   if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;
