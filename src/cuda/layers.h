@@ -114,17 +114,23 @@ bool hc_flat_combine_on();
 void set_hc_flat_combine(int on);
 size_t hc_flat_combine_launches();  // launches (or graph captures) of the mix that combine so, for tests
 // The flat form with the tile pair that holds the inject head's tile staged in shared memory before the
-// kernel's wait (CK_HC_STAGED_PAIR=1, off until measured): the same words and MMAs, so the same bits.
+// kernel's wait (CK_HC_STAGED_PAIR, on by default): the same words and MMAs, so the same bits.
 // set_hc_staged_pair(-1): the environment's.
 bool hc_staged_pair_on();
 void set_hc_staged_pair(int on);
 size_t hc_staged_pair_launches();  // launches (or graph captures) of the staged instance, for tests
 // The flat (and staged) forms with a grid barrier of one atomic on the waiters' path (a count that wraps
-// at a multiple of the grid; CK_HC_COUNT_BARRIER=1, off until measured): the same bits.
+// at a multiple of the grid; CK_HC_COUNT_BARRIER, on by default): the same bits.
 // set_hc_count_barrier(-1): the environment's.
 bool hc_count_barrier_on();
 void set_hc_count_barrier(int on);
 size_t hc_count_barrier_launches();  // launches (or graph captures) of the count barrier's instances, for tests
+// The staged instance with the count barrier, where the launch's first block to start also asks L2 for
+// the whole down and up tiles, R and the norm's scale (CK_HC_WIDE_PREFETCH=1, off until measured): the
+// same bits. set_hc_wide_prefetch(-1): the environment's.
+bool hc_wide_prefetch_on();
+void set_hc_wide_prefetch(int on);
+size_t hc_wide_prefetch_launches();  // launches (or graph captures) of that instance, for tests
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;

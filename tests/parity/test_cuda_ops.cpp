@@ -2112,7 +2112,7 @@ TEST(CudaOps, OneRowMixBulkPartialsGiveTheLoadsBits) {
 }
 
 // A deferred MoE output combined in the one-row mix with every slot's load first (hc_mix.cu's
-// kP2BulkAllFlat instance, moe_combine_elem_flat, set_hc_flat_combine(1), the default) against the
+// kP2BulkAllFlat's form, moe_combine_elem_flat, set_hc_flat_combine(1), the default) against the
 // kP2BulkAll instance's loop (0): the same products and the same fp64 sum in slot order, so the same logits bits.
 // On the one geometry whose one-row mixes take hc_mix.cu's kernel (3), with its tiles (the form needs them).
 TEST(CudaOps, OneRowMixFlatCombineGivesTheLoopsBits) {
@@ -2126,7 +2126,7 @@ TEST(CudaOps, OneRowMixFlatCombineGivesTheLoopsBits) {
 }
 
 // The one-row mix's flat form with the inject head's tile pair staged in shared memory before the wait
-// (hc_mix.cu's kP2BulkAllStaged, set_hc_staged_pair(1)) against the flat form (0): the same words and
+// (hc_mix.cu's kP2StagedCount, set_hc_staged_pair(1), the default) against the flat form (0): the same words and
 // MMAs in the same order, so the same logits bits.
 TEST(CudaOps, OneRowMixStagedPairGivesTheFlatBits) {
   REQUIRE_GPU();
@@ -2155,6 +2155,19 @@ TEST(CudaOps, OneRowMixCountBarrierGivesTheSameBits) {
       EXPECT_EQ(hc_staged_pair_launches() > staged_launches, staged == 1);
     }
     set_hc_staged_pair(-1);
+  });
+}
+
+// The one-row mix's first block asking L2 for every block's weights, R and norm (hc_mix.cu's kP2Wide,
+// set_hc_wide_prefetch(1)) against the default instance (0): prefetches and a ticket only, so the same
+// logits bits (its ticket shares a line with no word the default instance uses).
+TEST(CudaOps, OneRowMixWidePrefetchGivesTheSameBits) {
+  REQUIRE_GPU();
+  for_each_model({3}, [](const Model& m, const Geometry& g) {
+    const size_t launches = hc_wide_prefetch_launches();
+    expect_switch_keeps_logits(m, g, 41, [](int on) { set_hc_wide_prefetch(on); },
+                               "the wide prefetch's logits differ from the default's");
+    EXPECT_GT(hc_wide_prefetch_launches(), launches) << "no one-row mix took the wide prefetch's instance";
   });
 }
 
