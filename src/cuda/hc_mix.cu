@@ -59,7 +59,8 @@ constexpr int kHcMaxChunkGroups = 16;
 constexpr int kHcMaxInject = 16;
 constexpr int kHcMaxChunks = 256;
 constexpr int kHcMaxPartialBytes = 160 * 1024;  // dynamic shared memory for phase 2
-constexpr int kHcMaxDynamicBytes = 200 * 1024;  // and with the up tiles (kP2BulkUp), within 227 KB less the static
+constexpr int kHcMaxDynamicBytes = 200 * 1024;
+constexpr unsigned kHcWideBlocks = 8;           // kP2Wide: the blocks that share the wide prefetch  // and with the up tiles (kP2BulkUp), within 227 KB less the static
 
 struct HcMixLaunch {
   HcMixArgs a;
@@ -285,8 +286,8 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //            of phase 1 reads a weight from L2 after the wait (CK_HC_STAGED_PAIR, on).
 //  kP2FlatCount, kP2StagedCount: kP2BulkAllFlat and kP2BulkAllStaged with grid_barrier_count
 //            (CK_HC_COUNT_BARRIER, on: kP2StagedCount is the default where it applies).
-//  kP2Wide:  kP2StagedCount, and the launch's first block to start asks L2 for the whole down and up
-//            tiles, R and the norm's scale (CK_HC_WIDE_PREFETCH=1; not yet measured). Why: most blocks
+//  kP2Wide:  kP2StagedCount, and the launch's first 8 blocks to start ask L2 for a share each of the
+//            down tiles, R and the norm's scale (CK_HC_WIDE_PREFETCH=1; not yet measured). Why: most blocks
 //            start only ~0.5 us before their wait ends (the kernel before holds their SMs), and their
 //            own tiles' copies then come from DRAM on phase 1's path (stamps, H100 2026-12-07).
 enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6,
@@ -429,30 +430,31 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     hc_tile_pair_stage<BF16S>(mat(stage_warp), row(stage_warp), mat(tb), row(tb), c * cg, (c + 1) * cg, staged);
   }
   // WIDE: a ticket per block in bar[16] (a count that wraps like grid_barrier_count's, so a multiple of
-  // the grid at each launch); the first block to take one asks L2 for every block's weights, R and
-  // norm, so the blocks that start late find them there. The last warp again (no phase 1 elements).
+  // the grid at each launch); the first kHcWideBlocks blocks to take one (those that start early) ask
+  // L2 for a share each of every block's down tiles, R and norm, so the blocks that start late find
+  // them there. Shares, and not the up tiles (phase 3, later): one block asking for all of the down
+  // and up tiles held its own copies back ~19k cycles behind its ~23k prefetched lines (-17%, H100
+  // 2026-12-07). The last warp again (no phase 1 elements).
   if (WIDE && warp == kHcWarps - 1) {
     unsigned ticket = 0;
     if (lane == 0)
       asm volatile("atom.inc.relaxed.gpu.global.u32 %0, [%1], %2;" : "=r"(ticket) : "l"(L.bar + 16), "r"(L.wrap_at) : "memory");
-    ticket = __shfl_sync(0xffffffffu, ticket, 0);
-    if (ticket % gridDim.x == 0) {
-      // Tiled matrices are one contiguous run (rows / 16 x cols / 64 groups of 576 bytes): 64 KB a prefetch.
-      auto bulk = [&](const DMatrix& m) {
-        const size_t bytes = static_cast<size_t>(m.rows / kTileRows) * (m.cols / 64) * kTileGroupBytes;
+    const unsigned share = __shfl_sync(0xffffffffu, ticket, 0) % gridDim.x;
+    if (share < kHcWideBlocks) {
+      // The down tiles are one contiguous run (rows / 16 x cols / 64 groups of 576 bytes): this block's
+      // share in 4 KB prefetches, a lane's each (the share is a multiple of 16 bytes: 576 x 16 / 8).
+      const size_t bytes = static_cast<size_t>(a.down.rows / kTileRows) * (a.down.cols / 64) * kTileGroupBytes;
+      const size_t per = (bytes / kHcWideBlocks + 15) & ~size_t{15}, end = min(bytes, per * (share + 1));
 #pragma unroll 1
-        for (size_t off = static_cast<size_t>(lane) << 16; off < bytes; off += 32ull << 16)
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(m.data + off),
-                       "r"(static_cast<unsigned>(min(bytes - off, size_t{1} << 16))) : "memory");
-      };
-      bulk(a.down);
-      const size_t wide_bytes = static_cast<size_t>(S) * H * sizeof(float);  // R and the norm's scale
+      for (size_t off = per * share + (static_cast<size_t>(lane) << 12); off < end; off += 32ull << 12)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.down.data + off),
+                     "r"(static_cast<unsigned>(min(end - off, size_t{1} << 12))) : "memory");
+      const size_t wide_bytes = static_cast<size_t>(S) * H * sizeof(float);  // R and the norm's scale: lines
 #pragma unroll 1
-      for (size_t off = 128 * lane; off < wide_bytes; off += 32 * 128) {
+      for (size_t off = 128 * (lane + 32 * share); off < wide_bytes; off += 128 * 32 * kHcWideBlocks) {
         prefetch_l2(reinterpret_cast<const uint8_t*>(a.R) + off);
         prefetch_l2(reinterpret_cast<const uint8_t*>(a.norm) + off);
       }
-      bulk(a.up);
     }
   }
   pdl_begin();  // R, o and w come from the kernels before

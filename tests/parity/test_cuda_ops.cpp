@@ -2158,7 +2158,7 @@ TEST(CudaOps, OneRowMixCountBarrierGivesTheSameBits) {
   });
 }
 
-// The one-row mix's first block asking L2 for every block's weights, R and norm (hc_mix.cu's kP2Wide,
+// The one-row mix's first blocks asking L2 for every block's down tiles, R and norm (hc_mix.cu's kP2Wide,
 // set_hc_wide_prefetch(1)) against the default instance (0): prefetches and a ticket only, so the same
 // logits bits (its ticket shares a line with no word the default instance uses).
 TEST(CudaOps, OneRowMixWidePrefetchGivesTheSameBits) {
