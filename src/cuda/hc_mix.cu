@@ -59,8 +59,7 @@ constexpr int kHcMaxChunkGroups = 16;
 constexpr int kHcMaxInject = 16;
 constexpr int kHcMaxChunks = 256;
 constexpr int kHcMaxPartialBytes = 160 * 1024;  // dynamic shared memory for phase 2
-constexpr int kHcMaxDynamicBytes = 200 * 1024;
-constexpr unsigned kHcWideBlocks = 8;           // kP2Wide: the blocks that share the wide prefetch  // and with the up tiles (kP2BulkUp), within 227 KB less the static
+constexpr int kHcMaxDynamicBytes = 200 * 1024;  // and with the up tiles (kP2BulkUp), within 227 KB less the static
 
 struct HcMixLaunch {
   HcMixArgs a;
@@ -69,7 +68,7 @@ struct HcMixLaunch {
   int tiles_d, tiles_i;  // 16-row tiles of down and of inject
   float* ss;             // [n_chunks] sums of squares of the combined R per chunk
   float* part;           // [n_chunks][16 (tiles_d + tiles_i)] partial products ((hi + mid) + lo)
-  unsigned* bar;         // grid barrier: arrivals (bar[0]), generation (bar[32])
+  unsigned* bar;         // grid barrier: arrivals (bar[0]), generation (bar[32]); grid_barrier_count's (bar[48])
   int leave_early;       // blocks without phase 2-3 work leave at the barrier (else all wait)
   unsigned wrap_at;      // grid_barrier_count's bound: a multiple of the grid's blocks, less one
   int prefetch;          // ask L2 for the block's weights before pdl_begin (CK_HC_OWN_PREFETCH)
@@ -114,7 +113,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, bool wait) {
 // leaves at once, the others until the count has left [base, base + N). Why: in grid_barrier the
 // waiters wait for the last block's second atomic, after its first returned and a release fence
 // drained its reset of the count: about three L2 round trips after the last arrival where this has one
-// (CK_HC_COUNT_BARRIER=1).
+// (CK_HC_COUNT_BARRIER, on by default: one-row decode +1.1%, with the staged pair +1.4%, H100 2026-12-07).
 __device__ __forceinline__ void grid_barrier_count(unsigned* bar, unsigned wrap_at, bool wait) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -283,19 +282,16 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //            branch in kP2BulkAll cost it 3.7% at one row (H100 2026-12-07; its instruction fetch).
 //  kP2BulkAllStaged: kP2BulkAllFlat, and the tile pair with the inject head's tile (one warp's) staged
 //            in shared memory before the wait by the block's last warp (hc_tile_pair_stage), so no warp
-//            of phase 1 reads a weight from L2 after the wait (CK_HC_STAGED_PAIR, on).
+//            of phase 1 reads a weight from L2 after the wait (CK_HC_STAGED_PAIR, on: +1.0% at one row,
+//            H100 2026-12-07; its stamps' "fragments + down tiles" 4.9k -> 3.0k cycles, median block).
 //  kP2FlatCount, kP2StagedCount: kP2BulkAllFlat and kP2BulkAllStaged with grid_barrier_count
 //            (CK_HC_COUNT_BARRIER, on: kP2StagedCount is the default where it applies).
-//  kP2Wide:  kP2StagedCount, and the launch's first 8 blocks to start ask L2 for a share each of the
-//            down tiles, R and the norm's scale (CK_HC_WIDE_PREFETCH=1; not yet measured). Why: most blocks
-//            start only ~0.5 us before their wait ends (the kernel before holds their SMs), and their
-//            own tiles' copies then come from DRAM on phase 1's path (stamps, H100 2026-12-07).
 enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6,
-       kP2BulkAllFlat = 7, kP2BulkAllStaged = 8, kP2FlatCount = 9, kP2StagedCount = 10, kP2Wide = 11 };
+       kP2BulkAllFlat = 7, kP2BulkAllStaged = 8, kP2FlatCount = 9, kP2StagedCount = 10 };
 // The forms whose partials come by bulk copies (kernel and launch).
 __host__ __device__ constexpr bool p2_bulk_partials(int p2) {
   return p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4 || p2 == kP2BulkAllFlat ||
-         p2 == kP2BulkAllStaged || p2 == kP2FlatCount || p2 == kP2StagedCount || p2 == kP2Wide;
+         p2 == kP2BulkAllStaged || p2 == kP2FlatCount || p2 == kP2StagedCount;
 }
 // Bytes of a consumer block's up tiles: S streams x 4 tiles x the low rank's groups (one stream's 4 tiles
 // contiguous), after the partials in dynamic shared memory (the launch; the kernel writes it out).
@@ -306,9 +302,8 @@ template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   constexpr bool EXACT = P2 == kP2Exact, BULK = p2_bulk_partials(P2);
   constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
-  constexpr bool WIDE = P2 == kP2Wide;
-  constexpr bool COUNT = P2 == kP2FlatCount || P2 == kP2StagedCount || WIDE;
-  constexpr bool STAGED = P2 == kP2BulkAllStaged || P2 == kP2StagedCount || WIDE;
+  constexpr bool COUNT = P2 == kP2FlatCount || P2 == kP2StagedCount;
+  constexpr bool STAGED = P2 == kP2BulkAllStaged || P2 == kP2StagedCount;
   constexpr bool FLAT = P2 == kP2BulkAllFlat || STAGED || COUNT;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
@@ -428,34 +423,6 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   if (STAGED && stage_warp >= 0 && c < L.n_chunks && warp == kHcWarps - 1) {
     const int tb = pair_of(stage_warp);
     hc_tile_pair_stage<BF16S>(mat(stage_warp), row(stage_warp), mat(tb), row(tb), c * cg, (c + 1) * cg, staged);
-  }
-  // WIDE: a ticket per block in bar[16] (a count that wraps like grid_barrier_count's, so a multiple of
-  // the grid at each launch); the first kHcWideBlocks blocks to take one (those that start early) ask
-  // L2 for a share each of every block's down tiles, R and norm, so the blocks that start late find
-  // them there. Shares, and not the up tiles (phase 3, later): one block asking for all of the down
-  // and up tiles held its own copies back ~19k cycles behind its ~23k prefetched lines (-17%, H100
-  // 2026-12-07). The last warp again (no phase 1 elements).
-  if (WIDE && warp == kHcWarps - 1) {
-    unsigned ticket = 0;
-    if (lane == 0)
-      asm volatile("atom.inc.relaxed.gpu.global.u32 %0, [%1], %2;" : "=r"(ticket) : "l"(L.bar + 16), "r"(L.wrap_at) : "memory");
-    const unsigned share = __shfl_sync(0xffffffffu, ticket, 0) % gridDim.x;
-    if (share < kHcWideBlocks) {
-      // The down tiles are one contiguous run (rows / 16 x cols / 64 groups of 576 bytes): this block's
-      // share in 4 KB prefetches, a lane's each (the share is a multiple of 16 bytes: 576 x 16 / 8).
-      const size_t bytes = static_cast<size_t>(a.down.rows / kTileRows) * (a.down.cols / 64) * kTileGroupBytes;
-      const size_t per = (bytes / kHcWideBlocks + 15) & ~size_t{15}, end = min(bytes, per * (share + 1));
-#pragma unroll 1
-      for (size_t off = per * share + (static_cast<size_t>(lane) << 12); off < end; off += 32ull << 12)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.down.data + off),
-                     "r"(static_cast<unsigned>(min(end - off, size_t{1} << 12))) : "memory");
-      const size_t wide_bytes = static_cast<size_t>(S) * H * sizeof(float);  // R and the norm's scale: lines
-#pragma unroll 1
-      for (size_t off = 128 * (lane + 32 * share); off < wide_bytes; off += 128 * 32 * kHcWideBlocks) {
-        prefetch_l2(reinterpret_cast<const uint8_t*>(a.R) + off);
-        prefetch_l2(reinterpret_cast<const uint8_t*>(a.norm) + off);
-      }
-    }
   }
   pdl_begin();  // R, o and w come from the kernels before
   mark(1);
@@ -760,7 +727,6 @@ void hc_mix_init() {
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAllStaged>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2FlatCount>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2StagedCount>);
-      set(hc_mix_row_kernel<bf16s(), tiles(), kP2Wide>);
     }
   };
   using T = std::true_type;
@@ -831,8 +797,6 @@ HcSwitch g_hc_flat_combine("CK_HC_FLAT_COMBINE", false);
 // rounds: 661.6-671.0 against 654.9-658.8 tok/s; each alone +1.0% and +1.1%). =0 to compare.
 HcSwitch g_hc_staged_pair("CK_HC_STAGED_PAIR", false);
 HcSwitch g_hc_count_barrier("CK_HC_COUNT_BARRIER", false);
-// Off until measured (written 2026-12-07).
-HcSwitch g_hc_wide_prefetch("CK_HC_WIDE_PREFETCH", true);
 }  // namespace
 bool hc_flat_combine_on() { return g_hc_flat_combine.on(); }
 void set_hc_flat_combine(int on) { g_hc_flat_combine.set(on); }
@@ -843,9 +807,6 @@ size_t hc_staged_pair_launches() { return g_hc_staged_pair.launches(); }
 bool hc_count_barrier_on() { return g_hc_count_barrier.on(); }
 void set_hc_count_barrier(int on) { g_hc_count_barrier.set(on); }
 size_t hc_count_barrier_launches() { return g_hc_count_barrier.launches(); }
-bool hc_wide_prefetch_on() { return g_hc_wide_prefetch.on(); }
-void set_hc_wide_prefetch(int on) { g_hc_wide_prefetch.set(on); }
-size_t hc_wide_prefetch_launches() { return g_hc_wide_prefetch.launches(); }
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -936,27 +897,23 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const size_t stage_bytes = static_cast<size_t>(L.cg) * 4 * 32 * sizeof(uint4);
   const bool staged = flat && hc_staged_pair_on() &&
                       part_bytes + up_bytes + down_bytes + stage_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
-  // CK_HC_COUNT_BARRIER (on): either with grid_barrier_count; CK_HC_WIDE_PREFETCH=1: the staged
-  // instance with it also with the first block's wide prefetch.
+  // CK_HC_COUNT_BARRIER (on): either with grid_barrier_count.
   const bool count = flat && hc_count_barrier_on();
-  const bool wide = staged && count && hc_wide_prefetch_on();
   L.wrap_at = (0xffffffffu / grid.x) * grid.x - 1;
   const int p2 = L.acc                     ? kP2Exact
                  : bulk == 1               ? kP2Bulk
                  : bulk == 2 && up_smem    ? kP2BulkUp
                  : bulk == 2               ? kP2Bulk
-                 : bulk == 3 && down_smem && wide ? kP2Wide
                  : bulk == 3 && down_smem && staged ? (count ? kP2StagedCount : kP2BulkAllStaged)
                  : bulk == 3 && down_smem && flat ? (count ? kP2FlatCount : kP2BulkAllFlat)
                  : bulk == 3 && down_smem  ? kP2BulkAll
                  : bulk == 4 && down_smem  ? kP2LoadsTiles
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
-  const bool p2_staged = p2 == kP2BulkAllStaged || p2 == kP2StagedCount || p2 == kP2Wide;
+  const bool p2_staged = p2 == kP2BulkAllStaged || p2 == kP2StagedCount;
   if ((p2 == kP2BulkAllFlat || p2 == kP2FlatCount || p2_staged) && a.moe_y) g_hc_flat_combine.count();
   if (p2_staged) g_hc_staged_pair.count();
-  if (p2 == kP2FlatCount || p2 == kP2StagedCount || p2 == kP2Wide) g_hc_count_barrier.count();
-  if (p2 == kP2Wide) g_hc_wide_prefetch.count();
+  if (p2 == kP2FlatCount || p2 == kP2StagedCount) g_hc_count_barrier.count();
   if (p2_bulk_partials(p2)) ++g_hc_bulk_launches;
   if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
   if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;
@@ -973,7 +930,6 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
       if (p2 == kP2BulkAllStaged) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAllStaged>);
       if (p2 == kP2FlatCount) return go(hc_mix_row_kernel<bf16s_c(), true, kP2FlatCount>);
       if (p2 == kP2StagedCount) return go(hc_mix_row_kernel<bf16s_c(), true, kP2StagedCount>);
-      if (p2 == kP2Wide) return go(hc_mix_row_kernel<bf16s_c(), true, kP2Wide>);
     }
     if (p2 == kP2Exact) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
     else if (p2 == kP2Bulk) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);

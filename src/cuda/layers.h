@@ -125,12 +125,6 @@ size_t hc_staged_pair_launches();  // launches (or graph captures) of the staged
 bool hc_count_barrier_on();
 void set_hc_count_barrier(int on);
 size_t hc_count_barrier_launches();  // launches (or graph captures) of the count barrier's instances, for tests
-// The staged instance with the count barrier, where the launch's first 8 blocks to start also ask L2 for
-// a share each of the down tiles, R and the norm's scale (CK_HC_WIDE_PREFETCH=1, off until measured): the
-// same bits. set_hc_wide_prefetch(-1): the environment's.
-bool hc_wide_prefetch_on();
-void set_hc_wide_prefetch(int on);
-size_t hc_wide_prefetch_launches();  // launches (or graph captures) of that instance, for tests
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;

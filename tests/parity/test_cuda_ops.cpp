@@ -2158,19 +2158,6 @@ TEST(CudaOps, OneRowMixCountBarrierGivesTheSameBits) {
   });
 }
 
-// The one-row mix's first blocks asking L2 for every block's down tiles, R and norm (hc_mix.cu's kP2Wide,
-// set_hc_wide_prefetch(1)) against the default instance (0): prefetches and a ticket only, so the same
-// logits bits (its ticket shares a line with no word the default instance uses).
-TEST(CudaOps, OneRowMixWidePrefetchGivesTheSameBits) {
-  REQUIRE_GPU();
-  for_each_model({3}, [](const Model& m, const Geometry& g) {
-    const size_t launches = hc_wide_prefetch_launches();
-    expect_switch_keeps_logits(m, g, 41, [](int on) { set_hc_wide_prefetch(on); },
-                               "the wide prefetch's logits differ from the default's");
-    EXPECT_GT(hc_wide_prefetch_launches(), launches) << "no one-row mix took the wide prefetch's instance";
-  });
-}
-
 // The one-row mix's phase 2 from the exact sums of its chunks' partial products (hc_mix.cu hc_acc_add,
 // set_hc_exact_sum(1)) against every consumer block adding the partials in chunk order (0): the sums
 // round once instead of at every addition, so the logits move by roundings only (within the CPU parity
