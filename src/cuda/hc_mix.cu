@@ -40,6 +40,7 @@
 // product, not to X before it), within the parity tolerances against the CPU reference (tests/parity).
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <type_traits>
 
 #include "cuda/bulk_copy.cuh"
@@ -834,9 +835,16 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   L.a = a;
   L.lowrank = lowrank;
   // The fewest groups per chunk (a divisor of a stream's groups) that leave a chunk per block.
+  // CK_HC_CHUNK_GROUPS=N (to measure): at least N, i.e. fewer, larger chunks and so fewer blocks (the
+  // grid's last blocks enter when the kernel before frees their SMs) and fewer partials to add, for
+  // more work a block; other sums' rounding (the partials' boundaries move), so not the default's bits.
+  static const int min_cg = [] {
+    const char* v = std::getenv("CK_HC_CHUNK_GROUPS");
+    return v ? std::max(1, std::atoi(v)) : 1;
+  }();
   const int gps = a.H / 64;
   L.cg = gps;
-  for (int d = 1; d <= gps; ++d)
+  for (int d = min_cg; d <= gps; ++d)
     if (gps % d == 0 && a.S * (gps / d) <= blocks) {
       L.cg = d;
       break;
