@@ -45,6 +45,7 @@
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/common.h"
+#include "cuda/count_barrier.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/fixed_sum.h"
 #include "cuda/layers.h"
@@ -115,6 +116,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, bool wait) {
 // waiters wait for the last block's second atomic, after its first returned and a release fence
 // drained its reset of the count: about three L2 round trips after the last arrival where this has one
 // (CK_HC_COUNT_BARRIER, on by default: one-row decode +1.1%, with the staged pair +1.4%, H100 2026-12-07).
+// The arithmetic: cuda/count_barrier.h (tested on the CPU across the wrap).
 __device__ __forceinline__ void grid_barrier_count(unsigned* bar, unsigned wrap_at, bool wait) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -122,8 +124,9 @@ __device__ __forceinline__ void grid_barrier_count(unsigned* bar, unsigned wrap_
     unsigned old;
     asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the block's writes (ordered by __syncthreads) first
     asm volatile("atom.inc.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(cnt), "r"(wrap_at) : "memory");
-    const unsigned n = gridDim.x, base = old - old % n;
-    if (wait && old - base != n - 1) poll_acquire_until(cnt, [&](unsigned v) { return v - base >= n; });
+    const unsigned n = gridDim.x, base = count_barrier_base(old, n);
+    if (wait && !count_barrier_last(old, n))
+      poll_acquire_until(cnt, [&](unsigned v) { return count_barrier_released(v, base, n); });
   }
   __syncthreads();
 }
@@ -907,7 +910,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
                       part_bytes + up_bytes + down_bytes + stage_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
   // CK_HC_COUNT_BARRIER (on): either with grid_barrier_count.
   const bool count = flat && hc_count_barrier_on();
-  L.wrap_at = (0xffffffffu / grid.x) * grid.x - 1;
+  L.wrap_at = count_barrier_wrap(grid.x);
   const int p2 = L.acc                     ? kP2Exact
                  : bulk == 1               ? kP2Bulk
                  : bulk == 2 && up_smem    ? kP2BulkUp
