@@ -812,6 +812,20 @@ bool hc_count_barrier_on() { return g_hc_count_barrier.on(); }
 void set_hc_count_barrier(int on) { g_hc_count_barrier.set(on); }
 size_t hc_count_barrier_launches() { return g_hc_count_barrier.launches(); }
 
+namespace {
+int g_hc_chunk_groups = -1;  // set_hc_chunk_groups; -1: the environment's
+std::atomic<size_t> g_hc_chunk_group_launches{0};
+}  // namespace
+int hc_chunk_groups_min() {
+  static const int env_min = [] {
+    const char* v = std::getenv("CK_HC_CHUNK_GROUPS");
+    return v ? std::max(1, std::atoi(v)) : 1;
+  }();
+  return g_hc_chunk_groups < 0 ? env_min : std::max(1, g_hc_chunk_groups);
+}
+void set_hc_chunk_groups(int n) { g_hc_chunk_groups = n < 0 ? -1 : n; }
+size_t hc_chunk_groups_launches() { return g_hc_chunk_group_launches.load(); }
+
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
 size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
@@ -841,17 +855,19 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   // CK_HC_CHUNK_GROUPS=N (to measure): at least N, i.e. fewer, larger chunks and so fewer blocks (the
   // grid's last blocks enter when the kernel before frees their SMs) and fewer partials to add, for
   // more work a block; other sums' rounding (the partials' boundaries move), so not the default's bits.
-  static const int min_cg = [] {
-    const char* v = std::getenv("CK_HC_CHUNK_GROUPS");
-    return v ? std::max(1, std::atoi(v)) : 1;
-  }();
+  const int min_cg = hc_chunk_groups_min();
   const int gps = a.H / 64;
   L.cg = gps;
-  for (int d = min_cg; d <= gps; ++d)
+  int fewest = gps;
+  for (int d = 1; d <= gps; ++d)
     if (gps % d == 0 && a.S * (gps / d) <= blocks) {
-      L.cg = d;
-      break;
+      fewest = std::min(fewest, d);
+      if (d >= min_cg) {
+        L.cg = d;
+        break;
+      }
     }
+  if (L.cg != fewest) ++g_hc_chunk_group_launches;
   if (L.cg > kHcMaxChunkGroups) return false;
   L.n_chunks = a.S * gps / L.cg;
   if (L.n_chunks > blocks) return false;

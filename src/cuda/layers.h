@@ -125,6 +125,12 @@ size_t hc_staged_pair_launches();  // launches (or graph captures) of the staged
 bool hc_count_barrier_on();
 void set_hc_count_barrier(int on);
 size_t hc_count_barrier_launches();  // launches (or graph captures) of the count barrier's instances, for tests
+// The one-row mix's chunks of at least N 64-code groups (CK_HC_CHUNK_GROUPS=N; 1, the fewest that leave a
+// chunk per block, by default): fewer blocks and fewer partials; the partials' boundaries move, so other
+// roundings. set_hc_chunk_groups(-1): the environment's.
+int hc_chunk_groups_min();
+void set_hc_chunk_groups(int n);
+size_t hc_chunk_groups_launches();  // launches (or graph captures) with larger chunks than the default's, for tests
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;

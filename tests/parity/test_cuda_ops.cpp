@@ -2198,6 +2198,40 @@ TEST(CudaOps, OneRowMixExactSumsMatchTheChunkOrderSums) {
   });
 }
 
+// The one-row mix in fewer, larger chunks (set_hc_chunk_groups(5): at geometry 3's H of 320, one chunk a
+// stream instead of five) against the default chunks: the partials' boundaries move, so the logits move by
+// roundings only (within the CPU parity tolerance), and the same bits in a second session.
+TEST(CudaOps, OneRowMixLargerChunksStayWithinTolerance) {
+  REQUIRE_GPU();
+  for_each_model({3}, [](const Model& m, const Geometry& g) {
+    const std::vector<int32_t> tokens = random_tokens(24, g.cfg.vocab_size, g.cfg.ple_eos(), 43);
+    auto run = [&](int min_groups) {
+      set_hc_chunk_groups(min_groups);
+      auto s = m.new_session(64);
+      std::vector<float> out;
+      StepResult res;
+      for (int pos = 0; pos < 24; ++pos) {  // one row a step: every mix is the one-row kernel
+        EXPECT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, 1), false, true, &res).ok());
+        s->commit(1);
+        out.insert(out.end(), res.logits.begin(), res.logits.end());
+      }
+      return out;
+    };
+    const size_t launches = hc_chunk_groups_launches();
+    const std::vector<float> fewest = run(1);
+    EXPECT_EQ(hc_chunk_groups_launches(), launches);
+    const std::vector<float> larger = run(5), again = run(5);
+    EXPECT_GT(hc_chunk_groups_launches(), launches) << "no one-row mix took larger chunks";
+    set_hc_chunk_groups(-1);
+    ASSERT_EQ(larger.size(), fewest.size());
+    const double rl = rel_l2(larger.data(), fewest.data(), larger.size());
+    std::printf("  %-60s larger chunks against the default's: logits rel L2 %.3g\n", g.name.c_str(), rl);
+    EXPECT_LE(rl, 1e-4);  // LayerPiecesOnRandomModels' tolerance against the CPU
+    EXPECT_EQ(std::memcmp(larger.data(), again.data(), larger.size() * sizeof(float)), 0)
+        << "larger chunks gave other bits in a second session";
+  });
+}
+
 // expect_switch_keeps_logits on every geometry whose experts are in tiles (Model::tiled_experts; at
 // least one is, or the switch's path did not run).
 template <class Set>
