@@ -919,7 +919,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   const bool down_smem = up_smem && bulk >= 3 && part_bytes + up_bytes + down_bytes <= static_cast<size_t>(kHcMaxDynamicBytes);
   // Mode 3 takes its flat form (CK_HC_FLAT_COMBINE, on) for a MoE output of at most 16 slots (or none).
   const bool flat = hc_flat_combine_on() && (!a.moe_y || a.moe_k <= kFlatCombineSlots);
-  // CK_HC_STAGED_PAIR=1: the flat form with the inject head's tile pair staged before the wait, if its
+  // CK_HC_STAGED_PAIR (on): the flat form with the inject head's tile pair staged before the wait, if its
   // words fit after the tiles (cg groups x 2 KB).
   const size_t stage_bytes = static_cast<size_t>(L.cg) * 4 * 32 * sizeof(uint4);
   const bool staged = flat && hc_staged_pair_on() &&

@@ -2158,6 +2158,32 @@ TEST(CudaOps, OneRowMixCountBarrierGivesTheSameBits) {
   });
 }
 
+// The logits of `tokens` in a new session, one row a step (every mix is the one-row kernel).
+std::vector<float> one_row_logits(const Model& m, const std::vector<int32_t>& tokens) {
+  auto s = m.new_session(64);
+  std::vector<float> out;
+  StepResult res;
+  for (size_t pos = 0; pos < tokens.size(); ++pos) {
+    EXPECT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, 1), false, true, &res).ok());
+    s->commit(1);
+    out.insert(out.end(), res.logits.begin(), res.logits.end());
+  }
+  return out;
+}
+
+// `form`'s logits differ from `base`'s by roundings only (within the CPU parity tolerance), and `again`
+// (the same form in a second session) has form's bits.
+void expect_rounding_only(const std::vector<float>& form, const std::vector<float>& base, const std::vector<float>& again,
+                          const Geometry& g, const char* what) {
+  ASSERT_EQ(form.size(), base.size());
+  const double rl = rel_l2(form.data(), base.data(), form.size());
+  std::printf("  %-60s %s: logits rel L2 %.3g\n", g.name.c_str(), what, rl);
+  EXPECT_LE(rl, 1e-4);  // LayerPiecesOnRandomModels' tolerance against the CPU
+  ASSERT_EQ(again.size(), form.size());
+  EXPECT_EQ(std::memcmp(form.data(), again.data(), form.size() * sizeof(float)), 0)
+      << what << ": other bits in a second session";
+}
+
 // The one-row mix's phase 2 from the exact sums of its chunks' partial products (hc_mix.cu hc_acc_add,
 // set_hc_exact_sum(1)) against every consumer block adding the partials in chunk order (0): the sums
 // round once instead of at every addition, so the logits move by roundings only (within the CPU parity
@@ -2173,15 +2199,7 @@ TEST(CudaOps, OneRowMixExactSumsMatchTheChunkOrderSums) {
     const std::vector<int32_t> tokens = random_tokens(24, g.cfg.vocab_size, g.cfg.ple_eos(), 16);
     auto run = [&](int mode) {
       set_hc_exact_sum(mode);
-      auto s = m.new_session(64);
-      std::vector<float> out;
-      StepResult res;
-      for (int pos = 0; pos < 24; ++pos) {  // one row a step: every mix is the one-row kernel
-        EXPECT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, 1), false, true, &res).ok());
-        s->commit(1);
-        out.insert(out.end(), res.logits.begin(), res.logits.end());
-      }
-      return out;
+      return one_row_logits(m, tokens);
     };
     const size_t launches = hc_exact_sum_launches();
     const std::vector<float> chunk_order = run(0);
@@ -2189,12 +2207,7 @@ TEST(CudaOps, OneRowMixExactSumsMatchTheChunkOrderSums) {
     const std::vector<float> exact = run(1), again = run(1);
     EXPECT_GT(hc_exact_sum_launches(), launches) << "the one-row mix did not take its exact sums";
     set_hc_exact_sum(-1);
-    ASSERT_EQ(exact.size(), chunk_order.size());
-    const double rl = rel_l2(exact.data(), chunk_order.data(), exact.size());
-    std::printf("  %-60s exact sums against chunk order: logits rel L2 %.3g\n", g.name.c_str(), rl);
-    EXPECT_LE(rl, 1e-4);  // LayerPiecesOnRandomModels' tolerance against the CPU
-    EXPECT_EQ(std::memcmp(exact.data(), again.data(), exact.size() * sizeof(float)), 0)
-        << "the exact sums gave other bits in a second session";
+    expect_rounding_only(exact, chunk_order, again, g, "exact sums against chunk order");
   });
 }
 
@@ -2207,15 +2220,7 @@ TEST(CudaOps, OneRowMixLargerChunksStayWithinTolerance) {
     const std::vector<int32_t> tokens = random_tokens(24, g.cfg.vocab_size, g.cfg.ple_eos(), 43);
     auto run = [&](int min_groups) {
       set_hc_chunk_groups(min_groups);
-      auto s = m.new_session(64);
-      std::vector<float> out;
-      StepResult res;
-      for (int pos = 0; pos < 24; ++pos) {  // one row a step: every mix is the one-row kernel
-        EXPECT_TRUE(s->step_rows(std::span<const int32_t>(tokens.data() + pos, 1), false, true, &res).ok());
-        s->commit(1);
-        out.insert(out.end(), res.logits.begin(), res.logits.end());
-      }
-      return out;
+      return one_row_logits(m, tokens);
     };
     const size_t launches = hc_chunk_groups_launches();
     const std::vector<float> fewest = run(1);
@@ -2223,12 +2228,7 @@ TEST(CudaOps, OneRowMixLargerChunksStayWithinTolerance) {
     const std::vector<float> larger = run(5), again = run(5);
     EXPECT_GT(hc_chunk_groups_launches(), launches) << "no one-row mix took larger chunks";
     set_hc_chunk_groups(-1);
-    ASSERT_EQ(larger.size(), fewest.size());
-    const double rl = rel_l2(larger.data(), fewest.data(), larger.size());
-    std::printf("  %-60s larger chunks against the default's: logits rel L2 %.3g\n", g.name.c_str(), rl);
-    EXPECT_LE(rl, 1e-4);  // LayerPiecesOnRandomModels' tolerance against the CPU
-    EXPECT_EQ(std::memcmp(larger.data(), again.data(), larger.size() * sizeof(float)), 0)
-        << "larger chunks gave other bits in a second session";
+    expect_rounding_only(larger, fewest, again, g, "larger chunks against the default's");
   });
 }
 
