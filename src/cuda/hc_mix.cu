@@ -290,12 +290,19 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //            H100 2026-12-07; its stamps' "fragments + down tiles" 4.9k -> 3.0k cycles, median block).
 //  kP2FlatCount, kP2StagedCount: kP2BulkAllFlat and kP2BulkAllStaged with grid_barrier_count
 //            (CK_HC_COUNT_BARRIER, on: kP2StagedCount is the default where it applies).
+//  kP2CutAfterBarrier, kP2CutBeforeBarrier: measuring only, never for results (CK_HC_CUT=1 / 2, like
+//            CK_HOLLOW): kP2StagedCount whose blocks all leave after the grid barrier (no phases 2-3),
+//            or after phase 1 without the barrier; u and w are not written. A step's time with a cut
+//            against without is what the cut pieces cost inside the step, where the stamps say only
+//            what they cost inside the kernel.
 enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6,
-       kP2BulkAllFlat = 7, kP2BulkAllStaged = 8, kP2FlatCount = 9, kP2StagedCount = 10 };
+       kP2BulkAllFlat = 7, kP2BulkAllStaged = 8, kP2FlatCount = 9, kP2StagedCount = 10, kP2CutAfterBarrier = 11,
+       kP2CutBeforeBarrier = 12 };
 // The forms whose partials come by bulk copies (kernel and launch).
 __host__ __device__ constexpr bool p2_bulk_partials(int p2) {
   return p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4 || p2 == kP2BulkAllFlat ||
-         p2 == kP2BulkAllStaged || p2 == kP2FlatCount || p2 == kP2StagedCount;
+         p2 == kP2BulkAllStaged || p2 == kP2FlatCount || p2 == kP2StagedCount || p2 == kP2CutAfterBarrier ||
+         p2 == kP2CutBeforeBarrier;
 }
 // Bytes of a consumer block's up tiles: S streams x 4 tiles x the low rank's groups (one stream's 4 tiles
 // contiguous), after the partials in dynamic shared memory (the launch; the kernel writes it out).
@@ -306,8 +313,9 @@ template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   constexpr bool EXACT = P2 == kP2Exact, BULK = p2_bulk_partials(P2);
   constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
-  constexpr bool COUNT = P2 == kP2FlatCount || P2 == kP2StagedCount;
-  constexpr bool STAGED = P2 == kP2BulkAllStaged || P2 == kP2StagedCount;
+  constexpr bool CUT = P2 == kP2CutAfterBarrier || P2 == kP2CutBeforeBarrier;
+  constexpr bool COUNT = P2 == kP2FlatCount || P2 == kP2StagedCount || CUT;
+  constexpr bool STAGED = P2 == kP2BulkAllStaged || P2 == kP2StagedCount || CUT;
   constexpr bool FLAT = P2 == kP2BulkAllFlat || STAGED || COUNT;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
@@ -529,6 +537,11 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   mark(3);
   // Only the blocks of u's groups have work after the barrier (phases 2 and 3).
   const bool consumer = static_cast<int>(blockIdx.x) < H / 64;
+  if constexpr (CUT) {  // (measuring: the up tiles' copies land before the block leaves)
+    if (P2 == kP2CutAfterBarrier) grid_barrier_count(L.bar, L.wrap_at, consumer || !L.leave_early);
+    if (consumer && tid == 0) mbar_wait(&up_bar, 0);
+    return;
+  }
   if constexpr (COUNT) grid_barrier_count(L.bar, L.wrap_at, consumer || !L.leave_early);
   else grid_barrier(L.bar, consumer || !L.leave_early);
   if (!consumer && L.leave_early) {
@@ -731,6 +744,8 @@ void hc_mix_init() {
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2BulkAllStaged>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2FlatCount>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2StagedCount>);
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2CutAfterBarrier>);
+      set(hc_mix_row_kernel<bf16s(), tiles(), kP2CutBeforeBarrier>);
     }
   };
   using T = std::true_type;
@@ -825,6 +840,14 @@ int hc_chunk_groups_min() {
 }
 void set_hc_chunk_groups(int n) { g_hc_chunk_groups = n < 0 ? -1 : n; }
 size_t hc_chunk_groups_launches() { return g_hc_chunk_group_launches.load(); }
+
+namespace {
+// CK_HC_CUT=1 / 2 (measuring only: the mix's outputs are not written): kP2CutAfterBarrier / kP2CutBeforeBarrier.
+int hc_cut_mode() {
+  static const int mode = env_is("CK_HC_CUT", "1") ? 1 : env_is("CK_HC_CUT", "2") ? 2 : 0;
+  return mode;
+}
+}  // namespace
 
 size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, lowrank); }  // two buffers
 
@@ -927,7 +950,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
   // CK_HC_COUNT_BARRIER (on): either with grid_barrier_count.
   const bool count = flat && hc_count_barrier_on();
   L.wrap_at = count_barrier_wrap(grid.x);
-  const int p2 = L.acc                     ? kP2Exact
+  int p2 = L.acc                           ? kP2Exact
                  : bulk == 1               ? kP2Bulk
                  : bulk == 2 && up_smem    ? kP2BulkUp
                  : bulk == 2               ? kP2Bulk
@@ -937,7 +960,14 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
                  : bulk == 4 && down_smem  ? kP2LoadsTiles
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
-  const bool p2_staged = p2 == kP2BulkAllStaged || p2 == kP2StagedCount;
+  if (p2 == kP2StagedCount && hc_cut_mode() > 0) {
+    static bool told = false;
+    if (!told) std::fprintf(stderr, "CK_HC_CUT=%d: the one-row mix is cut short (measuring only: garbage outputs)\n", hc_cut_mode());
+    told = true;
+    p2 = hc_cut_mode() == 1 ? kP2CutAfterBarrier : kP2CutBeforeBarrier;
+  }
+  const bool p2_staged = p2 == kP2BulkAllStaged || p2 == kP2StagedCount || p2 == kP2CutAfterBarrier ||
+                         p2 == kP2CutBeforeBarrier;
   if ((p2 == kP2BulkAllFlat || p2 == kP2FlatCount || p2_staged) && a.moe_y) g_hc_flat_combine.count();
   if (p2_staged) g_hc_staged_pair.count();
   if (p2 == kP2FlatCount || p2 == kP2StagedCount) g_hc_count_barrier.count();
@@ -957,6 +987,8 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
       if (p2 == kP2BulkAllStaged) return go(hc_mix_row_kernel<bf16s_c(), true, kP2BulkAllStaged>);
       if (p2 == kP2FlatCount) return go(hc_mix_row_kernel<bf16s_c(), true, kP2FlatCount>);
       if (p2 == kP2StagedCount) return go(hc_mix_row_kernel<bf16s_c(), true, kP2StagedCount>);
+      if (p2 == kP2CutAfterBarrier) return go(hc_mix_row_kernel<bf16s_c(), true, kP2CutAfterBarrier>);
+      if (p2 == kP2CutBeforeBarrier) return go(hc_mix_row_kernel<bf16s_c(), true, kP2CutBeforeBarrier>);
     }
     if (p2 == kP2Exact) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
     else if (p2 == kP2Bulk) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);
