@@ -82,6 +82,15 @@ void report_hc_mix_timing(cuda::Session& s, FILE* out) {
     emit(out, "hc_mix   %-28s min %9.0f  median %9.0f  p90 %9.0f  max %9.0f  (%zu blocks)\n", cuda::kHcStampNames[k],
          v.front(), v[v.size() / 2], v[v.size() * 9 / 10], v.back(), v.size());
   }
+  // CK_HC_TIMING_BLOCKS=1 too: every block's line (its start in ns after the first block's, then its
+  // pieces in SM cycles, kHcStampNames' order), to see which blocks end phase 1 last.
+  if (!cuda::env_is("CK_HC_TIMING_BLOCKS", "1")) return;
+  for (size_t b = 0; b < n; ++b) {
+    if (st[W * b] == 0) continue;
+    emit(out, "hc_mix_block %3zu  start %6llu", b, static_cast<unsigned long long>(st[W * b] - first));
+    for (int k = 1; k < W; ++k) emit(out, " %6llu", static_cast<unsigned long long>(st[W * b + k]));
+    emit(out, "\n");
+  }
 }
 
 // CK_EXPERT_TIMING=1: when the blocks of the step's last decode expert kernels (streaming gate/up and
