@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     unsigned epoch = 0;
     if (tid == 0) {
       const unsigned n = gridDim.x;
-      epoch = count_barrier_base(count0, n) / n + 1u;  // (never 0, the flags' first value)
+      epoch = count_barrier_epoch(count0, n);  // (never 0, the flags' first value)
       asm volatile("fence.acq_rel.gpu;" ::: "memory");
       if (c < L.n_chunks) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(L.flags + c), "r"(epoch) : "memory");
       asm volatile("red.relaxed.gpu.global.inc.u32 [%0], %1;" ::"l"(L.bar + 48), "r"(L.wrap_at) : "memory");
