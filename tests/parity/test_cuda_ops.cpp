@@ -2061,6 +2061,16 @@ void expect_switch_keeps_logits(const Model& m, const Geometry& g, uint64_t seed
   EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0) << what;
 }
 
+// expect_switch_keeps_logits for a one-row mix form chosen by a switch, and that the form ran (its launch
+// count grew): a form that never ran would keep the logits trivially.
+template <class Set, class Count>
+void expect_form_keeps_logits(const Model& m, const Geometry& g, uint64_t seed, Set set, Count launches,
+                              const char* what, const char* not_run) {
+  const size_t before = launches();
+  expect_switch_keeps_logits(m, g, seed, set, what);
+  EXPECT_GT(launches(), before) << not_run;
+}
+
 // fn(model, geometry) on the given geometries (indices into geometries()).
 template <class Fn>
 void for_each_model(std::initializer_list<int> which, Fn fn) {
@@ -2118,10 +2128,9 @@ TEST(CudaOps, OneRowMixBulkPartialsGiveTheLoadsBits) {
 TEST(CudaOps, OneRowMixFlatCombineGivesTheLoopsBits) {
   REQUIRE_GPU();
   for_each_model({3}, [](const Model& m, const Geometry& g) {
-    const size_t launches = hc_flat_combine_launches();
-    expect_switch_keeps_logits(m, g, 23, [](int on) { set_hc_flat_combine(on); },
-                               "the flat combine's logits differ from the loop's");
-    EXPECT_GT(hc_flat_combine_launches(), launches) << "no one-row mix combined a MoE output the flat way";
+    expect_form_keeps_logits(m, g, 23, [](int on) { set_hc_flat_combine(on); }, hc_flat_combine_launches,
+                             "the flat combine's logits differ from the loop's",
+                             "no one-row mix combined a MoE output the flat way");
   });
 }
 
@@ -2131,10 +2140,9 @@ TEST(CudaOps, OneRowMixFlatCombineGivesTheLoopsBits) {
 TEST(CudaOps, OneRowMixStagedPairGivesTheFlatBits) {
   REQUIRE_GPU();
   for_each_model({3}, [](const Model& m, const Geometry& g) {
-    const size_t launches = hc_staged_pair_launches();
-    expect_switch_keeps_logits(m, g, 29, [](int on) { set_hc_staged_pair(on); },
-                               "the staged pair's logits differ from the flat form's");
-    EXPECT_GT(hc_staged_pair_launches(), launches) << "no one-row mix took the staged instance";
+    expect_form_keeps_logits(m, g, 29, [](int on) { set_hc_staged_pair(on); }, hc_staged_pair_launches,
+                             "the staged pair's logits differ from the flat form's",
+                             "no one-row mix took the staged instance");
   });
 }
 
@@ -2166,10 +2174,9 @@ TEST(CudaOps, OneRowMixCountBarrierGivesTheSameBits) {
 TEST(CudaOps, OneRowMixChunkFlagsGiveTheSameBits) {
   REQUIRE_GPU();
   for_each_model({3}, [](const Model& m, const Geometry& g) {
-    const size_t launches = hc_chunk_flags_launches();
-    expect_switch_keeps_logits(m, g, 61, [](int on) { set_hc_chunk_flags(on); },
-                               "the chunk flags' logits differ from the barrier's");
-    EXPECT_GT(hc_chunk_flags_launches(), launches) << "no one-row mix took the chunk flags' instance";
+    expect_form_keeps_logits(m, g, 61, [](int on) { set_hc_chunk_flags(on); }, hc_chunk_flags_launches,
+                             "the chunk flags' logits differ from the barrier's",
+                             "no one-row mix took the chunk flags' instance");
   });
 }
 
