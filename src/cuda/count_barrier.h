@@ -25,9 +25,5 @@ CK_COUNT_HD unsigned count_barrier_base(unsigned old, unsigned n) { return old -
 CK_COUNT_HD bool count_barrier_last(unsigned old, unsigned n) { return old % n == n - 1; }
 // Whether the count v, read by a waiter whose launch began at base, says every block has arrived.
 CK_COUNT_HD bool count_barrier_released(unsigned v, unsigned base, unsigned n) { return v - base >= n; }
-// The launch's epoch (hc_mix.cu kP2ChunkFlags' ready flags), from the count a block read before its own
-// arrival: whoever has arrived, that count is in [base, base + n), so every block of the launch gets the
-// same value; never 0 (the flags' first value), and each launch's differs from the one before.
-CK_COUNT_HD unsigned count_barrier_epoch(unsigned count, unsigned n) { return count_barrier_base(count, n) / n + 1u; }
 
 }  // namespace ck::cuda

@@ -82,7 +82,6 @@ struct HcMixLaunch {
   int acc_stride;        // words of one stream's rows in one limb (low rank + one inject tile)
   int acc_words;         // one buffer: kHcAccFlagWords, then limb A and limb B, each S x acc_stride
   float acc_limit;       // a partial at or above this magnitude (or not finite) sends the mix to the fallback
-  unsigned* flags;       // kP2ChunkFlags: a ready flag a chunk (zeroed at first), this launch's epoch when set
 };
 
 // All blocks of the grid arrive here; those that `wait` leave once all have arrived, and then see
@@ -296,23 +295,14 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 //            or after phase 1 without the barrier; u and w are not written. A step's time with a cut
 //            against without is what the cut pieces cost inside the step, where the stamps say only
 //            what they cost inside the kernel.
-//  kP2ChunkFlags: kP2StagedCount without the grid barrier's wait. Each block writes its chunk's partials
-//            with its sum of squares in one row, then a ready flag (release) holding this launch's epoch,
-//            and counts itself on the barrier's count (the epochs' source: a block reads the count after
-//            its wait, and floored to a multiple of the grid it is this launch's base whoever has arrived).
-//            The blocks without phases 2-3 leave at once; in u's blocks warp 0 polls the chunks' flags in
-//            any order and bulk-copies each chunk's row as soon as it is ready, so the copies overlap the
-//            wait for the slowest chunk instead of following it. The sums are kP2Bulk's, in chunk order:
-//            the same bits (CK_HC_CHUNK_FLAGS=1, off: written 2026-12-07 after the session's last call,
-//            not yet run; phases 2-3 cost 4.7 us a mix in the step, CK_HC_CUT=1).
 enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6,
        kP2BulkAllFlat = 7, kP2BulkAllStaged = 8, kP2FlatCount = 9, kP2StagedCount = 10, kP2CutAfterBarrier = 11,
-       kP2CutBeforeBarrier = 12, kP2ChunkFlags = 13 };
+       kP2CutBeforeBarrier = 12 };
 // The forms whose partials come by bulk copies (kernel and launch).
 __host__ __device__ constexpr bool p2_bulk_partials(int p2) {
   return p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4 || p2 == kP2BulkAllFlat ||
          p2 == kP2BulkAllStaged || p2 == kP2FlatCount || p2 == kP2StagedCount || p2 == kP2CutAfterBarrier ||
-         p2 == kP2CutBeforeBarrier || p2 == kP2ChunkFlags;
+         p2 == kP2CutBeforeBarrier;
 }
 // Bytes of a consumer block's up tiles: S streams x 4 tiles x the low rank's groups (one stream's 4 tiles
 // contiguous), after the partials in dynamic shared memory (the launch; the kernel writes it out).
@@ -324,9 +314,8 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   constexpr bool EXACT = P2 == kP2Exact, BULK = p2_bulk_partials(P2);
   constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
   constexpr bool CUT = P2 == kP2CutAfterBarrier || P2 == kP2CutBeforeBarrier;
-  constexpr bool FLAGS = P2 == kP2ChunkFlags;
-  constexpr bool COUNT = P2 == kP2FlatCount || P2 == kP2StagedCount || CUT || FLAGS;
-  constexpr bool STAGED = P2 == kP2BulkAllStaged || P2 == kP2StagedCount || CUT || FLAGS;
+  constexpr bool COUNT = P2 == kP2FlatCount || P2 == kP2StagedCount || CUT;
+  constexpr bool STAGED = P2 == kP2BulkAllStaged || P2 == kP2StagedCount || CUT;
   constexpr bool FLAT = P2 == kP2BulkAllFlat || STAGED || COUNT;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
@@ -340,13 +329,10 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int S = a.S, H = a.H, lowrank = L.lowrank, cg = L.cg, td = L.tiles_d + L.tiles_i;
   const int c = blockIdx.x;
-  // A chunk's row of partials: 16 td floats, and with FLAGS its sum of squares after them (16-byte rows).
-  const int rs = FLAGS ? td * 16 + 4 : td * 16;
   // UP_SMEM: the block's up tiles (S streams x 4 tiles x the low rank's groups, 576 bytes each) after the
   // partials in dynamic shared memory (the launch checks they fit and that a block has one u group).
   // DOWN_SMEM: then the chunk's groups of the down tiles (tiles_d x cg x 576 bytes).
-  uint8_t* const up_tiles = FLAGS ? reinterpret_cast<uint8_t*>(sp + static_cast<size_t>(L.n_chunks) * rs)
-                                  : reinterpret_cast<uint8_t*>(sp + static_cast<size_t>(L.n_chunks) * td * 16);
+  uint8_t* const up_tiles = reinterpret_cast<uint8_t*>(sp + static_cast<size_t>(L.n_chunks) * td * 16);
   // (hc_up_tile_bytes(S, lowrank) written out: the call compiled to other SASS than this measured form)
   uint8_t* const down_tiles = up_tiles + static_cast<size_t>(S) * 4 * (lowrank / 64) * kTileGroupBytes;
   // STAGED: then the pair with the inject head's tile, cg x 2 KB (hc_tile_pair_stage's layout).
@@ -451,10 +437,6 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     hc_tile_pair_stage<BF16S>(mat(stage_warp), row(stage_warp), mat(tb), row(tb), c * cg, (c + 1) * cg, staged);
   }
   pdl_begin();  // R, o and w come from the kernels before
-  // FLAGS: the count, for this launch's epoch (every mix before this one has finished counting: the
-  // kernels between waited for it); asked for now, used after phase 1.
-  unsigned count0 = 0;
-  if (FLAGS && tid == 0) asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(count0) : "l"(L.bar + 48) : "memory");
   mark(1);
   // This mix's accumulators: the buffer of the barrier's generation parity (the generation advances once a
   // mix, at its barrier, after every block has read it here). The other buffer is the previous mix's, whose
@@ -493,7 +475,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       xs[e] = v * (FLAT ? nk : a.norm[k]);
     }
     sq = block_sum(sq, scratch);  // synchronises: xs is complete
-    if (tid == 0) (FLAGS ? L.part[static_cast<size_t>(c) * rs + td * 16] : L.ss[c]) = sq;
+    if (tid == 0) L.ss[c] = sq;
     mark(2);
 #pragma unroll 1
     for (int G = warp; G < cg; G += kHcWarps) hc_frag(xs + 64 * G, frag + G * 128, xg + G);
@@ -529,7 +511,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       }
       float y0, y1;
       hc_tile_rows(acc_a, y0, y1);
-      float* p = FLAGS ? L.part + static_cast<size_t>(c) * rs : L.part + static_cast<size_t>(c) * td * 16;
+      float* p = L.part + static_cast<size_t>(c) * td * 16;
       // Rows of this chunk's stream that exist (an inject tile's rows past inject.rows are clamped copies).
       const int s = c * cg * 64 / H;
       auto add = [&](int j, float v) {
@@ -560,61 +542,18 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
     if (consumer && tid == 0) mbar_wait(&up_bar, 0);
     return;
   }
-  if constexpr (FLAGS) {
-    // The chunk's row is written (this __syncthreads orders the block's stores before thread 0's
-    // release); its flag then says so.
-    __syncthreads();
-    unsigned epoch = 0;
-    if (tid == 0) {
-      const unsigned n = gridDim.x;
-      epoch = count_barrier_epoch(count0, n);  // (never 0, the flags' first value)
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");
-      if (c < L.n_chunks) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(L.flags + c), "r"(epoch) : "memory");
-      asm volatile("red.relaxed.gpu.global.inc.u32 [%0], %1;" ::"l"(L.bar + 48), "r"(L.wrap_at) : "memory");
-    }
-    if (!consumer) {
-      if (stamp)
-        for (int k = 4; k < kHcStampWords; ++k) st[k] = 0;  // pieces this block does not run
-      return;
-    }
-    if (warp == 0) {  // each ready chunk's row, copied as soon as its flag says so, in any order
-      epoch = __shfl_sync(0xffffffffu, epoch, 0);
-      if (lane == 0) mbar_arrive_expect(&parts_bar, static_cast<uint32_t>(sizeof(float)) * L.n_chunks * rs);
-      __syncwarp();
-      uint32_t pending = 0;  // bit i: chunk lane + 32 i (at most 32 x 32 chunks: the launch checks)
-      for (int i = 0; lane + 32 * i < L.n_chunks; ++i) pending |= 1u << i;
-      uint64_t t0, now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-      while (pending) {
-        for (uint32_t left = pending; left; left &= left - 1) {
-          const int i = __ffs(left) - 1, k = lane + 32 * i;
-          unsigned v;
-          asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(L.flags + k) : "memory");
-          if (v != epoch) continue;
-          asm volatile("fence.acq_rel.gpu;" ::: "memory");     // the chunk's row, acquired
-          asm volatile("fence.proxy.async.global;" ::: "memory");  // and ordered before the copy engine's read
-          bulk_copy_1d(sp + static_cast<size_t>(k) * rs, L.part + static_cast<size_t>(k) * rs,
-                       static_cast<uint32_t>(sizeof(float)) * rs, &parts_bar);
-          pending &= ~(1u << i);
-        }
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - t0 > 2000000000ull) __trap();  // (a chunk that never came: an error, not a hang)
-      }
-    }
-  } else {
-    if constexpr (COUNT) grid_barrier_count(L.bar, L.wrap_at, consumer || !L.leave_early);
-    else grid_barrier(L.bar, consumer || !L.leave_early);
-    if (!consumer && L.leave_early) {
-      if (stamp)
-        for (int k = 4; k < kHcStampWords; ++k) st[k] = 0;  // pieces this block does not run
-      return;
-    }
+  if constexpr (COUNT) grid_barrier_count(L.bar, L.wrap_at, consumer || !L.leave_early);
+  else grid_barrier(L.bar, consumer || !L.leave_early);
+  if (!consumer && L.leave_early) {
+    if (stamp)
+      for (int k = 4; k < kHcStampWords; ++k) st[k] = 0;  // pieces this block does not run
+    return;
   }
   mark(4);
   // kP2Bulk: the copy engine brings every chunk's partials while the threads make 1 / rms below. Thread 0
   // acquired the other blocks' partials at the barrier; the proxy fence orders the copies (the async
   // proxy) after that.
-  if (BULK && !FLAGS && tid == 0) {  // (FLAGS: warp 0 copied each row above)
+  if (BULK && tid == 0) {
     const uint32_t bytes = static_cast<uint32_t>(sizeof(float)) * L.n_chunks * td * 16;  // a multiple of 64
     asm volatile("fence.proxy.async.global;" ::: "memory");
     mbar_arrive_expect(&parts_bar, bytes);
@@ -627,12 +566,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // 1 / rms per stream: its chunks' sums of squares in chunk order (every block, for phases 2 and 3).
   // With accumulators, their sums (and the flag) come in the same round trip, to sp as S x 16 td floats.
   const int cps = H / (64 * cg);  // chunks per stream
-  if constexpr (FLAGS) {  // the sums of squares came in the chunks' rows
-    mbar_wait(&parts_bar, 0);
-    if (tid < L.n_chunks) sss[tid] = sp[tid * rs + td * 16];
-  } else {
-    if (tid < L.n_chunks) sss[tid] = __ldcg(L.ss + tid);  // one round trip for all
-  }
+  if (tid < L.n_chunks) sss[tid] = __ldcg(L.ss + tid);  // one round trip for all
   bool exact = false;
   if (EXACT) {
     // Every limb a thread needs is asked for before any is used: one round trip (4 x 336 sums over 512
@@ -701,7 +635,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
           }
         }
 #pragma unroll 16
-        for (; k < L.n_chunks; ++k) v += (FLAGS ? sp[k * rs + j] : sp[k * td * 16 + j]) * sss[k];
+        for (; k < L.n_chunks; ++k) v += sp[k * td * 16 + j] * sss[k];
       } else {  // the chunks' partials in chunk order: copied to sp above, or (the fallback) from L2
 #pragma unroll 1
         for (int s = 0, k = 0; s < S; ++s)
@@ -812,7 +746,6 @@ void hc_mix_init() {
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2StagedCount>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2CutAfterBarrier>);
       set(hc_mix_row_kernel<bf16s(), tiles(), kP2CutBeforeBarrier>);
-      set(hc_mix_row_kernel<bf16s(), tiles(), kP2ChunkFlags>);
     }
   };
   using T = std::true_type;
@@ -909,14 +842,6 @@ void set_hc_chunk_groups(int n) { g_hc_chunk_groups = n < 0 ? -1 : n; }
 size_t hc_chunk_groups_launches() { return g_hc_chunk_group_launches.load(); }
 
 namespace {
-// Off until measured (written 2026-12-07 after the session's last call): CK_HC_CHUNK_FLAGS=1.
-HcSwitch g_hc_chunk_flags("CK_HC_CHUNK_FLAGS", true);
-}  // namespace
-bool hc_chunk_flags_on() { return g_hc_chunk_flags.on(); }
-void set_hc_chunk_flags(int on) { g_hc_chunk_flags.set(on); }
-size_t hc_chunk_flags_launches() { return g_hc_chunk_flags.launches(); }
-
-namespace {
 // CK_HC_CUT=1 / 2 (measuring only: the mix's outputs are not written): kP2CutAfterBarrier / kP2CutBeforeBarrier.
 int hc_cut_mode() {
   static const int mode = env_is("CK_HC_CUT", "1") ? 1 : env_is("CK_HC_CUT", "2") ? 2 : 0;
@@ -928,8 +853,7 @@ size_t hc_mix_acc_words(int S, int lowrank) { return 2 * hc_acc_buffer_words(S, 
 
 size_t hc_mix_scratch_floats(int S, int H, int lowrank) {
   const size_t chunks = static_cast<size_t>(S) * H / 64;  // at most: chunks of one group
-  // (kP2ChunkFlags: rows of 16 td + 4 floats, then the flags after the default's sums of squares)
-  return chunks * (lowrank + kHcMaxInject + 4) + 2 * chunks;
+  return chunks * (lowrank + kHcMaxInject) + chunks;
 }
 
 bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
@@ -1036,18 +960,6 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
                  : bulk == 4 && down_smem  ? kP2LoadsTiles
                  : bulk == 5 && down_smem  ? kP2BulkAll4
                                            : kP2Loads;
-  // CK_HC_CHUNK_FLAGS (off): the staged count form with a ready flag a chunk in place of the barrier's
-  // wait, if the rows (4 floats more each) still fit and every chunk has a bit in warp 0's lanes.
-  const size_t flag_part_bytes = sizeof(float) * L.n_chunks * ((L.tiles_d + L.tiles_i) * 16 + 4);
-  if (p2 == kP2StagedCount && hc_chunk_flags_on() && L.leave_early && L.n_chunks <= 32 * 32 &&
-      flag_part_bytes + up_bytes + down_bytes + stage_bytes <= static_cast<size_t>(kHcMaxDynamicBytes)) {
-    p2 = kP2ChunkFlags;
-    part_bytes = flag_part_bytes;
-    // The flags past the rows (and past the default's rows and sums of squares): zero until a launch
-    // of this form writes them, and no other form writes there.
-    L.flags = reinterpret_cast<unsigned*>(L.part + static_cast<size_t>(L.n_chunks) * ((L.tiles_d + L.tiles_i) * 16 + 5));
-    g_hc_chunk_flags.count();
-  }
   if (p2 == kP2StagedCount && hc_cut_mode() > 0) {
     static bool told = false;
     if (!told) std::fprintf(stderr, "CK_HC_CUT=%d: the one-row mix is cut short (measuring only: garbage outputs)\n", hc_cut_mode());
@@ -1055,10 +967,10 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
     p2 = hc_cut_mode() == 1 ? kP2CutAfterBarrier : kP2CutBeforeBarrier;
   }
   const bool p2_staged = p2 == kP2BulkAllStaged || p2 == kP2StagedCount || p2 == kP2CutAfterBarrier ||
-                         p2 == kP2CutBeforeBarrier || p2 == kP2ChunkFlags;
+                         p2 == kP2CutBeforeBarrier;
   if ((p2 == kP2BulkAllFlat || p2 == kP2FlatCount || p2_staged) && a.moe_y) g_hc_flat_combine.count();
   if (p2_staged) g_hc_staged_pair.count();
-  if (p2 == kP2FlatCount || p2 == kP2StagedCount || p2 == kP2ChunkFlags) g_hc_count_barrier.count();
+  if (p2 == kP2FlatCount || p2 == kP2StagedCount) g_hc_count_barrier.count();
   if (p2_bulk_partials(p2)) ++g_hc_bulk_launches;
   if (p2 >= kP2BulkUp) ++g_hc_bulk_up_launches;
   if (p2 >= kP2BulkAll) ++g_hc_bulk_down_launches;
@@ -1077,7 +989,6 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
       if (p2 == kP2StagedCount) return go(hc_mix_row_kernel<bf16s_c(), true, kP2StagedCount>);
       if (p2 == kP2CutAfterBarrier) return go(hc_mix_row_kernel<bf16s_c(), true, kP2CutAfterBarrier>);
       if (p2 == kP2CutBeforeBarrier) return go(hc_mix_row_kernel<bf16s_c(), true, kP2CutBeforeBarrier>);
-      if (p2 == kP2ChunkFlags) return go(hc_mix_row_kernel<bf16s_c(), true, kP2ChunkFlags>);
     }
     if (p2 == kP2Exact) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Exact>);
     else if (p2 == kP2Bulk) go(hc_mix_row_kernel<bf16s_c(), tiles_c(), kP2Bulk>);

@@ -131,12 +131,6 @@ size_t hc_count_barrier_launches();  // launches (or graph captures) of the coun
 int hc_chunk_groups_min();
 void set_hc_chunk_groups(int n);
 size_t hc_chunk_groups_launches();  // launches (or graph captures) with larger chunks than the default's, for tests
-// The one-row mix without its grid barrier's wait: a ready flag a chunk, and u's blocks copying each
-// chunk's partials as soon as it is ready (CK_HC_CHUNK_FLAGS=1, off): the same bits.
-// set_hc_chunk_flags(-1): the environment's.
-bool hc_chunk_flags_on();
-void set_hc_chunk_flags(int on);
-size_t hc_chunk_flags_launches();  // launches (or graph captures) of that instance, for tests
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;

@@ -2166,20 +2166,6 @@ TEST(CudaOps, OneRowMixCountBarrierGivesTheSameBits) {
   });
 }
 
-// The one-row mix with a ready flag a chunk in place of its grid barrier's wait (hc_mix.cu kP2ChunkFlags,
-// set_hc_chunk_flags(1)) against the barrier (0): the same partials, added in the same order, so the same
-// logits bits. A flag read early (a copy before the chunk's row was written) would give other bits; an
-// epoch that never matched would trap after two seconds. Twice in one session's steps: the flags keep the
-// epoch of the launch before, and the count goes on across both forms.
-TEST(CudaOps, OneRowMixChunkFlagsGiveTheSameBits) {
-  REQUIRE_GPU();
-  for_each_model({3}, [](const Model& m, const Geometry& g) {
-    expect_form_keeps_logits(m, g, 61, [](int on) { set_hc_chunk_flags(on); }, hc_chunk_flags_launches,
-                             "the chunk flags' logits differ from the barrier's",
-                             "no one-row mix took the chunk flags' instance");
-  });
-}
-
 // The logits of `tokens` in a new session, one row a step (every mix is the one-row kernel).
 std::vector<float> one_row_logits(const Model& m, const std::vector<int32_t>& tokens) {
   auto s = m.new_session(64);

@@ -12,7 +12,6 @@
 namespace {
 
 using ck::cuda::count_barrier_base;
-using ck::cuda::count_barrier_epoch;
 using ck::cuda::count_barrier_last;
 using ck::cuda::count_barrier_released;
 using ck::cuda::count_barrier_wrap;
@@ -49,32 +48,6 @@ void run_launches(unsigned n, unsigned count, int launches) {
     }
     EXPECT_EQ(lasts, 1);
     for (unsigned b : bases) ASSERT_TRUE(count_barrier_released(count, b, n)) << "not released at " << count;
-  }
-}
-
-// The chunk flags' epochs (count_barrier_epoch): launches of n blocks that count with atom.inc; each
-// block reads the count at some moment before its own arrival. Every such read in one launch gives the
-// same epoch, never 0, and not the launch before's (a flag left from it must not read as ready).
-void check_epochs(unsigned n, unsigned count, int launches) {
-  const unsigned bound = count_barrier_wrap(n);
-  unsigned before = 0;  // the flags' first value
-  for (int l = 0; l < launches; ++l) {
-    const unsigned epoch = count_barrier_epoch(count, n);
-    ASSERT_NE(epoch, 0u) << "launch " << l << " at " << count;
-    ASSERT_NE(epoch, before) << "launch " << l << " has the epoch of the launch before it";
-    for (unsigned i = 0; i < n; ++i) {
-      ASSERT_EQ(count_barrier_epoch(count, n), epoch) << "a read after " << i << " arrivals of " << n;
-      atom_inc(count, bound);
-    }
-    before = epoch;
-  }
-}
-
-TEST(CountBarrier, EpochsFromZeroAndAcrossTheWrap) {
-  for (unsigned n : {1u, 2u, 3u, 40u, 80u, 132u}) {
-    SCOPED_TRACE(n);
-    check_epochs(n, 0, 50);
-    check_epochs(n, count_barrier_wrap(n) + 1 - 5 * n, 10);  // a few launches before the wrap, and after
   }
 }
 
