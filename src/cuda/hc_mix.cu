@@ -490,6 +490,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
         hc_tile_pair_staged(staged, cg, frag, xg, acc_a, acc_b);
       } else if (DOWN_SMEM && tb < L.tiles_d) {  // hc_tile_pair's words and products, from the copy: the same bits
         mbar_wait(&down_bar, 0);
+        mark(3);  // (thread 0: its fragments, the block sync, and the wait for the chunk's down tiles)
         const uint8_t* ta = down_tiles + static_cast<size_t>(tile) * cg * kTileGroupBytes;
         const uint8_t* tbp = down_tiles + static_cast<size_t>(tb) * cg * kTileGroupBytes;
 #pragma unroll 2
@@ -534,7 +535,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   // A block must not leave with copies into its shared memory in flight: a geometry where no warp's tile
   // pair is two down tiles would not have waited above.
   if (DOWN_SMEM && c < L.n_chunks && tid == 0) mbar_wait(&down_bar, 0);
-  mark(3);
+  mark(4);
   // Only the blocks of u's groups have work after the barrier (phases 2 and 3).
   const bool consumer = static_cast<int>(blockIdx.x) < H / 64;
   if constexpr (CUT) {  // (measuring: the up tiles' copies land before the block leaves)
@@ -546,10 +547,10 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
   else grid_barrier(L.bar, consumer || !L.leave_early);
   if (!consumer && L.leave_early) {
     if (stamp)
-      for (int k = 4; k < kHcStampWords; ++k) st[k] = 0;  // pieces this block does not run
+      for (int k = 5; k < kHcStampWords; ++k) st[k] = 0;  // pieces this block does not run
     return;
   }
-  mark(4);
+  mark(5);
   // kP2Bulk: the copy engine brings every chunk's partials while the threads make 1 / rms below. Thread 0
   // acquired the other blocks' partials at the barrier; the proxy fence orders the copies (the async
   // proxy) after that.
@@ -614,7 +615,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       for (int e = tid; e < n4; e += kHcThreads) dst[e] = __ldcg(src + e);
       __syncthreads();
     }
-    mark(5);
+    mark(6);
 #pragma unroll 1
     for (int j = tid; j < 16 * td; j += kHcThreads) {
       float v = 0.0f;
@@ -650,7 +651,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
 #pragma unroll 1
     for (int G = warp; G < ngd; G += kHcWarps) hc_frag(xs + 64 * G, frag + G * 128, xg + G);
     __syncthreads();
-    mark(6);
+    mark(7);
   }
 #pragma unroll 1
   for (int b = blockIdx.x; b < H / 64; b += gridDim.x) {
@@ -679,7 +680,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       }
     }
     __syncthreads();
-    mark(7);
+    mark(8);
     if (tid < 64) {  // hc_gate_mean_kernel's order
       const int i = 64 * b + tid;
       float acc = 0.0f;
@@ -717,7 +718,7 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       }
     }
     __syncthreads();  // gl and su are reused by the next group
-    mark(8);
+    mark(9);
   }
 }
 

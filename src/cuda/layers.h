@@ -84,10 +84,10 @@ struct HcMixArgs {
   // cycles of each piece (kHcStampNames; 0 where the block has no share of it). nullptr: none.
   unsigned long long* stamps = nullptr;
 };
-constexpr int kHcStampWords = 9;
+constexpr int kHcStampWords = 10;
 inline constexpr const char* kHcStampNames[kHcStampWords] = {
-    "start after the first (ns)", "prefetch, wait for inputs", "combine + norm", "fragments + down tiles",
-    "grid barrier", "sums or partials to shared", "d: sum + fragments", "up tiles", "gate mean + fragments"};
+    "start after the first (ns)", "prefetch, wait for inputs", "combine + norm", "fragments, tiles' copies",
+    "down tiles", "grid barrier", "sums or partials to shared", "d: sum + fragments", "up tiles", "gate mean + fragments"};
 bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream);
 size_t hc_mix_scratch_floats(int S, int H, int lowrank);
 size_t hc_mix_acc_words(int S, int lowrank);
