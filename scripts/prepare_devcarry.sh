@@ -82,3 +82,14 @@ du -sh $S
 tar -C $S --sort=name -cf - . | xz -T1 --x86 --lzma2=preset=9,dict=128MiB > .devcarry/bundle.tar.xz
 rm -rf $S
 ls -la .devcarry
+# What a device call will carry: the tracked and untracked files as the disk counts them, plus this
+# bundle. Over 64 MiB the call is refused before it starts (2026-12-07: 56.5 MiB of tree and an 8.3 MB
+# bundle with every binary were refused); leave out what the call does not run (CK_DEVCARRY_SKIP).
+TREE_KB=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+BUNDLE_KB=$(du -k .devcarry/bundle.tar.xz | cut -f1)
+echo "carry: tree ${TREE_KB} KiB + bundle ${BUNDLE_KB} KiB = $(( (TREE_KB + BUNDLE_KB) / 1024 )) MiB (the limit: 64 MiB)"
+if [ $(( TREE_KB + BUNDLE_KB )) -ge $(( 64 * 1024 )) ]; then
+  echo "prepare_devcarry: the tree and the bundle are over 64 MiB: a device call would be refused;" \
+    "leave binaries out with CK_DEVCARRY_SKIP (e.g. \"cherenkov persistent_step_lab\")" >&2
+  exit 4
+fi
