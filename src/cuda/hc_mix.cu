@@ -298,11 +298,16 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
 enum { kP2Loads = 0, kP2Exact = 1, kP2Bulk = 2, kP2BulkUp = 3, kP2BulkAll = 4, kP2LoadsTiles = 5, kP2BulkAll4 = 6,
        kP2BulkAllFlat = 7, kP2BulkAllStaged = 8, kP2FlatCount = 9, kP2StagedCount = 10, kP2CutAfterBarrier = 11,
        kP2CutBeforeBarrier = 12 };
+// The measuring cuts (kernel and launch).
+__host__ __device__ constexpr bool p2_cut(int p2) { return p2 == kP2CutAfterBarrier || p2 == kP2CutBeforeBarrier; }
+// The forms with the inject head's tile pair staged before the wait (kernel and launch).
+__host__ __device__ constexpr bool p2_staged_pair(int p2) {
+  return p2 == kP2BulkAllStaged || p2 == kP2StagedCount || p2_cut(p2);
+}
 // The forms whose partials come by bulk copies (kernel and launch).
 __host__ __device__ constexpr bool p2_bulk_partials(int p2) {
   return p2 == kP2Bulk || p2 == kP2BulkUp || p2 == kP2BulkAll || p2 == kP2BulkAll4 || p2 == kP2BulkAllFlat ||
-         p2 == kP2BulkAllStaged || p2 == kP2FlatCount || p2 == kP2StagedCount || p2 == kP2CutAfterBarrier ||
-         p2 == kP2CutBeforeBarrier;
+         p2 == kP2FlatCount || p2_staged_pair(p2);
 }
 // Bytes of a consumer block's up tiles: S streams x 4 tiles x the low rank's groups (one stream's 4 tiles
 // contiguous), after the partials in dynamic shared memory (the launch; the kernel writes it out).
@@ -313,9 +318,9 @@ template <bool BF16S, bool TILES, int P2>
 __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_constant__ HcMixLaunch L) {
   constexpr bool EXACT = P2 == kP2Exact, BULK = p2_bulk_partials(P2);
   constexpr bool UP_SMEM = TILES && P2 >= kP2BulkUp, DOWN_SMEM = TILES && P2 >= kP2BulkAll;
-  constexpr bool CUT = P2 == kP2CutAfterBarrier || P2 == kP2CutBeforeBarrier;
+  constexpr bool CUT = p2_cut(P2);
   constexpr bool COUNT = P2 == kP2FlatCount || P2 == kP2StagedCount || CUT;
-  constexpr bool STAGED = P2 == kP2BulkAllStaged || P2 == kP2StagedCount || CUT;
+  constexpr bool STAGED = p2_staged_pair(P2);
   constexpr bool FLAT = P2 == kP2BulkAllFlat || STAGED || COUNT;
   __shared__ __align__(16) uint2 frag[kHcMaxChunkGroups * 128];  // fragments: phase 1 of x', then of d
   __shared__ __align__(16) float xs[kHcMaxLowrank];              // phase 1: x' = R n of the chunk; then d
@@ -967,8 +972,7 @@ bool hc_mix_row(const HcMixArgs& a, cudaStream_t stream) {
     told = true;
     p2 = hc_cut_mode() == 1 ? kP2CutAfterBarrier : kP2CutBeforeBarrier;
   }
-  const bool p2_staged = p2 == kP2BulkAllStaged || p2 == kP2StagedCount || p2 == kP2CutAfterBarrier ||
-                         p2 == kP2CutBeforeBarrier;
+  const bool p2_staged = p2_staged_pair(p2);
   if ((p2 == kP2BulkAllFlat || p2 == kP2FlatCount || p2_staged) && a.moe_y) g_hc_flat_combine.count();
   if (p2_staged) g_hc_staged_pair.count();
   if (p2 == kP2FlatCount || p2 == kP2StagedCount) g_hc_count_barrier.count();

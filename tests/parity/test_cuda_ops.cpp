@@ -2192,6 +2192,26 @@ void expect_rounding_only(const std::vector<float>& form, const std::vector<floa
       << what << ": other bits in a second session";
 }
 
+// One-row logits of 24 random tokens with set(base_mode), then twice with set(form_mode): the form ran
+// (its launch count grew, and did not under the base), and moves the logits by roundings only
+// (expect_rounding_only). set(-1) after.
+template <class Set, class Count>
+void expect_form_rounds_only(const Model& m, const Geometry& g, uint64_t seed, Set set, Count launches, int base_mode,
+                             int form_mode, const char* not_run, const char* what) {
+  const std::vector<int32_t> tokens = random_tokens(24, g.cfg.vocab_size, g.cfg.ple_eos(), seed);
+  auto run = [&](int mode) {
+    set(mode);
+    return one_row_logits(m, tokens);
+  };
+  const size_t before = launches();
+  const std::vector<float> base = run(base_mode);
+  EXPECT_EQ(launches(), before);
+  const std::vector<float> form = run(form_mode), again = run(form_mode);
+  EXPECT_GT(launches(), before) << not_run;
+  set(-1);
+  expect_rounding_only(form, base, again, g, what);
+}
+
 // The one-row mix's phase 2 from the exact sums of its chunks' partial products (hc_mix.cu hc_acc_add,
 // set_hc_exact_sum(1)) against every consumer block adding the partials in chunk order (0): the sums
 // round once instead of at every addition, so the logits move by roundings only (within the CPU parity
@@ -2204,18 +2224,8 @@ TEST(CudaOps, OneRowMixExactSumsMatchTheChunkOrderSums) {
   for_each_model({3}, [](const Model& m, const Geometry& g) {
     expect_switch_keeps_logits(m, g, 15, [](int on) { set_hc_exact_sum(on > 0 ? 2 : on); },
                                "the exact sums' fallback changed the chunk-order sums' logits");
-    const std::vector<int32_t> tokens = random_tokens(24, g.cfg.vocab_size, g.cfg.ple_eos(), 16);
-    auto run = [&](int mode) {
-      set_hc_exact_sum(mode);
-      return one_row_logits(m, tokens);
-    };
-    const size_t launches = hc_exact_sum_launches();
-    const std::vector<float> chunk_order = run(0);
-    EXPECT_EQ(hc_exact_sum_launches(), launches);
-    const std::vector<float> exact = run(1), again = run(1);
-    EXPECT_GT(hc_exact_sum_launches(), launches) << "the one-row mix did not take its exact sums";
-    set_hc_exact_sum(-1);
-    expect_rounding_only(exact, chunk_order, again, g, "exact sums against chunk order");
+    expect_form_rounds_only(m, g, 16, [](int mode) { set_hc_exact_sum(mode); }, hc_exact_sum_launches, 0, 1,
+                            "the one-row mix did not take its exact sums", "exact sums against chunk order");
   });
 }
 
@@ -2225,18 +2235,8 @@ TEST(CudaOps, OneRowMixExactSumsMatchTheChunkOrderSums) {
 TEST(CudaOps, OneRowMixLargerChunksStayWithinTolerance) {
   REQUIRE_GPU();
   for_each_model({3}, [](const Model& m, const Geometry& g) {
-    const std::vector<int32_t> tokens = random_tokens(24, g.cfg.vocab_size, g.cfg.ple_eos(), 43);
-    auto run = [&](int min_groups) {
-      set_hc_chunk_groups(min_groups);
-      return one_row_logits(m, tokens);
-    };
-    const size_t launches = hc_chunk_groups_launches();
-    const std::vector<float> fewest = run(1);
-    EXPECT_EQ(hc_chunk_groups_launches(), launches);
-    const std::vector<float> larger = run(5), again = run(5);
-    EXPECT_GT(hc_chunk_groups_launches(), launches) << "no one-row mix took larger chunks";
-    set_hc_chunk_groups(-1);
-    expect_rounding_only(larger, fewest, again, g, "larger chunks against the default's");
+    expect_form_rounds_only(m, g, 43, [](int min_groups) { set_hc_chunk_groups(min_groups); }, hc_chunk_groups_launches,
+                            1, 5, "no one-row mix took larger chunks", "larger chunks against the default's");
   });
 }
 
