@@ -630,15 +630,9 @@ __global__ void __launch_bounds__(kHcThreads, 1) hc_mix_row_kernel(const __grid_
       a.u[i] = v;
       su[tid] = v;
     }
-    if (a.frag) {  // u's compact v4 fragments and group sum (hc_gate_mean_kernel<true>'s layout and rounding)
+    if (a.frag) {  // u's compact v4 fragments and group sum
       __syncthreads();
-#pragma unroll 1
-      for (int e = tid; e < kOneFragWords; e += kHcThreads)
-        a.frag[static_cast<size_t>(b) * kOneFragWords + e] = tc4_one_frag_elem(su, e);
-      if (warp == 0) {
-        const float s = tc4_group_sum(su);
-        if (lane == 0) a.gsum[b] = s;
-      }
+      hc_u_frags<kHcThreads>(su, b, a.frag, a.gsum, tid, warp, lane);
     }
     __syncthreads();  // gl and su are reused by the next group
     mark(9);

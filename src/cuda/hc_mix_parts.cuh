@@ -95,4 +95,33 @@ __device__ __forceinline__ void hc_frag(const float* x64, uint2* f, float* gs) {
   if (lane == 0) *gs = s;
 }
 
+// Groups G0, G0 + step, ... (< G1) of one 16-row tile whose Tiles16 words sit in shared memory (group G at
+// tile + G x 576 bytes, tile_group_lds), against fragments f (group G at f + 128 G) and group sums xg:
+// hc_tile's accumulators. UNROLL as hc_tile's.
+template <int UNROLL>
+__device__ __forceinline__ void hc_tile_lds(const uint8_t* tile, int G0, int G1, int step, const uint2* f, const float* xg,
+                                            float (&acc)[4]) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+#pragma unroll UNROLL
+  for (int G = G0; G < G1; G += step) {
+    uint2 wa, wb;
+    float sa, ba, sb, bb;
+    tile_group_lds(tile + static_cast<size_t>(G) * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
+    tc4_one_mma(wa, wb, sa, ba, sb, bb, f + static_cast<size_t>(G) * 128 + lane, t == 0 ? xg[G] : 0.0f, acc);
+  }
+}
+
+// u's 64 values of group b (su, shared memory) as compact v4 fragments and group sum for the projections
+// that read u (hc_gate_mean_kernel<true>'s layout and rounding). All THREADS threads of the block (tid,
+// warp, lane: the caller's, so its registers serve).
+template <int THREADS>
+__device__ __forceinline__ void hc_u_frags(const float* su, int b, uint2* frag, float* gsum, int tid, int warp, int lane) {
+#pragma unroll 1
+  for (int e = tid; e < kOneFragWords; e += THREADS) frag[static_cast<size_t>(b) * kOneFragWords + e] = tc4_one_frag_elem(su, e);
+  if (warp == 0) {
+    const float s = tc4_group_sum(su);
+    if (lane == 0) gsum[b] = s;
+  }
+}
+
 }  // namespace ck::cuda

@@ -159,13 +159,7 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
     __syncthreads();
     mbar_wait(&down_bar, 0);
     float acc[4] = {};
-#pragma unroll 1
-    for (int G = warp; G < gps; G += kStWarps) {
-      uint2 wa, wb;
-      float sa, ba, sb, bb;
-      tile_group_lds(down_tile + G * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
-      tc4_one_mma(wa, wb, sa, ba, sb, bb, frag + G * 128 + lane, t == 0 ? xg[G] : 0.0f, acc);
-    }
+    hc_tile_lds<1>(down_tile, warp, gps, kStWarps, frag, xg, acc);
     float y0, y1;
     hc_tile_rows(acc, y0, y1);
     if (t == 0) red[warp][g] = y0, red[warp][g + 8] = y1;
@@ -219,14 +213,7 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
   for (int it = warp; it < 4 * S; it += kStWarps) {  // (stream, 16-row tile)
     const int q = it >> 2, r0 = 16 * (it & 3);
     float acc[4] = {};
-    const uint8_t* tile = up_tiles + static_cast<size_t>(it) * ngd * kTileGroupBytes;
-#pragma unroll 2
-    for (int G = 0; G < ngd; ++G) {
-      uint2 wa, wb;
-      float sa, ba, sb, bb;
-      tile_group_lds(tile + G * kTileGroupBytes, lane, wa, wb, sa, ba, sb, bb);
-      tc4_one_mma(wa, wb, sa, ba, sb, bb, frag + G * 128 + lane, t == 0 ? xg[G] : 0.0f, acc);
-    }
+    hc_tile_lds<2>(up_tiles + static_cast<size_t>(it) * ngd * kTileGroupBytes, 0, ngd, 1, frag, xg, acc);
     float y0, y1;
     hc_tile_rows(acc, y0, y1);
     if (t == 0) gl[q][r0 + g] = y0, gl[q][r0 + g + 8] = y1;
@@ -263,14 +250,9 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
     a.u[i] = u;
     su[tid] = u;
   }
-  if (a.frag) {  // u's compact v4 fragments and group sum (hc_gate_mean_kernel<true>'s layout and rounding)
+  if (a.frag) {
     __syncthreads();
-#pragma unroll 1
-    for (int e = tid; e < kOneFragWords; e += kStThreads) a.frag[static_cast<size_t>(c) * kOneFragWords + e] = tc4_one_frag_elem(su, e);
-    if (warp == 0) {
-      const float sum = tc4_group_sum(su);
-      if (lane == 0) a.gsum[c] = sum;
-    }
+    hc_u_frags<kStThreads>(su, c, a.frag, a.gsum, tid, warp, lane);
   }
 }
 
