@@ -129,21 +129,6 @@ __device__ __forceinline__ void hc_acc_add(long long* buf, int stride, int S, in
   atomicAdd(reinterpret_cast<unsigned long long*>(a + S * stride), static_cast<unsigned long long>(p.lo));
 }
 
-// The 16-row one-row tile at rows row0.. of m over groups [G0, G1) against fragments f (group G at
-// f + (G - G0) * 128) and group sums xg: the three column sums (hi, mid, lo) of rows g and g + 8 as
-// acc (tc4_one_group's layout). UNROLL groups' loads are issued together.
-// TILES (mma_q4.cuh Tc4Rows): m is known to be in tiles.
-template <bool BF16S, int UNROLL, bool TILES = false>
-__device__ __forceinline__ void hc_tile(const DMatrix& m, int row0, int G0, int G1, const uint2* f, const float* xg,
-                                        float (&acc)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  Tc4Rows<BF16S, 4, TILES> tr;
-  tr.init(m, min(row0 + g, static_cast<int>(m.rows) - 1), min(row0 + g + 8, static_cast<int>(m.rows) - 1), t);
-#pragma unroll UNROLL
-  for (int G = G0; G < G1; ++G)
-    tc4_one_group(tr, G, f + static_cast<size_t>(G - G0) * 128 + lane, t == 0 ? xg[G - G0] : 0.0f, acc);
-}
-
 // Two tiles (rows ra.. of ma, rb.. of mb) over the same groups, both tiles' loads of a group issued
 // before either's products: a warp's two tiles cost one memory round trip per group, not two.
 // TILES: both matrices in tiles (an instance without the layout branch, whose loop is unrolled by 2

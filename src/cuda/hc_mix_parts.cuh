@@ -12,6 +12,21 @@
 
 namespace ck::cuda {
 
+// The 16-row one-row tile at rows row0.. of m over groups [G0, G1) against fragments f (group G at
+// f + (G - G0) * 128) and group sums xg: the three column sums (hi, mid, lo) of rows g and g + 8 as
+// acc (tc4_one_group's layout). UNROLL groups' loads are issued together.
+// TILES (mma_q4.cuh Tc4Rows): m is known to be in tiles.
+template <bool BF16S, int UNROLL, bool TILES = false>
+__device__ __forceinline__ void hc_tile(const DMatrix& m, int row0, int G0, int G1, const uint2* f, const float* xg,
+                                        float (&acc)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  Tc4Rows<BF16S, 4, TILES> tr;
+  tr.init(m, min(row0 + g, static_cast<int>(m.rows) - 1), min(row0 + g + 8, static_cast<int>(m.rows) - 1), t);
+#pragma unroll UNROLL
+  for (int G = G0; G < G1; ++G)
+    tc4_one_group(tr, G, f + static_cast<size_t>(G - G0) * 128 + lane, t == 0 ? xg[G - G0] : 0.0f, acc);
+}
+
 // grid_barrier with one atomic on the path: the arrivals count on in bar[48] (its own line after the
 // generation's words), wrapping to 0 at wrap_at + 1, a multiple of the grid's blocks, so every launch
 // finds it at a multiple of gridDim.x (zeroed at first; every launch on one barrier has the same grid:

@@ -71,7 +71,10 @@ __host__ __device__ constexpr size_t st_up_bytes(int S, int lowrank) {
   return static_cast<size_t>(S) * 4 * (lowrank / 64) * kTileGroupBytes;
 }
 
-template <bool BF16S, bool MOE>
+// UP_SMEM: the consumer's up tiles copied to shared memory at its start (as hc_mix.cu's default); without
+// it they are asked of L2 there and read from L2 after the barrier, and the block's shared memory (~83 KB
+// at the released geometry, not ~129) leaves room beside one expert down block (CK_HC_BY_STREAM_UP=0).
+template <bool BF16S, bool MOE, bool UP_SMEM>
 __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __grid_constant__ HcStreamLaunch L) {
   __shared__ __align__(16) float xs[kStMaxGroups * 64];  // phase 1: the stream's X; phase 2: d
   __shared__ float xg[kStMaxGroups], red[kStWarps][16], ired[16], gl[kStMaxStreams][64], su[64], rinv[kStMaxStreams];
@@ -88,7 +91,7 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
   uint2* const frag = reinterpret_cast<uint2*>(dyn);
   uint8_t* const down_tile = dyn + st_frag_bytes(gps, L.lowrank);
   uint8_t* const up_tiles = down_tile + static_cast<size_t>(gps) * kTileGroupBytes;
-  uint4* const staged = reinterpret_cast<uint4*>(up_tiles + st_up_bytes(S, L.lowrank));
+  uint4* const staged = reinterpret_cast<uint4*>(up_tiles + (UP_SMEM ? st_up_bytes(S, L.lowrank) : 0));
   const bool inject = a.inject.rows > 0;
 
   // Before the wait (weights never change): the copies of down's tile over the stream and of the
@@ -102,7 +105,7 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
       mbar_arrive_expect(&down_bar, bytes);
       bulk_copy_1d(down_tile, a.down.tile_group(tl, static_cast<size_t>(s) * gps), bytes, &down_bar);
     }
-    if (consumer) {
+    if (UP_SMEM && consumer) {
       const uint32_t stream_bytes = 4u * ngd * kTileGroupBytes;
       mbar_arrive_expect(&up_bar, stream_bytes * S);
       for (int q = 0; q < S; ++q)
@@ -116,6 +119,13 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
     const uint8_t* rb = reinterpret_cast<const uint8_t*>(a.R + static_cast<size_t>(s) * H);
     const uint8_t* nb = reinterpret_cast<const uint8_t*>(a.norm + static_cast<size_t>(s) * H);
     for (int l = tl + td * tid; l * 128 < H * 4; l += td * kStThreads) prefetch_l2(rb + l * 128), prefetch_l2(nb + l * 128);
+  }
+  if (!UP_SMEM && consumer) {  // the up tiles: a stream's 4 tiles are contiguous
+    const size_t stream_bytes = 4 * static_cast<size_t>(ngd) * kTileGroupBytes;
+    for (size_t off = 128 * static_cast<size_t>(tid); off < stream_bytes * S; off += 128 * kStThreads) {
+      const size_t q = off / stream_bytes;
+      prefetch_l2(a.up.tile_group((q * H + 64 * c) / kTileRows, 0) + off % stream_bytes);
+    }
   }
   if (consumer && tid < 2 * S) {  // phase 3's elements: 64 a stream
     const size_t k = static_cast<size_t>(tid >> 1) * H + 64 * c + 32 * (tid & 1);
@@ -208,12 +218,13 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
   __syncthreads();
 
   // 3. u's group c: the up rows of every stream from their copy, then the gate mean (hc_mix.cu's order).
-  mbar_wait(&up_bar, 0);
+  if (UP_SMEM) mbar_wait(&up_bar, 0);
 #pragma unroll 1
   for (int it = warp; it < 4 * S; it += kStWarps) {  // (stream, 16-row tile)
     const int q = it >> 2, r0 = 16 * (it & 3);
     float acc[4] = {};
-    hc_tile_lds<2>(up_tiles + static_cast<size_t>(it) * ngd * kTileGroupBytes, 0, ngd, 1, frag, xg, acc);
+    if (UP_SMEM) hc_tile_lds<2>(up_tiles + static_cast<size_t>(it) * ngd * kTileGroupBytes, 0, ngd, 1, frag, xg, acc);
+    else hc_tile<BF16S, 2, true>(a.up, q * H + 64 * c + r0, 0, ngd, frag, xg, acc);
     float y0, y1;
     hc_tile_rows(acc, y0, y1);
     if (t == 0) gl[q][r0 + g] = y0, gl[q][r0 + g + 8] = y1;
@@ -260,7 +271,8 @@ bool q4_tiles(const DMatrix& m, int64_t rows, int64_t cols) {
   return expert_q4_ok(m) && m.tiled() && m.rows == rows && m.cols == cols;
 }
 
-int g_by_stream = -1;  // set_hc_by_stream; -1: the environment's
+int g_by_stream = -1;     // set_hc_by_stream; -1: the environment's
+int g_by_stream_up = -1;  // set_hc_by_stream_up_smem; -1: the environment's
 std::atomic<size_t> g_by_stream_launches{0};
 
 }  // namespace
@@ -272,16 +284,25 @@ int hc_by_stream_mode() {
   return g_by_stream < 0 ? env_mode : std::min(g_by_stream, 2);
 }
 void set_hc_by_stream(int mode) { g_by_stream = mode < 0 ? -1 : mode; }
+bool hc_by_stream_up_smem() {
+  static const bool on = !env_is("CK_HC_BY_STREAM_UP", "0");
+  return g_by_stream_up < 0 ? on : g_by_stream_up > 0;
+}
+void set_hc_by_stream_up_smem(int on) { g_by_stream_up = on < 0 ? -1 : on > 0; }
 size_t hc_by_stream_launches() { return g_by_stream_launches.load(); }
 
 void hc_mix_stream_init() {
   auto set = [](auto k) {
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kStMaxDynamicBytes));
   };
-  set(hc_mix_stream_kernel<true, false>);
-  set(hc_mix_stream_kernel<true, true>);
-  set(hc_mix_stream_kernel<false, false>);
-  set(hc_mix_stream_kernel<false, true>);
+  set(hc_mix_stream_kernel<true, false, true>);
+  set(hc_mix_stream_kernel<true, true, true>);
+  set(hc_mix_stream_kernel<false, false, true>);
+  set(hc_mix_stream_kernel<false, true, true>);
+  set(hc_mix_stream_kernel<true, false, false>);
+  set(hc_mix_stream_kernel<true, true, false>);
+  set(hc_mix_stream_kernel<false, false, false>);
+  set(hc_mix_stream_kernel<false, true, false>);
 }
 
 bool hc_mix_row_by_stream(const HcMixArgs& a, cudaStream_t stream) {
@@ -302,7 +323,8 @@ bool hc_mix_row_by_stream(const HcMixArgs& a, cudaStream_t stream) {
   const int blocks = sm_count();
   const int grid = std::max(L.n_work, a.H / 64);
   if (grid > blocks || ceil_div(L.gps, L.tiles_d) > kStMaxInjectGroups) return false;
-  const size_t smem = st_frag_bytes(L.gps, lowrank) + static_cast<size_t>(L.gps) * kTileGroupBytes + st_up_bytes(a.S, lowrank) +
+  const bool up_smem = hc_by_stream_up_smem();
+  const size_t smem = st_frag_bytes(L.gps, lowrank) + static_cast<size_t>(L.gps) * kTileGroupBytes + (up_smem ? st_up_bytes(a.S, lowrank) : 0) +
                       (a.inject.rows > 0 ? static_cast<size_t>(ceil_div(L.gps, L.tiles_d)) * 4 * 32 * sizeof(uint4) : 0);
   if (smem > static_cast<size_t>(kStMaxDynamicBytes)) return false;
   // Scratch: the streams' partials, the inject partials, 1 / rms (padded), o.
@@ -321,8 +343,11 @@ bool hc_mix_row_by_stream(const HcMixArgs& a, cudaStream_t stream) {
                      a.up.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16) &&
                      (a.inject.rows == 0 || a.inject.fmt.scale_kind == static_cast<uint8_t>(WKind::BF16));
   auto go = [&](auto kernel) { launch(kernel, dim3(grid), kStThreads, smem, stream, L); };
-  if (bf16s) moe ? go(hc_mix_stream_kernel<true, true>) : go(hc_mix_stream_kernel<true, false>);
-  else moe ? go(hc_mix_stream_kernel<false, true>) : go(hc_mix_stream_kernel<false, false>);
+  auto pick = [&](auto up) {
+    if (bf16s) moe ? go(hc_mix_stream_kernel<true, true, up()>) : go(hc_mix_stream_kernel<true, false, up()>);
+    else moe ? go(hc_mix_stream_kernel<false, true, up()>) : go(hc_mix_stream_kernel<false, false, up()>);
+  };
+  up_smem ? pick(std::true_type{}) : pick(std::false_type{});
   ++g_by_stream_launches;
   return true;
 }

@@ -139,6 +139,11 @@ void hc_mix_init();  // kernel attributes (init_kernels calls it)
 int hc_by_stream_mode();
 void set_hc_by_stream(int mode);
 size_t hc_by_stream_launches();  // launches (or graph captures) of the by-stream kernel, for tests
+// Its consumers' up tiles copied to shared memory at the start (on, the default) or read from L2 after the
+// barrier (CK_HC_BY_STREAM_UP=0: less shared memory, so a block fits beside an expert down block). The
+// same bits either way. set_hc_by_stream_up_smem(-1): the environment's.
+bool hc_by_stream_up_smem();
+void set_hc_by_stream_up_smem(int on);
 bool hc_mix_row_by_stream(const HcMixArgs& a, cudaStream_t stream);  // false: the form does not apply
 void hc_mix_stream_init();  // its kernels' attributes (hc_mix_init calls it)
 

@@ -2271,6 +2271,14 @@ TEST(CudaOps, OneRowMixByStreamRoundsOnly) {
     std::printf("  by stream, mode %d: logits against the CPU reference rel L2 %.3g\n", mode, rl);
     EXPECT_LE(rl, 1e-4);
   }
+  // Its up tiles read from L2 (set_hc_by_stream_up_smem(0)) or from their copy in shared memory: the same
+  // words and products, so the same bits.
+  set_hc_by_stream(2);
+  const size_t before = hc_by_stream_launches();
+  expect_switch_keeps_logits(**dm, g, 59, [](int on) { set_hc_by_stream_up_smem(on); },
+                             "the by-stream mix's up tiles from L2 and from shared memory give other logits");
+  EXPECT_GT(hc_by_stream_launches(), before);
+  set_hc_by_stream(-1);
 }
 
 // expect_switch_keeps_logits on every geometry whose experts are in tiles (Model::tiled_experts; at
