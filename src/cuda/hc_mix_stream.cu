@@ -47,6 +47,7 @@ constexpr int kStPerThread = kStMaxGroups * 64 / kStThreads;
 constexpr int kStMaxLowrank = 1024;
 constexpr int kStMaxInject = 16;
 constexpr int kStMaxInjectGroups = 8;  // a block's share of a stream's groups
+constexpr int kStMaxWorkPerLane = 8;   // phase 1's blocks (at most 256) over a warp's lanes
 constexpr int kStMaxDynamicBytes = 200 * 1024;
 
 struct HcStreamLaunch {
@@ -146,13 +147,15 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
       if (e < H) {
         const size_t k = static_cast<size_t>(s) * H + e;
         nv[q] = a.norm[k];
-        float r = a.R[k];
+        // R and o through L2 only: other blocks write them (R in phase 3 of this kernel, for the mixes
+        // after), and an SM's L1 is not coherent with their stores.
+        float r = __ldcg(a.R + k);
         if constexpr (MOE) {
           const float o = moe_combine_elem_flat(a.moe_y, a.moe_ldy, a.moe_pairs, a.moe_k, a.moe_gl, e);
           r = mul_add_rn(r, o, w);
           if (s == 0 && e >= 64 * Gi0 && e < 64 * Gi1) L.o[e] = o;  // for phase 3 (each element once)
         } else if (combine) {
-          r = mul_add_rn(r, a.o[e], w);
+          r = mul_add_rn(r, __ldcg(a.o + e), w);
         }
         v[q] = r;
       }
@@ -206,11 +209,21 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
       if (q < S) d += p[q];
     xs[j] = apply_epilogue(d, Epilogue::SiluDiv, static_cast<float>(S));  // trap 4: divide first
   }
-  if (c == 0 && tid < a.inject.rows) {
+  if (c == 0 && warp < a.inject.rows) {
+    // Warp r adds row r's n_work partials: each lane its blocks lane, lane + 32, ... (every load asked
+    // for at once), then the lanes in a fixed tree. Why: one thread's chain of 80 loads, even unrolled
+    // by 8, was ten L2 round trips on block 0's path (~3-4 us a mix; H100 2026-12-07).
+    float p[kStMaxWorkPerLane];
+#pragma unroll
+    for (int q = 0; q < kStMaxWorkPerLane; ++q) {
+      const int k = lane + 32 * q;
+      p[q] = k < L.n_work ? __ldcg(L.ipart + static_cast<size_t>(k) * 16 + warp) : 0.0f;
+    }
     float l = 0.0f;
-#pragma unroll 8
-    for (int k = 0; k < L.n_work; ++k) l += __ldcg(L.ipart + static_cast<size_t>(k) * 16 + tid);
-    a.w_out[tid] = apply_epilogue(l, Epilogue::TwoSigmoidDiv, static_cast<float>(S));
+#pragma unroll
+    for (int q = 0; q < kStMaxWorkPerLane; ++q) l += p[q];
+    l = warp_sum(l);
+    if (lane == 0) a.w_out[warp] = apply_epilogue(l, Epilogue::TwoSigmoidDiv, static_cast<float>(S));
   }
   __syncthreads();
 #pragma unroll 1
@@ -233,7 +246,7 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
   if (tid < 64) {
     const int i = 64 * c + tid;
     const bool combine = MOE || a.o;
-    const float o = MOE ? __ldcg(L.o + i) : combine ? a.o[i] : 0.0f;
+    const float o = MOE ? __ldcg(L.o + i) : combine ? __ldcg(a.o + i) : 0.0f;
     float acc = 0.0f;
     for (int s0 = 0; s0 < S; s0 += 4) {
       float x[4];
@@ -322,7 +335,7 @@ bool hc_mix_row_by_stream(const HcMixArgs& a, cudaStream_t stream) {
   L.n_work = a.S * L.tiles_d;
   const int blocks = sm_count();
   const int grid = std::max(L.n_work, a.H / 64);
-  if (grid > blocks || ceil_div(L.gps, L.tiles_d) > kStMaxInjectGroups) return false;
+  if (grid > blocks || L.n_work > 32 * kStMaxWorkPerLane || ceil_div(L.gps, L.tiles_d) > kStMaxInjectGroups) return false;
   const bool up_smem = hc_by_stream_up_smem();
   const size_t smem = st_frag_bytes(L.gps, lowrank) + static_cast<size_t>(L.gps) * kTileGroupBytes + (up_smem ? st_up_bytes(a.S, lowrank) : 0) +
                       (a.inject.rows > 0 ? static_cast<size_t>(ceil_div(L.gps, L.tiles_d)) * 4 * 32 * sizeof(uint4) : 0);
