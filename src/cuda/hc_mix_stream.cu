@@ -25,6 +25,9 @@
 // (moe_combine_elem_flat: the same bits as moe_combine_kernel), and the stream-0 blocks store o for
 // phase 3. The sums' order differs from hc_mix.cu's (per stream, not per chunk), so other roundings,
 // within the parity tolerances against the CPU reference (test_cuda_ops OneRowMixByStream...).
+// Status (2026-12-07): its first form failed that test (the w_in / w_out race fixed below) and measured
+// -5.1% (mode 1) and -10.4% (mode 2) at one row on an H100, with block 0's inject sum as one thread's
+// chain of 80 loads (also fixed). This form has not run on a GPU (docs/roofline-cuda.md, sixtieth session).
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -79,6 +82,7 @@ template <bool BF16S, bool MOE, bool UP_SMEM>
 __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __grid_constant__ HcStreamLaunch L) {
   __shared__ __align__(16) float xs[kStMaxGroups * 64];  // phase 1: the stream's X; phase 2: d
   __shared__ float xg[kStMaxGroups], red[kStWarps][16], ired[16], gl[kStMaxStreams][64], su[64], rinv[kStMaxStreams];
+  __shared__ float win[kStMaxStreams];  // the combine's injection weights, read before the barrier
   __shared__ float scratch[32];
   __shared__ __align__(8) uint64_t down_bar, up_bar;
   extern __shared__ __align__(16) uint8_t dyn[];
@@ -133,11 +137,16 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
     prefetch_l2(a.R + k), prefetch_l2(a.norm + k);
   }
   pdl_begin();  // R, o and w come from the kernels before
+  // The injection weights w_in, once, before the barrier: the session passes one buffer as this mix's w_in
+  // and w_out, and block 0 writes w_out after the barrier while phase 3 combines (the first form read
+  // w_in there: other blocks saw the new weights, a race whose logits were 5% off; H100 2026-12-07).
+  const bool combine = MOE || a.o;
+  if (tid < S) win[tid] = combine ? a.w_in[tid] : 0.0f;
+  __syncthreads();
 
   // 1. The stream's combine and norm, then down's tile t over it.
   if (worker) {
-    const bool combine = MOE || a.o;
-    const float w = combine ? a.w_in[s] : 0.0f;
+    const float w = win[s];
     float v[kStPerThread], nv[kStPerThread];
     float sq = 0.0f;
 #pragma unroll
@@ -245,7 +254,6 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
   __syncthreads();
   if (tid < 64) {
     const int i = 64 * c + tid;
-    const bool combine = MOE || a.o;
     const float o = MOE ? __ldcg(L.o + i) : combine ? __ldcg(a.o + i) : 0.0f;
     float acc = 0.0f;
     for (int s0 = 0; s0 < S; s0 += 4) {
@@ -257,7 +265,7 @@ __global__ void __launch_bounds__(kStThreads, 1) hc_mix_stream_kernel(const __gr
         if (s0 + j < S) {
           float r = __ldcg(a.R + k);
           if (combine) {
-            r = mul_add_rn(r, o, a.w_in[s0 + j]);
+            r = mul_add_rn(r, o, win[s0 + j]);
             a.R[k] = r;  // the combined residual: this block is its element's one reader and writer now
           }
           x[j] = (r * rinv[s0 + j]) * a.norm[k];
