@@ -132,20 +132,6 @@ int hc_chunk_groups_min();
 void set_hc_chunk_groups(int n);
 size_t hc_chunk_groups_launches();  // launches (or graph captures) with larger chunks than the default's, for tests
 void hc_mix_init();  // kernel attributes (init_kernels calls it)
-// The one-row mix by stream (cuda/hc_mix_stream.cu): phase 1 by (stream, tile of down), so d's rows have
-// S partials instead of one a chunk. 0 off (the default), 1 for mixes without a MoE output to combine
-// (CK_HC_BY_STREAM=1), 2 for every one-row mix (=2). Other roundings than hc_mix.cu's, within the parity
-// tolerances. set_hc_by_stream(-1): the environment's.
-int hc_by_stream_mode();
-void set_hc_by_stream(int mode);
-size_t hc_by_stream_launches();  // launches (or graph captures) of the by-stream kernel, for tests
-// Its consumers' up tiles copied to shared memory at the start (on, the default) or read from L2 after the
-// barrier (CK_HC_BY_STREAM_UP=0: less shared memory, so a block fits beside an expert down block). The
-// same bits either way. set_hc_by_stream_up_smem(-1): the environment's.
-bool hc_by_stream_up_smem();
-void set_hc_by_stream_up_smem(int on);
-bool hc_mix_row_by_stream(const HcMixArgs& a, cudaStream_t stream);  // false: the form does not apply
-void hc_mix_stream_init();  // its kernels' attributes (hc_mix_init calls it)
 
 // GDN causal depthwise conv (spec §6): y = silu(Σ taps · [history, x]) per channel, rows in order;
 // the history (K-1, C) shifts per row; with sp->snap the history after row r < rows-1 goes to

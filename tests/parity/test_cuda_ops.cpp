@@ -2240,47 +2240,6 @@ TEST(CudaOps, OneRowMixLargerChunksStayWithinTolerance) {
   });
 }
 
-// The one-row mix by stream (cuda/hc_mix_stream.cu, set_hc_by_stream): phase 1 by (stream, tile of down),
-// so d's rows are sums of S partials, not of one a chunk, and the norm is the CPU's formula before the
-// product. Mode 1 takes the mixes without a MoE output to combine, mode 2 every one-row mix. Each moves
-// the default kernel's logits by roundings only and has its own bits in a second session
-// (expect_form_rounds_only), and its logits are within the parity tolerance of the CPU reference's (a
-// combine written back to the wrong element of R, or read after another block's write, would move the
-// tokens after the first well past it). On the one geometry whose one-row mixes take the fused kernels
-// (3: 16 tiles of down over 5 groups a stream, so most blocks have no inject groups).
-TEST(CudaOps, OneRowMixByStreamRoundsOnly) {
-  REQUIRE_GPU();
-  const Geometry g = geometries()[3];
-  auto rm = make_random_model(g.cfg, g.opt);
-  ck::cpu::Model cm(rm->weights, rm->experts);
-  auto dm = Model::create(rm->weights, rm->experts);
-  ASSERT_TRUE(dm.ok()) << dm.status().message();
-  for (int mode : {1, 2}) {
-    SCOPED_TRACE(fmt::format("mode {}", mode));
-    expect_form_rounds_only(**dm, g, 47 + mode, [](int m) { set_hc_by_stream(m); }, hc_by_stream_launches, 0, mode,
-                            "no one-row mix took the by-stream kernel", "by stream against by chunk");
-    const std::vector<int32_t> tokens = random_tokens(24, g.cfg.vocab_size, g.cfg.ple_eos(), 53);
-    std::map<std::string, std::vector<float>> taps;
-    std::vector<float> ref;
-    cpu_taps(cm, tokens, &taps, &ref);
-    set_hc_by_stream(mode);
-    const std::vector<float> got = one_row_logits(**dm, tokens);
-    set_hc_by_stream(-1);
-    ASSERT_EQ(got.size(), ref.size());
-    const double rl = rel_l2(got.data(), ref.data(), ref.size());
-    std::printf("  by stream, mode %d: logits against the CPU reference rel L2 %.3g\n", mode, rl);
-    EXPECT_LE(rl, 1e-4);
-  }
-  // Its up tiles read from L2 (set_hc_by_stream_up_smem(0)) or from their copy in shared memory: the same
-  // words and products, so the same bits.
-  set_hc_by_stream(2);
-  const size_t before = hc_by_stream_launches();
-  expect_switch_keeps_logits(**dm, g, 59, [](int on) { set_hc_by_stream_up_smem(on); },
-                             "the by-stream mix's up tiles from L2 and from shared memory give other logits");
-  EXPECT_GT(hc_by_stream_launches(), before);
-  set_hc_by_stream(-1);
-}
-
 // expect_switch_keeps_logits on every geometry whose experts are in tiles (Model::tiled_experts; at
 // least one is, or the switch's path did not run).
 template <class Set>
