@@ -5,7 +5,6 @@
 // with down's fragments built in the block; then their launchers (expert_gate_up_tc4, expert_down_tc4).
 // The v1 and v2/v3 expert products are in gemv.cu and gemv_q.cu.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -16,7 +15,6 @@
 #include "cuda/gemv_internal.h"
 #include "cuda/mma_q4.cuh"
 #include "cuda/ops.h"
-#include "cuda/route_warp.cuh"
 
 namespace ck::cuda {
 namespace {
@@ -237,50 +235,6 @@ constexpr int kStreamWarpGroups = 6;  // the streaming kernel's groups a warp at
 // Gate/up tile j of all pairs' tiles (tpp a pair): whether its pair is the shared expert's (SharedSlot,
 // known before the kernel's wait), and its matrices, vector and first row (pairs[] only after the wait,
 // unless the pair is the shared one).
-// CK_ROUTE_IN_EXPERTS=1: the decode experts' streaming kernels route for themselves (route_warp.cuh,
-// moe_route_warp_kernel's arithmetic, so the same picks and weights) instead of reading the pairs of a
-// route kernel: the gate/up kernel after its wait (the router's logits are the kernel before's), the
-// down kernel before its wait (the logits are two kernels back, as the pairs were). Each block makes
-// only the pairs its run of tiles or chunks reads, in shared memory (at most kRouteBlockPairs: the
-// launcher checks); the gate/up kernel's block 0 also writes every pair to memory in moe_route's
-// layout, for the MoE combine after the down kernel. Why: the route was a kernel of its own on one
-// warp between the router and the experts, and the experts' blocks, resident ~4.3 us before their wait
-// ended, read its pairs after it (docs/roofline-cuda.md, fifty-second session): a kernel boundary and
-// an L2 round trip a layer on the step's path.
-constexpr int kRouteBlockPairs = 8;
-struct RouteLaunch {
-  MoeRouteArgs a;
-  int rows = 0;  // routed rows (k + 1 pairs each)
-};
-// Pairs [pA, pB] into sp[0 .. pB - pA] (and, with all, every row's pairs to a.pairs): a warp a row.
-template <int VPL>
-__device__ __forceinline__ void route_block_pairs(const RouteLaunch& R, int pA, int pB, ExpertPair* sp, bool all) {
-  const int k = R.a.k, k1 = k + 1, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int r0 = all ? 0 : pA / k1, r1 = all ? R.rows - 1 : pB / k1;
-  for (int r = r0 + warp; r <= r1; r += static_cast<int>(blockDim.x >> 5)) {  // warp-uniform
-    RoutePicks rp;
-    route_row_picks<VPL>(R.a, r, lane, rp);
-#pragma unroll 1
-    for (int h = 0; h < 3; ++h) {
-      const int t = lane + 32 * h, p = r * k1 + t;
-      if (t > k) break;
-      const bool mine = p >= pA && p <= pB;
-      if (!mine && !all) continue;
-      const int e = h == 0 ? rp.e0 : h == 1 ? rp.e1 : 0;
-      const float pv = h == 0 ? rp.p0 : h == 1 ? rp.p1 : 0.0f;
-      const ExpertPair pr = make_route_pair(R.a, r, t, e, t < k ? route_slot_weight(R.a, pv, rp.ts) : 0.0f);
-      if (mine) sp[p - pA] = pr;
-      if (all) R.a.pairs[p] = pr;
-    }
-  }
-}
-// The expert table's lines asked of L2 before the wait, one a block (the route reads its picks' slots).
-__device__ __forceinline__ void route_table_prefetch(const RouteLaunch& R) {
-  const int off = 128 * static_cast<int>(blockIdx.x);
-  if (threadIdx.x == 0 && off < R.a.E * static_cast<int>(sizeof(ExpertSlot)))
-    prefetch_l2(reinterpret_cast<const uint8_t*>(R.a.table) + off);
-}
-
 __device__ __forceinline__ bool gate_up_tile_shared(const SharedSlot& sh, int tpp, int j) {
   const int p = j / tpp;
   return sh.k1 > 0 && p % sh.k1 == sh.k1 - 1;
@@ -342,16 +296,13 @@ __device__ __forceinline__ void gate_up_tile_products(const uint8_t* st, uint32_
 // grid ceil(tiles / per) (all resident: per = ceil(tiles / resident blocks)), block 256, dynamic
 // shared memory 4 * groups * kTileGroupBytes. sh: as in the bulk kernel (the shared expert's tiles
 // among a block's first two are asked for before the wait).
-// ROUTE (a VPL, 0: none): the block routes for itself (RouteLaunch above); its pairs follow its stages
-// in dynamic shared memory.
-template <bool STAMP = false, int ROUTE = 0>
+template <bool STAMP = false>
 __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const ExpertPair* __restrict__ pairs,
                                                                       int tiles_per_pair, int n_tiles, int per,
                                                                       const uint2* __restrict__ frag,
                                                                       const float* __restrict__ gsum, int vec_groups,
                                                                       float* __restrict__ out, int ldo,
-                                                                      const __grid_constant__ SharedSlot sh,
-                                                                      const __grid_constant__ RouteLaunch rl) {
+                                                                      const __grid_constant__ SharedSlot sh) {
   expert_stamp<STAMP>(kExpertStampGateUp, 0);
   extern __shared__ __align__(128) uint8_t stile[];  // [stage][gate, up][groups][576]
   __shared__ uint64_t bar[2];
@@ -368,14 +319,9 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
   }
   __syncthreads();
   auto is_shared = [&](int i) { return gate_up_tile_shared(sh, tiles_per_pair, first + i); };
-  // The pairs the block reads: the route's in memory, or (ROUTE) its own in shared memory, indexed
-  // from its first pair.
-  const int pA = first / tiles_per_pair;
-  ExpertPair* const spairs = reinterpret_cast<ExpertPair*>(stile + 4 * static_cast<size_t>(groups) * kTileGroupBytes);
-  const ExpertPair* const P = ROUTE ? spairs - pA : pairs;
   // Local tile i's matrices and vector.
   auto tile_of = [&](int i, DMatrix& gate, DMatrix& up, int& vec, int& row0) {
-    gate_up_tile_of(P, sh, tiles_per_pair, first + i, gate, up, vec, row0);
+    gate_up_tile_of(pairs, sh, tiles_per_pair, first + i, gate, up, vec, row0);
   };
   // Stage i % 2 asks for tile i (a tile past its pair's rows asks for no bytes: its phase completes).
   auto ask = [&](int i) {
@@ -398,13 +344,8 @@ __global__ void __launch_bounds__(256, 2) expert_gate_up_stream_kernel(const Exp
     if (early0) ask(0);
     if (early1) ask(1);
   }
-  if constexpr (ROUTE > 0) route_table_prefetch(rl);
   pdl_begin();  // the pairs (route) and the fragments (the mix) come from the kernels before
   expert_stamp<STAMP>(kExpertStampGateUp, 1);
-  if constexpr (ROUTE > 0) {  // (ROUTE: the router's logits)
-    if (n > 0) route_block_pairs<ROUTE>(rl, pA, (first + n - 1) / tiles_per_pair, spairs, blockIdx.x == 0);
-    __syncthreads();
-  }
   if (threadIdx.x == kAsker) {
     if (n > 0 && !early0) ask(0);
     if (n > 1 && !early1) ask(1);
@@ -600,14 +541,11 @@ struct PairCounts {
   int bpp;             // a pair's down chunks
 };
 
-// ROUTE (a VPL, 0: none): the block routes for itself before its wait (RouteLaunch); its pairs follow
-// its stages in dynamic shared memory.
-template <bool STAMP = false, int ROUTE = 0>
+template <bool STAMP = false>
 __global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const ExpertPair* __restrict__ pairs, int bpp,
                                                                     int n_chunks, int per, int max_groups,
                                                                     const float* __restrict__ h, int ldh,
-                                                                    float* __restrict__ y, int ldy,
-                                                                    const __grid_constant__ RouteLaunch rl) {
+                                                                    float* __restrict__ y, int ldy) {
   expert_stamp<STAMP>(kExpertStampDown, 0);
   extern __shared__ __align__(128) uint2 sfrag[];
   __shared__ uint64_t bar[2];
@@ -617,23 +555,16 @@ __global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const Expert
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(max_groups) * 4 * 32);
   uint8_t* stiles = reinterpret_cast<uint8_t*>(sfrag) + bulk_down_tiles_offset(max_groups);
   const size_t stage_bytes = 8 * static_cast<size_t>(max_groups) * kTileGroupBytes;
-  const int pA = first / bpp;
-  ExpertPair* const spairs = reinterpret_cast<ExpertPair*>(stiles + 2 * stage_bytes);
-  const ExpertPair* const P = ROUTE ? spairs - pA : pairs;
   if (threadIdx.x == 0) {
     mbar_init(&bar[0]);
     mbar_init(&bar[1]);
     mbar_init_fence();
   }
-  if constexpr (ROUTE > 0) {
-    route_table_prefetch(rl);
-    if (n > 0) route_block_pairs<ROUTE>(rl, pA, (first + n - 1) / bpp, spairs, false);
-  }
   __syncthreads();
   // Stage i % 2 asks for local chunk i's tiles (none past the pair's rows: its phase completes).
   auto ask = [&](int i) {
     const int c = first + i, T0 = (c % bpp) * 8;
-    const DMatrix w = P[c / bpp].down;
+    const DMatrix w = pairs[c / bpp].down;
     const int n_tiles = min(8, w.rows / kTileRows - T0);
     uint64_t* b = &bar[i & 1];
     if (n_tiles <= 0) {
@@ -653,7 +584,7 @@ __global__ void __launch_bounds__(256, 2) expert_down_stream_kernel(const Expert
   int frag_pair = -1;
   for (int i = 0; i < n; ++i) {
     const int c = first + i, p = c / bpp, T0 = (c % bpp) * 8, row0 = (T0 + warp) * kTileRows;
-    const DMatrix w = P[p].down;
+    const DMatrix w = pairs[p].down;
     const int groups = w.cols / 64, n_tiles = min(8, w.rows / kTileRows - T0);
     if (n_tiles > 0 && (!w.tiled() || groups > max_groups)) __trap();  // the launch's promise
     if (n_tiles > 0 && p != frag_pair) {  // block-uniform; the last barrier ended every read of them
@@ -882,7 +813,6 @@ bool expert_tc4_enabled() {
   return on && q_arith() == 4;
 }
 
-int expert_fused_mode();  // below (0: the fused decode expert kernel off)
 namespace {
 // The K split of the decode experts (warps per 16-row tile, 8 / ks tiles per block). "double": the
 // first rule, doubling while the warps are fewer than 16 per SM (gate/up at the released geometry: 440
@@ -1003,67 +933,6 @@ int g_expert_fused = -1;  // set_expert_fused; -1: the environment's
 // The fused kernel's dynamic shared memory at most (one block an SM: H100/H200 allow 227 KB).
 constexpr size_t kFusedMaxSmem = 206 * 1024;
 
-int g_route_in_experts = -1;  // set_route_in_experts; -1: the environment's
-std::atomic<size_t> g_route_in_experts_launches{0};
-bool route_in_experts_on() {
-  static const bool env_on = env_is("CK_ROUTE_IN_EXPERTS", "1");  // off until measured in the step
-  return g_route_in_experts < 0 ? env_on : g_route_in_experts != 0;
-}
-
-// A kernel's instance for the route's VPL (moe_route's choice, so the same softmax order and bits).
-template <template <int> class Pick>
-auto route_instance(int vpl) {
-  return vpl <= 1 ? Pick<1>::get() : vpl <= 2 ? Pick<2>::get() : vpl <= 4 ? Pick<4>::get() : vpl <= 8 ? Pick<8>::get() : Pick<16>::get();
-}
-template <int V>
-struct GateUpRoute {
-  static auto get() { return expert_gate_up_stream_kernel<false, V>; }
-};
-template <int V>
-struct DownRoute {
-  static auto get() { return expert_down_stream_kernel<false, V>; }
-};
-
-// Whether both decode expert kernels route for themselves at this launch, and their runs: each kernel
-// must be its streaming form (the launchers' conditions for it, below), and each block's run must span
-// at most kRouteBlockPairs pairs.
-struct RoutePlan {
-  bool ok = false;
-  int vpl = 0;
-  int gu_tiles = 0, gu_per = 0, tpp = 0;
-  int chunks = 0, down_per = 0, bpp = 0;
-  size_t gu_smem = 0, down_smem = 0;
-};
-RoutePlan route_plan(const MoeRouteArgs& ra, int rows, int n_pairs, int max_inter, int hidden, const float* h, int ldh,
-                     bool all_tiled) {
-  RoutePlan pl;
-  const int vpl = static_cast<int>(ceil_div(ra.E, 32)), groups = hidden / 64, max_groups = max_inter / 64;
-  static const bool warp_route = !env_is("CK_ROUTE_WARP", "0");
-  static const bool down_one = !env_is("CK_EXPERT_DOWN_ONE", "0"), down_early = !env_is("CK_EXPERT_DOWN_EARLY", "0");
-  const size_t route_bytes = kRouteBlockPairs * sizeof(ExpertPair);
-  pl.gu_smem = 4 * static_cast<size_t>(groups) * kTileGroupBytes + route_bytes;
-  pl.down_smem = bulk_down_stream_smem(max_groups) + route_bytes;
-  if (!route_in_experts_on() || !warp_route || vpl > 16 || ra.k < 1 || ra.k > 64 || rows < 1 || rows > 8 ||
-      n_pairs != rows * (ra.k + 1) || !all_tiled || hidden % 64 != 0 || max_inter % 64 != 0 || expert_timing_on() ||
-      expert_fused_mode() != 0 || !expert_bulk_on() || !expert_stream_on() || !expert_down_stream_on() ||
-      ceil_div(groups, 8) > kStreamWarpGroups || pl.gu_smem > kBulkMaxSmem || !down_one || !down_early ||
-      max_groups > kTcBlockGroups || bulk_down_smem(max_groups) > kBulkMaxSmem || pl.down_smem > kDownStreamMaxSmem ||
-      hidden % 16 != 0 || reinterpret_cast<uintptr_t>(h) % 16 != 0 || ldh % 4 != 0)
-    return pl;
-  pl.vpl = vpl;
-  pl.tpp = static_cast<int>(ceil_div(max_inter, 16));
-  pl.gu_tiles = n_pairs * pl.tpp;
-  static StreamLaunchCache gu_cache[5], down_cache[5];
-  const int vi = vpl <= 1 ? 0 : vpl <= 2 ? 1 : vpl <= 4 ? 2 : vpl <= 8 ? 3 : 4;
-  pl.gu_per = stream_run_length(route_instance<GateUpRoute>(vpl), kBulkMaxSmem, pl.gu_smem, pl.gu_tiles, gu_cache[vi]);
-  pl.bpp = static_cast<int>(ceil_div(hidden, 128));
-  pl.chunks = n_pairs * pl.bpp;
-  pl.down_per = stream_run_length(route_instance<DownRoute>(vpl), kDownStreamMaxSmem, pl.down_smem, pl.chunks, down_cache[vi]);
-  auto span = [](int per, int unit) { return static_cast<int>(ceil_div(per - 1, unit)) + 1; };  // pairs a run touches
-  pl.ok = span(pl.gu_per, pl.tpp) <= kRouteBlockPairs && span(pl.down_per, pl.bpp) <= kRouteBlockPairs;
-  return pl;
-}
-
 template <bool GATE_UP>
 void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int groups, const float* x, int ldx,
                        int n_vec, float* out, int ldo, cudaStream_t s, const Tc4Frags* pre, bool all_tiled,
@@ -1087,7 +956,7 @@ void launch_expert_tc4(const ExpertPair* pairs, int n_pairs, int max_rows, int g
       const int per = stream_run_length(expert_gate_up_stream_kernel<false>, kBulkMaxSmem, 2 * bulk_smem, tiles, cache);
       launch(stamped_or_not(expert_gate_up_stream_kernel<false>, expert_gate_up_stream_kernel<true>, kBulkMaxSmem),
              static_cast<unsigned>(ceil_div(tiles, per)), 256, 2 * bulk_smem, s, pairs, tiles_per_pair, tiles, per, frag,
-             gsum, groups, out, ldo, sh, RouteLaunch{});
+             gsum, groups, out, ldo, sh);
       CUDA_CHECK_LAUNCH();
       if (scratch) scratch_free(scratch, s);
       return;
@@ -1116,53 +985,17 @@ void set_expert_stream(int on, int blocks) {
   g_expert_stream_blocks = on > 0 ? std::max(0, blocks) : 0;
 }
 
-bool expert_route_in_kernels(const MoeRouteArgs& route, int rows, int n_pairs, int max_inter, int hidden, const float* h,
-                             int ldh, bool all_tiled) {
-  return route_plan(route, rows, n_pairs, max_inter, hidden, h, ldh, all_tiled).ok;
-}
-void set_route_in_experts(int on) { g_route_in_experts = on < 0 ? -1 : on > 0; }
-size_t route_in_experts_launches() { return g_route_in_experts_launches.load(); }
-
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
                         int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre, bool all_tiled,
-                        const SharedSlot* shared, const MoeRouteArgs* route) {
+                        const SharedSlot* shared) {
   CK_REQUIRE(n_pairs >= 1 && x_rows >= 1 && hidden % 64 == 0 && max_inter >= 1, "invariant");
-  if (route) {  // the caller checked expert_route_in_kernels (for this h, the down kernel's input)
-    const RoutePlan pl = route_plan(*route, x_rows, n_pairs, max_inter, hidden, h, ldh, all_tiled);
-    CK_REQUIRE(pl.ok, "expert_gate_up_tc4: the route cannot go into the expert kernels here");
-    const uint2* frag = nullptr;
-    const float* gsum = nullptr;
-    uint8_t* scratch = frags_for(x, ldx, x_rows, hidden / 64, pre, &frag, &gsum, stream);
-    RouteLaunch rl;
-    rl.a = *route;
-    rl.rows = x_rows;
-    launch(route_instance<GateUpRoute>(pl.vpl), static_cast<unsigned>(ceil_div(pl.gu_tiles, pl.gu_per)), 256, pl.gu_smem,
-           stream, pairs, pl.tpp, pl.gu_tiles, pl.gu_per, frag, gsum, hidden / 64, h, ldh,
-           early_shared_slot(shared, n_pairs), rl);
-    CUDA_CHECK_LAUNCH();
-    if (scratch) scratch_free(scratch, stream);
-    ++g_route_in_experts_launches;
-    return;
-  }
   launch_expert_tc4<true>(pairs, n_pairs, max_inter, hidden / 64, x, ldx, x_rows, h, ldh, stream, pre, all_tiled,
                           shared);
 }
 
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
-                     int ldy, cudaStream_t stream, bool all_tiled, const MoeRouteArgs* route) {
+                     int ldy, cudaStream_t stream, bool all_tiled) {
   CK_REQUIRE(n_pairs >= 1 && max_inter % 64 == 0 && hidden >= 1, "invariant");
-  if (route) {  // the gate/up kernel before routed for itself: so does this one (its pairs are one kernel back)
-    const int rows = n_pairs / (route->k + 1);
-    const RoutePlan pl = route_plan(*route, rows, n_pairs, max_inter, hidden, h, ldh, all_tiled);
-    CK_REQUIRE(pl.ok, "expert_down_tc4: the route cannot go into the expert kernels here");
-    RouteLaunch rl;
-    rl.a = *route;
-    rl.rows = rows;
-    launch(route_instance<DownRoute>(pl.vpl), static_cast<unsigned>(ceil_div(pl.chunks, pl.down_per)), 256, pl.down_smem,
-           stream, pairs, pl.bpp, pl.chunks, pl.down_per, max_inter / 64, h, ldh, y, ldy, rl);
-    CUDA_CHECK_LAUNCH();
-    return;
-  }
   // The fragments in the block unless the pairs' K is beyond a block's fragment memory (or
   // CK_EXPERT_DOWN_ONE=0: the fragment kernel and expert_tc4_kernel, to compare).
   static const bool one = !env_is("CK_EXPERT_DOWN_ONE", "0");
@@ -1184,7 +1017,7 @@ void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hi
       const int per = stream_run_length(expert_down_stream_kernel<false>, kDownStreamMaxSmem, ssmem, chunks, cache);
       launch(stamped_or_not(expert_down_stream_kernel<false>, expert_down_stream_kernel<true>, kDownStreamMaxSmem),
              static_cast<unsigned>(ceil_div(chunks, per)), 256, ssmem, stream, pairs, bpp, chunks, per, max_groups, h,
-             ldh, y, ldy, RouteLaunch{});
+             ldh, y, ldy);
       CUDA_CHECK_LAUNCH();
       return;
     }

@@ -9,7 +9,6 @@
 #include "cuda/device_ops.cuh"
 #include "cuda/layers.h"
 #include "cuda/ops.h"
-#include "cuda/route_warp.cuh"
 
 namespace ck::cuda {
 namespace {
@@ -18,9 +17,23 @@ namespace {
 
 constexpr int kMaxCombineSlots = 64;  // moe_combine4_kernel's routed slots (moe_route allows k <= 64)
 
-// Slot t of row r's pairs (route_warp.cuh make_route_pair), written where moe_route's layout puts it.
+// Slot t of row r's pairs: routed expert e with its weight (t < k), or the shared expert (t == k).
 __device__ __forceinline__ void write_route_pair(const MoeRouteArgs& a, int r, int t, int e, float weight) {
-  a.pairs[static_cast<size_t>(r) * (a.k + 1) + t] = make_route_pair(a, r, t, e, weight);
+  ExpertPair pr;
+  pr.x_row = r;
+  if (t < a.k) {
+    const ExpertSlot slot = a.table[e];
+    expert_views(slot.addr, slot.fmt, a.inter, a.hidden, &pr.gate, &pr.up, &pr.down);
+    pr.weight = weight;
+    pr.group = e;
+  } else {
+    pr.gate = a.sh_gate;
+    pr.up = a.sh_up;
+    pr.down = a.sh_down;
+    pr.weight = 0.0f;
+    pr.group = a.E;
+  }
+  a.pairs[static_cast<size_t>(r) * (a.k + 1) + t] = pr;
 }
 
 // grid (rows), block 256, dynamic shared memory E floats + E bytes. Any E (moe_route_warp_kernel
@@ -91,10 +104,76 @@ __global__ void __launch_bounds__(256) moe_route_warp_kernel(const MoeRouteArgs 
   pdl_begin();
   const int lane = threadIdx.x & 31, r = static_cast<int>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   if (r >= rows) return;
-  RoutePicks rp;
-  route_row_picks<VPL>(a, r, lane, rp);
-  const int mine0 = rp.e0, mine1 = rp.e1;
-  const float mine0_p = rp.p0, mine1_p = rp.p1, ts = rp.ts;
+  const float* lg = a.logits + static_cast<size_t>(r) * a.ld;
+  const float* lg2 = a.logits2 ? a.logits2 + static_cast<size_t>(r) * a.ld : nullptr;
+  const int e0 = VPL * lane;
+  float p[VPL];
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) p[j] = e0 + j < a.E ? lg[e0 + j] : -INFINITY;
+  if (lg2)
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (e0 + j < a.E) p[j] += lg2[e0 + j];
+  float mx = p[0];
+#pragma unroll
+  for (int j = 1; j < VPL; ++j) mx = fmaxf(mx, p[j]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    p[j] = e0 + j < a.E ? expf(p[j] - mx) : 0.0f;
+    sum += p[j];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) p[j] /= sum;
+  // The lane's values as order keys: a probability's bits + 2 (monotone for p >= 0, which softmax
+  // gives), 1 for a NaN (picked only once no number is left), 0 for a pick or an expert past E (never
+  // picked). The lane's head: its largest key, the lowest index among equals.
+  uint32_t key[VPL];
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) key[j] = e0 + j >= a.E ? 0u : p[j] != p[j] ? 1u : __float_as_uint(p[j]) + 2u;
+  uint32_t hk = 0u;
+  int hj = 0;
+  auto find_head = [&] {
+    hk = 0u;
+    hj = 0;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (key[j] > hk) {
+        hk = key[j];
+        hj = j;
+      }
+  };
+  find_head();
+  int mine0 = 0, mine1 = 0;  // lane l keeps the picks of rounds l and l + 32 (k <= 64)
+  float mine0_p = 0.0f, mine1_p = 0.0f;
+  float ts = 0.0f;
+  // Each round: the largest head of the 32 lanes (one REDUX), the lowest lane holding it (a lane holds
+  // lower indices than the lanes after it), whose head is the pick; that lane alone finds its next head.
+  // The pick's probability is its key's bits.
+#pragma unroll 1
+  for (int t = 0; t < a.k; ++t) {
+    const uint32_t mk = __reduce_max_sync(0xffffffffu, hk);
+    const int owner = __ffs(__ballot_sync(0xffffffffu, hk == mk)) - 1;
+    const int bi = __shfl_sync(0xffffffffu, e0 + hj, owner);
+    const float pv = mk >= 2u ? __uint_as_float(mk - 2u) : __int_as_float(0x7fc00000);  // (a NaN)
+    if (lane == owner) {
+#pragma unroll
+      for (int j = 0; j < VPL; ++j)
+        if (j == hj) key[j] = 0u;
+      find_head();
+    }
+    ts += pv;  // block kernel's order: the picks' probabilities in round order
+    if (t == lane) {
+      mine0 = bi;
+      mine0_p = pv;
+    } else if (t == lane + 32) {
+      mine1 = bi;
+      mine1_p = pv;
+    }
+  }
   // The lane's slots t = lane + 32 h: its picks of rounds lane and lane + 32, and (t == k) the shared
   // expert's, through one call site (three inlined copies of write_route_pair, and the rounds' loop
   // unrolled, made 35 KB of SASS at E = 512; now 26 KB; decode level, H200 2026-12-01 18:30Z).

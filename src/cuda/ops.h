@@ -23,7 +23,6 @@ enum class Epilogue : int32_t {
 };
 
 struct Tc4Frags;
-struct MoeRouteArgs;  // layers.h
 
 // One matrix of a multi-GEMV launch: y[r * ldy + o] = epi(Σ_c w[o][c] · x[r * ldx + c]).
 struct GemvJob {
@@ -228,20 +227,9 @@ bool expert_tc4_enabled();
 // shared: the pairs are the route's (SharedSlot: k1 a row, the shared expert last), so the tiled form's
 // shared-expert blocks copy their tiles before their wait (CK_EXPERT_SHARED_EARLY=0: not; the same
 // bits). set_expert_shared_early(1 or 0) sets it (tests), -1 goes back to the environment's.
-// route (CK_ROUTE_IN_EXPERTS=1, where expert_route_in_kernels says so; the same for expert_down_tc4
-// after it): the kernel routes for itself from the router's logits instead of reading the pairs of a
-// moe_route launch (which the caller then leaves out); its block 0 writes the pairs in moe_route's
-// layout for what reads them after the down kernel. The same picks, weights and bits.
 void expert_gate_up_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* x, int ldx,
                         int x_rows, float* h, int ldh, cudaStream_t stream, const Tc4Frags* pre = nullptr,
-                        bool all_tiled = false, const SharedSlot* shared = nullptr, const MoeRouteArgs* route = nullptr);
-// Whether both decode expert kernels can route for themselves at a step of `rows` rows (h: the gate/up
-// output the down kernel reads). Off by default until measured in the step (CK_ROUTE_IN_EXPERTS=1, or
-// set_route_in_experts(1); 0 off, -1 the environment's); its launches counted for tests.
-bool expert_route_in_kernels(const MoeRouteArgs& route, int rows, int n_pairs, int max_inter, int hidden, const float* h,
-                             int ldh, bool all_tiled);
-void set_route_in_experts(int on);
-size_t route_in_experts_launches();
+                        bool all_tiled = false, const SharedSlot* shared = nullptr);
 void set_expert_shared_early(int on);
 // The tiled form's gate/up and down as one streaming loop per block (two tiles or chunks in flight a
 // block; gemv_experts.cu expert_*_stream_kernel) rather than a block per tile or chunk (CK_EXPERT_STREAM=0
@@ -253,7 +241,7 @@ void set_expert_stream(int on, int blocks = 0);
 // route, then gate/up), not by the kernel just before: its tiled form reads them before its
 // programmatic-launch wait (CK_EXPERT_DOWN_EARLY). h is the kernel just before's output.
 void expert_down_tc4(const ExpertPair* pairs, int n_pairs, int max_inter, int hidden, const float* h, int ldh, float* y,
-                     int ldy, cudaStream_t stream, bool all_tiled = false, const MoeRouteArgs* route = nullptr);
+                     int ldy, cudaStream_t stream, bool all_tiled = false);
 // expert_gate_up_tc4 then expert_down_tc4 of tiled experts (Model::tiled_experts) as one kernel
 // (gemv_experts.cu expert_tc4_fused_kernel): the same h and y bits. Returns false, launching nothing,
 // where it does not apply (off by default, as it measured slower: CK_EXPERT_FUSED=1 or

@@ -918,12 +918,9 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
     ra.table = table;
     ra.inter = c.moe_intermediate_size; ra.hidden = H;
     ra.sh_gate = mo.sh_gate; ra.sh_up = mo.sh_up; ra.sh_down = mo.sh_down; ra.pairs = b.pairs;
-    const int n_pairs = rows * (k + 1);
-    // CK_ROUTE_IN_EXPERTS=1: the decode experts' kernels route for themselves (no moe_route launch).
-    const bool self_route = rows <= kMaxRows && mo.q4 && expert_tc4_enabled() && H % 64 == 0 && m_.tiled_experts() &&
-                            expert_route_in_kernels(ra, rows, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, true);
-    if (!self_route) moe_route(ra, rows, stream_);
+    moe_route(ra, rows, stream_);
     mark("moe route (top-k)");
+    const int n_pairs = rows * (k + 1);
     if (rows > kMaxRows) {  // prefill chunk: each expert's weights once for all the rows that chose it
       group_pairs(b.pairs, n_pairs, c.num_experts + 1, b.order, b.tiles, b.n_tiles, stream_);
       mark("moe group pairs");
@@ -950,11 +947,9 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
         if (!m_.tiled_experts() || !expert_tc4_fused(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, rows, b.mh,
                                                      b.ldMI, b.my, b.ldH, b.expert_counts, stream_, &b.ufr, &sh)) {
           expert_gate_up_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, rows, b.mh, b.ldMI, stream_, &b.ufr,
-                             m_.tiled_experts(), &sh, self_route ? &ra : nullptr);
-          // (Right after gate/up: the down kernel reads the route's pairs before its wait, two kernels back,
-          // or routes for itself there.)
-          expert_down_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, stream_, m_.tiled_experts(),
-                          self_route ? &ra : nullptr);
+                             m_.tiled_experts(), &sh);
+          // (Right after gate/up: the down kernel reads the route's pairs before its wait, two kernels back.)
+          expert_down_tc4(b.pairs, n_pairs, m_.max_inter_, H, b.mh, b.ldMI, b.my, b.ldH, stream_, m_.tiled_experts());
         }
       } else {
         expert_gate_up(b.pairs, n_pairs, m_.max_inter_, H, b.u, b.ldH, b.mh, b.ldMI, mo.codes48, stream_);

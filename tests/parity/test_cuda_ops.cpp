@@ -2286,18 +2286,6 @@ TEST(CudaOps, ExpertFusedGivesTheSameLogits) {
     }, mode == 1 ? "the fused expert kernel changed the logits" : "the one-team fused expert kernel changed the logits");
 }
 
-// The decode experts' kernels routing for themselves (set_route_in_experts(1), off by default: each
-// block computes the picks it reads from the router's logits, the gate/up kernel's block 0 writes the
-// pairs for the combine) and the route kernel's pairs: the same picks and weights, so logits bit for
-// bit at steps of 1-8 rows. The form must have run.
-TEST(CudaOps, RouteInExpertsGivesTheSameLogits) {
-  REQUIRE_GPU();
-  const size_t before = route_in_experts_launches();
-  expect_tiled_switch_keeps_logits(16, [](int on) { set_route_in_experts(on); },
-                                   "the route in the expert kernels changed the logits");
-  EXPECT_GT(route_in_experts_launches(), before) << "no expert kernel routed for itself";
-}
-
 // A model whose experts cannot all be resident fails at creation with one error naming the sizes
 // (CK_DEVICE_MEMORY_GB caps the free memory counted), instead of inside cudaMalloc; with room it loads.
 TEST(CudaOps, ModelTooLargeForTheGpuFailsCleanly) {
