@@ -411,8 +411,10 @@ int main(int argc, char** argv) {
               "(%.3f GB/step / %.0f GB/s)   %.0f%% of ceiling%s\n",
          rows, rows > 1 ? "s" : " ", rows / step_s, step_s * 1e3, t.size(), ceil_tps, step_bytes / 1e9, copy_gbs,
          100.0 * (rows / step_s) / ceil_tps, at.c_str());
+    // CK_GRAPH_KERNELS=1: the step graph's kernels by name and count (cuda::describe), not the totals only.
     if (const cuda::GraphShape* g = s->step_graph_shape(rows, false))
-      emit(out, "graph    %d row%s/step   %s\n", rows, rows > 1 ? "s" : " ", cuda::summary(*g).c_str());
+      emit(out, "graph    %d row%s/step   %s\n", rows, rows > 1 ? "s" : " ",
+           (std::getenv("CK_GRAPH_KERNELS") ? cuda::describe(*g) : cuda::summary(*g)).c_str());
   }
 
   // ---- MTP draft step (one graph a step; then with every kernel launched directly, to compare), after a
