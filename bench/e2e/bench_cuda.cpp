@@ -391,7 +391,9 @@ int main(int argc, char** argv) {
       toks[0] = next;
       for (int r = 1; r < rows; ++r) toks[r] = static_cast<int32_t>(rng() % c.vocab_size);  // drafts
       auto ts = Clock::now();
-      if (!s->step_rows(toks, rows > 1, false, &res).ok()) return 1;
+      // Steps of several rows snapshot their recurrent state after each row, as a speculative step must
+      // (CK_BENCH_SNAP=0: not, to measure what the snapshots cost; every row is committed either way).
+      if (!s->step_rows(toks, rows > 1 && !cuda::env_is("CK_BENCH_SNAP", "0"), false, &res).ok()) return 1;
       s->commit(rows);
       if (i >= 3) t.push_back(seconds_since(ts));  // the first steps capture the graph
       next = res.argmax.back();
