@@ -20,6 +20,7 @@ struct StepParams {
   int64_t pos = 0;                 // position of row 0
   int32_t rows = 0;
   int32_t snap = 0;                // keep the recurrent state after every row but the last
+  int32_t state_parity = 0;        // which of a DeltaNet layer's two state buffers holds its state (GdnRecArgs)
   int32_t tokens[kMaxChunkRows] = {};
 };
 
@@ -162,7 +163,13 @@ struct GdnRecArgs {
   const float* a_log = nullptr; const float* dt_bias = nullptr;      // (nv)
   const float* norm = nullptr;                // (dv) plain N2 weight
   float* state = nullptr;                     // (nv, dk, dv)
-  float* snaps = nullptr; int64_t snap_stride = 0;
+  // A second state buffer (gdn_recurrent only; nullptr: the state is updated in place). With it,
+  // sp->state_parity names the buffer that holds the state (0: state, 1: state_alt), and a step with
+  // sp->snap writes the state after its last row into the other buffer, keeping the one before the
+  // step for a replay of the rows a rollback keeps (Session::replay_deltanet), where the snapshots
+  // below cost a full state write per row.
+  float* state_alt = nullptr;
+  float* snaps = nullptr; int64_t snap_stride = 0;  // sp->snap: the state after each row but the last (nullptr: none)
   float* out = nullptr; int ldo = 0;          // (rows, nv*dv)
   int nk = 0, nv = 0, dk = 0, dv = 0;
   float eps = 1e-6f;

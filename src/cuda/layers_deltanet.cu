@@ -136,7 +136,19 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   const int kh = h / (a.nv / a.nk);  // repeat_interleave grouping (trap 12)
   const int Kd = a.nk * dk;
   const float q_scale = 1.0f / sqrtf(static_cast<float>(dk));
-  float* S = a.state + static_cast<size_t>(h) * dk * dv;
+  // The state before the step (S) and where the state after it goes (S_out): in place, or with a second
+  // buffer (GdnRecArgs::state_alt) the one sp->state_parity names and, in a step with snapshots, the
+  // other, so the start state stays for a replay (Session::replay_deltanet). (sp is read before the
+  // wait: the step's params were copied before its first kernel started.)
+  float* S = a.state;
+  float* S_out = a.state;
+  if (a.state_alt) {
+    const bool alt = sp->state_parity != 0;
+    S = alt ? a.state_alt : a.state;
+    S_out = sp->snap != 0 ? (alt ? a.state : a.state_alt) : S;
+  }
+  S += static_cast<size_t>(h) * dk * dv;
+  S_out += static_cast<size_t>(h) * dk * dv;
 
   float Sreg[kKeyPart];
   auto load_state = [&]() {
@@ -314,7 +326,7 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
     float o = 0.0f;
     for (int pp = 0; pp < parts; ++pp) o += ro[pp * cols + jl];
     row_out(r, o);
-    if (snap && r + 1 < rows) {
+    if (snap && r + 1 < rows && a.snaps) {
       float* Sn = a.snaps + static_cast<size_t>(r) * a.snap_stride + static_cast<size_t>(h) * dk * dv;
 #pragma unroll
       for (int t = 0; t < kKeyPart; ++t) {
@@ -327,7 +339,7 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
 #pragma unroll
   for (int t = 0; t < kKeyPart; ++t) {
     const int i = p * kKeyPart + t;
-    if (active && i < dk) S[static_cast<size_t>(i) * dv + j] = Sreg[t];
+    if (active && i < dk) S_out[static_cast<size_t>(i) * dv + j] = Sreg[t];
   }
   if constexpr (DEFER_NORM) {  // every row's norm, after one cluster barrier (GdnNorm::Cluster only)
     cg::cluster_group cluster = cg::this_cluster();

@@ -362,10 +362,17 @@ void Model::permute_expert_slots(uint64_t seed) {
 
 struct Session::LayerState {
   float* gdn_conv = nullptr;  // (K-1, C)
-  float* gdn_s = nullptr;     // (nv, dk, dv)
+  // The delta rule's state (nv, dk, dv) in two buffers: state_parity_ names the one that holds it. A
+  // step with snapshots writes the state after its last row into the other (GdnRecArgs::state_alt);
+  // commit() then takes that one, or replays the rows it keeps on the one before (replay_deltanet).
+  float* gdn_s = nullptr;
+  float* gdn_s_alt = nullptr;
+  float* gdn_s_snaps = nullptr;  // CK_GDN_SNAPSHOTS=1 only: the state after each row but the last, as before
   float* gdn_conv_snaps = nullptr;
-  float* gdn_s_snaps = nullptr;
   int64_t gdn_conv_n = 0, gdn_s_n = 0;
+  // A row-path step's inputs of the delta rule (kMaxRows rows: post-conv q | k | v at ldC, β's and the
+  // decay's logits at ldNV), kept per layer until the next step, for replay_deltanet.
+  float *gdn_y = nullptr, *gdn_b = nullptr, *gdn_a = nullptr;
   float* k_cache = nullptr;   // (max_ctx, nkv*hd)
   float* v_cache = nullptr;
   float* idx_keys = nullptr;  // (max_ctx, ihd)
@@ -393,6 +400,7 @@ struct Session::Buffers {
       ldIQ = 0, ldE = 0, ldEx = 0, ldMI = 0, ldV = 0;
   int64_t nb_max = 1;
   StepParams* params = nullptr;
+  StepParams* replay_params = nullptr;  // replay_deltanet's: its rows, no snapshots, the state's parity
   float *R = nullptr, *X = nullptr, *hc_d = nullptr, *hc_g = nullptr, *u = nullptr, *w = nullptr, *o = nullptr;
   float* hc_rinv = nullptr;  // [rows][S]: a prefill mix's 1 / rms per stream, when X is not written (XNorm)
   float *gx = nullptr, *gz = nullptr, *gb = nullptr, *ga = nullptr, *gy = nullptr, *go = nullptr;
@@ -451,7 +459,8 @@ uint64_t Session::buffer_bytes(const ModelConfig& c, int max_inter, int64_t max_
 }
 
 Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
-    : m_(m), max_ctx_(max_ctx), chunk_rows_(std::clamp(chunk_rows, kMaxRows, kMaxChunkRows)), prefill_chunk_(chunk_rows_) {
+    : m_(m), max_ctx_(max_ctx), gdn_replay_(!env_is("CK_GDN_SNAPSHOTS", "1")),
+      chunk_rows_(std::clamp(chunk_rows, kMaxRows, kMaxChunkRows)), prefill_chunk_(chunk_rows_) {
   const ModelConfig& c = m.cfg();
   CHECK(max_ctx_ >= 1);
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -479,6 +488,7 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
   b.ldV = ld4(c.vocab_size);
   b.nb_max = c.indexer_compress_ratio > 0 ? std::max<int64_t>(1, max_ctx_ / c.indexer_compress_ratio) : 1;
   b.params = static_cast<StepParams*>(arena_.alloc(sizeof(StepParams)));
+  b.replay_params = static_cast<StepParams*>(arena_.alloc(sizeof(StepParams)));
   step_scratch_.base = static_cast<uint8_t*>(arena_.alloc(kStepScratchBytes));
   step_scratch_.size = kStepScratchBytes;
   b.R = fbuf(R * b.ldW); b.X = fbuf(R * b.ldW); b.hc_d = fbuf(R * b.ldLR); b.hc_rinv = fbuf(R * c.hc_count); b.hc_g_rows = std::min(R, hc_gate_rows());
@@ -540,8 +550,12 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
       st.gdn_s_n = static_cast<int64_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim;
       st.gdn_conv = fbuf(std::max<int64_t>(1, st.gdn_conv_n));
       st.gdn_s = fbuf(st.gdn_s_n);
+      if (gdn_replay_) st.gdn_s_alt = fbuf(st.gdn_s_n);
+      else st.gdn_s_snaps = fbuf(snaps * st.gdn_s_n);
       st.gdn_conv_snaps = fbuf(std::max<int64_t>(1, snaps * st.gdn_conv_n));
-      st.gdn_s_snaps = fbuf(snaps * st.gdn_s_n);
+      st.gdn_y = fbuf(kMaxRows * b.ldC);
+      st.gdn_b = fbuf(kMaxRows * b.ldNV);
+      st.gdn_a = fbuf(kMaxRows * b.ldNV);
     } else {
       const int64_t kvw = static_cast<int64_t>(c.num_key_value_heads) * c.head_dim;
       st.k_cache = fbuf(max_ctx_ * kvw);
@@ -786,6 +800,38 @@ void Session::copy_hidden_down(int from, int rows) {
                                sizeof(float) * (rows - from) * b.ldW, cudaMemcpyDeviceToHost, stream_));
 }
 
+// The delta rule's arguments of DeltaNet layer d for a step of `rows` rows. A row-path step (at most
+// kMaxRows rows, the only kind with snapshots) reads its inputs from the layer's own buffers, which
+// outlive the step for replay_deltanet, and both state buffers (the device's StepParams say which holds
+// the state, and whether the step writes the other); a prefill chunk reads the shared buffers and
+// updates the state in place.
+Session::GdnInputs Session::gdn_inputs(LayerState& st, int rows) const {
+  const Buffers& b = *b_;
+  return rows <= kMaxRows ? GdnInputs{st.gdn_y, st.gdn_b, st.gdn_a} : GdnInputs{b.gy, b.gb, b.ga};
+}
+
+GdnRecArgs Session::gdn_args(const DLayer& d, LayerState& st, int rows) const {
+  const ModelConfig& c = m_.cfg();
+  const Buffers& b = *b_;
+  const DGdn& g = d.gdn;
+  const bool row_path = rows <= kMaxRows;
+  const GdnInputs in = gdn_inputs(st, rows);
+  GdnRecArgs ra;
+  ra.y = in.y; ra.ldy = b.ldC; ra.z = b.gz; ra.ldz = b.ldVd; ra.b = in.b; ra.a = in.a; ra.ldab = b.ldNV;
+  ra.a_log = g.a_log; ra.dt_bias = g.dt_bias; ra.norm = g.norm;
+  ra.state = row_path || state_parity_ == 0 ? st.gdn_s : st.gdn_s_alt;
+  ra.state_alt = row_path ? st.gdn_s_alt : nullptr;  // (null under CK_GDN_SNAPSHOTS=1)
+  if (!gdn_replay_) {
+    ra.snaps = st.gdn_s_snaps;
+    ra.snap_stride = st.gdn_s_n;
+  }
+  ra.out = b.go; ra.ldo = b.ldVd;
+  ra.nk = c.linear_num_key_heads; ra.nv = c.linear_num_value_heads; ra.dk = c.linear_key_head_dim;
+  ra.dv = c.linear_value_head_dim; ra.eps = static_cast<float>(c.rms_norm_eps);
+  ra.sigmoid_gate = c.output_gate_type == "sigmoid" ? 1 : 0;
+  return ra;
+}
+
 // One decoder layer (§2 a-c) on b.R: a trunk layer, or the MTP's. Positions and tokens come from the
 // device StepParams `sp`; `table` is this block's entries of the expert table.
 void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* table, const StepParams* sp,
@@ -832,14 +878,16 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
   tap(pre + "attn_u", b.u, rows, H, b.ldH);
   if (d.kind == LayerKind::LinearAttention) {
     const DGdn& g = d.gdn;
+    const GdnInputs in = gdn_inputs(st, rows);  // the delta rule's inputs, written by the in_proj and the conv
     GemvJob jobs[4];
     jobs[0].w = g.in_qkv; jobs[0].y = b.gx; jobs[0].ldy = b.ldC;
     jobs[1].w = g.in_z; jobs[1].y = b.gz; jobs[1].ldy = b.ldVd;
-    jobs[2].w = g.in_b; jobs[2].y = b.gb; jobs[2].ldy = b.ldNV;
-    jobs[3].w = g.in_a; jobs[3].y = b.ga; jobs[3].ldy = b.ldNV;
+    jobs[2].w = g.in_b; jobs[2].y = in.b; jobs[2].ldy = b.ldNV;
+    jobs[3].w = g.in_a; jobs[3].y = in.a; jobs[3].ldy = b.ldNV;
     GdnConvArgs ca;
     ca.x = b.gx; ca.ldx = b.ldC; ca.taps = g.conv; ca.state = st.gdn_conv; ca.snaps = st.gdn_conv_snaps;
-    ca.snap_stride = st.gdn_conv_n; ca.y = b.gy; ca.ldy = b.ldC; ca.C = c.gdn_conv_dim(); ca.K = c.linear_conv_kernel_dim;
+    ca.snap_stride = st.gdn_conv_n; ca.y = in.y; ca.ldy = b.ldC; ca.C = c.gdn_conv_dim(); ca.K = c.linear_conv_kernel_dim;
+    const GdnRecArgs ra = gdn_args(d, st, rows);
     // Row-path steps: the conv in the GEMV's epilogue (no conv kernel and hand-over after it).
     if (gemv_conv(jobs, 4, b.u, b.ldH, rows, stream_, &b.ufr, ca, sp)) {
       mark("gdn in_proj");
@@ -849,12 +897,6 @@ void Session::enqueue_block(const DLayer& d, LayerState& st, const ExpertSlot* t
       gdn_conv(ca, sp, rows, stream_);
       mark("gdn conv");
     }
-    GdnRecArgs ra;
-    ra.y = b.gy; ra.ldy = b.ldC; ra.z = b.gz; ra.ldz = b.ldVd; ra.b = b.gb; ra.a = b.ga; ra.ldab = b.ldNV;
-    ra.a_log = g.a_log; ra.dt_bias = g.dt_bias; ra.norm = g.norm; ra.state = st.gdn_s; ra.snaps = st.gdn_s_snaps;
-    ra.snap_stride = st.gdn_s_n; ra.out = b.go; ra.ldo = b.ldVd;
-    ra.nk = c.linear_num_key_heads; ra.nv = c.linear_num_value_heads; ra.dk = c.linear_key_head_dim;
-    ra.dv = c.linear_value_head_dim; ra.eps = eps; ra.sigmoid_gate = c.output_gate_type == "sigmoid" ? 1 : 0;
     // Prefill chunks (more rows than a row-path step, never snapshotted) take the chunked form.
     if (rows > kMaxRows && gdn_chunked_enabled() && gdn_chunked_fits(ra)) {
       gdn_chunked(ra, rows, stream_);
@@ -1069,6 +1111,7 @@ Status Session::run_chunk(std::span<const int32_t> tokens, int64_t pos, bool sna
   p.pos = pos;
   p.rows = rows;
   p.snap = snap ? 1 : 0;
+  p.state_parity = state_parity_;
   for (int r = 0; r < rows; ++r) p.tokens[r] = tokens[r];
   std::memcpy(params_h_.get(), &p, sizeof(p));
   // Host half of PLE (DESIGN §5): row ids from the tokens, rows dequantized into pinned memory (in
@@ -1196,14 +1239,16 @@ Status Session::step_rows(std::span<const int32_t> tokens, bool snap, bool want_
   return {};
 }
 
+// The conv and PLE states after row `row` of the last step, from its snapshots (the delta rule's state
+// is replayed instead: replay_deltanet).
 void Session::restore_snapshot(int row) {
   for (LayerState& st : ls_) {
-    if (st.gdn_s) {
+    if (st.gdn_conv && st.gdn_conv_n > 0)
       CUDA_CHECK(cudaMemcpyAsync(st.gdn_conv, st.gdn_conv_snaps + row * st.gdn_conv_n, sizeof(float) * st.gdn_conv_n,
                                  cudaMemcpyDeviceToDevice, stream_));
+    if (st.gdn_s_snaps)  // (CK_GDN_SNAPSHOTS=1)
       CUDA_CHECK(cudaMemcpyAsync(st.gdn_s, st.gdn_s_snaps + row * st.gdn_s_n, sizeof(float) * st.gdn_s_n,
                                  cudaMemcpyDeviceToDevice, stream_));
-    }
     if (st.ple_conv && st.ple_n > 0)
       CUDA_CHECK(cudaMemcpyAsync(st.ple_conv, st.ple_snaps + row * st.ple_n, sizeof(float) * st.ple_n,
                                  cudaMemcpyDeviceToDevice, stream_));
@@ -1212,10 +1257,35 @@ void Session::restore_snapshot(int row) {
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+// The delta rule's state after the first n rows of the last step (a step with snapshots, which left
+// the state before it in the buffer state_parity_ names and its inputs in the layers' buffers): those
+// rows again, in place on that buffer. The same kernel on the same inputs, so the same bits as the
+// step's own rows (gdn_recurrent's forms of 1 and of 2-8 rows agree bit for bit: test_cuda_ops). Why
+// not snapshots: a snapshot is a full state write per row in every step (3.1 MB a layer and row at the
+// released geometry; 4-row decode 3.8-6.6% slower with them, H100 2026-12-07), a replay is paid only
+// by the steps whose drafts are rejected.
+void Session::replay_deltanet(int n) {
+  StepParams p;
+  p.pos = pos_;
+  p.rows = n;
+  p.snap = 0;
+  p.state_parity = state_parity_;
+  CUDA_CHECK(cudaMemcpyAsync(b_->replay_params, &p, offsetof(StepParams, tokens), cudaMemcpyHostToDevice, stream_));
+  for (size_t L = 0; L < ls_.size(); ++L)
+    if (m_.layers_[L].kind == LayerKind::LinearAttention)
+      gdn_recurrent(gdn_args(m_.layers_[L], ls_[L], n), b_->replay_params, n, stream_);
+  CUDA_CHECK(cudaStreamSynchronize(stream_));  // (p is on this stack)
+}
+
 void Session::commit(int n) {
   CHECK_MSG(n >= 1 && n <= pending_rows_, "commit({}) after a step of {} rows", n, pending_rows_);
   CHECK_MSG(n == pending_rows_ || pending_snap_, "commit({}) < rows {} needs snap", n, pending_rows_);
-  if (n < pending_rows_) restore_snapshot(n - 1);
+  if (gdn_replay_ && pending_snap_ && n == pending_rows_) {
+    state_parity_ ^= 1;  // the step wrote the state after its last row into the other buffer
+  } else if (n < pending_rows_) {
+    if (gdn_replay_) replay_deltanet(n);
+    restore_snapshot(n - 1);
+  }
   pos_ += n;
   pending_rows_ = 0;
   ngram_snaps_.clear();

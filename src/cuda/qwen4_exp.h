@@ -32,6 +32,7 @@ namespace ck::cuda {
 using StepResult = cpu::StepResult;
 using RowOutputs = cpu::RowOutputs;
 struct StepParams;  // cuda/layers.h
+struct GdnRecArgs;  // cuda/layers.h
 
 struct DHc {
   const float* norm = nullptr;  // (W)
@@ -275,12 +276,23 @@ class Session {
   void flush_combine();
   void tap(const std::string& name, const float* d, int rows, int64_t n, int64_t ld);
   void restore_snapshot(int row);
+  void replay_deltanet(int n);
+  struct GdnInputs {
+    float *y, *b, *a;  // post-conv q | k | v (at ldC), β's and the decay's logits (at ldNV)
+  };
+  GdnInputs gdn_inputs(LayerState& st, int rows) const;
+  GdnRecArgs gdn_args(const DLayer& d, LayerState& st, int rows) const;
 
   const Model& m_;
   int64_t max_ctx_;
   int64_t pos_ = 0;
   int pending_rows_ = 0;
   bool pending_snap_ = false;
+  // A rollback replays the delta rule's kept rows from the state before the step (replay_deltanet);
+  // CK_GDN_SNAPSHOTS=1 at the session's construction: the state is snapshotted after every row instead
+  // (as before 2026-12-07; to compare: the same bits).
+  bool gdn_replay_;
+  int state_parity_ = 0;  // which of each DeltaNet layer's two state buffers holds its state (LayerState)
   bool use_graphs_ = true;
   int chunk_rows_;     // rows the per-row buffers hold
   int prefill_chunk_;  // rows per prefill chunk, <= chunk_rows_

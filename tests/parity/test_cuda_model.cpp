@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -277,6 +278,38 @@ TEST_P(CudaOracle, StepRowsRollbackEqualsPlainDecode) {
   ASSERT_TRUE(plain->step_rows(tok, false, true, &a).ok());
   ASSERT_TRUE(spec->step_rows(tok, false, true, &b).ok());
   EXPECT_LE(test::rel_l2(b.logits.data(), a.logits.data(), V), kSelfTol);
+}
+
+// A rollback replays the delta rule's kept rows from the state before the step (Session::replay_deltanet),
+// where sessions made under CK_GDN_SNAPSHOTS=1 restore a snapshot taken after each row: the same logits,
+// bit for bit, over steps of 1-8 rows with their drafts rejected, accepted in part and all accepted.
+TEST_P(CudaOracle, DeltaRuleReplayEqualsSnapshots) {
+  SETUP();
+  std::unique_ptr<cuda::Session> s[2];
+  for (int i = 0; i < 2; ++i) {
+    if (i == 1) setenv("CK_GDN_SNAPSHOTS", "1", 1);
+    s[i] = l.model->new_session(256);
+    unsetenv("CK_GDN_SNAPSHOTS");
+    s[i]->set_prefill_chunk(0);
+  }
+  size_t t = 0;
+  int k = 1, step = 0;
+  while (t < fx->prompt.size()) {
+    const int n_true = std::min<int>(k, static_cast<int>(fx->prompt.size() - t));
+    std::vector<int32_t> rows(fx->prompt.begin() + t, fx->prompt.begin() + t + n_true);
+    const int drafts = std::min(step % 4, cuda::kMaxRows - n_true);  // 0-3 wrong drafts
+    for (int i = 0; i < drafts; ++i) rows.push_back((fx->prompt[t] + 11 * (i + 1)) % static_cast<int32_t>(V));
+    cuda::StepResult r[2];
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(s[i]->step_rows(rows, true, true, &r[i]).ok());
+      s[i]->commit(n_true);
+    }
+    ASSERT_EQ(0, std::memcmp(r[0].logits.data(), r[1].logits.data(), r[0].logits.size() * sizeof(float)))
+        << "step " << step << " (" << rows.size() << " rows, " << n_true << " kept): the logits differ";
+    t += n_true;
+    k = k % 4 + 1;
+    ++step;
+  }
 }
 
 TEST_P(CudaOracle, ExpertPlacementDoesNotChangeLogits) {

@@ -1927,6 +1927,64 @@ TEST(CudaOps, GdnClusterNormEqualsNormKernel) {
   }
 }
 
+// Steps with snapshots keep the state from before them (GdnRecArgs::state_alt, sp->state_parity): the
+// state after the step goes to the other buffer, and a rollback replays the rows it keeps on the buffer
+// from before (Session::replay_deltanet), with no snapshot of the state. Against the in-place step that
+// writes a snapshot after every row: the same outputs and final state, the start state untouched, and
+// for every n < rows the state replayed over the first n rows equal to snapshot n - 1, bit for bit
+// (n = 1 replays with the per-row form, the step ran the preloaded one). Both parities; split heads in a
+// cluster and a head in one block.
+TEST(CudaOps, GdnReplayEqualsSnapshots) {
+  REQUIRE_GPU();
+  init_kernels();
+  std::mt19937_64 rng(23);
+  const GdnCase cases[] = {{16, 48, 128, 128, 2}, {16, 48, 128, 128, 4}, {2, 4, 32, 64, 8}, {1, 2, 48, 40, 5}};
+  auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  for (const GdnCase& g : cases) {
+    SCOPED_TRACE(::testing::Message() << "nv " << g.nv << " dk " << g.dk << " dv " << g.dv << " rows " << g.rows);
+    GdnProblem p(g, rng);
+    const size_t n_state = p.state0.size();
+    DeviceBuffer<float> snaps(static_cast<size_t>(kMaxRows - 1) * n_state);
+    auto put_params = [&](int rows, int snap, int parity) {
+      StepParams sp;
+      sp.rows = rows;
+      sp.snap = snap;
+      sp.state_parity = parity;
+      CUDA_CHECK(cudaMemcpy(p.spd.get(), &sp, sizeof(sp), cudaMemcpyHostToDevice));
+    };
+    put_params(g.rows, 1, 0);
+    p.reset_state();
+    GdnRecArgs ref = p.ra;
+    ref.snaps = snaps.get();
+    ref.snap_stride = static_cast<int64_t>(n_state);
+    gdn_recurrent(ref, p.spd.get(), g.rows, nullptr);
+    const std::vector<float> ref_out = p.out(), ref_final = p.state();
+    const std::vector<float> ref_snaps = to_host(snaps.get(), (g.rows - 1) * n_state);
+    for (int parity : {0, 1}) {
+      DeviceBuffer<float> before, after;
+      float* held = to_device(p.state0, &before);
+      float* other = to_device(std::vector<float>(n_state, 7.0f), &after);
+      GdnRecArgs ra = p.ra;
+      ra.state = parity ? other : held;
+      ra.state_alt = parity ? held : other;
+      put_params(g.rows, 1, parity);
+      gdn_recurrent(ra, p.spd.get(), g.rows, nullptr);
+      EXPECT_TRUE(same(p.out(), ref_out)) << "parity " << parity << ": outputs differ";
+      EXPECT_TRUE(same(to_host(other, n_state), ref_final)) << "parity " << parity << ": final state differs";
+      EXPECT_TRUE(same(to_host(held, n_state), p.state0)) << "parity " << parity << ": the start state changed";
+      for (int n = 1; n < g.rows; ++n) {
+        CUDA_CHECK(cudaMemcpy(held, p.state0.data(), n_state * sizeof(float), cudaMemcpyHostToDevice));
+        put_params(n, 0, parity);
+        gdn_recurrent(ra, p.spd.get(), n, nullptr);
+        const std::vector<float> snap(ref_snaps.begin() + (n - 1) * n_state, ref_snaps.begin() + n * n_state);
+        EXPECT_TRUE(same(to_host(held, n_state), snap)) << "parity " << parity << ": replay of " << n << " rows";
+      }
+    }
+  }
+}
+
 // The host half of PLE as a CUDA step gathers it (cpu::Model::ple_gather: ids in order, table rows in
 // parallel from 64 tokens) against ple_token's own order, token by token: the same bits and the same
 // contexts after each token, for every PLE layer of the geometries (f32, q4g32 and bf16 tables,
