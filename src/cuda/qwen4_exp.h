@@ -1,6 +1,7 @@
 // The CUDA engine for qwen4_exp: cuda::Model (dense weights uploaded, every routed expert resident in
 // a slot array behind the expert table) and cuda::Session, which mirrors cpu::Session (step_rows with
-// per-row snapshots of the DeltaNet/conv/PLE state on the device, commit(n) with rollback). Each step
+// per-row snapshots of the conv/PLE state on the device and the DeltaNet state from before the step,
+// commit(n) with rollback: the delta rule's kept rows replayed). Each step
 // of up to kMaxRows rows is one stream submission: a CUDA graph captured per (rows, want_logits) and
 // replayed, with positions and tokens read on the device. Longer calls without snapshots run as prefill
 // chunks of up to kMaxChunkRows rows (kChunkRows by default) on the tensor cores (cuda/gemm.cu: dense projections as GEMMs, experts
