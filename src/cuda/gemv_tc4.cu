@@ -563,6 +563,91 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   if (kb > 1) cluster.sync();  // the other blocks' shared memory stays until rank 0 has read it
 }
 
+// gemv_tc4_one_kernel for two activation rows (x and x + ldx), 4-bit codes: the same split of K over a
+// cluster's blocks and a block's warps, the same tiles, and the same MMAs, since row 1's three parts
+// take MMA columns 3-5 of the one-row kernel's zero columns (mma_q4.cuh tc4_two_frag). Row 0's sums
+// are the one-row kernel's, in the same order; row 1's the same order over its columns. Why: a 2-row
+// step (a token and one draft) ran its small and middle-sized GEMVs as a fragment kernel, the tile
+// kernel and, where K is split over blocks, a reduce (the mixes' down projections), where one row runs
+// one launch: the 2-row step's GEMVs cost twice the one-row step's for the same weights (sixty-third
+// session, docs/roofline-cuda.md). Dynamic shared memory: the fragments, then [range groups][2] Σ x.
+template <bool BF16S>
+__global__ void __launch_bounds__(256, 3) gemv_tc4_two_kernel(const __grid_constant__ TcLaunch L,
+                                                              const float* __restrict__ x, int ldx, int kb) {
+  extern __shared__ uint2 sfrag[];
+  __shared__ float red[8][16][6];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int ks = L.ks, tile = blockIdx.y * (8 / ks) + warp / ks, part = warp % ks;
+  const int n_tiles = L.first_tile[L.n_jobs];
+  int j = 0;
+  while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
+  const DMatrix& w = L.job[j].w;
+  const int row0 = (tile - L.first_tile[j]) * 16;
+  const int per_b = (L.groups + kb - 1) / kb, B0 = min(L.groups, static_cast<int>(blockIdx.x) * per_b),
+            B1 = min(L.groups, B0 + per_b);
+  const int per = (B1 - B0 + ks - 1) / ks, G0 = min(B1, B0 + part * per), G1 = min(B1, G0 + per);
+  float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(per_b) * 4 * 32);
+  float acc[4] = {};
+  Tc4Rows<BF16S, 4> tr;
+  if (tile < n_tiles) {
+    tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
+    if (L.prefetch) tr.prefetch(G0, G1, t);
+  }
+  pdl_begin();  // x comes from the kernel before
+  two_row_frags_in_block<2>(x, ldx, B0, B1, sfrag, sgs);
+  __syncthreads();
+  if (tile < n_tiles) {
+#pragma unroll 2
+    for (int G = G0; G < G1; ++G) {
+      const float xs0 = t == 0 ? sgs[2 * (G - B0)] : 0.0f, xs1 = t == 1 ? sgs[2 * (G - B0) + 1] : 0.0f;
+      float sa, ba, sb, bb;
+      uint2 wa, wb;
+      tr.load(G, wa, wb, sa, ba, sb, bb);
+      tc4_two_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane, xs0, xs1, acc);
+    }
+  }
+  // Columns 0-5 (row 0's hi, mid, lo, then row 1's) of rows g and g + 8: lanes t = 0, 1, 2.
+  if (t < 3) {
+    red[warp][g][2 * t] = acc[0];
+    red[warp][g][2 * t + 1] = acc[1];
+    red[warp][g + 8][2 * t] = acc[2];
+    red[warp][g + 8][2 * t + 1] = acc[3];
+  }
+  __syncthreads();
+  const bool owner = part == 0 && tile < n_tiles && lane < 16;
+  if (owner)
+    for (int q = 0; q < 6; ++q) {
+      float v = red[warp][lane][q];
+      for (int k = 1; k < ks; ++k) v += red[warp + k][lane][q];
+      red[warp][lane][q] = v;
+    }
+  cg::cluster_group cluster = cg::this_cluster();
+  if (kb > 1) cluster.sync();
+  if (blockIdx.x == 0 && owner && row0 + lane < w.rows) {
+    constexpr int kMaxKb = 8;
+    float part_sum[kMaxKb][6];
+#pragma unroll
+    for (int r = 0; r < kMaxKb; ++r)
+      if (r < kb) {
+        const float(*rr)[16][6] = r == 0 ? red : cluster.map_shared_rank(red, r);
+#pragma unroll
+        for (int q = 0; q < 6; ++q) part_sum[r][q] = rr[warp][lane][q];
+      }
+    float c[6];
+#pragma unroll
+    for (int q = 0; q < 6; ++q) {
+      c[q] = part_sum[0][q];
+#pragma unroll
+      for (int r = 1; r < kMaxKb; ++r)
+        if (r < kb) c[q] += part_sum[r][q];
+    }
+    const GemvJob& jb = L.job[j];
+    jb.y[row0 + lane] = apply_epilogue((c[0] + c[1]) + c[2], jb.epi, jb.epi_arg);
+    jb.y[static_cast<size_t>(jb.ldy) + row0 + lane] = apply_epilogue((c[3] + c[4]) + c[5], jb.epi, jb.epi_arg);
+  }
+  if (kb > 1) cluster.sync();  // the other blocks' shared memory stays until rank 0 has read it
+}
+
 // gemv_tc4's K split over blocks applies while the grid would have fewer blocks than this
 // (CK_GEMV_TC_SPLIT_BELOW; 0 turns it off): the SM count by default (H200 08:34Z, decode at 4 rows
 // 1,127 / 1,138 tok/s with it, 1,121 / 1,115 at half of it, 1,062 / 1,076 without a split): the mix's
@@ -686,8 +771,14 @@ TcLaunch tc_launch_of(const GemvJob* jobs, int n_jobs) {
 // The one-row v4 launch with block-built fragments (gemv_tc4_one_kernel), or false when the jobs are
 // too large for it (tiles x groups > kTcInWarpMax, CK_GEMV_INWARP_MAX to move it), x is not 16-byte
 // aligned, or CK_GEMV_INWARP=0.
-bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, int bits, cudaStream_t s) {
+bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, bool bf16s, int bits,
+                  cudaStream_t s) {
   static const bool on = !env_is("CK_GEMV_INWARP", "0");
+  // Two rows (gemv_tc4_two_kernel, 4-bit codes); CK_GEMV_TWO_ROWS=0: the 2-row steps' tile kernel with
+  // its fragment kernel, as before (to compare).
+  static const bool two_on = !env_is("CK_GEMV_TWO_ROWS", "0");
+  if (rows == 2 && (!two_on || bits != 4 || ldx % 4 != 0)) return false;
+  if (rows != 1 && rows != 2) return false;
   static const int64_t max_work = [] {
     const char* e = std::getenv("CK_GEMV_INWARP_MAX");
     return e ? std::max<int64_t>(1, std::atoll(e)) : int64_t{kTcInWarpMax};
@@ -706,11 +797,14 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, bool bf16s, i
   const int per_b = static_cast<int>(ceil_div(L.groups, kb));
   if (per_b > kTcBlockGroups) return false;
   L.ks = std::max(1, parts / kb);
-  const size_t smem = static_cast<size_t>(per_b) * (4 * 32 * sizeof(uint2) + sizeof(float));
+  const size_t smem = static_cast<size_t>(per_b) * (4 * 32 * sizeof(uint2) + rows * sizeof(float));
   const dim3 grid(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1),
       cluster(static_cast<unsigned>(kb), 1, 1);
   auto go = [&](auto kernel) { launch_cluster(kernel, grid, 256, smem, s, cluster, L, x, kb); };
-  if (bits == 8) {
+  if (rows == 2) {
+    auto k2 = bf16s ? gemv_tc4_two_kernel<true> : gemv_tc4_two_kernel<false>;
+    launch_cluster(k2, grid, 256, smem, s, cluster, L, x, ldx, kb);
+  } else if (bits == 8) {
     if (bf16s) go(gemv_tc4_one_kernel<true, 8>);
     else go(gemv_tc4_one_kernel<false, 8>);
   } else {
@@ -740,7 +834,7 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   for (int j = 0; j < n_jobs; ++j) total_rows += jobs[j].w.rows;
   const bool tiled = any_tiled(jobs, n_jobs);  // only the v4 kernels read them: no size threshold then
   if (!conv && bits == 4 && gemv_stream(jobs, n_jobs, x, ldx, rows, bf16s, stream)) return true;
-  if (!conv && rows == 1 && gemv_tc4_one(jobs, n_jobs, x, bf16s, bits, stream)) return true;
+  if (!conv && rows <= 2 && gemv_tc4_one(jobs, n_jobs, x, ldx, rows, bf16s, bits, stream)) return true;
   // 8-bit codes at 2-8 rows (the router and the shared expert's gate), whatever their size: the v3
   // CUDA-core GEMV and its reduce took 13.7 us a layer at 4 rows inside the step (CK_HOLLOW, H200
   // 2026-12-02), for 1.4 MB. CK_GEMV_TC8_ROWS=0: v3 as before.

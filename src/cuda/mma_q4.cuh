@@ -511,6 +511,52 @@ __device__ __forceinline__ void one_row_frags_in_block(const float* x, int G0, i
   one_row_frags_in_warps<BATCH>(x, G0, G1, sfrag, sgs, threadIdx.x >> 5, blockDim.x >> 5);
 }
 
+// Two activation rows' B fragments of one 64-code group, in tc4_one_frag's layout with row 1's parts
+// in MMA columns 3-5: lane (g, t) holds x[16t, 16t + 16) of row g / 3 of the group in q (lanes g = 6, 7:
+// any row); lanes g = 0-2 store row 0's hi, mid and lo parts, g = 3-5 row 1's, g = 6, 7 zero columns.
+// Returns Σ x of the lane's row over the group (tc4_one_frag's order, so row 0's is its bits).
+__device__ __forceinline__ float tc4_two_frag(const float4 (&q)[4], uint2* f) {
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+  const int p = g < 6 ? g % 3 : 0;         // the x part this lane's MMA column carries
+  const uint32_t keep = g < 6 ? ~0u : 0u;  // columns 6-7 are zero
+  float gs = ((q[0].x + q[0].y) + (q[0].z + q[0].w)) + ((q[1].x + q[1].y) + (q[1].z + q[1].w)) +
+             (((q[2].x + q[2].y) + (q[2].z + q[2].w)) + ((q[3].x + q[3].y) + (q[3].z + q[3].w)));
+  gs += __shfl_xor_sync(0xffffffffu, gs, 1);
+  gs += __shfl_xor_sync(0xffffffffu, gs, 2);
+  f += lane;
+  f[0] = make_uint2(bf16_part_pair(q[0].x, q[1].x, p) & keep, bf16_part_pair(q[0].y, q[1].y, p) & keep);
+  f[32] = make_uint2(bf16_part_pair(q[0].z, q[1].z, p) & keep, bf16_part_pair(q[0].w, q[1].w, p) & keep);
+  f[64] = make_uint2(bf16_part_pair(q[2].x, q[3].x, p) & keep, bf16_part_pair(q[2].y, q[3].y, p) & keep);
+  f[96] = make_uint2(bf16_part_pair(q[2].z, q[3].z, p) & keep, bf16_part_pair(q[2].w, q[3].w, p) & keep);
+  return gs;
+}
+
+// one_row_frags_in_block for two rows (row 1 at x + ldx): groups [G0, G1) as tc4_two_frag's fragments
+// at sfrag + (G - G0) * 128, their sums at sgs[2 (G - G0) + row]. The caller syncs the block after.
+template <int BATCH>
+__device__ __forceinline__ void two_row_frags_in_block(const float* x, int ldx, int G0, int G1, uint2* sfrag,
+                                                       float* sgs) {
+  const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const float* xr = x + (g >= 3 && g < 6 ? ldx : 0);
+  for (int Gs = G0 + warp; Gs < G1; Gs += BATCH * W) {
+    int G[BATCH];
+    float4 q[BATCH][4];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      G[b] = Gs + b * W < G1 ? Gs + b * W : Gs;
+      const float4* xp = reinterpret_cast<const float4*>(xr + 64 * G[b] + 16 * t);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) q[b][i] = __ldg(xp + i);
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const float gs = tc4_two_frag(q[b], sfrag + static_cast<size_t>(G[b] - G0) * 128);
+      if (lane == 0) sgs[2 * (G[b] - G0)] = gs;
+      if (lane == 12) sgs[2 * (G[b] - G0) + 1] = gs;  // (g = 3: row 1)
+    }
+  }
+}
+
 // One 64-code group of a one-row tile, its codes and scales already loaded (Tc4Rows::load or
 // tile_group_lds), against the group's 4 steps of B fragments bf (xs: the group's Σ x on lanes t == 0,
 // zero on the others): acc += s Σ q x + b Σ x for rows g (acc[0..1]) and g + 8 (acc[2..3]), columns 2t
@@ -530,6 +576,27 @@ __device__ __forceinline__ void tc4_one_mma_regs(const uint2& wa, const uint2& w
   acc[2] = fmaf(sb, d[2], fmaf(bias_128(bb, sb), xs, acc[2]));
   acc[3] = fmaf(sb, d[3], acc[3]);
 }
+// tc4_one_mma_regs for tc4_two_frag's fragments, from shared memory (f: the group's base plus the
+// lane): the bias term on each row's hi column, column 0 (xs0: row 0's Σ x on lanes t == 0, else zero)
+// and column 3 (xs1: row 1's on lanes t == 1, else zero).
+__device__ __forceinline__ void tc4_two_mma(const uint2& wa, const uint2& wb, float sa, float ba, float sb, float bb,
+                                            const uint2* f, float xs0, float xs1, float (&acc)[4]) {
+  const uint2 bf[4] = {f[0], f[32], f[64], f[96]};
+  float d[4] = {};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
+    const int i0 = 2 * (s & 1);
+    mma_bf16(d, code_pair_128(xa, i0), code_pair_128(xb, i0), code_pair_128(xa, i0 + 1), code_pair_128(xb, i0 + 1),
+             bf[s].x, bf[s].y);
+  }
+  const float bia = bias_128(ba, sa), bib = bias_128(bb, sb);
+  acc[0] = fmaf(sa, d[0], fmaf(bia, xs0, acc[0]));
+  acc[1] = fmaf(sa, d[1], fmaf(bia, xs1, acc[1]));
+  acc[2] = fmaf(sb, d[2], fmaf(bib, xs0, acc[2]));
+  acc[3] = fmaf(sb, d[3], fmaf(bib, xs1, acc[3]));
+}
+
 // tc4_one_mma_regs with the fragments tc4_one_frag laid out in shared memory (f: the group's base
 // plus the lane).
 __device__ __forceinline__ void tc4_one_mma(const uint2& wa, const uint2& wb, float sa, float ba, float sb, float bb,
