@@ -768,16 +768,16 @@ TcLaunch tc_launch_of(const GemvJob* jobs, int n_jobs) {
   return L;
 }
 
+int g_two_rows = -1;  // gemv_two_rows_on(): -1 not yet read from CK_GEMV_TWO_ROWS
+
 // The one-row v4 launch with block-built fragments (gemv_tc4_one_kernel), or false when the jobs are
 // too large for it (tiles x groups > kTcInWarpMax, CK_GEMV_INWARP_MAX to move it), x is not 16-byte
 // aligned, or CK_GEMV_INWARP=0.
 bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, bool bf16s, int bits,
                   cudaStream_t s) {
   static const bool on = !env_is("CK_GEMV_INWARP", "0");
-  // Two rows (gemv_tc4_two_kernel, 4-bit codes); CK_GEMV_TWO_ROWS=0: the 2-row steps' tile kernel with
-  // its fragment kernel, as before (to compare).
-  static const bool two_on = !env_is("CK_GEMV_TWO_ROWS", "0");
-  if (rows == 2 && (!two_on || bits != 4 || ldx % 4 != 0)) return false;
+  // Two rows: gemv_tc4_two_kernel (4-bit codes) where gemv_two_rows_on() (ops.h).
+  if (rows == 2 && (!gemv_two_rows_on() || bits != 4 || ldx % 4 != 0)) return false;
   if (rows != 1 && rows != 2) return false;
   static const int64_t max_work = [] {
     const char* e = std::getenv("CK_GEMV_INWARP_MAX");
@@ -814,6 +814,12 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int 
   return true;
 }
 }  // namespace
+
+void set_gemv_two_rows(int on) { g_two_rows = on < 0 ? -1 : (on ? 1 : 0); }
+bool gemv_two_rows_on() {
+  if (g_two_rows < 0) g_two_rows = env_is("CK_GEMV_TWO_ROWS", "1") ? 1 : 0;
+  return g_two_rows == 1;
+}
 
 // The DeltaNet conv for gemv_tc4's epilogue (gemv_conv).
 struct ConvTail {

@@ -706,7 +706,7 @@ TEST(CudaOps, ProducerFragmentsGiveTheFragmentKernelsBits) {
     jobs[0].frags_out = &dfr;
     jobs[1].w = inject_t; jobs[1].y = wd.get(); jobs[1].ldy = 16; jobs[1].epi = Epilogue::TwoSigmoidDiv; jobs[1].epi_arg = S;
     gemv(jobs, 2, xd.get(), W, n, nullptr);
-    if (n == 2) {  // gemv_tc4_two_kernel: its blocks make their own fragments, none handed on
+    if (n == 2 && gemv_two_rows_on()) {  // gemv_tc4_two_kernel: its blocks make their own fragments
       ASSERT_EQ(dfr.rR, 0) << "two rows: d's fragments reported, but the 2-row kernel writes none";
     } else {
       ASSERT_EQ(dfr.rR, tc4_rows_R(n)) << "the down projection's reduce did not write d's fragments";
@@ -760,6 +760,63 @@ TEST(CudaOps, ProducerFragmentsGiveTheFragmentKernelsBits) {
       EXPECT_EQ(rows_with_different_bits(o[0], o[1], 1, proj_rows, proj_rows), 0) << "row " << r << " from the compact layout";
     }
   }
+}
+
+// gemv_tc4_two_kernel (set_gemv_two_rows(1)): two rows of the decode step's small and middle-sized
+// 4-bit shapes (the mix's down projection with its injection head and their epilogues, its up
+// projection, the DeltaNet out projection, a short untiled matrix), tiles and rows, against the CPU;
+// and each row the bits of the one-row kernel on that row alone, since row 1's three parts take MMA
+// columns 3-5 of the same MMAs, its bias term added as row 0's is.
+TEST(CudaOps, TwoRowGemvGivesTheOneRowBits) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(78);
+  const WeightForm q4{DType::U32, 4, 64, DType::BF16};
+  struct Case {
+    int rows, cols, rows2;  // rows2 > 0: a second job beside it (the injection head), K the same
+    bool tiles;
+  };
+  const Case cases[] = {{320, 10240, 16, true}, {320, 10240, 4, false}, {10240, 320, 0, true},
+                        {2560, 6144, 0, true},  {2560, 6144, 0, false}, {48, 256, 0, false}};
+  set_gemv_two_rows(1);
+  DeviceArena arena;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << c.rows << "x" << c.cols << (c.tiles ? " tiles" : " rows"));
+    HostMatrix a = make_matrix(c.rows, c.cols, q4, rng), b = make_matrix(std::max(1, c.rows2), c.cols, q4, rng);
+    DenseUploader up(&arena);
+    const WLayout lay = c.tiles ? WLayout::Tiles16 : WLayout::Rows;
+    const DMatrix am = *up.matrix(a.m, lay), bm = *up.matrix(b.m);
+    const int ldx = c.cols + 4, n_jobs = c.rows2 > 0 ? 2 : 1;
+    const std::vector<float> x = randn(static_cast<size_t>(2) * ldx, rng);
+    DeviceBuffer<float> xd;
+    to_device(x, &xd);
+    auto run = [&](const float* xp, int n, std::vector<float>* ya, std::vector<float>* yb) {
+      DeviceBuffer<float> da(static_cast<size_t>(n) * c.rows), db(static_cast<size_t>(n) * std::max(1, c.rows2));
+      GemvJob jobs[2];
+      jobs[0].w = am; jobs[0].y = da.get(); jobs[0].ldy = c.rows;
+      if (n_jobs == 2) {  // the mix's epilogues: silu(y / S), 2 sigmoid(y / S)
+        jobs[0].epi = Epilogue::SiluDiv; jobs[0].epi_arg = 4.0f;
+        jobs[1].w = bm; jobs[1].y = db.get(); jobs[1].ldy = c.rows2;
+        jobs[1].epi = Epilogue::TwoSigmoidDiv; jobs[1].epi_arg = 4.0f;
+      }
+      gemv(jobs, n_jobs, xp, ldx, n, nullptr);
+      *ya = to_host(da.get(), static_cast<size_t>(n) * c.rows);
+      if (n_jobs == 2) *yb = to_host(db.get(), static_cast<size_t>(n) * c.rows2);
+    };
+    std::vector<float> ya2, yb2;
+    run(xd.get(), 2, &ya2, &yb2);
+    if (n_jobs == 1) report_rows_vs_cpu("two-row gemv", a.m, x, ldx, 2, cpu_rows(a.m, x, ldx, 2), ya2, c.rows);
+    for (int r = 0; r < 2; ++r) {
+      std::vector<float> ya1, yb1;
+      run(xd.get() + static_cast<size_t>(r) * ldx, 1, &ya1, &yb1);
+      EXPECT_EQ(0, std::memcmp(ya1.data(), ya2.data() + static_cast<size_t>(r) * c.rows, sizeof(float) * c.rows))
+          << "row " << r << ": not the one-row kernel's bits";
+      if (n_jobs == 2) {
+        EXPECT_EQ(0, std::memcmp(yb1.data(), yb2.data() + static_cast<size_t>(r) * c.rows2, sizeof(float) * c.rows2))
+            << "row " << r << ", second job: not the one-row kernel's bits";
+      }
+    }
+  }
+  set_gemv_two_rows(-1);
 }
 
 // The gate mean's four-at-a-time sigmoid (common.h sigmoid4_) against sigmoidf_ on every float.
