@@ -282,7 +282,8 @@ TEST_P(CudaOracle, StepRowsRollbackEqualsPlainDecode) {
 
 // A rollback replays the delta rule's kept rows from the state before the step (Session::replay_deltanet),
 // where sessions made under CK_GDN_SNAPSHOTS=1 restore a snapshot taken after each row: the same logits,
-// bit for bit, over steps of 1-8 rows with their drafts rejected, accepted in part and all accepted.
+// bit for bit, over steps of 1-7 rows with their drafts rejected, accepted in part and all accepted,
+// and over prefill chunks after them on either state buffer.
 TEST_P(CudaOracle, DeltaRuleReplayEqualsSnapshots) {
   SETUP();
   std::unique_ptr<cuda::Session> s[2];
@@ -309,6 +310,27 @@ TEST_P(CudaOracle, DeltaRuleReplayEqualsSnapshots) {
     t += n_true;
     k = k % 4 + 1;
     ++step;
+  }
+  // Then prefill chunks (which update the state in place, in the buffer the parity names) and a
+  // one-row step with snapshots, committed (the parity flips), twice: one of the two prefills runs
+  // on each buffer.
+  const std::vector<int32_t> more(fx->prompt.begin(), fx->prompt.begin() + std::min<size_t>(20, fx->prompt.size()));
+  for (int round = 0; round < 2; ++round) {
+    cuda::StepResult r[2];
+    for (int i = 0; i < 2; ++i) {
+      s[i]->set_prefill_chunk(16);
+      ASSERT_TRUE(s[i]->step_rows(more, false, true, &r[i], cuda::RowOutputs::kLast).ok());
+      s[i]->commit(static_cast<int>(more.size()));
+    }
+    ASSERT_EQ(0, std::memcmp(r[0].logits.data(), r[1].logits.data(), r[0].logits.size() * sizeof(float)))
+        << "round " << round << ": prefill chunks after the steps: the logits differ";
+    const int32_t tok[1] = {r[0].argmax.back()};
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(s[i]->step_rows(tok, true, true, &r[i]).ok());
+      s[i]->commit(1);
+    }
+    ASSERT_EQ(0, std::memcmp(r[0].logits.data(), r[1].logits.data(), r[0].logits.size() * sizeof(float)))
+        << "round " << round << ": a one-row step with snapshots: the logits differ";
   }
 }
 
