@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Where a one-row decode step's time goes inside its graph, on the GPU machine, in one call: the
+# Where a decode step's time goes inside its graph, on the GPU machine, in one call (one row by default;
+# CK_HOLLOW_ARGS="... --decode-rows 4 ..." for another row count; sixty-third session): the
 # benchmark once per group of kernels launched empty (CK_HOLLOW, src/cuda/common.h), the step's
 # time drop being what that group's work costs there (docs/performance.md, fourteenth session).
 # Unpacks .devcarry/ (scripts/prepare_devcarry.sh) like gpu_check.sh; writes $OUT/hollow.txt.
