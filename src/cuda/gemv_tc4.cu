@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
 
 // gemv_tc4_one_kernel for two activation rows (x and x + ldx), 4-bit codes: the same split of K over a
 // cluster's blocks and a block's warps, the same tiles, and the same MMAs, since row 1's three parts
-// take MMA columns 3-5 of the one-row kernel's zero columns (mma_q4.cuh tc4_two_frag). Row 0's sums
+// take MMA columns 3-5 of the one-row kernel's zero columns (mma_q4.cuh tc4_one_frag<2>). Row 0's sums
 // are the one-row kernel's, in the same order; row 1's the same order over its columns. Why: a 2-row
 // step (a token and one draft) ran its small and middle-sized GEMVs as a fragment kernel, the tile
 // kernel and, where K is split over blocks, a reduce (the mixes' down projections), where one row runs
@@ -594,7 +594,7 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_two_kernel(const __grid_const
     if (L.prefetch) tr.prefetch(G0, G1, t);
   }
   pdl_begin();  // x comes from the kernel before
-  two_row_frags_in_block<2>(x, ldx, B0, B1, sfrag, sgs);
+  one_row_frags_in_block<2, 2>(x, B0, B1, sfrag, sgs, ldx);
   __syncthreads();
   if (tile < n_tiles) {
 #pragma unroll 2
@@ -606,7 +606,10 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_two_kernel(const __grid_const
       tc4_two_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane, xs0, xs1, acc);
     }
   }
-  // Columns 0-5 (row 0's hi, mid, lo, then row 1's) of rows g and g + 8: lanes t = 0, 1, 2.
+  // Columns 0-5 (row 0's hi, mid, lo, then row 1's) of rows g and g + 8: lanes t = 0, 1, 2. The sums
+  // below are gemv_tc4_one_kernel's over six columns instead of three, written out again: the same code
+  // as a helper shared with that kernel moved its SASS (8 instructions), which is measured on the
+  // one-row step's path.
   if (t < 3) {
     red[warp][g][2 * t] = acc[0];
     red[warp][g][2 * t + 1] = acc[1];

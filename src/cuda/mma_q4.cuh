@@ -457,10 +457,15 @@ __device__ __forceinline__ uint32_t bf16_part_pair(float a, float b, int p) {
 // lanes zero columns; step s of the group at f[32 s + lane]. Step s's pairs: A = (x[c], x[c+4]),
 // B = (x[c+1], x[c+5]) at c = 16t + {0, 2, 8, 10}. Returns Σ x of the group on every lane (the
 // lane's 16 in one fixed order, then over t): the bias term's factor.
+// NR = 2 (gemv_tc4_two_kernel): two rows, row 1's parts in MMA columns 3-5 (lanes g = 3-5 hold row 1's
+// x in q), columns 6-7 zero; each lane's Σ x is its row's, in the same order.
+template <int NR = 1>
 __device__ __forceinline__ float tc4_one_frag(const float4 (&q)[4], uint2* f) {
+  static_assert(NR == 1 || NR == 2, "one or two rows");
   const int lane = threadIdx.x & 31, g = lane >> 2;
-  const int p = g < 3 ? g : 0;             // the x part this lane's MMA column carries (hi, mid, lo)
-  const uint32_t keep = g < 3 ? ~0u : 0u;  // columns 3-7 are zero
+  // The x part this lane's MMA column carries (hi, mid, lo), and whether the column is a row's at all.
+  const int p = NR == 1 ? (g < 3 ? g : 0) : (g < 6 ? g % 3 : 0);
+  const uint32_t keep = g < 3 * NR ? ~0u : 0u;
   float gs = ((q[0].x + q[0].y) + (q[0].z + q[0].w)) + ((q[1].x + q[1].y) + (q[1].z + q[1].w)) +
              (((q[2].x + q[2].y) + (q[2].z + q[2].w)) + ((q[3].x + q[3].y) + (q[3].z + q[3].w)));
   gs += __shfl_xor_sync(0xffffffffu, gs, 1);
@@ -483,10 +488,15 @@ __device__ __forceinline__ float tc4_one_frag(const float4 (&q)[4], uint2* f) {
 // one_row_frags_in_warps: the same by W warps of the block (warp: the caller's index among them), for
 // kernels whose warps are split into parts with different work; L2_ONLY: x read through L2 only
 // (ld.global.cg), for an x that other blocks of the same kernel wrote (L1 is not coherent).
-template <int BATCH, bool L2_ONLY = false>
+// NR = 2: two rows (row 1 at x + ldx) in tc4_one_frag<2>'s layout, row r's sums at sgs[2 (G - G0) + r].
+template <int BATCH, bool L2_ONLY = false, int NR = 1>
 __device__ __forceinline__ void one_row_frags_in_warps(const float* x, int G0, int G1, uint2* sfrag, float* sgs,
-                                                       int warp, int W) {
+                                                       int warp, int W, int ldx = 0) {
   const int lane = threadIdx.x & 31, t = lane & 3;
+  if constexpr (NR == 2) {
+    const int g = lane >> 2;
+    x += g >= 3 && g < 6 ? ldx : 0;  // lanes g = 3-5 carry row 1
+  }
   for (int Gs = G0 + warp; Gs < G1; Gs += BATCH * W) {
     // Past the range a batch's member is group Gs again (the same words and sum stored twice): no
     // branch between the loads and their uses, which kept the compiler from issuing them together.
@@ -501,59 +511,27 @@ __device__ __forceinline__ void one_row_frags_in_warps(const float* x, int G0, i
     }
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
-      const float gs = tc4_one_frag(q[b], sfrag + static_cast<size_t>(G[b] - G0) * 128);
-      if (lane == 0) sgs[G[b] - G0] = gs;
+      const float gs = tc4_one_frag<NR>(q[b], sfrag + static_cast<size_t>(G[b] - G0) * 128);
+      if (lane == 0) sgs[NR * (G[b] - G0)] = gs;
+      if (NR == 2 && lane == 12) sgs[NR * (G[b] - G0) + 1] = gs;  // (g = 3: row 1)
     }
   }
 }
-template <int BATCH>
-__device__ __forceinline__ void one_row_frags_in_block(const float* x, int G0, int G1, uint2* sfrag, float* sgs) {
-  one_row_frags_in_warps<BATCH>(x, G0, G1, sfrag, sgs, threadIdx.x >> 5, blockDim.x >> 5);
+template <int BATCH, int NR = 1>
+__device__ __forceinline__ void one_row_frags_in_block(const float* x, int G0, int G1, uint2* sfrag, float* sgs,
+                                                       int ldx = 0) {
+  one_row_frags_in_warps<BATCH, false, NR>(x, G0, G1, sfrag, sgs, threadIdx.x >> 5, blockDim.x >> 5, ldx);
 }
 
-// Two activation rows' B fragments of one 64-code group, in tc4_one_frag's layout with row 1's parts
-// in MMA columns 3-5: lane (g, t) holds x[16t, 16t + 16) of row g / 3 of the group in q (lanes g = 6, 7:
-// any row); lanes g = 0-2 store row 0's hi, mid and lo parts, g = 3-5 row 1's, g = 6, 7 zero columns.
-// Returns Σ x of the lane's row over the group (tc4_one_frag's order, so row 0's is its bits).
-__device__ __forceinline__ float tc4_two_frag(const float4 (&q)[4], uint2* f) {
-  const int lane = threadIdx.x & 31, g = lane >> 2;
-  const int p = g < 6 ? g % 3 : 0;         // the x part this lane's MMA column carries
-  const uint32_t keep = g < 6 ? ~0u : 0u;  // columns 6-7 are zero
-  float gs = ((q[0].x + q[0].y) + (q[0].z + q[0].w)) + ((q[1].x + q[1].y) + (q[1].z + q[1].w)) +
-             (((q[2].x + q[2].y) + (q[2].z + q[2].w)) + ((q[3].x + q[3].y) + (q[3].z + q[3].w)));
-  gs += __shfl_xor_sync(0xffffffffu, gs, 1);
-  gs += __shfl_xor_sync(0xffffffffu, gs, 2);
-  f += lane;
-  f[0] = make_uint2(bf16_part_pair(q[0].x, q[1].x, p) & keep, bf16_part_pair(q[0].y, q[1].y, p) & keep);
-  f[32] = make_uint2(bf16_part_pair(q[0].z, q[1].z, p) & keep, bf16_part_pair(q[0].w, q[1].w, p) & keep);
-  f[64] = make_uint2(bf16_part_pair(q[2].x, q[3].x, p) & keep, bf16_part_pair(q[2].y, q[3].y, p) & keep);
-  f[96] = make_uint2(bf16_part_pair(q[2].z, q[3].z, p) & keep, bf16_part_pair(q[2].w, q[3].w, p) & keep);
-  return gs;
-}
-
-// one_row_frags_in_block for two rows (row 1 at x + ldx): groups [G0, G1) as tc4_two_frag's fragments
-// at sfrag + (G - G0) * 128, their sums at sgs[2 (G - G0) + row]. The caller syncs the block after.
-template <int BATCH>
-__device__ __forceinline__ void two_row_frags_in_block(const float* x, int ldx, int G0, int G1, uint2* sfrag,
-                                                       float* sgs) {
-  const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
-  const float* xr = x + (g >= 3 && g < 6 ? ldx : 0);
-  for (int Gs = G0 + warp; Gs < G1; Gs += BATCH * W) {
-    int G[BATCH];
-    float4 q[BATCH][4];
+// The group's Σ (128 + q) x of a one-row tile's rows g and g + 8 (d[0..1], d[2..3]; columns 2t, 2t + 1),
+// fresh per group, from its codes and 4 steps of B fragments bf.
+__device__ __forceinline__ void tc4_group_d(const uint2& wa, const uint2& wb, const uint2 (&bf)[4], float (&d)[4]) {
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      G[b] = Gs + b * W < G1 ? Gs + b * W : Gs;
-      const float4* xp = reinterpret_cast<const float4*>(xr + 64 * G[b] + 16 * t);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) q[b][i] = __ldg(xp + i);
-    }
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      const float gs = tc4_two_frag(q[b], sfrag + static_cast<size_t>(G[b] - G0) * 128);
-      if (lane == 0) sgs[2 * (G[b] - G0)] = gs;
-      if (lane == 12) sgs[2 * (G[b] - G0) + 1] = gs;  // (g = 3: row 1)
-    }
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
+    const int i0 = 2 * (s & 1);
+    mma_bf16(d, code_pair_128(xa, i0), code_pair_128(xb, i0), code_pair_128(xa, i0 + 1), code_pair_128(xb, i0 + 1),
+             bf[s].x, bf[s].y);
   }
 }
 
@@ -563,33 +541,21 @@ __device__ __forceinline__ void two_row_frags_in_block(const float* x, int ldx, 
 // and 2t + 1, the 128 of code_pair_128 folded into the bias.
 __device__ __forceinline__ void tc4_one_mma_regs(const uint2& wa, const uint2& wb, float sa, float ba, float sb,
                                                  float bb, const uint2 (&bf)[4], float xs, float (&acc)[4]) {
-  float d[4] = {};  // the group's Σ (128 + q) x, fresh per group
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
-    const int i0 = 2 * (s & 1);
-    mma_bf16(d, code_pair_128(xa, i0), code_pair_128(xb, i0), code_pair_128(xa, i0 + 1), code_pair_128(xb, i0 + 1),
-             bf[s].x, bf[s].y);
-  }
+  float d[4] = {};
+  tc4_group_d(wa, wb, bf, d);
   acc[0] = fmaf(sa, d[0], fmaf(bias_128(ba, sa), xs, acc[0]));
   acc[1] = fmaf(sa, d[1], acc[1]);
   acc[2] = fmaf(sb, d[2], fmaf(bias_128(bb, sb), xs, acc[2]));
   acc[3] = fmaf(sb, d[3], acc[3]);
 }
-// tc4_one_mma_regs for tc4_two_frag's fragments, from shared memory (f: the group's base plus the
+// tc4_one_mma_regs for tc4_one_frag<2>'s fragments, from shared memory (f: the group's base plus the
 // lane): the bias term on each row's hi column, column 0 (xs0: row 0's Σ x on lanes t == 0, else zero)
 // and column 3 (xs1: row 1's on lanes t == 1, else zero).
 __device__ __forceinline__ void tc4_two_mma(const uint2& wa, const uint2& wb, float sa, float ba, float sb, float bb,
                                             const uint2* f, float xs0, float xs1, float (&acc)[4]) {
   const uint2 bf[4] = {f[0], f[32], f[64], f[96]};
   float d[4] = {};
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const uint32_t xa = (s >> 1) ? wa.y : wa.x, xb = (s >> 1) ? wb.y : wb.x;
-    const int i0 = 2 * (s & 1);
-    mma_bf16(d, code_pair_128(xa, i0), code_pair_128(xb, i0), code_pair_128(xa, i0 + 1), code_pair_128(xb, i0 + 1),
-             bf[s].x, bf[s].y);
-  }
+  tc4_group_d(wa, wb, bf, d);
   const float bia = bias_128(ba, sa), bib = bias_128(bb, sb);
   acc[0] = fmaf(sa, d[0], fmaf(bia, xs0, acc[0]));
   acc[1] = fmaf(sa, d[1], fmaf(bia, xs1, acc[1]));
