@@ -563,19 +563,23 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   if (kb > 1) cluster.sync();  // the other blocks' shared memory stays until rank 0 has read it
 }
 
-// gemv_tc4_one_kernel for two activation rows (x and x + ldx), 4-bit codes: the same split of K over a
-// cluster's blocks and a block's warps, the same tiles, and the same MMAs, since row 1's three parts
-// take MMA columns 3-5 of the one-row kernel's zero columns (mma_q4.cuh tc4_one_frag<2>). Row 0's sums
-// are the one-row kernel's, in the same order; row 1's the same order over its columns. Why: a 2-row
-// step (a token and one draft) ran its small and middle-sized GEMVs as a fragment kernel, the tile
-// kernel and, where K is split over blocks, a reduce (the mixes' down projections), where one row runs
-// one launch: the 2-row step's GEMVs cost twice the one-row step's for the same weights (sixty-third
-// session, docs/roofline-cuda.md). Dynamic shared memory: the fragments, then [range groups][2] Σ x.
-template <bool BF16S>
-__global__ void __launch_bounds__(256, 3) gemv_tc4_two_kernel(const __grid_constant__ TcLaunch L,
-                                                              const float* __restrict__ x, int ldx, int kb) {
+// gemv_tc4_one_kernel for 2-4 activation rows (row r at x + r ldx; nx of them), 4-bit codes: the same
+// split of K over a cluster's blocks and a block's warps, the same tiles, and the same MMAs. NS sets
+// of B fragments, one MMA each per step on the same unpacked codes: set c carries row 2c in columns 0-2
+// and row 2c + 1 in columns 3-5, which the one-row kernel leaves zero (mma_q4.cuh tc4_one_frag<2>; at
+// nx = 3 set 1's columns 3-5 repeat row 2 and are not written). Row 0's sums are the one-row kernel's,
+// in the same order, and every other row's the same order over its columns: each row gets the bits
+// the one-row kernel gives it alone. Why: a 2-4-row step (a token and its drafts) ran its small and
+// middle-sized GEMVs as a fragment kernel, the tile kernel and, where K is split over blocks, a reduce
+// (the mixes' down projections), where one row runs one launch: the 2-row step's GEMVs cost twice the
+// one-row step's for the same weights, the 4-row step's 2.6 times (sixty-third session,
+// docs/roofline-cuda.md). Dynamic shared memory: the NS sets' fragments (set c of the block's nb groups
+// at sfrag + c nb 128), then [NS][nb][2] Σ x.
+template <bool BF16S, int NS>
+__global__ void __launch_bounds__(256, 3) gemv_tc4_rows_kernel(const __grid_constant__ TcLaunch L,
+                                                               const float* __restrict__ x, int ldx, int nx, int kb) {
   extern __shared__ uint2 sfrag[];
-  __shared__ float red[8][16][6];
+  __shared__ float red[8][16][6 * NS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int ks = L.ks, tile = blockIdx.y * (8 / ks) + warp / ks, part = warp % ks;
   const int n_tiles = L.first_tile[L.n_jobs];
@@ -584,42 +588,61 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_two_kernel(const __grid_const
   const DMatrix& w = L.job[j].w;
   const int row0 = (tile - L.first_tile[j]) * 16;
   const int per_b = (L.groups + kb - 1) / kb, B0 = min(L.groups, static_cast<int>(blockIdx.x) * per_b),
-            B1 = min(L.groups, B0 + per_b);
-  const int per = (B1 - B0 + ks - 1) / ks, G0 = min(B1, B0 + part * per), G1 = min(B1, G0 + per);
-  float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(per_b) * 4 * 32);
-  float acc[4] = {};
+            B1 = min(L.groups, B0 + per_b), nb = B1 - B0;
+  const int per = (nb + ks - 1) / ks, G0 = min(B1, B0 + part * per), G1 = min(B1, G0 + per);
+  float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(NS) * per_b * 4 * 32);
+  float acc[NS][4] = {};
   Tc4Rows<BF16S, 4> tr;
   if (tile < n_tiles) {
     tr.init(w, min(row0 + g, w.rows - 1), min(row0 + g + 8, w.rows - 1), t);
     if (L.prefetch) tr.prefetch(G0, G1, t);
   }
   pdl_begin();  // x comes from the kernel before
-  one_row_frags_in_block<2, 2>(x, B0, B1, sfrag, sgs, ldx);
+  if constexpr (NS == 1) {
+    one_row_frags_in_block<2, 2>(x, B0, B1, sfrag, sgs, ldx);
+  } else {  // warps 0-3 build set 0 (rows 0, 1), warps 4-7 set 1 (rows 2, 3; at nx = 3 row 2 twice)
+    const int c = warp >> 2;
+    one_row_frags_in_warps<2, false, 2>(x + static_cast<size_t>(2 * c) * ldx, B0, B1, sfrag + c * nb * 128,
+                                        sgs + 2 * c * nb, warp & 3, 4, c == 1 && nx == 3 ? 0 : ldx);
+  }
   __syncthreads();
   if (tile < n_tiles) {
 #pragma unroll 2
     for (int G = G0; G < G1; ++G) {
-      const float xs0 = t == 0 ? sgs[2 * (G - B0)] : 0.0f, xs1 = t == 1 ? sgs[2 * (G - B0) + 1] : 0.0f;
       float sa, ba, sb, bb;
       uint2 wa, wb;
       tr.load(G, wa, wb, sa, ba, sb, bb);
-      tc4_two_mma(wa, wb, sa, ba, sb, bb, sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane, xs0, xs1, acc);
+      const uint2* f = sfrag + static_cast<size_t>(G - B0) * 4 * 32 + lane;
+      float d[NS][4] = {};
+      tc4_group_mma<NS>(wa, wb, [&](int s, int c) { return f[c * nb * 128 + 32 * s]; }, d);
+      const float bia = bias_128(ba, sa), bib = bias_128(bb, sb);
+#pragma unroll
+      for (int c = 0; c < NS; ++c) {  // the bias terms on each row's hi column: 0 (t = 0) and 3 (t = 1)
+        const float* gs = sgs + 2 * (c * nb + G - B0);
+        const float xs0 = t == 0 ? gs[0] : 0.0f, xs1 = t == 1 ? gs[1] : 0.0f;
+        acc[c][0] = fmaf(sa, d[c][0], fmaf(bia, xs0, acc[c][0]));
+        acc[c][1] = fmaf(sa, d[c][1], fmaf(bia, xs1, acc[c][1]));
+        acc[c][2] = fmaf(sb, d[c][2], fmaf(bib, xs0, acc[c][2]));
+        acc[c][3] = fmaf(sb, d[c][3], fmaf(bib, xs1, acc[c][3]));
+      }
     }
   }
-  // Columns 0-5 (row 0's hi, mid, lo, then row 1's) of rows g and g + 8: lanes t = 0, 1, 2. The sums
-  // below are gemv_tc4_one_kernel's over six columns instead of three, written out again: the same code
-  // as a helper shared with that kernel moved its SASS (8 instructions), which is measured on the
-  // one-row step's path.
-  if (t < 3) {
-    red[warp][g][2 * t] = acc[0];
-    red[warp][g][2 * t + 1] = acc[1];
-    red[warp][g + 8][2 * t] = acc[2];
-    red[warp][g + 8][2 * t + 1] = acc[3];
-  }
+  // Columns 0-5 of each set (row 2c's hi, mid, lo, then row 2c + 1's) of rows g and g + 8: lanes
+  // t = 0, 1, 2. The sums below are gemv_tc4_one_kernel's over 6 NS columns instead of three, written
+  // out again: the same code as a helper shared with that kernel moved its SASS (8 instructions), which
+  // is measured on the one-row step's path.
+  if (t < 3)
+#pragma unroll
+    for (int c = 0; c < NS; ++c) {
+      red[warp][g][6 * c + 2 * t] = acc[c][0];
+      red[warp][g][6 * c + 2 * t + 1] = acc[c][1];
+      red[warp][g + 8][6 * c + 2 * t] = acc[c][2];
+      red[warp][g + 8][6 * c + 2 * t + 1] = acc[c][3];
+    }
   __syncthreads();
   const bool owner = part == 0 && tile < n_tiles && lane < 16;
   if (owner)
-    for (int q = 0; q < 6; ++q) {
+    for (int q = 0; q < 6 * NS; ++q) {
       float v = red[warp][lane][q];
       for (int k = 1; k < ks; ++k) v += red[warp + k][lane][q];
       red[warp][lane][q] = v;
@@ -628,25 +651,30 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_two_kernel(const __grid_const
   if (kb > 1) cluster.sync();
   if (blockIdx.x == 0 && owner && row0 + lane < w.rows) {
     constexpr int kMaxKb = 8;
-    float part_sum[kMaxKb][6];
-#pragma unroll
-    for (int r = 0; r < kMaxKb; ++r)
-      if (r < kb) {
-        const float(*rr)[16][6] = r == 0 ? red : cluster.map_shared_rank(red, r);
-#pragma unroll
-        for (int q = 0; q < 6; ++q) part_sum[r][q] = rr[warp][lane][q];
-      }
-    float c[6];
-#pragma unroll
-    for (int q = 0; q < 6; ++q) {
-      c[q] = part_sum[0][q];
-#pragma unroll
-      for (int r = 1; r < kMaxKb; ++r)
-        if (r < kb) c[q] += part_sum[r][q];
-    }
     const GemvJob& jb = L.job[j];
-    jb.y[row0 + lane] = apply_epilogue((c[0] + c[1]) + c[2], jb.epi, jb.epi_arg);
-    jb.y[static_cast<size_t>(jb.ldy) + row0 + lane] = apply_epilogue((c[3] + c[4]) + c[5], jb.epi, jb.epi_arg);
+#pragma unroll
+    for (int c = 0; c < NS; ++c) {  // a set at a time: 48 partial sums in registers, not 48 NS
+      float part_sum[kMaxKb][6];
+#pragma unroll
+      for (int r = 0; r < kMaxKb; ++r)
+        if (r < kb) {
+          const float(*rr)[16][6 * NS] = r == 0 ? red : cluster.map_shared_rank(red, r);
+#pragma unroll
+          for (int q = 0; q < 6; ++q) part_sum[r][q] = rr[warp][lane][6 * c + q];
+        }
+      float s[6];
+#pragma unroll
+      for (int q = 0; q < 6; ++q) {
+        s[q] = part_sum[0][q];
+#pragma unroll
+        for (int r = 1; r < kMaxKb; ++r)
+          if (r < kb) s[q] += part_sum[r][q];
+      }
+      jb.y[static_cast<size_t>(2 * c) * jb.ldy + row0 + lane] = apply_epilogue((s[0] + s[1]) + s[2], jb.epi, jb.epi_arg);
+      if (2 * c + 1 < nx)
+        jb.y[static_cast<size_t>(2 * c + 1) * jb.ldy + row0 + lane] =
+            apply_epilogue((s[3] + s[4]) + s[5], jb.epi, jb.epi_arg);
+    }
   }
   if (kb > 1) cluster.sync();  // the other blocks' shared memory stays until rank 0 has read it
 }
@@ -771,17 +799,21 @@ TcLaunch tc_launch_of(const GemvJob* jobs, int n_jobs) {
   return L;
 }
 
-int g_two_rows = -1;  // gemv_two_rows_on(): -1 not yet read from CK_GEMV_TWO_ROWS
+int g_two_rows = -1;   // gemv_two_rows_on(): -1 not yet read from CK_GEMV_TWO_ROWS
+int g_four_rows = -1;  // gemv_four_rows_on(): -1 not yet read from CK_GEMV_FOUR_ROWS
 
-// The one-row v4 launch with block-built fragments (gemv_tc4_one_kernel), or false when the jobs are
-// too large for it (tiles x groups > kTcInWarpMax, CK_GEMV_INWARP_MAX to move it), x is not 16-byte
-// aligned, or CK_GEMV_INWARP=0.
+// The one-row v4 launch with block-built fragments (gemv_tc4_one_kernel; 2-4 rows gemv_tc4_rows_kernel
+// where gemv_two_rows_on() / gemv_four_rows_on(), ops.h), or false when the jobs are too large for it
+// (tiles x groups > kTcInWarpMax, CK_GEMV_INWARP_MAX to move it), x is not 16-byte aligned, or
+// CK_GEMV_INWARP=0.
 bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, bool bf16s, int bits,
                   cudaStream_t s) {
   static const bool on = !env_is("CK_GEMV_INWARP", "0");
-  // Two rows: gemv_tc4_two_kernel (4-bit codes) where gemv_two_rows_on() (ops.h).
-  if (rows == 2 && (!gemv_two_rows_on() || bits != 4 || ldx % 4 != 0)) return false;
-  if (rows != 1 && rows != 2) return false;
+  if (rows > 1) {
+    const bool switched = rows == 2 ? gemv_two_rows_on() : rows <= 4 && gemv_four_rows_on();
+    if (!switched || bits != 4 || ldx % 4 != 0) return false;
+  }
+  const int sets = (rows + 1) / 2;  // 2-4 rows: MMA column sets of two rows each
   static const int64_t max_work = [] {
     const char* e = std::getenv("CK_GEMV_INWARP_MAX");
     return e ? std::max<int64_t>(1, std::atoll(e)) : int64_t{kTcInWarpMax};
@@ -792,21 +824,27 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int 
   if (static_cast<int64_t>(tiles) * L.groups > max_work) return false;
   // Split K into more parts while there are too few warps for the GPU (~16 per SM) and each part keeps
   // at least two groups: over the blocks of a cluster first (each block's fragments then serve all
-  // its tiles), then over the warps of a block. A block holds at most kTcBlockGroups groups of x.
+  // its tiles), then over the warps of a block. A block holds at most kTcBlockGroups groups of one
+  // set's fragments (so 3 blocks fit an SM at 3-4 rows too).
+  const int block_groups = kTcBlockGroups / sets;
   int parts = 1;
   while (parts < 64 && tiles * parts < sm_count() * 16 && L.groups >= 4 * parts) parts *= 2;
   int kb = std::min(parts, 8);
-  while (kb < 8 && ceil_div(L.groups, kb) > kTcBlockGroups) kb *= 2;
+  while (kb < 8 && ceil_div(L.groups, kb) > block_groups) kb *= 2;
   const int per_b = static_cast<int>(ceil_div(L.groups, kb));
-  if (per_b > kTcBlockGroups) return false;
+  if (per_b > block_groups) return false;
   L.ks = std::max(1, parts / kb);
-  const size_t smem = static_cast<size_t>(per_b) * (4 * 32 * sizeof(uint2) + rows * sizeof(float));
+  const size_t smem = static_cast<size_t>(per_b) * (sets * 4 * 32 * sizeof(uint2) + std::max(rows, 2 * sets) * sizeof(float));
   const dim3 grid(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1),
       cluster(static_cast<unsigned>(kb), 1, 1);
   auto go = [&](auto kernel) { launch_cluster(kernel, grid, 256, smem, s, cluster, L, x, kb); };
+  auto go_rows = [&](auto kernel) { launch_cluster(kernel, grid, 256, smem, s, cluster, L, x, ldx, rows, kb); };
   if (rows == 2) {
-    auto k2 = bf16s ? gemv_tc4_two_kernel<true> : gemv_tc4_two_kernel<false>;
-    launch_cluster(k2, grid, 256, smem, s, cluster, L, x, ldx, kb);
+    if (bf16s) go_rows(gemv_tc4_rows_kernel<true, 1>);
+    else go_rows(gemv_tc4_rows_kernel<false, 1>);
+  } else if (rows > 2) {
+    if (bf16s) go_rows(gemv_tc4_rows_kernel<true, 2>);
+    else go_rows(gemv_tc4_rows_kernel<false, 2>);
   } else if (bits == 8) {
     if (bf16s) go(gemv_tc4_one_kernel<true, 8>);
     else go(gemv_tc4_one_kernel<false, 8>);
@@ -822,6 +860,11 @@ void set_gemv_two_rows(int on) { g_two_rows = on < 0 ? -1 : (on ? 1 : 0); }
 bool gemv_two_rows_on() {
   if (g_two_rows < 0) g_two_rows = env_is("CK_GEMV_TWO_ROWS", "1") ? 1 : 0;
   return g_two_rows == 1;
+}
+void set_gemv_four_rows(int on) { g_four_rows = on < 0 ? -1 : (on ? 1 : 0); }
+bool gemv_four_rows_on() {
+  if (g_four_rows < 0) g_four_rows = env_is("CK_GEMV_FOUR_ROWS", "1") ? 1 : 0;
+  return g_four_rows == 1;
 }
 
 // The DeltaNet conv for gemv_tc4's epilogue (gemv_conv).
@@ -843,7 +886,7 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   for (int j = 0; j < n_jobs; ++j) total_rows += jobs[j].w.rows;
   const bool tiled = any_tiled(jobs, n_jobs);  // only the v4 kernels read them: no size threshold then
   if (!conv && bits == 4 && gemv_stream(jobs, n_jobs, x, ldx, rows, bf16s, stream)) return true;
-  if (!conv && rows <= 2 && gemv_tc4_one(jobs, n_jobs, x, ldx, rows, bf16s, bits, stream)) return true;
+  if (!conv && rows <= 4 && gemv_tc4_one(jobs, n_jobs, x, ldx, rows, bf16s, bits, stream)) return true;
   // 8-bit codes at 2-8 rows (the router and the shared expert's gate), whatever their size: the v3
   // CUDA-core GEMV and its reduce took 13.7 us a layer at 4 rows inside the step (CK_HOLLOW, H200
   // 2026-12-02), for 1.4 MB. CK_GEMV_TC8_ROWS=0: v3 as before.

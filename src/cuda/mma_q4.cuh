@@ -457,7 +457,7 @@ __device__ __forceinline__ uint32_t bf16_part_pair(float a, float b, int p) {
 // lanes zero columns; step s of the group at f[32 s + lane]. Step s's pairs: A = (x[c], x[c+4]),
 // B = (x[c+1], x[c+5]) at c = 16t + {0, 2, 8, 10}. Returns Σ x of the group on every lane (the
 // lane's 16 in one fixed order, then over t): the bias term's factor.
-// NR = 2 (gemv_tc4_two_kernel): two rows, row 1's parts in MMA columns 3-5 (lanes g = 3-5 hold row 1's
+// NR = 2 (gemv_tc4_rows_kernel): two rows, row 1's parts in MMA columns 3-5 (lanes g = 3-5 hold row 1's
 // x in q), columns 6-7 zero; each lane's Σ x is its row's, in the same order.
 template <int NR = 1>
 __device__ __forceinline__ float tc4_one_frag(const float4 (&q)[4], uint2* f) {
@@ -548,21 +548,6 @@ __device__ __forceinline__ void tc4_one_mma_regs(const uint2& wa, const uint2& w
   acc[2] = fmaf(sb, d[2], fmaf(bias_128(bb, sb), xs, acc[2]));
   acc[3] = fmaf(sb, d[3], acc[3]);
 }
-// tc4_one_mma_regs for tc4_one_frag<2>'s fragments, from shared memory (f: the group's base plus the
-// lane): the bias term on each row's hi column, column 0 (xs0: row 0's Σ x on lanes t == 0, else zero)
-// and column 3 (xs1: row 1's on lanes t == 1, else zero).
-__device__ __forceinline__ void tc4_two_mma(const uint2& wa, const uint2& wb, float sa, float ba, float sb, float bb,
-                                            const uint2* f, float xs0, float xs1, float (&acc)[4]) {
-  const uint2 bf[4] = {f[0], f[32], f[64], f[96]};
-  float d[4] = {};
-  tc4_group_d(wa, wb, bf, d);
-  const float bia = bias_128(ba, sa), bib = bias_128(bb, sb);
-  acc[0] = fmaf(sa, d[0], fmaf(bia, xs0, acc[0]));
-  acc[1] = fmaf(sa, d[1], fmaf(bia, xs1, acc[1]));
-  acc[2] = fmaf(sb, d[2], fmaf(bib, xs0, acc[2]));
-  acc[3] = fmaf(sb, d[3], fmaf(bib, xs1, acc[3]));
-}
-
 // tc4_one_mma_regs with the fragments tc4_one_frag laid out in shared memory (f: the group's base
 // plus the lane).
 __device__ __forceinline__ void tc4_one_mma(const uint2& wa, const uint2& wb, float sa, float ba, float sb, float bb,

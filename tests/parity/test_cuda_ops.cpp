@@ -706,8 +706,9 @@ TEST(CudaOps, ProducerFragmentsGiveTheFragmentKernelsBits) {
     jobs[0].frags_out = &dfr;
     jobs[1].w = inject_t; jobs[1].y = wd.get(); jobs[1].ldy = 16; jobs[1].epi = Epilogue::TwoSigmoidDiv; jobs[1].epi_arg = S;
     gemv(jobs, 2, xd.get(), W, n, nullptr);
-    if (n == 2 && gemv_two_rows_on()) {  // gemv_tc4_two_kernel: its blocks make their own fragments
-      ASSERT_EQ(dfr.rR, 0) << "two rows: d's fragments reported, but the 2-row kernel writes none";
+    if ((n == 2 && gemv_two_rows_on()) || ((n == 3 || n == 4) && gemv_four_rows_on())) {
+      // gemv_tc4_rows_kernel: its blocks make their own fragments
+      ASSERT_EQ(dfr.rR, 0) << "d's fragments reported, but gemv_tc4_rows_kernel writes none";
     } else {
       ASSERT_EQ(dfr.rR, tc4_rows_R(n)) << "the down projection's reduce did not write d's fragments";
       ASSERT_TRUE(dfr.covers_rows(dd.get(), lowrank, n, d_groups, tc4_rows_R(n)));
@@ -762,12 +763,12 @@ TEST(CudaOps, ProducerFragmentsGiveTheFragmentKernelsBits) {
   }
 }
 
-// gemv_tc4_two_kernel (set_gemv_two_rows(1)): two rows of the decode step's small and middle-sized
-// 4-bit shapes (the mix's down projection with its injection head and their epilogues, its up
+// gemv_tc4_rows_kernel (set_gemv_two_rows(1), set_gemv_four_rows(1)): 2, 3 and 4 rows of the decode
+// step's small and middle-sized 4-bit shapes (the mix's down projection with its injection head and their epilogues, its up
 // projection, the DeltaNet out projection, a short untiled matrix), tiles and rows, against the CPU;
-// and each row the bits of the one-row kernel on that row alone, since row 1's three parts take MMA
-// columns 3-5 of the same MMAs, its bias term added as row 0's is.
-TEST(CudaOps, TwoRowGemvGivesTheOneRowBits) {
+// and each row the bits of the one-row kernel on that row alone, since row 2c + 1's three parts take MMA
+// columns 3-5 of set c's MMAs, row 2c's columns 0-2, each bias term added as row 0's is.
+TEST(CudaOps, FewRowGemvGivesTheOneRowBits) {
   REQUIRE_GPU();
   std::mt19937_64 rng(78);
   const WeightForm q4{DType::U32, 4, 64, DType::BF16};
@@ -778,6 +779,7 @@ TEST(CudaOps, TwoRowGemvGivesTheOneRowBits) {
   const Case cases[] = {{320, 10240, 16, true}, {320, 10240, 4, false}, {10240, 320, 0, true},
                         {2560, 6144, 0, true},  {2560, 6144, 0, false}, {48, 256, 0, false}};
   set_gemv_two_rows(1);
+  set_gemv_four_rows(1);
   DeviceArena arena;
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message() << c.rows << "x" << c.cols << (c.tiles ? " tiles" : " rows"));
@@ -786,7 +788,7 @@ TEST(CudaOps, TwoRowGemvGivesTheOneRowBits) {
     const WLayout lay = c.tiles ? WLayout::Tiles16 : WLayout::Rows;
     const DMatrix am = *up.matrix(a.m, lay), bm = *up.matrix(b.m);
     const int ldx = c.cols + 4, n_jobs = c.rows2 > 0 ? 2 : 1;
-    const std::vector<float> x = randn(static_cast<size_t>(2) * ldx, rng);
+    const std::vector<float> x = randn(static_cast<size_t>(4) * ldx, rng);
     DeviceBuffer<float> xd;
     to_device(x, &xd);
     auto run = [&](const float* xp, int n, std::vector<float>* ya, std::vector<float>* yb) {
@@ -802,21 +804,25 @@ TEST(CudaOps, TwoRowGemvGivesTheOneRowBits) {
       *ya = to_host(da.get(), static_cast<size_t>(n) * c.rows);
       if (n_jobs == 2) *yb = to_host(db.get(), static_cast<size_t>(n) * c.rows2);
     };
-    std::vector<float> ya2, yb2;
-    run(xd.get(), 2, &ya2, &yb2);
-    if (n_jobs == 1) report_rows_vs_cpu("two-row gemv", a.m, x, ldx, 2, cpu_rows(a.m, x, ldx, 2), ya2, c.rows);
-    for (int r = 0; r < 2; ++r) {
-      std::vector<float> ya1, yb1;
-      run(xd.get() + static_cast<size_t>(r) * ldx, 1, &ya1, &yb1);
-      EXPECT_EQ(0, std::memcmp(ya1.data(), ya2.data() + static_cast<size_t>(r) * c.rows, sizeof(float) * c.rows))
-          << "row " << r << ": not the one-row kernel's bits";
-      if (n_jobs == 2) {
-        EXPECT_EQ(0, std::memcmp(yb1.data(), yb2.data() + static_cast<size_t>(r) * c.rows2, sizeof(float) * c.rows2))
-            << "row " << r << ", second job: not the one-row kernel's bits";
+    for (int n = 2; n <= 4; ++n) {
+      SCOPED_TRACE(::testing::Message() << n << " rows");
+      std::vector<float> ya2, yb2;
+      run(xd.get(), n, &ya2, &yb2);
+      if (n_jobs == 1) report_rows_vs_cpu(std::to_string(n) + "-row gemv", a.m, x, ldx, n, cpu_rows(a.m, x, ldx, n), ya2, c.rows);
+      for (int r = 0; r < n; ++r) {
+        std::vector<float> ya1, yb1;
+        run(xd.get() + static_cast<size_t>(r) * ldx, 1, &ya1, &yb1);
+        EXPECT_EQ(0, std::memcmp(ya1.data(), ya2.data() + static_cast<size_t>(r) * c.rows, sizeof(float) * c.rows))
+            << "row " << r << ": not the one-row kernel's bits";
+        if (n_jobs == 2) {
+          EXPECT_EQ(0, std::memcmp(yb1.data(), yb2.data() + static_cast<size_t>(r) * c.rows2, sizeof(float) * c.rows2))
+              << "row " << r << ", second job: not the one-row kernel's bits";
+        }
       }
     }
   }
   set_gemv_two_rows(-1);
+  set_gemv_four_rows(-1);
 }
 
 // The gate mean's four-at-a-time sigmoid (common.h sigmoid4_) against sigmoidf_ on every float.
