@@ -563,20 +563,21 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   if (kb > 1) cluster.sync();  // the other blocks' shared memory stays until rank 0 has read it
 }
 
-// gemv_tc4_one_kernel for 2-4 activation rows (row r at x + r ldx; nx of them), 4-bit codes: the same
-// split of K over a cluster's blocks and a block's warps, the same tiles, and the same MMAs. NS sets
-// of B fragments, one MMA each per step on the same unpacked codes: set c carries row 2c in columns 0-2
-// and row 2c + 1 in columns 3-5, which the one-row kernel leaves zero (mma_q4.cuh tc4_one_frag<2>; at
-// nx = 3 set 1's columns 3-5 repeat row 2 and are not written). Row 0's sums are the one-row kernel's,
-// in the same order, and every other row's the same order over its columns: each row gets the bits
-// the one-row kernel gives it alone. Why: a 2-4-row step (a token and its drafts) ran its small and
-// middle-sized GEMVs as a fragment kernel, the tile kernel and, where K is split over blocks, a reduce
-// (the mixes' down projections), where one row runs one launch: the 2-row step's GEMVs cost twice the
-// one-row step's for the same weights, the 4-row step's 2.6 times (sixty-third session,
-// docs/roofline-cuda.md). Dynamic shared memory: the NS sets' fragments (set c of the block's nb groups
-// at sfrag + c nb 128), then [NS][nb][2] Σ x.
+// gemv_tc4_one_kernel for 2-8 activation rows (row r at x + r ldx; nx of them), 4-bit codes: the same
+// split of K over a cluster's blocks and a block's warps, the same tiles, and the same MMAs. NS (1, 2
+// or 4) sets of B fragments, one MMA each per step on the same unpacked codes: set c carries row 2c in
+// columns 0-2 and row 2c + 1 in columns 3-5, which the one-row kernel leaves zero (mma_q4.cuh
+// tc4_one_frag<2>; past nx a set repeats the last row, whose copy is not written). Row 0's sums are
+// the one-row kernel's, in the same order, and every other row's the same order over its columns: each
+// row gets the bits the one-row kernel gives it alone. Why: a 2-8-row step (a token and its drafts)
+// ran its small and middle-sized GEMVs as a fragment kernel, the tile kernel and, where K is split over
+// blocks, a reduce (the mixes' down projections), where one row runs one launch: the 2-row step's
+// GEMVs cost twice the one-row step's for the same weights, the 4-row step's 2.6 times (sixty-third
+// session, docs/roofline-cuda.md). Dynamic shared memory: the NS sets' fragments (set c of the block's
+// nb groups at sfrag + c nb 128), then [NS][nb][2] Σ x. NS = 4 keeps two blocks an SM (its 16
+// accumulators and 16 products a group do not fit 85 registers).
 template <bool BF16S, int NS>
-__global__ void __launch_bounds__(256, 3) gemv_tc4_rows_kernel(const __grid_constant__ TcLaunch L,
+__global__ void __launch_bounds__(256, NS == 4 ? 2 : 3) gemv_tc4_rows_kernel(const __grid_constant__ TcLaunch L,
                                                                const float* __restrict__ x, int ldx, int nx, int kb) {
   extern __shared__ uint2 sfrag[];
   __shared__ float red[8][16][6 * NS];
@@ -600,10 +601,11 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_rows_kernel(const __grid_cons
   pdl_begin();  // x comes from the kernel before
   if constexpr (NS == 1) {
     one_row_frags_in_block<2, 2>(x, B0, B1, sfrag, sgs, ldx);
-  } else {  // warps 0-3 build set 0 (rows 0, 1), warps 4-7 set 1 (rows 2, 3; at nx = 3 row 2 twice)
-    const int c = warp >> 2;
-    one_row_frags_in_warps<2, false, 2>(x + static_cast<size_t>(2 * c) * ldx, B0, B1, sfrag + c * nb * 128,
-                                        sgs + 2 * c * nb, warp & 3, 4, c == 1 && nx == 3 ? 0 : ldx);
+  } else {  // 8 / NS warps a set: set c of rows 2c and 2c + 1, the last row again where there are fewer
+    constexpr int W = 8 / NS;
+    const int c = warp / W, ra = min(2 * c, nx - 1), rb = min(2 * c + 1, nx - 1);
+    one_row_frags_in_warps<2, false, 2>(x + static_cast<size_t>(ra) * ldx, B0, B1, sfrag + c * nb * 128,
+                                        sgs + 2 * c * nb, warp % W, W, (rb - ra) * ldx);
   }
   __syncthreads();
   if (tile < n_tiles) {
@@ -670,7 +672,8 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_rows_kernel(const __grid_cons
         for (int r = 1; r < kMaxKb; ++r)
           if (r < kb) s[q] += part_sum[r][q];
       }
-      jb.y[static_cast<size_t>(2 * c) * jb.ldy + row0 + lane] = apply_epilogue((s[0] + s[1]) + s[2], jb.epi, jb.epi_arg);
+      if (2 * c < nx)
+        jb.y[static_cast<size_t>(2 * c) * jb.ldy + row0 + lane] = apply_epilogue((s[0] + s[1]) + s[2], jb.epi, jb.epi_arg);
       if (2 * c + 1 < nx)
         jb.y[static_cast<size_t>(2 * c + 1) * jb.ldy + row0 + lane] =
             apply_epilogue((s[3] + s[4]) + s[5], jb.epi, jb.epi_arg);
@@ -799,21 +802,17 @@ TcLaunch tc_launch_of(const GemvJob* jobs, int n_jobs) {
   return L;
 }
 
-int g_two_rows = -1;   // gemv_two_rows_on(): -1 not yet read from CK_GEMV_TWO_ROWS
-int g_four_rows = -1;  // gemv_four_rows_on(): -1 not yet read from CK_GEMV_FOUR_ROWS
+int g_block_rows = -1;  // gemv_block_rows(): -1 not yet read from CK_GEMV_BLOCK_ROWS
 
-// The one-row v4 launch with block-built fragments (gemv_tc4_one_kernel; 2-4 rows gemv_tc4_rows_kernel
-// where gemv_two_rows_on() / gemv_four_rows_on(), ops.h), or false when the jobs are too large for it
+// The one-row v4 launch with block-built fragments (gemv_tc4_one_kernel; 2-8 rows gemv_tc4_rows_kernel
+// up to gemv_block_rows(), ops.h), or false when the jobs are too large for it
 // (tiles x groups > kTcInWarpMax, CK_GEMV_INWARP_MAX to move it), x is not 16-byte aligned, or
 // CK_GEMV_INWARP=0.
 bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, bool bf16s, int bits,
                   cudaStream_t s) {
   static const bool on = !env_is("CK_GEMV_INWARP", "0");
-  if (rows > 1) {
-    const bool switched = rows == 2 ? gemv_two_rows_on() : rows <= 4 && gemv_four_rows_on();
-    if (!switched || bits != 4 || ldx % 4 != 0) return false;
-  }
-  const int sets = (rows + 1) / 2;  // 2-4 rows: MMA column sets of two rows each
+  if (rows > 1 && (rows > gemv_block_rows() || bits != 4 || ldx % 4 != 0)) return false;
+  const int sets = rows <= 2 ? 1 : rows <= 4 ? 2 : 4;  // MMA column sets of two rows each
   static const int64_t max_work = [] {
     const char* e = std::getenv("CK_GEMV_INWARP_MAX");
     return e ? std::max<int64_t>(1, std::atoll(e)) : int64_t{kTcInWarpMax};
@@ -825,7 +824,7 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int 
   // Split K into more parts while there are too few warps for the GPU (~16 per SM) and each part keeps
   // at least two groups: over the blocks of a cluster first (each block's fragments then serve all
   // its tiles), then over the warps of a block. A block holds at most kTcBlockGroups groups of one
-  // set's fragments (so 3 blocks fit an SM at 3-4 rows too).
+  // set's fragments (so as many blocks fit an SM at 3-8 rows).
   const int block_groups = kTcBlockGroups / sets;
   int parts = 1;
   while (parts < 64 && tiles * parts < sm_count() * 16 && L.groups >= 4 * parts) parts *= 2;
@@ -834,7 +833,7 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int 
   const int per_b = static_cast<int>(ceil_div(L.groups, kb));
   if (per_b > block_groups) return false;
   L.ks = std::max(1, parts / kb);
-  const size_t smem = static_cast<size_t>(per_b) * (sets * 4 * 32 * sizeof(uint2) + std::max(rows, 2 * sets) * sizeof(float));
+  const size_t smem = static_cast<size_t>(per_b) * (sets * 4 * 32 * sizeof(uint2) + 2 * sets * sizeof(float));
   const dim3 grid(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1),
       cluster(static_cast<unsigned>(kb), 1, 1);
   auto go = [&](auto kernel) { launch_cluster(kernel, grid, 256, smem, s, cluster, L, x, kb); };
@@ -842,9 +841,12 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int 
   if (rows == 2) {
     if (bf16s) go_rows(gemv_tc4_rows_kernel<true, 1>);
     else go_rows(gemv_tc4_rows_kernel<false, 1>);
-  } else if (rows > 2) {
+  } else if (rows <= 4) {
     if (bf16s) go_rows(gemv_tc4_rows_kernel<true, 2>);
     else go_rows(gemv_tc4_rows_kernel<false, 2>);
+  } else if (rows > 4) {
+    if (bf16s) go_rows(gemv_tc4_rows_kernel<true, 4>);
+    else go_rows(gemv_tc4_rows_kernel<false, 4>);
   } else if (bits == 8) {
     if (bf16s) go(gemv_tc4_one_kernel<true, 8>);
     else go(gemv_tc4_one_kernel<false, 8>);
@@ -856,15 +858,13 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int 
 }
 }  // namespace
 
-void set_gemv_two_rows(int on) { g_two_rows = on < 0 ? -1 : (on ? 1 : 0); }
-bool gemv_two_rows_on() {
-  if (g_two_rows < 0) g_two_rows = env_is("CK_GEMV_TWO_ROWS", "1") ? 1 : 0;
-  return g_two_rows == 1;
-}
-void set_gemv_four_rows(int on) { g_four_rows = on < 0 ? -1 : (on ? 1 : 0); }
-bool gemv_four_rows_on() {
-  if (g_four_rows < 0) g_four_rows = env_is("CK_GEMV_FOUR_ROWS", "1") ? 1 : 0;
-  return g_four_rows == 1;
+void set_gemv_block_rows(int rows) { g_block_rows = rows < 0 ? -1 : std::clamp(rows, 1, kMaxRows); }
+int gemv_block_rows() {
+  if (g_block_rows < 0) {
+    const char* e = std::getenv("CK_GEMV_BLOCK_ROWS");
+    g_block_rows = e ? std::clamp(std::atoi(e), 1, kMaxRows) : 1;
+  }
+  return g_block_rows;
 }
 
 // The DeltaNet conv for gemv_tc4's epilogue (gemv_conv).
@@ -886,7 +886,7 @@ bool gemv_tc4(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows
   for (int j = 0; j < n_jobs; ++j) total_rows += jobs[j].w.rows;
   const bool tiled = any_tiled(jobs, n_jobs);  // only the v4 kernels read them: no size threshold then
   if (!conv && bits == 4 && gemv_stream(jobs, n_jobs, x, ldx, rows, bf16s, stream)) return true;
-  if (!conv && rows <= 4 && gemv_tc4_one(jobs, n_jobs, x, ldx, rows, bf16s, bits, stream)) return true;
+  if (!conv && gemv_tc4_one(jobs, n_jobs, x, ldx, rows, bf16s, bits, stream)) return true;
   // 8-bit codes at 2-8 rows (the router and the shared expert's gate), whatever their size: the v3
   // CUDA-core GEMV and its reduce took 13.7 us a layer at 4 rows inside the step (CK_HOLLOW, H200
   // 2026-12-02), for 1.4 MB. CK_GEMV_TC8_ROWS=0: v3 as before.

@@ -194,16 +194,12 @@ void set_q4_wg_f16(int on);
 // format). CK_GEMV=v1 in the environment picks 1; CK_GEMV=v3 keeps 4-bit codes off the tensor cores.
 void set_gemv_version(int v);
 int gemv_version();
-// Whether two-row GEMVs of 4-bit codes up to 16,384 tiles x groups take gemv_tc4_rows_kernel (fragments
-// built in the block, one launch) instead of a fragment kernel, the tile kernel and, for K split over
-// blocks, a reduce: off by default until measured on a GPU (written 2026-12-07); on with
-// CK_GEMV_TWO_ROWS=1 or set_gemv_two_rows(1); -1 goes back to the environment's.
-void set_gemv_two_rows(int on);
-bool gemv_two_rows_on();
-// The same for three- and four-row GEMVs (two MMA column sets a step): CK_GEMV_FOUR_ROWS=1 or
-// set_gemv_four_rows(1); off by default until measured.
-void set_gemv_four_rows(int on);
-bool gemv_four_rows_on();
+// GEMVs of 2 to this many rows (4-bit codes, up to 16,384 tiles x groups) take gemv_tc4_rows_kernel
+// (fragments built in the block, K split over a cluster, one launch) instead of a fragment kernel, the
+// tile kernel and, for K split over blocks, a reduce: 1 (none) by default until measured on a GPU
+// (written 2026-12-07); CK_GEMV_BLOCK_ROWS=N or set_gemv_block_rows(N); -1 goes back to the environment's.
+void set_gemv_block_rows(int rows);
+int gemv_block_rows();
 // Whether the uploads may put dense 4-bit matrices in 16-row tiles (dmatrix.h WLayout::Tiles16): the
 // v4 GEMVs and gemm_q4 read them, and those are the paths taken (not with CK_GEMV=v1/v2/v3 or
 // CK_Q4_DENSE=0); CK_WEIGHT_TILES=0 keeps every matrix in the row layout (to compare).

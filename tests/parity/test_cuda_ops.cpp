@@ -706,7 +706,7 @@ TEST(CudaOps, ProducerFragmentsGiveTheFragmentKernelsBits) {
     jobs[0].frags_out = &dfr;
     jobs[1].w = inject_t; jobs[1].y = wd.get(); jobs[1].ldy = 16; jobs[1].epi = Epilogue::TwoSigmoidDiv; jobs[1].epi_arg = S;
     gemv(jobs, 2, xd.get(), W, n, nullptr);
-    if ((n == 2 && gemv_two_rows_on()) || ((n == 3 || n == 4) && gemv_four_rows_on())) {
+    if (n <= gemv_block_rows()) {
       // gemv_tc4_rows_kernel: its blocks make their own fragments
       ASSERT_EQ(dfr.rR, 0) << "d's fragments reported, but gemv_tc4_rows_kernel writes none";
     } else {
@@ -763,7 +763,7 @@ TEST(CudaOps, ProducerFragmentsGiveTheFragmentKernelsBits) {
   }
 }
 
-// gemv_tc4_rows_kernel (set_gemv_two_rows(1), set_gemv_four_rows(1)): 2, 3 and 4 rows of the decode
+// gemv_tc4_rows_kernel (set_gemv_block_rows(8)): 2-8 rows of the decode
 // step's small and middle-sized 4-bit shapes (the mix's down projection with its injection head and their epilogues, its up
 // projection, the DeltaNet out projection, a short untiled matrix), tiles and rows, against the CPU;
 // and each row the bits of the one-row kernel on that row alone, since row 2c + 1's three parts take MMA
@@ -778,8 +778,7 @@ TEST(CudaOps, FewRowGemvGivesTheOneRowBits) {
   };
   const Case cases[] = {{320, 10240, 16, true}, {320, 10240, 4, false}, {10240, 320, 0, true},
                         {2560, 6144, 0, true},  {2560, 6144, 0, false}, {48, 256, 0, false}};
-  set_gemv_two_rows(1);
-  set_gemv_four_rows(1);
+  set_gemv_block_rows(kMaxRows);
   DeviceArena arena;
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message() << c.rows << "x" << c.cols << (c.tiles ? " tiles" : " rows"));
@@ -788,7 +787,7 @@ TEST(CudaOps, FewRowGemvGivesTheOneRowBits) {
     const WLayout lay = c.tiles ? WLayout::Tiles16 : WLayout::Rows;
     const DMatrix am = *up.matrix(a.m, lay), bm = *up.matrix(b.m);
     const int ldx = c.cols + 4, n_jobs = c.rows2 > 0 ? 2 : 1;
-    const std::vector<float> x = randn(static_cast<size_t>(4) * ldx, rng);
+    const std::vector<float> x = randn(static_cast<size_t>(kMaxRows) * ldx, rng);
     DeviceBuffer<float> xd;
     to_device(x, &xd);
     auto run = [&](const float* xp, int n, std::vector<float>* ya, std::vector<float>* yb) {
@@ -804,7 +803,7 @@ TEST(CudaOps, FewRowGemvGivesTheOneRowBits) {
       *ya = to_host(da.get(), static_cast<size_t>(n) * c.rows);
       if (n_jobs == 2) *yb = to_host(db.get(), static_cast<size_t>(n) * c.rows2);
     };
-    for (int n = 2; n <= 4; ++n) {
+    for (int n = 2; n <= kMaxRows; ++n) {
       SCOPED_TRACE(::testing::Message() << n << " rows");
       std::vector<float> ya2, yb2;
       run(xd.get(), n, &ya2, &yb2);
@@ -821,8 +820,7 @@ TEST(CudaOps, FewRowGemvGivesTheOneRowBits) {
       }
     }
   }
-  set_gemv_two_rows(-1);
-  set_gemv_four_rows(-1);
+  set_gemv_block_rows(-1);
 }
 
 // The gate mean's four-at-a-time sigmoid (common.h sigmoid4_) against sigmoidf_ on every float.
