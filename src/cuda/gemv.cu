@@ -363,6 +363,7 @@ void init_gemv() {
   // The occupancy of each kernel is asked on its first launch; ask now, before any graph capture.
   (void)q_arith();
   init_gemv_q();  // gemv_q.cu: the v2/v3 kernels
+  init_gemv_tc4();
 }
 
 int gemv_version() {

@@ -32,6 +32,9 @@ int blocks_per_sm(K kernel) {
   return std::max(1, n);
 }
 
+// gemv_tc4.cu: raises gemv_tc4_rows_kernel's shared-memory limit at 5-8 rows (before any capture).
+void init_gemv_tc4();
+
 // gemv_q.cu
 bool gemv_v2(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int rows, cudaStream_t stream);
 void init_gemv_q();

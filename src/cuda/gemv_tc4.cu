@@ -575,7 +575,7 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
 // GEMVs cost twice the one-row step's for the same weights, the 4-row step's 2.6 times (sixty-third
 // session, docs/roofline-cuda.md). Dynamic shared memory: the NS sets' fragments (set c of the block's
 // nb groups at sfrag + c nb 128), then [NS][nb][2] Σ x. NS = 4 keeps two blocks an SM (its 16
-// accumulators and 16 products a group do not fit 85 registers).
+// accumulators and 16 products a group do not fit 85 registers; rows_block_groups).
 template <bool BF16S, int NS>
 __global__ void __launch_bounds__(256, NS == 4 ? 2 : 3) gemv_tc4_rows_kernel(const __grid_constant__ TcLaunch L,
                                                                const float* __restrict__ x, int ldx, int nx, int kb) {
@@ -804,6 +804,19 @@ TcLaunch tc_launch_of(const GemvJob* jobs, int n_jobs) {
 
 int g_block_rows = -1;  // gemv_block_rows(): -1 not yet read from CK_GEMV_BLOCK_ROWS
 
+// Groups of x a block of gemv_tc4_one_kernel / gemv_tc4_rows_kernel holds as fragments, by MMA column
+// sets: 40 (1,028 bytes each, three blocks an SM) at one set, 20 at two (the same bytes), and 20 at
+// four (~81 KB, two blocks an SM, once init_gemv_tc4 has raised the limit; 10 before): the 5-8-row
+// steps' widest GEMVs (the mixes' down projections: 160 groups over 8 blocks) then fit as at 1-4 rows.
+bool g_rows4_wide = false;  // init_gemv_tc4 raised the 4-set form's limit
+int rows_block_groups(int sets) {
+  return sets == 4 ? (g_rows4_wide ? kTcBlockGroups / 2 : kTcBlockGroups / 4) : kTcBlockGroups / sets;
+}
+// The fragments, then Σ x: one float a group at one row, two a set from two rows on.
+size_t rows_block_smem(int rows, int sets, int per_b) {
+  return static_cast<size_t>(per_b) * (sets * 4 * 32 * sizeof(uint2) + (rows == 1 ? 1 : 2 * sets) * sizeof(float));
+}
+
 // The one-row v4 launch with block-built fragments (gemv_tc4_one_kernel; 2-8 rows gemv_tc4_rows_kernel
 // up to gemv_block_rows(), ops.h), or false when the jobs are too large for it
 // (tiles x groups > kTcInWarpMax, CK_GEMV_INWARP_MAX to move it), x is not 16-byte aligned, or
@@ -823,9 +836,8 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int 
   if (static_cast<int64_t>(tiles) * L.groups > max_work) return false;
   // Split K into more parts while there are too few warps for the GPU (~16 per SM) and each part keeps
   // at least two groups: over the blocks of a cluster first (each block's fragments then serve all
-  // its tiles), then over the warps of a block. A block holds at most kTcBlockGroups groups of one
-  // set's fragments (so as many blocks fit an SM at 3-8 rows).
-  const int block_groups = kTcBlockGroups / sets;
+  // its tiles), then over the warps of a block. A block holds at most rows_block_groups(sets) groups.
+  const int block_groups = rows_block_groups(sets);
   int parts = 1;
   while (parts < 64 && tiles * parts < sm_count() * 16 && L.groups >= 4 * parts) parts *= 2;
   int kb = std::min(parts, 8);
@@ -833,7 +845,7 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int 
   const int per_b = static_cast<int>(ceil_div(L.groups, kb));
   if (per_b > block_groups) return false;
   L.ks = std::max(1, parts / kb);
-  const size_t smem = static_cast<size_t>(per_b) * (sets * 4 * 32 * sizeof(uint2) + 2 * sets * sizeof(float));
+  const size_t smem = rows_block_smem(rows, sets, per_b);
   const dim3 grid(static_cast<unsigned>(kb), static_cast<unsigned>(ceil_div(tiles, 8 / L.ks)), 1),
       cluster(static_cast<unsigned>(kb), 1, 1);
   auto go = [&](auto kernel) { launch_cluster(kernel, grid, 256, smem, s, cluster, L, x, kb); };
@@ -857,6 +869,14 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int 
   return true;
 }
 }  // namespace
+
+void init_gemv_tc4() {
+  const int smem = static_cast<int>(rows_block_smem(kMaxRows, 4, kTcBlockGroups / 2));
+  g_rows4_wide =
+      cudaFuncSetAttribute(gemv_tc4_rows_kernel<true, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
+      cudaFuncSetAttribute(gemv_tc4_rows_kernel<false, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess;
+  if (!g_rows4_wide) (void)cudaGetLastError();  // (no image for this device: 10 groups a block, as before)
+}
 
 void set_gemv_block_rows(int rows) { g_block_rows = rows < 0 ? -1 : std::clamp(rows, 1, kMaxRows); }
 int gemv_block_rows() {

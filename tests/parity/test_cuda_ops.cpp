@@ -770,6 +770,7 @@ TEST(CudaOps, ProducerFragmentsGiveTheFragmentKernelsBits) {
 // columns 3-5 of set c's MMAs, row 2c's columns 0-2, each bias term added as row 0's is.
 TEST(CudaOps, FewRowGemvGivesTheOneRowBits) {
   REQUIRE_GPU();
+  init_kernels();  // (gemv_tc4_rows_kernel's 20 groups a block at 5-8 rows: the mix's down projection)
   std::mt19937_64 rng(78);
   const WeightForm q4{DType::U32, 4, 64, DType::BF16};
   struct Case {
