@@ -850,15 +850,17 @@ bool gemv_tc4_one(const GemvJob* jobs, int n_jobs, const float* x, int ldx, int 
       cluster(static_cast<unsigned>(kb), 1, 1);
   auto go = [&](auto kernel) { launch_cluster(kernel, grid, 256, smem, s, cluster, L, x, kb); };
   auto go_rows = [&](auto kernel) { launch_cluster(kernel, grid, 256, smem, s, cluster, L, x, ldx, rows, kb); };
-  if (rows == 2) {
-    if (bf16s) go_rows(gemv_tc4_rows_kernel<true, 1>);
-    else go_rows(gemv_tc4_rows_kernel<false, 1>);
-  } else if (rows <= 4) {
-    if (bf16s) go_rows(gemv_tc4_rows_kernel<true, 2>);
-    else go_rows(gemv_tc4_rows_kernel<false, 2>);
-  } else if (rows > 4) {
-    if (bf16s) go_rows(gemv_tc4_rows_kernel<true, 4>);
-    else go_rows(gemv_tc4_rows_kernel<false, 4>);
+  if (rows > 1) {  // (4-bit codes: checked above)
+    if (sets == 1) {
+      if (bf16s) go_rows(gemv_tc4_rows_kernel<true, 1>);
+      else go_rows(gemv_tc4_rows_kernel<false, 1>);
+    } else if (sets == 2) {
+      if (bf16s) go_rows(gemv_tc4_rows_kernel<true, 2>);
+      else go_rows(gemv_tc4_rows_kernel<false, 2>);
+    } else {
+      if (bf16s) go_rows(gemv_tc4_rows_kernel<true, 4>);
+      else go_rows(gemv_tc4_rows_kernel<false, 4>);
+    }
   } else if (bits == 8) {
     if (bf16s) go(gemv_tc4_one_kernel<true, 8>);
     else go(gemv_tc4_one_kernel<false, 8>);
