@@ -467,6 +467,27 @@ __global__ void __launch_bounds__(256) gemv_tc4_reduce_frag_kernel(const __grid_
 // faster on 2026-11-30: 427.8 against 422.1 tok/s with in_proj here (CK_GEMV_INWARP_MAX=65536).
 constexpr int kTcInWarpMax = 16384;
 
+// Where a warp of gemv_tc4_one_kernel / gemv_tc4_rows_kernel works: its tile (of job j, first row
+// row0), its part of the tile's K split over the block's warps, the block's K range [B0, B1) (cluster
+// rank blockIdx.x of kb, per_b groups a rank) and the warp's part [G0, G1) of it.
+struct TcOnePlace {
+  int tile, part, j, row0, per_b, B0, B1, G0, G1;
+  __device__ __forceinline__ TcOnePlace(const TcLaunch& L, int warp, int kb) {
+    const int ks = L.ks;
+    tile = blockIdx.y * (8 / ks) + warp / ks;
+    part = warp % ks;
+    j = 0;
+    while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
+    row0 = (tile - L.first_tile[j]) * 16;
+    per_b = (L.groups + kb - 1) / kb;
+    B0 = min(L.groups, static_cast<int>(blockIdx.x) * per_b);
+    B1 = min(L.groups, B0 + per_b);
+    const int per = (B1 - B0 + ks - 1) / ks;
+    G0 = min(B1, B0 + part * per);
+    G1 = min(B1, G0 + per);
+  }
+};
+
 // Dynamic shared memory: [range groups][4 steps][32 lanes] uint2 fragments, then [range groups] Σ x.
 template <bool BF16S, int BITS>
 __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_constant__ TcLaunch L,
@@ -474,16 +495,11 @@ __global__ void __launch_bounds__(256, 3) gemv_tc4_one_kernel(const __grid_const
   extern __shared__ uint2 sfrag[];
   __shared__ float red[8][16][3];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int ks = L.ks, tile = blockIdx.y * (8 / ks) + warp / ks, part = warp % ks;
-  const int n_tiles = L.first_tile[L.n_jobs];
-  int j = 0;
-  while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
+  const int ks = L.ks, n_tiles = L.first_tile[L.n_jobs];
+  const TcOnePlace at(L, warp, kb);
+  const int tile = at.tile, part = at.part, j = at.j, row0 = at.row0, per_b = at.per_b, B0 = at.B0, B1 = at.B1,
+            G0 = at.G0, G1 = at.G1;
   const DMatrix& w = L.job[j].w;
-  const int row0 = (tile - L.first_tile[j]) * 16;
-  // The block's K range (cluster rank blockIdx.x of kb), then this warp's part of it.
-  const int per_b = (L.groups + kb - 1) / kb, B0 = min(L.groups, static_cast<int>(blockIdx.x) * per_b),
-            B1 = min(L.groups, B0 + per_b);
-  const int per = (B1 - B0 + ks - 1) / ks, G0 = min(B1, B0 + part * per), G1 = min(B1, G0 + per);
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(per_b) * 4 * 32);
   float acc[4] = {};
   Tc4Rows<BF16S, BITS> tr;
@@ -582,15 +598,11 @@ __global__ void __launch_bounds__(256, NS == 4 ? 2 : 3) gemv_tc4_rows_kernel(con
   extern __shared__ uint2 sfrag[];
   __shared__ float red[8][16][6 * NS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int ks = L.ks, tile = blockIdx.y * (8 / ks) + warp / ks, part = warp % ks;
-  const int n_tiles = L.first_tile[L.n_jobs];
-  int j = 0;
-  while (j + 1 < L.n_jobs && tile >= L.first_tile[j + 1]) ++j;
+  const int ks = L.ks, n_tiles = L.first_tile[L.n_jobs];
+  const TcOnePlace at(L, warp, kb);
+  const int tile = at.tile, part = at.part, j = at.j, row0 = at.row0, per_b = at.per_b, B0 = at.B0, B1 = at.B1,
+            nb = B1 - B0, G0 = at.G0, G1 = at.G1;
   const DMatrix& w = L.job[j].w;
-  const int row0 = (tile - L.first_tile[j]) * 16;
-  const int per_b = (L.groups + kb - 1) / kb, B0 = min(L.groups, static_cast<int>(blockIdx.x) * per_b),
-            B1 = min(L.groups, B0 + per_b), nb = B1 - B0;
-  const int per = (nb + ks - 1) / ks, G0 = min(B1, B0 + part * per), G1 = min(B1, G0 + per);
   float* sgs = reinterpret_cast<float*>(sfrag + static_cast<size_t>(NS) * per_b * 4 * 32);
   float acc[NS][4] = {};
   Tc4Rows<BF16S, 4> tr;
