@@ -555,9 +555,9 @@ TEST(CudaOps, TiledWeightsGiveTheRowLayoutsBits) {
   };
   const Case cases[] = {{4160, 2560}, {2560, 6144}, {1024, 1024}, {48, 256}, {320, 10240}};
   // Whether the row layout takes the same kernel as the tiles (gemv_tc4.cu's gemv_tc4): at one row the
-  // in-warp kernel up to 16,384 tile-groups, else from 4,096 rows (at two rows gemv_tc4_two_kernel up
-  // to 16,384 tile-groups, whatever the size, so below 1,024 x 1,024 both layouts take it and are held
-  // to the CPU here); at 2-8 rows from 1,024 x 1,024;
+  // in-warp kernel up to 16,384 tile-groups, else from 4,096 rows (with CK_GEMV_BLOCK_ROWS, 2-8 rows
+  // take gemv_tc4_rows_kernel up to 16,384 tile-groups, whatever the size, so below 1,024 x 1,024 both
+  // layouts take it and are held to the CPU here); at 2-8 rows from 1,024 x 1,024;
   // over kMaxRows gemm_q4, where it has blocks enough (not at 48 rows).
   auto same_path = [](const Case& c, int n) {
     // (Past 16,384 tile-groups at one row the tiles take gemv_tc4_pair_kernel, whose sums round
@@ -763,11 +763,11 @@ TEST(CudaOps, ProducerFragmentsGiveTheFragmentKernelsBits) {
   }
 }
 
-// gemv_tc4_rows_kernel (set_gemv_block_rows(8)): 2-8 rows of the decode
-// step's small and middle-sized 4-bit shapes (the mix's down projection with its injection head and their epilogues, its up
+// gemv_tc4_rows_kernel (set_gemv_block_rows(8)): 2-8 rows of the decode step's small and middle-sized
+// 4-bit shapes (the mix's down projection with its injection head and their epilogues, its up
 // projection, the DeltaNet out projection, a short untiled matrix), tiles and rows, against the CPU;
-// and each row the bits of the one-row kernel on that row alone, since row 2c + 1's three parts take MMA
-// columns 3-5 of set c's MMAs, row 2c's columns 0-2, each bias term added as row 0's is.
+// and each row the bits of the one-row kernel on that row alone, since row 2c + 1's three parts take
+// MMA columns 3-5 of set c's MMAs, row 2c's columns 0-2, each bias term added as row 0's is.
 TEST(CudaOps, FewRowGemvGivesTheOneRowBits) {
   REQUIRE_GPU();
   init_kernels();  // (gemv_tc4_rows_kernel's 20 groups a block at 5-8 rows: the mix's down projection)
