@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -25,10 +26,13 @@ struct Fixture {
 
 inline std::string source_dir() { return CK_SOURCE_DIR; }
 
-// Every fixture directory (one holding prompt_ids.npy) under tests/fixtures/<group>/.
+// Every fixture directory (one holding prompt_ids.npy) under tests/fixtures/<group>/. For the group
+// "oracle", CK_ORACLE_FIXTURES=DIR reads DIR instead: fixtures of random geometry that
+// tools/sweep_oracle.py writes, so every test over the oracle fixtures runs on those configs too.
 inline std::vector<std::string> fixture_dirs(const std::string& group) {
   std::vector<std::string> out;
   std::string root = source_dir() + "/tests/fixtures/" + group;
+  if (const char* env = std::getenv("CK_ORACLE_FIXTURES"); group == "oracle" && env && *env) root = env;
   if (DIR* d = opendir(root.c_str())) {
     while (dirent* e = readdir(d)) {
       std::string n = e->d_name;
