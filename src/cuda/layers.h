@@ -176,6 +176,10 @@ struct GdnRecArgs {
   int sigmoid_gate = 1;                       // output_gate_type: sigmoid (1) or silu (0)
 };
 void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
+// Whether gdn_recurrent runs heads of dk x dv: a block of at most 512 threads holds a head's value
+// columns (dv / 32 blocks of 32 where dv is a multiple of 32 from 64 to 1,024, else one block of dv)
+// times its key dimension in parts of 32. Model::supports asks this before a model loads.
+bool gdn_recurrent_fits(int dk, int dv);
 // Whether a decode step's split heads (dv / 32 blocks of 32 columns, up to 8) make their output norm
 // as one thread-block cluster instead of by a second kernel (the same bits; default on,
 // CK_GDN_CLUSTER_NORM=0 for off).
@@ -239,8 +243,11 @@ void attention(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t s
 // (CK_ATTN_SCORES_TILED=0), -1 goes back to the environment.
 void attention_block_scores(const AttnArgs& a, const StepParams* sp, int rows, cudaStream_t stream);
 void set_attn_scores_tiled(int on);
+// The largest head_dim and indexer_head_dim attention() takes: attn_prep_kernel holds a head's row in
+// (default-sized) shared memory; real models use 64-256.
+constexpr int kMaxAttnHeadDim = 4096;
 // Most tokens one query attends to: (block_topk + 1) * cr - 1.
-int64_t attention_max_selected(int block_topk, int cr);
+int64_t attention_max_selected(int64_t block_topk, int64_t cr);
 // Decode attention over the selected keys split across blocks, keys per split (tests, comparisons):
 // 0 turns the split off, -1 goes back to CK_ATTN_SPLIT (default 256).
 void set_attn_split_keys(int keys);

@@ -1350,7 +1350,7 @@ void init_attention_kernels() {
   CUDA_CHECK(cudaFuncSetAttribute(attn_heads_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmem));
 }
 
-int64_t attention_max_selected(int block_topk, int cr) { return static_cast<int64_t>(block_topk + 1) * cr - 1; }
+int64_t attention_max_selected(int64_t block_topk, int64_t cr) { return (block_topk + 1) * cr - 1; }
 
 namespace {
 // Selected keys per split of the split decode attention; -1: not yet read (CK_ATTN_SPLIT: keys per
@@ -1427,7 +1427,9 @@ void attention(const AttnArgs& args, const StepParams* sp, int rows, cudaStream_
   static const bool prefetch_kv = !env_is("CK_ATTN_KV_PREFETCH", "0");
   AttnArgs a = args;
   a.prefetch_kv = prefetch_kv ? 1 : 0;
-  CK_REQUIRE(a.cr >= 1 && a.block_topk >= 1 && a.nh % a.nkv == 0 && a.rot <= a.hd && a.rot <= a.ihd, "invariant");
+  CK_REQUIRE(a.cr >= 1 && a.block_topk >= 1 && a.nh % a.nkv == 0 && a.rot <= a.hd && a.rot <= a.ihd &&
+                 std::max(a.hd, a.ihd) <= kMaxAttnHeadDim,
+             "invariant");
   const int cap = static_cast<int>(attention_max_selected(a.block_topk, a.cr));
   const size_t dec_smem = static_cast<size_t>(cap) * 8;
   CK_REQUIRE(dec_smem <= kAttnMaxSmem, "attention: %d selectable keys do not fit in shared memory", cap);

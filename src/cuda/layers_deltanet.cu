@@ -109,6 +109,9 @@ enum class GdnNorm : int { Block = 0, Kernel = 1, Cluster = 2 };
 // needs a barrier before its reuse). The arithmetic of each value is the per-row form's: the same bits
 // (GdnClusterNormEqualsNormKernel). That it is level at 4 rows says the 4-row step's ~22 us a layer
 // in this kernel (hollowed) is not these waits. Dynamic shared memory: gdn_recurrent()'s smem_pre.
+// Its static shared memory (scratch, ss_part and o_rows below) is at most this much, in any instance:
+// the launcher keeps it and the dynamic part within the 48 KB a kernel gets without asking.
+constexpr size_t kGdnRecStaticBytes = sizeof(float) * (2 * kMaxRows * 32 + kMaxRows + kMaxRows * 32);
 template <bool DEFER_NORM, bool PRELOAD>
 __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, const StepParams* sp, int rows,
                                                             GdnNorm norm_mode, int early) {
@@ -116,6 +119,7 @@ __global__ void __launch_bounds__(512) gdn_recurrent_kernel(const GdnRecArgs a, 
   __shared__ float scratch[PRELOAD ? 2 * kMaxRows * 32 : 32];
   __shared__ float ss_part[kMaxRows];  // GdnNorm::Cluster: this block's Σ o² per row, read by the cluster
   __shared__ float o_rows[DEFER_NORM ? kMaxRows : 1][32];  // warp 0's o of each row (cols == 32 in a cluster)
+  static_assert(sizeof(scratch) + sizeof(ss_part) + sizeof(o_rows) <= kGdnRecStaticBytes, "kGdnRecStaticBytes");
   const int h = blockIdx.x, dk = a.dk, dv = a.dv, parts = (dk + kKeyPart - 1) / kKeyPart;
   // Value columns are independent in the delta rule (column j of S only needs (Sᵀk)_j): block y owns
   // `cols` of them. With one block per head the norm is fused; with a cluster of the head's blocks
@@ -1121,21 +1125,43 @@ int gdn_preload_min_rows() {
 
 void set_gdn_preload_min_rows(int rows) { g_gdn_preload_min_rows = rows < 0 ? -1 : std::max(1, rows); }
 
+namespace {
+// gdn_recurrent_kernel's block for heads of dk x dv. Each head's value columns split over blocks of 32
+// (4x the blocks at dv 128: 48 heads alone use a third of the GPU), which make the norm as a cluster
+// or in a second kernel; small heads keep one block and the fused norm. A thread holds kKeyPart rows
+// of its column's state: `parts` threads a column.
+struct GdnRecShape {
+  int parts, split, cols, threads;
+  size_t smem;  // dynamic shared memory of the per-row form
+  GdnRecShape(int dk, int dv)
+      : parts(static_cast<int>(ceil_div(dk, kKeyPart))),
+        split((dv % 32 == 0 && dv >= 64 && dv <= 1024) ? dv / 32 : 1),
+        cols(dv / split),
+        threads(static_cast<int>(round_up(static_cast<int64_t>(cols) * parts, 32))),
+        smem(sizeof(float) * (2 * static_cast<size_t>(dk) + static_cast<size_t>(parts) * cols)) {}
+};
+
+}  // namespace
+
+bool gdn_recurrent_fits(int dk, int dv) {
+  if (dk < 1 || dv < 1 || dk > 1 << 20 || dv > 1 << 20) return false;
+  const GdnRecShape g(dk, dv);
+  return g.threads <= 512 && g.smem + kGdnRecStaticBytes <= 48 * 1024;
+}
+
 void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
-  const int parts = static_cast<int>(ceil_div(a.dk, kKeyPart));
-  CK_REQUIRE(a.dk <= 256 && a.dv * parts <= 512 && a.nv % a.nk == 0, "GDN dims dk %d dv %d nk %d nv %d", a.dk, a.dv,
-            a.nk, a.nv);
-  // Split each head's value columns over blocks of 32 (4x the blocks at dv 128: 48 heads alone use a
-  // third of the GPU), then norm in a second kernel; small heads keep one block and the fused norm.
-  const int split = (a.dv % 32 == 0 && a.dv >= 64 && a.dv <= 1024) ? a.dv / 32 : 1;
-  const int cols = a.dv / split;
-  const int threads = static_cast<int>(round_up(cols * parts, 32));
-  const size_t smem = sizeof(float) * (2 * a.dk + parts * cols);
+  CK_REQUIRE(gdn_recurrent_fits(a.dk, a.dv) && a.nk >= 1 && a.nv % a.nk == 0, "GDN dims dk %d dv %d nk %d nv %d",
+             a.dk, a.dv, a.nk, a.nv);
+  const GdnRecShape g(a.dk, a.dv);
+  const int parts = g.parts, split = g.split, cols = g.cols, threads = g.threads;
+  const size_t smem = g.smem;
   // Every row's inputs before the row loop (gdn_recurrent_kernel's PRELOAD) from 2 rows on
-  // (CK_GDN_PRELOAD_MIN_ROWS=N: from N rows; 9 turns it off), where its shared memory fits the default.
+  // (CK_GDN_PRELOAD_MIN_ROWS=N: from N rows; 9 turns it off), where its shared memory fits the default
+  // with the kernel's static part (large key dims: the per-row form).
   const size_t smem_pre = sizeof(float) * (2 * static_cast<size_t>(rows) * a.dk + 2 * parts * cols +
                                            2 * static_cast<size_t>(rows) * threads + 2 * rows);
-  const bool preload = rows >= gdn_preload_min_rows() && rows <= kMaxRows && smem_pre <= 48 * 1024;
+  const bool preload =
+      rows >= gdn_preload_min_rows() && rows <= kMaxRows && smem_pre + kGdnRecStaticBytes <= 48 * 1024;
   // A split head's blocks as one thread-block cluster make the norm themselves (no second kernel and
   // its hand-over); CK_GDN_CLUSTER_NORM=0 keeps gdn_out_norm_kernel, to compare.
   if (g_gdn_cluster_norm < 0) g_gdn_cluster_norm = env_is("CK_GDN_CLUSTER_NORM", "0") ? 0 : 1;

@@ -55,15 +55,17 @@ Status Model::supports(const ModelWeights& w) {
                  c.num_experts);
   if (c.linear_conv_kernel_dim < 1 || c.linear_conv_kernel_dim > 8)
     return error("CUDA engine: GDN conv kernel {} (1..8 supported)", c.linear_conv_kernel_dim);
-  const int parts = (c.linear_key_head_dim + 31) / 32;
-  if (c.linear_key_head_dim > 256 || c.linear_value_head_dim * parts > 512)
-    return error("CUDA engine: GDN head dims {}x{} are beyond the recurrent kernel", c.linear_key_head_dim,
-                 c.linear_value_head_dim);
-  bool has_attn = false, has_ple = false;
+  bool has_attn = false, has_ple = false, has_gdn = false;
   for (const LayerWeights& lw : w.layers) {
     has_attn |= lw.kind == LayerKind::SparseAttention;
+    has_gdn |= lw.kind == LayerKind::LinearAttention;
     has_ple |= lw.ple.has_value();
   }
+  if (has_gdn && !gdn_recurrent_fits(c.linear_key_head_dim, c.linear_value_head_dim))
+    return error("CUDA engine: GDN heads of linear_key_head_dim {} x linear_value_head_dim {} are beyond the "
+                 "recurrent kernel (a block of at most 512 threads: value columns, in blocks of 32 where "
+                 "linear_value_head_dim is a multiple of 32 from 64 to 1024, times ceil(linear_key_head_dim / 32))",
+                 c.linear_key_head_dim, c.linear_value_head_dim);
   if (w.mtp) {  // §10: one attention layer, no PLE (mtp_step has no n-gram path)
     if (w.mtp->layer.kind != LayerKind::SparseAttention || w.mtp->layer.ple)
       return error("CUDA engine: the MTP head's layer must be a QSA attention layer without PLE");
@@ -75,10 +77,17 @@ Status Model::supports(const ModelWeights& w) {
     if (c.rotary_dim() > c.head_dim || c.rotary_dim() > c.indexer_head_dim)
       return error("CUDA engine: rotary dim {} exceeds a head dim", c.rotary_dim());
     if (attention_max_selected(c.indexer_budget / c.indexer_compress_ratio, c.indexer_compress_ratio) * 8 > 200 * 1024)
-      return error("CUDA engine: indexer budget {} too large for the attention kernel", c.indexer_budget);
+      return error("CUDA engine: indexer_budget {} with indexer_compress_ratio {} selects more keys than the "
+                   "attention kernel holds (indexer_budget + indexer_compress_ratio <= 25,601)",
+                   c.indexer_budget, c.indexer_compress_ratio);
+    // The attention's per-head kernels hold a head (of queries or of the indexer) in shared memory.
+    if (std::max(c.head_dim, c.indexer_head_dim) > kMaxAttnHeadDim)
+      return error("CUDA engine: head_dim {} / indexer_head_dim {} beyond the attention kernels' {}", c.head_dim,
+                   c.indexer_head_dim, kMaxAttnHeadDim);
   }
-  if (has_ple && (c.ple_conv_kernel_size - 1) * c.ngram_size > 32)
-    return error("CUDA engine: PLE conv history {} > 32", (c.ple_conv_kernel_size - 1) * c.ngram_size);
+  if (has_ple && (int64_t{c.ple_conv_kernel_size} - 1) * c.ngram_size > 32)
+    return error("CUDA engine: PLE conv history (ple_conv_kernel_size - 1) * ngram_size = {} > 32",
+                 (int64_t{c.ple_conv_kernel_size} - 1) * c.ngram_size);
   return {};
 }
 
@@ -289,7 +298,14 @@ int Model::chunk_rows_for(int chunk_rows) const {
 }
 
 uint64_t Model::session_bytes(int64_t max_ctx, int chunk_rows) const {
-  return Session::buffer_bytes(cfg(), max_inter_, max_ctx, chunk_rows_for(chunk_rows));
+  return Session::buffer_bytes(cfg(), max_inter_, max_ctx, chunk_rows_for(chunk_rows)) + state_bytes(max_ctx);
+}
+
+uint64_t Model::state_bytes(int64_t max_ctx) const {
+  std::vector<std::pair<LayerKind, bool>> layers;
+  for (const DLayer& d : layers_) layers.emplace_back(d.kind, d.ple.has_value());
+  if (mtp_) layers.emplace_back(mtp_->layer.kind, mtp_->layer.ple.has_value());
+  return Session::state_bytes(cfg(), layers, max_ctx);
 }
 
 Status Model::chunk_fits(int64_t max_ctx, int chunk_rows) const {
@@ -297,9 +313,15 @@ Status Model::chunk_fits(int64_t max_ctx, int chunk_rows) const {
   const uint64_t need = session_bytes(max_ctx, rows);
   size_t free_bytes = 0, total_bytes = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  if (need > free_bytes)
-    return error("a prefill chunk of {} rows needs {:.2f} GB of GPU memory for its buffers and {:.2f} GB is free: "
-                 "ask for fewer rows (--prefill-chunk)", rows, need / 1e9, free_bytes / 1e9);
+  if (need > free_bytes) {
+    // Name what is large: the caches grow with the context, the buffers with the chunk's rows.
+    const uint64_t states = state_bytes(max_ctx);
+    return error("a session of {} positions with prefill chunks of {} rows needs {:.2f} GB of GPU memory ({:.2f} GB "
+                 "of it the layers' states and the attention caches of {} positions) and {:.2f} GB is free: ask "
+                 "for {} (--max-tokens, a shorter prompt or --prefill-chunk)",
+                 max_ctx, rows, need / 1e9, states / 1e9, max_ctx, free_bytes / 1e9,
+                 states * 2 > need ? "fewer positions" : "fewer rows a chunk");
+  }
   return {};
 }
 
@@ -382,6 +404,54 @@ struct Session::LayerState {
   int64_t ple_n = 0;
 };
 
+// Every buffer of one layer's state, as (member, floats) to f: the constructor allocates them, and
+// state_bytes counts the same list for the fit check (Model::chunk_fits), so the two cannot drift apart.
+template <class F>
+void Session::each_state_buffer(const ModelConfig& c, LayerKind kind, bool ple, int64_t max_ctx, bool replay,
+                                LayerState& st, F&& f) {
+  const int64_t snaps = kMaxRows - 1;  // the states after each row of a step but the last
+  if (kind == LayerKind::LinearAttention) {
+    st.gdn_conv_n = static_cast<int64_t>(c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim();
+    st.gdn_s_n = static_cast<int64_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim;
+    f(st.gdn_conv, std::max<int64_t>(1, st.gdn_conv_n));
+    f(st.gdn_s, st.gdn_s_n);
+    if (replay) f(st.gdn_s_alt, st.gdn_s_n);
+    else f(st.gdn_s_snaps, snaps * st.gdn_s_n);
+    f(st.gdn_conv_snaps, std::max<int64_t>(1, snaps * st.gdn_conv_n));
+    f(st.gdn_y, kMaxRows * ld4(c.gdn_conv_dim()));
+    f(st.gdn_b, kMaxRows * ld4(c.linear_num_value_heads));
+    f(st.gdn_a, kMaxRows * ld4(c.linear_num_value_heads));
+  } else {
+    const int64_t kvw = static_cast<int64_t>(c.num_key_value_heads) * c.head_dim;
+    f(st.k_cache, max_ctx * kvw);
+    f(st.v_cache, max_ctx * kvw);
+    f(st.idx_keys, max_ctx * c.indexer_head_dim);
+    f(st.blk_keys, indexer_blocks(c, max_ctx) * c.indexer_head_dim);
+  }
+  if (ple) {
+    st.ple_n = static_cast<int64_t>(c.ple_conv_kernel_size - 1) * c.ngram_size * c.wide();
+    f(st.ple_conv, std::max<int64_t>(1, st.ple_n));
+    f(st.ple_snaps, std::max<int64_t>(1, snaps * st.ple_n));
+  }
+}
+
+int64_t Session::indexer_blocks(const ModelConfig& c, int64_t max_ctx) {
+  return c.indexer_compress_ratio > 0 ? std::max<int64_t>(1, max_ctx / c.indexer_compress_ratio) : 1;
+}
+
+bool Session::gdn_replay_on() { return !env_is("CK_GDN_SNAPSHOTS", "1"); }
+
+uint64_t Session::state_bytes(const ModelConfig& c, const std::vector<std::pair<LayerKind, bool>>& layers,
+                              int64_t max_ctx) {
+  uint64_t bytes = 0;
+  LayerState st;
+  for (const auto& [kind, ple] : layers)
+    each_state_buffer(c, kind, ple, max_ctx, gdn_replay_on(), st, [&](float*&, int64_t n) {
+      bytes += static_cast<uint64_t>(round_up(static_cast<int64_t>(sizeof(float)) * n, 256));  // DeviceArena's
+    });
+  return bytes;
+}
+
 // Rows of the mix's g (the up projection's output, rows x W floats): a prefill chunk's up projection and
 // gate mean run in pieces of this many rows where the fused kernel (hc_up_gate_mean) does not take
 // them (other GPUs than Hopper, CK_HC_UP_GATE_MEAN=0), so g is not as long as the chunk: at 8,192 rows
@@ -447,7 +517,7 @@ struct Session::Buffers {
 uint64_t Session::buffer_bytes(const ModelConfig& c, int max_inter, int64_t max_ctx, int rows) {
   const int64_t H = c.hidden_size, W = c.wide(), k1 = c.num_experts_per_tok + 1;
   const int64_t kvw = static_cast<int64_t>(c.num_key_value_heads) * c.head_dim;
-  const int64_t nb = c.indexer_compress_ratio > 0 ? std::max<int64_t>(1, max_ctx / c.indexer_compress_ratio) : 1;
+  const int64_t nb = indexer_blocks(c, max_ctx);
   const int64_t per_row =
       4 * W + 5 * H + c.hc_lowrank + c.hc_count + 2 * c.gdn_conv_dim() + 2 * c.gdn_value_dim() +
       2 * c.linear_num_value_heads + static_cast<int64_t>(c.num_attention_heads) * c.head_dim * 4 + 2 * kvw +
@@ -459,7 +529,7 @@ uint64_t Session::buffer_bytes(const ModelConfig& c, int max_inter, int64_t max_
 }
 
 Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
-    : m_(m), max_ctx_(max_ctx), gdn_replay_(!env_is("CK_GDN_SNAPSHOTS", "1")),
+    : m_(m), max_ctx_(max_ctx), gdn_replay_(gdn_replay_on()),
       chunk_rows_(std::clamp(chunk_rows, kMaxRows, kMaxChunkRows)), prefill_chunk_(chunk_rows_) {
   const ModelConfig& c = m.cfg();
   CHECK(max_ctx_ >= 1);
@@ -486,7 +556,7 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
   b.ldEx = ld4(c.num_experts);
   b.ldMI = ld4(m.max_inter_);
   b.ldV = ld4(c.vocab_size);
-  b.nb_max = c.indexer_compress_ratio > 0 ? std::max<int64_t>(1, max_ctx_ / c.indexer_compress_ratio) : 1;
+  b.nb_max = indexer_blocks(c, max_ctx_);
   b.params = static_cast<StepParams*>(arena_.alloc(sizeof(StepParams)));
   b.replay_params = static_cast<StepParams*>(arena_.alloc(sizeof(StepParams)));
   step_scratch_.base = static_cast<uint8_t*>(arena_.alloc(kStepScratchBytes));
@@ -543,31 +613,9 @@ Session::Session(const Model& m, int64_t max_ctx, int chunk_rows)
   b.argmax_scratch = fbuf(kLmRows * argmax_scratch_floats(c.vocab_size));
   b.argmax = static_cast<int32_t*>(arena_.alloc(sizeof(int32_t) * R));
 
-  const int64_t snaps = kMaxRows - 1;
   auto init_state = [&](const DLayer& d, LayerState& st) {
-    if (d.kind == LayerKind::LinearAttention) {
-      st.gdn_conv_n = static_cast<int64_t>(c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim();
-      st.gdn_s_n = static_cast<int64_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim;
-      st.gdn_conv = fbuf(std::max<int64_t>(1, st.gdn_conv_n));
-      st.gdn_s = fbuf(st.gdn_s_n);
-      if (gdn_replay_) st.gdn_s_alt = fbuf(st.gdn_s_n);
-      else st.gdn_s_snaps = fbuf(snaps * st.gdn_s_n);
-      st.gdn_conv_snaps = fbuf(std::max<int64_t>(1, snaps * st.gdn_conv_n));
-      st.gdn_y = fbuf(kMaxRows * b.ldC);
-      st.gdn_b = fbuf(kMaxRows * b.ldNV);
-      st.gdn_a = fbuf(kMaxRows * b.ldNV);
-    } else {
-      const int64_t kvw = static_cast<int64_t>(c.num_key_value_heads) * c.head_dim;
-      st.k_cache = fbuf(max_ctx_ * kvw);
-      st.v_cache = fbuf(max_ctx_ * kvw);
-      st.idx_keys = fbuf(max_ctx_ * c.indexer_head_dim);
-      st.blk_keys = fbuf(b.nb_max * c.indexer_head_dim);
-    }
-    if (d.ple) {
-      st.ple_n = static_cast<int64_t>(c.ple_conv_kernel_size - 1) * c.ngram_size * W;
-      st.ple_conv = fbuf(std::max<int64_t>(1, st.ple_n));
-      st.ple_snaps = fbuf(std::max<int64_t>(1, snaps * st.ple_n));
-    }
+    each_state_buffer(c, d.kind, d.ple.has_value(), max_ctx_, gdn_replay_, st,
+                      [&](float*& p, int64_t n) { p = fbuf(n); });
   };
   ls_.resize(m.layers_.size());
   for (size_t L = 0; L < ls_.size(); ++L) init_state(m.layers_[L], ls_[L]);

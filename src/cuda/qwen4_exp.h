@@ -118,14 +118,16 @@ class Model {
   // thirty-fourth session); a 16-32 GB GPU keeps kChunkRows. (vLLM also sizes its default batched
   // tokens by the GPU's memory.)
   int default_chunk_rows() const { return default_chunk_rows_; }
-  // Whether a session's per-row buffers at chunk_rows rows fit the GPU memory free now (an error that
-  // names the chunk, the bytes and what is free, for a front end to report before new_session, whose
-  // allocations would otherwise abort).
+  // Whether a session of max_ctx positions and chunk_rows rows a chunk fits the GPU memory free now (an
+  // error that names the positions, the chunk, the bytes and what is free, for a front end to report
+  // before new_session, whose allocations would otherwise abort).
   Status chunk_fits(int64_t max_ctx, int chunk_rows) const;
   // A session's chunk rows for a caller's chunk_rows (0: default_chunk_rows()), clamped as the
-  // session clamps them; and the GPU memory of its per-row buffers (Session::buffer_bytes).
+  // session clamps them; and the GPU memory of a session: its per-row buffers (Session::buffer_bytes)
+  // and its layers' states and caches (state_bytes, Session::state_bytes).
   int chunk_rows_for(int chunk_rows) const;
   uint64_t session_bytes(int64_t max_ctx, int chunk_rows) const;
+  uint64_t state_bytes(int64_t max_ctx) const;
 
   // Sizes, for the banner and the benchmark ceilings.
   size_t dense_bytes() const { return dense_bytes_; }
@@ -183,6 +185,13 @@ class Session {
   // GPU memory of a session's per-row buffers at `rows` rows per chunk (an estimate; Model::create
   // keeps it free beside the experts).
   static uint64_t buffer_bytes(const ModelConfig& c, int max_inter, int64_t max_ctx, int rows);
+  // GPU memory of its per-layer states and caches, exactly: the DeltaNet and conv states with their
+  // snapshots, the attention's K, V and indexer caches of max_ctx positions, the PLE conv states.
+  // `layers`: each layer's kind and whether it has PLE (the MTP head's layer too, where there is one).
+  static uint64_t state_bytes(const ModelConfig& c, const std::vector<std::pair<LayerKind, bool>>& layers,
+                              int64_t max_ctx);
+  // GPU memory this session took (tests: Model::session_bytes must cover it).
+  size_t device_bytes() const { return arena_.bytes_used(); }
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -236,6 +245,11 @@ class Session {
 
  private:
   struct LayerState;
+  template <class F>
+  static void each_state_buffer(const ModelConfig& c, LayerKind kind, bool ple, int64_t max_ctx, bool replay,
+                                LayerState& st, F&& f);
+  static int64_t indexer_blocks(const ModelConfig& c, int64_t max_ctx);  // the indexer's blocks of max_ctx
+  static bool gdn_replay_on();  // the delta rule rolls back by replay (not CK_GDN_SNAPSHOTS=1)
   // Rows [row0, row0 + tokens.size()) of a step_rows call; rows from first_out on produce outputs (as
   // output row r - first_out of `out`).
   Status run_chunk(std::span<const int32_t> tokens, int64_t pos, bool snap, bool want_logits, StepResult* out,

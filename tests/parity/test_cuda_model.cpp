@@ -14,6 +14,7 @@
 #include "../common/fixtures.h"
 #include "cpu/qwen4_exp.h"
 #if CHERENKOV_HAVE_CUDA
+#include "cuda/layers.h"
 #include "cuda/qwen4_exp.h"
 #endif
 
@@ -521,6 +522,63 @@ TEST(CudaMtp, ModelWithoutTheHeadIsAnError) {
   Status st = s->mtp_step(h.data(), 1, 0, logits.data(), nullptr);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("no MTP head"), std::string::npos) << st.message();
+}
+
+// A session's GPU memory is what Model::session_bytes says, so that chunk_fits can refuse a context or
+// a chunk the GPU cannot hold with an error instead of an abort in new_session: what a session takes
+// for more positions (the attention's K, V and indexer caches, the block scores) is counted (the two
+// differences agree to a byte a buffer), and the whole is covered up to the per-row estimate's
+// padding (the widths rounded to 4 floats, a few small fixed buffers).
+TEST_P(CudaOracle, SessionBytesCountTheContext) {
+  SETUP();
+  const int chunk = cuda::kChunkRows;
+  auto small = l.model->new_session(64, chunk);
+  auto large = l.model->new_session(64 * 1024, chunk);
+  const int64_t used_diff = static_cast<int64_t>(large->device_bytes()) - static_cast<int64_t>(small->device_bytes());
+  const int64_t est_diff = static_cast<int64_t>(l.model->session_bytes(64 * 1024, chunk)) -
+                           static_cast<int64_t>(l.model->session_bytes(64, chunk));
+  EXPECT_GT(used_diff, 0);
+  EXPECT_LE(std::llabs(used_diff - est_diff), 256 * 16) << "used " << used_diff << ", estimated " << est_diff;
+  for (const auto& s : {small.get(), large.get()}) {
+    const double used = static_cast<double>(s->device_bytes());
+    const double est = static_cast<double>(l.model->session_bytes(s->max_ctx(), chunk));
+    EXPECT_LE(used, 1.05 * est) << "max_ctx " << s->max_ctx();
+    EXPECT_LE(est, 1.5 * used) << "max_ctx " << s->max_ctx();
+  }
+}
+
+// Which geometries the CUDA engine takes (Model::supports, before any GPU work; runs without a GPU):
+// the delta rule's heads as its block holds them, the attention's head dims, the router's k and E,
+// the conv kernels; each refusal names the config fields.
+TEST(CudaSupports, GeometryLimitsNameTheirFields) {
+  // A block of <= 512 threads: dv / 32 blocks of 32 columns (dv % 32 == 0, 64 <= dv <= 1024) or one
+  // of dv, times ceil(dk / 32) parts.
+  for (auto [dk, dv] : {std::pair{128, 128}, {256, 128}, {128, 256}, {192, 192}, {256, 256}, {512, 1024},
+                        {12, 24}, {8, 8}, {40, 24}, {16, 500}})
+    EXPECT_TRUE(cuda::gdn_recurrent_fits(dk, dv)) << dk << " x " << dv;
+  for (auto [dk, dv] : {std::pair{544, 64}, {64, 520}, {100000, 1}, {0, 64}, {64, 0}})
+    EXPECT_FALSE(cuda::gdn_recurrent_fits(dk, dv)) << dk << " x " << dv;
+
+  auto ck = open_checkpoint(test::source_dir() + "/tests/fixtures/oracle/hf_f32_flat_hc2_e8k1");
+  ASSERT_TRUE(ck.ok()) << ck.status().message();
+  const ModelWeights& base = (*ck)->weights;
+  EXPECT_TRUE(cuda::Model::supports(base).ok()) << cuda::Model::supports(base).message();
+  auto refused = [&](auto&& edit, const char* field) {
+    ModelWeights w = base;
+    edit(w.cfg);
+    const Status st = cuda::Model::supports(w);
+    EXPECT_FALSE(st.ok()) << field;
+    EXPECT_NE(st.message().find(field), std::string::npos) << st.message();
+  };
+  refused([](ModelConfig& c) { c.linear_key_head_dim = 544; c.linear_value_head_dim = 64; }, "linear_key_head_dim 544");
+  refused([](ModelConfig& c) { c.linear_conv_kernel_dim = 9; }, "GDN conv kernel 9");
+  refused([](ModelConfig& c) { c.indexer_head_dim = 8192; }, "indexer_head_dim 8192");
+  refused([](ModelConfig& c) { c.num_experts = 100; c.num_experts_per_tok = 65; }, "top-65 of 100");
+  refused([](ModelConfig& c) { c.indexer_compress_ratio = 1; c.indexer_budget = 30000; }, "indexer_budget 30000");
+  ModelWeights wide = base;  // the split form holds heads the one-block form could not
+  wide.cfg.linear_key_head_dim = 256;
+  wide.cfg.linear_value_head_dim = 256;
+  EXPECT_TRUE(cuda::Model::supports(wide).ok()) << cuda::Model::supports(wide).message();
 }
 
 // The CUDA engine's kernels are built for sm_90: another device gets one error naming it, its compute

@@ -1946,6 +1946,32 @@ TEST(CudaOps, GdnChunkedAndRecurrentMatchDouble) {
   set_gdn_scan_cols(-1);
 }
 
+// Heads beyond the chunked form (dk or dv > 128) run the recurrence, in prefill chunks too: key dims
+// up to 16 parts of 32 with the value columns split in blocks of 32 (gdn_recurrent_fits), on row
+// counts of the row path (every row's inputs preloaded where they fit 48 KB with the kernel's static
+// shared memory) and beyond it. Against the double-precision recurrence, as above.
+TEST(CudaOps, GdnRecurrentTakesLargeHeads) {
+  REQUIRE_GPU();
+  init_kernels();
+  std::mt19937_64 rng(23);
+  const GdnCase cases[] = {{1, 2, 256, 128, 8}, {1, 2, 256, 128, 20}, {1, 1, 192, 192, 3}, {2, 2, 256, 256, 7},
+                           {1, 1, 512, 64, 2},  {1, 2, 160, 96, 8},   {1, 1, 256, 56, 8}};
+  for (const GdnCase& g : cases) {
+    ASSERT_TRUE(gdn_recurrent_fits(g.dk, g.dv)) << g.dk << " x " << g.dv;
+    GdnProblem p(g, rng);
+    p.reset_state();
+    gdn_recurrent(p.ra, p.spd.get(), g.rows, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> out = p.out(), st = p.state();
+    const double e_out = rel_l2(out.data(), p.ref_out.data(), out.size());
+    const double e_st = rel_l2(st.data(), p.ref_state.data(), st.size());
+    std::printf("  gdn recurrent nk %d nv %d dk %3d dv %3d rows %2d: out rel_l2 %.3e, state rel_l2 %.3e\n", g.nk, g.nv,
+                g.dk, g.dv, g.rows, e_out, e_st);
+    EXPECT_LE(e_out, 2e-5);
+    EXPECT_LE(e_st, 2e-5);
+  }
+}
+
 // A decode step's split heads make their output norm as a thread-block cluster (set_gdn_cluster_norm):
 // the same bits as the recurrence followed by gdn_out_norm_kernel, and within the double-precision
 // bound. Row counts of the row path (<= kMaxRows), one to eight 32-column blocks per head, and one
