@@ -542,7 +542,7 @@ TEST_P(CudaOracle, SessionBytesCountTheContext) {
   for (const auto& s : {small.get(), large.get()}) {
     const double used = static_cast<double>(s->device_bytes());
     const double est = static_cast<double>(l.model->session_bytes(s->max_ctx(), chunk));
-    EXPECT_LE(used, 1.05 * est) << "max_ctx " << s->max_ctx();
+    EXPECT_LE(used, 1.10 * est) << "max_ctx " << s->max_ctx();
     EXPECT_LE(est, 1.5 * used) << "max_ctx " << s->max_ctx();
   }
 }
