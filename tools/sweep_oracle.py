@@ -13,8 +13,8 @@ rank, QSA indexer heads, budget and compress ratio, RoPE fraction, PLE layers an
 gate, tied embeddings, float32 / bfloat16 / MLX 4- or 8-bit storage) and writes one fixture a config
 with make_oracle_fixtures.make_fixture: the same oracle run (float32, sdpa, no cache), the same
 rejection of seeds whose router, indexer or greedy decisions are closer than the tests' tolerances,
-the same files. Each fixture's meta.json has its config draw ("sweep": seed and choices), so a failing
-case can be made again alone (--seed S --count 1).
+the same files. A fixture's name starts with its draw (sweep_SEED_...), so a failing case can be made
+again alone (--seed SEED --count 1).
 
 The fixtures are not committed (they are as many as one asks for); the tests read them through the
 environment variable CK_ORACLE_FIXTURES, which replaces tests/fixtures/oracle for every test that
@@ -35,16 +35,21 @@ sys.path.insert(0, TOOLS_DIR)
 import make_oracle_fixtures as mof  # noqa: E402
 
 
-def draw_text(rng: random.Random) -> tuple[dict, dict]:
-    """One random text config within config.cpp's rules, and the choices that made it (for meta.json)."""
+def draw_text(rng: random.Random) -> tuple[dict, str]:
+    """One random text config within config.cpp's rules, and its storage (float32, bfloat16, mlx4, mlx8).
+
+    A quarter of the draws are "large": MLX 4-bit, hidden size and low rank multiples of 64 from 256,
+    so that the CUDA engine's own forms run on them (weights in 16-row tensor-core tiles from K = 256,
+    the one-row mix kernel, the 4-bit expert kernels), not only its fallbacks for tiny shapes."""
     t: dict = {}
-    storage = rng.choice(["float32", "bfloat16", "mlx4", "mlx8"])
+    large = rng.random() < 0.25
+    storage = "mlx4" if large else rng.choice(["float32", "bfloat16", "mlx4", "mlx8"])
     mlx = storage.startswith("mlx")
     # Under MLX a matrix is quantized where its input dimension is a multiple of the group size, so the
     # sizes there are multiples of 64 mostly (with one odd size left in bf16 now and then).
-    sizes = [64, 128] if mlx else [32, 48, 64, 96]
+    sizes = [256, 320, 512] if large else [64, 128] if mlx else [32, 48, 64, 96]
     t["hidden_size"] = rng.choice(sizes)
-    layers = rng.randint(2, 6)
+    layers = rng.randint(2, 3) if large else rng.randint(2, 6)
     t["num_hidden_layers"] = layers
     kinds = [rng.random() < 0.6 for _ in range(layers)]  # True: linear_attention
     if all(kinds):
@@ -56,7 +61,7 @@ def draw_text(rng: random.Random) -> tuple[dict, dict]:
     kv = rng.choice([1, 2])
     t["num_key_value_heads"] = kv
     t["num_attention_heads"] = kv * rng.choice([1, 2, 3, 4])
-    t["head_dim"] = rng.choice([16, 32, 64])
+    t["head_dim"] = rng.choice([64, 128] if large else [16, 32, 64])
     factor = rng.choice([0.25, 0.5, 1.0])
     rot = int(t["head_dim"] * factor)
     if rot % 2 or rot == 0:
@@ -68,7 +73,7 @@ def draw_text(rng: random.Random) -> tuple[dict, dict]:
     # seeds are rejected), so most draws have a few heads.
     t["indexer_n_heads"] = rng.choice([1, 2, 4, 4, 6, 8])
     t["indexer_kv_heads"] = 1
-    t["indexer_head_dim"] = max(rot, rng.choice([16, 32, 64]))
+    t["indexer_head_dim"] = max(rot, rng.choice([64, 128] if large else [16, 32, 64]))
     ratio = rng.choice([2, 4, 8])
     t["indexer_compress_ratio"] = ratio
     t["indexer_budget"] = ratio * rng.choice([1, 2, 3, 4])
@@ -76,22 +81,22 @@ def draw_text(rng: random.Random) -> tuple[dict, dict]:
     nk = rng.choice([1, 2, 3])
     t["linear_num_key_heads"] = nk
     t["linear_num_value_heads"] = nk * rng.choice([1, 2, 3])
-    t["linear_key_head_dim"] = rng.choice([8, 12, 16, 32])
-    t["linear_value_head_dim"] = rng.choice([8, 16, 24, 32])
+    t["linear_key_head_dim"] = rng.choice([64, 128] if large else [8, 12, 16, 32])
+    t["linear_value_head_dim"] = rng.choice([64, 128] if large else [8, 16, 24, 32])
     t["linear_conv_kernel_dim"] = rng.choice([2, 3, 4, 5])
     # Experts.
     E = rng.choice([4, 8, 16, 32, 64])
     t["num_experts"] = E
     t["num_experts_per_tok"] = rng.randint(1, min(8, E))
     t["norm_topk_prob"] = rng.random() < 0.5
-    t["moe_intermediate_size"] = rng.choice([64, 128] if mlx else [16, 32, 48, 64])
-    t["shared_expert_intermediate_size"] = rng.choice([64, 128] if mlx else [16, 32, 64])
+    t["moe_intermediate_size"] = rng.choice([128, 256] if large else [64, 128] if mlx else [16, 32, 48, 64])
+    t["shared_expert_intermediate_size"] = rng.choice([128, 256] if large else [64, 128] if mlx else [16, 32, 64])
     # Hyper-connections, gate, embeddings.
     t["hc_count"] = rng.choice([2, 3, 4])
-    t["hc_lowrank"] = rng.choice([8, 16, 32])
+    t["hc_lowrank"] = rng.choice([64, 128] if large else [8, 16, 32])
     t["output_gate_type"] = rng.choice(["sigmoid", "silu"])
     t["tie_word_embeddings"] = rng.random() < 0.3
-    t["vocab_size"] = rng.choice([256, 320, 384])
+    t["vocab_size"] = rng.choice([512, 1024] if large else [256, 320, 384])
     t["eos_token_id"] = rng.randint(2, 9)
     t["bos_token_id"] = 1
     # PLE on some of the GDN layers (one-indexed), or none.
@@ -107,13 +112,12 @@ def draw_text(rng: random.Random) -> tuple[dict, dict]:
         t["split_ngram_parts"] = rng.choice([1, 2])
     else:
         t["ple_layer_ids"] = []
-    return t, {"storage": storage}
+    return t, storage
 
 
 def make_fx(seed: int) -> dict:
     rng = random.Random(seed)
-    text, choice = draw_text(rng)
-    storage = choice["storage"]
+    text, storage = draw_text(rng)
     name = f"sweep_{seed:05d}_{storage}_h{text['hidden_size']}_l{text['num_hidden_layers']}_e{text['num_experts']}" \
            f"k{text['num_experts_per_tok']}_hc{text['hc_count']}"
     fx = dict(
