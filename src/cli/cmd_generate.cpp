@@ -12,6 +12,7 @@
 
 #include "cli/command.h"
 #include "cli/model_loader.h"
+#include "cli/validators.h"
 #include "util/npy.h"
 
 namespace {
@@ -42,7 +43,8 @@ int run_generate(int argc, char** argv) {
   bool check = false;
   app.add_option("--model", model_dir, "checkpoint or store directory")->required();
   app.add_option("--prompt-ids", prompt, "prompt token ids, comma-separated (e.g. 1,2,3)")->required();
-  app.add_option("--max-tokens", max_tokens, "number of tokens to generate")->check(CLI::NonNegativeNumber);
+  app.add_option("--max-tokens", max_tokens, "number of tokens to generate")
+      ->check(CLI::Range(0, ck::cli::kMaxTokensFlag));
   app.add_option("--logits-out", logits_out, "write float32 logits of every prompt position, [T, vocab], as .npy");
   app.add_option("--backend", backend, "cpu (the reference), cuda, or auto (cuda when a GPU is visible)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));

@@ -12,6 +12,7 @@
 
 #include "cli/command.h"
 #include "cli/model_loader.h"
+#include "cli/validators.h"
 #include "engine/generator.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
@@ -137,9 +138,11 @@ int run_run(int argc, char** argv) {
   opt.max_tokens = 256;
   app.add_option("prompt", prompt, "the prompt; omitted: chat on a terminal, or read stdin");
   app.add_option("--model", model_dir, "checkpoint or store directory (default: the embedded small model)");
-  app.add_option("--max-tokens", opt.max_tokens, "tokens to generate per reply")->check(CLI::PositiveNumber);
-  app.add_option("--temperature", opt.sampling.temperature, "0 = greedy")->check(CLI::NonNegativeNumber);
-  app.add_option("--top-k", opt.sampling.top_k, "keep the k most likely tokens (0 = all)")->check(CLI::NonNegativeNumber);
+  app.add_option("--max-tokens", opt.max_tokens, "tokens to generate per reply")
+      ->check(CLI::Range(1, ck::cli::kMaxTokensFlag));
+  app.add_option("--temperature", opt.sampling.temperature, "0 = greedy")->check(ck::cli::at_least(0));
+  app.add_option("--top-k", opt.sampling.top_k, "keep the k most likely tokens (0 = all)")
+      ->check(CLI::Range(0, 1 << 30));
   app.add_option("--top-p", opt.sampling.top_p, "nucleus sampling threshold")->check(CLI::Range(0.0, 1.0));
   app.add_option("--presence-penalty", opt.sampling.presence_penalty, "penalty for tokens already present");
   app.add_option("--frequency-penalty", opt.sampling.frequency_penalty, "penalty per previous occurrence");

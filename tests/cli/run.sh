@@ -17,7 +17,11 @@ echo "import os" | "$bin" run --backend cpu --model "$model" --raw --max-tokens 
 out=$("$bin" run --backend cpu --model /nonexistent "hi" 2>&1); rc=$?
 [ $rc -ne 0 ] && [ $rc -lt 128 ] && grep -q "nonexistent" <<<"$out" && echo "ok   bad --model" || { echo "FAIL bad --model: rc $rc: $out"; fail=1; }
 out=$("$bin" run --backend cpu --model "$model" --temperature -1 "hi" 2>&1); rc=$?
-[ $rc -ne 0 ] && [ $rc -lt 128 ] && echo "ok   bad --temperature" || { echo "FAIL bad --temperature: rc $rc: $out"; fail=1; }
+[ $rc -ne 0 ] && [ $rc -lt 128 ] && grep -q "must be at least 0, got -1" <<<"$out" && [ ${#out} -lt 200 ] \
+  && echo "ok   bad --temperature" || { echo "FAIL bad --temperature: rc $rc: $out"; fail=1; }
+out=$("$bin" run --backend cpu --model "$model" --max-tokens 0 "hi" 2>&1); rc=$?
+[ $rc -ne 0 ] && [ $rc -lt 128 ] && grep -q "not in range 1 to" <<<"$out" && [ ${#out} -lt 200 ] \
+  && echo "ok   bad --max-tokens" || { echo "FAIL bad --max-tokens: rc $rc: $out"; fail=1; }
 out=$("$bin" run --backend cpu --model "$model" --prefill-chunk 9000 "hi" 2>&1); rc=$?
 [ $rc -ne 0 ] && [ $rc -lt 128 ] && grep -q "prefill-chunk" <<<"$out" && echo "ok   bad --prefill-chunk" \
   || { echo "FAIL bad --prefill-chunk: rc $rc: $out"; fail=1; }
