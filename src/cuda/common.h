@@ -201,9 +201,13 @@ class DeviceArena {
   void* alloc(size_t bytes);
   // Copies host bytes into a fresh allocation (synchronously) and returns the device pointer.
   void* upload(const void* host, size_t bytes);
+  // The same, but nullptr when the GPU has no room for it (any other CUDA error still aborts): for the
+  // model's weights, whose loader turns it into an error naming the tensor.
+  void* try_upload(const void* host, size_t bytes);
   size_t bytes_used() const { return used_; }
 
  private:
+  void* alloc_or_null(size_t bytes);  // nullptr when cudaMalloc finds no room
   size_t chunk_;
   std::vector<void*> chunks_;
   uint8_t* cur_ = nullptr;

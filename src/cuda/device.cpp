@@ -118,18 +118,28 @@ DeviceArena::~DeviceArena() {
   for (void* c : chunks_) cudaFree(c);  // no CHECK in a destructor that may run at exit
 }
 
-void* DeviceArena::alloc(size_t bytes) {
+void* DeviceArena::alloc_or_null(size_t bytes) {
   bytes = static_cast<size_t>(round_up(static_cast<int64_t>(bytes == 0 ? 1 : bytes), 256));
+  auto device_malloc = [](size_t n) -> void* {
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, n);
+    if (e == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // not sticky: clear it, so the next call does not report it
+      return nullptr;
+    }
+    CUDA_CHECK(e);
+    return p;
+  };
   if (bytes > left_) {
     if (bytes > chunk_ / 4) {  // large tensors get their own allocation; the current chunk stays open
-      void* p = nullptr;
-      CUDA_CHECK(cudaMalloc(&p, bytes));
+      void* p = device_malloc(bytes);
+      if (!p) return nullptr;
       chunks_.push_back(p);
       used_ += bytes;
       return p;
     }
-    void* p = nullptr;
-    CUDA_CHECK(cudaMalloc(&p, chunk_));
+    void* p = device_malloc(chunk_);
+    if (!p) return nullptr;
     chunks_.push_back(p);
     cur_ = static_cast<uint8_t*>(p);
     left_ = chunk_;
@@ -141,9 +151,21 @@ void* DeviceArena::alloc(size_t bytes) {
   return r;
 }
 
+void* DeviceArena::alloc(size_t bytes) {
+  void* p = alloc_or_null(bytes);
+  if (!p) CUDA_CHECK(cudaErrorMemoryAllocation);  // aborts, naming the error
+  return p;
+}
+
 void* DeviceArena::upload(const void* host, size_t bytes) {
   void* d = alloc(bytes);
   if (bytes) CUDA_CHECK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
+  return d;
+}
+
+void* DeviceArena::try_upload(const void* host, size_t bytes) {
+  void* d = alloc_or_null(bytes);
+  if (d && bytes) CUDA_CHECK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
   return d;
 }
 

@@ -252,6 +252,7 @@ Status Model::init() {
     TRY(upload_hc(up, mw.mixer, &d.mixer));
     mtp_ = std::move(d);
   }
+  TRY(up.status());  // a vector that found no room (a matrix returns its own error)
   dense_bytes_ = up.bytes();
   tiled_dense_ = up.tiled_matrices();
   auto codes48 = [](const DMatrix& m) { return m.quantized() && (m.fmt.bits == 4 || m.fmt.bits == 8) && m.cols % 32 == 0; };

@@ -179,13 +179,13 @@ Result<DMatrix> DenseUploader::transient_matrix(const Matrix& m, WLayout layout)
     d.fmt.f16_exact = tiles16_f16_exact(m) ? 1 : 0;
     std::vector<uint8_t> packed(d.stored_bytes());
     pack_tiles16(m, packed.data());
-    d.data = static_cast<const uint8_t*>(arena_->upload(packed.data(), packed.size()));
+    ASSIGN_OR_RETURN(d.data, put(packed.data(), packed.size(), m.name));
     ++tiled_;
   } else {
-    d.data = static_cast<const uint8_t*>(arena_->upload(m.data, host_data_bytes(m)));
+    ASSIGN_OR_RETURN(d.data, put(m.data, host_data_bytes(m), m.name));
     if (m.quantized()) {
-      d.scales = static_cast<const uint8_t*>(arena_->upload(m.scales, host_scale_bytes(m)));
-      d.biases = static_cast<const uint8_t*>(arena_->upload(m.biases, host_scale_bytes(m)));
+      ASSIGN_OR_RETURN(d.scales, put(m.scales, host_scale_bytes(m), m.name + " (scales)"));
+      ASSIGN_OR_RETURN(d.biases, put(m.biases, host_scale_bytes(m), m.name + " (biases)"));
     }
   }
   CHECK(d.data_bytes() == host_data_bytes(m) && d.scale_bytes() == host_scale_bytes(m));
@@ -193,9 +193,24 @@ Result<DMatrix> DenseUploader::transient_matrix(const Matrix& m, WLayout layout)
   return d;
 }
 
+Result<const uint8_t*> DenseUploader::put(const void* host, size_t bytes, const std::string& name) {
+  if (void* d = arena_->try_upload(host, bytes)) return static_cast<const uint8_t*>(d);
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return error("CUDA engine: no GPU memory left for {} ({:.1f} MB) after {:.2f} GB of dense weights ({:.2f} of the "
+               "GPU's {:.2f} GB free): this model's dense weights do not fit; use --backend cpu",
+               name.empty() ? "a weight" : name, bytes / 1e6, bytes_ / 1e9, free_b / 1e9, total_b / 1e9);
+}
+
 const float* DenseUploader::vector(const std::vector<float>& v) {
+  if (!vector_status_.ok()) return nullptr;
+  auto d = put(v.data(), v.size() * sizeof(float), "a norm or gate vector");
+  if (!d.ok()) {
+    vector_status_ = d.status();
+    return nullptr;
+  }
   bytes_ += v.size() * sizeof(float);
-  return static_cast<const float*>(arena_->upload(v.data(), v.size() * sizeof(float)));
+  return reinterpret_cast<const float*>(*d);
 }
 
 Status check_device_room(int n_layers, int n_expert, uint64_t stride, uint64_t session_bytes) {

@@ -53,12 +53,19 @@ class DenseUploader {
   // (Tiles16) for the prefill kernels, which compute the padding and never store it: rows() stays
   // m.rows. An empty DMatrix when m does not fit tiles once padded (tiles16_fit).
   Result<DMatrix> padded_tiles(const Matrix& m);
+  // A float vector (norm weights and the like). nullptr when the GPU has no room, and status() says so.
   const float* vector(const std::vector<float>& v);
   size_t bytes() const { return bytes_; }
   int tiled_matrices() const { return tiled_; }
+  // An error when a vector found no room (a matrix returns its own).
+  Status status() const { return vector_status_; }
 
  private:
+  // Host bytes into the arena, or an error naming the tensor when the GPU has no room for them: a
+  // model whose dense weights do not fit gets one error instead of an abort inside cudaMalloc.
+  Result<const uint8_t*> put(const void* host, size_t bytes, const std::string& name);
   DeviceArena* arena_;
+  Status vector_status_;
   std::map<std::pair<const uint8_t*, WLayout>, DMatrix> seen_;
   size_t bytes_ = 0;
   int tiled_ = 0;

@@ -2459,6 +2459,29 @@ TEST(CudaOps, ModelTooLargeForTheGpuFailsCleanly) {
   EXPECT_TRUE(fits.ok()) << fits.status().message();
 }
 
+// A GPU without room for the dense weights (all but 64 MB of it taken here before the model loads):
+// one error naming the tensor that found none, not an abort inside cudaMalloc; with the room back it
+// loads.
+TEST(CudaOps, DenseWeightsTooLargeForTheGpuFailClean) {
+  REQUIRE_GPU();
+  const Geometry g = geometries()[0];
+  auto rm = make_random_model(g.cfg, g.opt);
+  init_kernels();  // (their modules and attributes first: the test starves the weights, not the kernels)
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const size_t keep = size_t{64} << 20;
+  ASSERT_GT(free_b, keep);
+  void* hog = nullptr;
+  CUDA_CHECK(cudaMalloc(&hog, free_b - keep));
+  auto starved = Model::create(rm->weights, rm->experts);
+  CUDA_CHECK(cudaFree(hog));
+  ASSERT_FALSE(starved.ok());
+  EXPECT_NE(starved.status().message().find("dense weights do not fit"), std::string::npos)
+      << starved.status().message();
+  auto fits = Model::create(rm->weights, rm->experts);
+  EXPECT_TRUE(fits.ok()) << fits.status().message();
+}
+
 // A whole prefill through chunks of 32 rows with every expert matrix (routed and shared) 4-bit in groups
 // of 64, so the experts take the factored tensor-core kernels (gemm_q4.cu), against the CPU.
 TEST(CudaOps, PrefillChunksWithQ4ExpertsMatchCpu) {
