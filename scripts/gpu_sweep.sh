@@ -16,7 +16,7 @@ DIR=${CK_SWEEP_DIR:-}
 if [ -z "$DIR" ]; then
   DIR=$(mktemp -d /tmp/ck-sweep.XXXXXX)
   JOBS=${CK_SWEEP_JOBS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
-  timeout "$T" python3 tools/sweep_oracle.py --out "$DIR" --count "${CK_SWEEP_COUNT:-24}" --seed "${CK_SWEEP_SEED:-1}" \
+  timeout "$T" python3 tools/sweep_oracle.py --out "$DIR" --count "${CK_SWEEP_COUNT:-24}" --seed "${CK_SWEEP_SEED:-1}" --bits 2,3,4,8 \
     --jobs "$JOBS" > "$OUT/sweep_make.log" 2>&1
   echo "sweep_oracle rc=$?" >> "$OUT/sweep_make.log"
   grep -E "^done|rc=" "$OUT/sweep_make.log"

@@ -10,7 +10,8 @@ judge of the engine is the Hugging Face implementation on any valid config, so t
 at random from the space src/format/config.cpp accepts (hidden size, head counts and dims, GDN key and
 value heads and dims, conv kernel, layer pattern, experts and top-k, hyper-connection streams and low
 rank, QSA indexer heads, budget and compress ratio, RoPE fraction, PLE layers and n-gram sizes, output
-gate, tied embeddings, float32 / bfloat16 / MLX 4- or 8-bit storage) and writes one fixture a config
+gate, tied embeddings, float32 / bfloat16 / MLX storage of 2-8 bits in groups of 32-128, flat or nested
+configs, one file or shards) and writes one fixture a config
 with make_oracle_fixtures.make_fixture: the same oracle run (float32, sdpa, no cache), the same
 rejection of seeds whose router, indexer or greedy decisions are closer than the tests' tolerances,
 the same files. A fixture's name starts with its draw (sweep_SEED_...), so a failing case can be made
@@ -115,29 +116,45 @@ def draw_text(rng: random.Random) -> tuple[dict, str]:
     return t, storage
 
 
-def make_fx(seed: int) -> dict:
+def make_fx(seed: int, bits_allowed: tuple[int, ...] = (2, 3, 4, 5, 6, 8)) -> dict:
     rng = random.Random(seed)
     text, storage = draw_text(rng)
+    mlx = None
+    if storage.startswith("mlx"):
+        # Large draws keep 4-bit groups of 64 (the released form); the others take any MLX width the
+        # parser accepts (and --bits allows) in groups of 32, 64 or 128: a matrix whose input dimension is
+        # not a multiple of its group stays bf16, so mixed checkpoints come out too.
+        large = text["hidden_size"] >= 256
+        bits = 4 if large else rng.choice([b for b in bits_allowed if b != 4] + [4, 4])
+        group = 64 if large else rng.choice([32, 64, 64, 128])
+        mlx = dict(bits=bits, group_size=group, ngram_group_size=32, router_bits=rng.choice([8, None]))
+        storage = f"mlx{bits}g{group}"
     name = f"sweep_{seed:05d}_{storage}_h{text['hidden_size']}_l{text['num_hidden_layers']}_e{text['num_experts']}" \
            f"k{text['num_experts_per_tok']}_hc{text['hc_count']}"
     fx = dict(
         name=name,
-        layer_types_in_config="as-given",
+        # layer_types as drawn (with "full_attention" entries, like the release) or as save_pretrained
+        # writes them ("qwen_sparse_attention")
+        layer_types_in_config=rng.choice(["as-given", "hf"]),
         seed=10_000 + seed,
         form="flat",
-        layout="mlx" if storage.startswith("mlx") else rng.choice(["hf-per-expert", "hf-fused"]),
-        storage={"mlx4": "mlx-q4-g64", "mlx8": "mlx-q8-g64"}.get(storage, storage),
+        layout="mlx" if mlx else rng.choice(["hf-per-expert", "hf-fused"]),
+        storage=storage if not mlx else f"mlx-q{mlx['bits']}-g{mlx['group_size']}",
         max_shard_size=None,
         T=rng.randint(40, 90),
         N=8,
         description=f"sweep draw {seed} (tools/sweep_oracle.py)",
         text=mof._text(**text),
     )
-    if storage.startswith("mlx"):
+    if mlx or rng.random() < 0.3:  # the multimodal config (text_config, a tiny vision tower to skip)
         fx["form"] = "nested"
         fx["vision"] = dict(mof._TINY_VISION)
-        fx["mlx"] = dict(bits=4 if storage == "mlx4" else 8, group_size=64, ngram_group_size=32,
-                         router_bits=rng.choice([8, None]))
+    if mlx:
+        fx["mlx"] = mlx
+    elif rng.random() < 0.25 and fx["layout"] == "hf-per-expert":
+        # several safetensors files and their index (make_oracle_fixtures fuses experts file by file, so
+        # the fused layout stays in one)
+        fx["max_shard_size"] = "200KB"
     return fx
 
 
@@ -154,9 +171,9 @@ def _quiet_torch() -> None:
 
 def _make_one(job: tuple) -> tuple:
     """One draw in a worker: (name, meta or None, log lines, error or None)."""
-    seed, out, device, attempts = job
+    seed, out, device, attempts, bits = job
     _quiet_torch()
-    fx = make_fx(seed)
+    fx = make_fx(seed, bits)
     lines: list[str] = []
     try:
         meta = mof.make_fixture(fx, out, device, attempts, lines.append)
@@ -173,10 +190,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-attempts", type=int, default=20, help="weight seeds tried per config")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     ap.add_argument("--jobs", type=int, default=1, help="draws made at once, one process each (default 1)")
+    ap.add_argument("--bits", default="2,3,4,5,6,8",
+                    help="MLX code widths to draw from (default all the parser takes; the CUDA engine takes "
+                         "2,3,4,8). A draw depends on it: repeat a draw with the same --bits")
     args = ap.parse_args(argv)
+    bits = tuple(int(b) for b in args.bits.split(","))
+    if not bits or any(b not in (2, 3, 4, 5, 6, 8) for b in bits):
+        ap.error(f"--bits {args.bits}: expected widths from 2, 3, 4, 5, 6, 8")
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    jobs = [(seed, args.out, args.device, args.max_attempts) for seed in range(args.seed, args.seed + args.count)]
+    jobs = [(seed, args.out, args.device, args.max_attempts, bits) for seed in range(args.seed, args.seed + args.count)]
     made, failed = 0, []
 
     def report(result: tuple) -> None:
