@@ -128,12 +128,21 @@ void lay_out_record(ExpertFile* f) {
   f->stride = align_up(c);
 }
 
+// "4-bit group 64 (BF16 scales)" or "BF16, unquantized": a matrix's stored format, for errors.
+std::string format_name(const Matrix& m) {
+  if (!m.quantized()) return fmt::format("{}, unquantized (input dimension {})", dtype_name(m.dtype), m.cols);
+  return fmt::format("{}-bit group {} ({} scales)", m.bits, m.group_size, dtype_name(m.scale_dtype));
+}
+
+// A record holds its gate, up and down in one format, the same for every expert (DESIGN §1 "Store").
+// MLX leaves a matrix unquantized where its input dimension is not a multiple of the group size, so
+// a small model can mix formats inside an expert: the error names both matrices and the way out.
 Status same_format(const Matrix& a, const Matrix& ref, int rl, int e) {
   if (a.quantized() != ref.quantized() || a.bits != ref.bits || a.group_size != ref.group_size ||
       a.dtype != ref.dtype || (a.quantized() && a.scale_dtype != ref.scale_dtype))
-    return error("{}: expert ({}, {}) is stored as {} {}-bit group {} but expert (0, 0) as {} {}-bit group {}: a store "
-                 "needs one format for all experts", a.name, rl, e, dtype_name(a.dtype), a.bits, a.group_size,
-                 dtype_name(ref.dtype), ref.bits, ref.group_size);
+    return error("pack: {} (record layer {}, expert {}) is {}, but {} is {}: a store keeps every expert matrix in one "
+                 "format; run this checkpoint without packing it (generate/run --model the checkpoint)",
+                 a.name, rl, e, format_name(a), ref.name, format_name(ref));
   return {};
 }
 
