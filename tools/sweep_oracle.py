@@ -116,7 +116,7 @@ def draw_text(rng: random.Random) -> tuple[dict, str]:
     return t, storage
 
 
-def make_fx(seed: int, bits_allowed: tuple[int, ...] = (2, 3, 4, 5, 6, 8)) -> dict:
+def make_fx(seed: int, bits_allowed: tuple[int, ...] = (2, 3, 4, 5, 6, 8), prompt_len: tuple[int, int] = (40, 90)) -> dict:
     rng = random.Random(seed)
     text, storage = draw_text(rng)
     mlx = None
@@ -141,7 +141,7 @@ def make_fx(seed: int, bits_allowed: tuple[int, ...] = (2, 3, 4, 5, 6, 8)) -> di
         layout="mlx" if mlx else rng.choice(["hf-per-expert", "hf-fused"]),
         storage=storage if not mlx else f"mlx-q{mlx['bits']}-g{mlx['group_size']}",
         max_shard_size=None,
-        T=rng.randint(40, 90),
+        T=rng.randint(*prompt_len),
         N=8,
         description=f"sweep draw {seed} (tools/sweep_oracle.py)",
         text=mof._text(**text),
@@ -171,9 +171,9 @@ def _quiet_torch() -> None:
 
 def _make_one(job: tuple) -> tuple:
     """One draw in a worker: (name, meta or None, log lines, error or None)."""
-    seed, out, device, attempts, bits = job
+    seed, out, device, attempts, bits, prompt_len = job
     _quiet_torch()
-    fx = make_fx(seed, bits)
+    fx = make_fx(seed, bits, prompt_len)
     lines: list[str] = []
     try:
         meta = mof.make_fixture(fx, out, device, attempts, lines.append)
@@ -193,13 +193,23 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", default="2,3,4,5,6,8",
                     help="MLX code widths to draw from (default all the parser takes; the CUDA engine takes "
                          "2,3,4,8). A draw depends on it: repeat a draw with the same --bits")
+    ap.add_argument("--prompt-len", default="40,90",
+                    help="prompt lengths drawn from LO,HI (default 40,90; longer prompts select among more "
+                         "indexer blocks and cross more 64-row DeltaNet chunks, and take the oracle longer)")
     args = ap.parse_args(argv)
+    try:
+        prompt_len = tuple(int(v) for v in args.prompt_len.split(","))
+    except ValueError:
+        prompt_len = ()
+    if len(prompt_len) != 2 or not 2 <= prompt_len[0] <= prompt_len[1]:
+        ap.error(f"--prompt-len {args.prompt_len}: expected LO,HI with 2 <= LO <= HI")
     bits = tuple(int(b) for b in args.bits.split(","))
     if not bits or any(b not in (2, 3, 4, 5, 6, 8) for b in bits):
         ap.error(f"--bits {args.bits}: expected widths from 2, 3, 4, 5, 6, 8")
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    jobs = [(seed, args.out, args.device, args.max_attempts, bits) for seed in range(args.seed, args.seed + args.count)]
+    jobs = [(seed, args.out, args.device, args.max_attempts, bits, prompt_len)
+            for seed in range(args.seed, args.seed + args.count)]
     made, failed = 0, []
 
     def report(result: tuple) -> None:
