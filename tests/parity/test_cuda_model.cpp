@@ -581,6 +581,34 @@ TEST(CudaSupports, GeometryLimitsNameTheirFields) {
   EXPECT_TRUE(cuda::Model::supports(wide).ok()) << cuda::Model::supports(wide).message();
 }
 
+// What a session's states take as its context grows is the attention layers' K, V and indexer caches
+// and block keys, every position at every attention layer (Session::state_bytes; runs without a GPU).
+// The DeltaNet states do not grow; the released geometry's 48 layers at 128k positions take GBs.
+TEST(CudaSupports, StateBytesGrowWithTheContext) {
+  auto ck = open_checkpoint(test::source_dir() + "/tests/fixtures/oracle/hf_f32_flat_hc2_e8k1");
+  ASSERT_TRUE(ck.ok()) << ck.status().message();
+  const ModelConfig& c = (*ck)->weights.cfg;
+  std::vector<std::pair<LayerKind, bool>> layers;
+  int n_attn = 0;
+  for (const LayerWeights& lw : (*ck)->weights.layers) {
+    layers.emplace_back(lw.kind, lw.ple.has_value());
+    n_attn += lw.kind == LayerKind::SparseAttention;
+  }
+  ASSERT_GT(n_attn, 0);
+  const int64_t a = 4096, b = 8192;  // (multiples of 64 x the compress ratio: no rounding to 256 bytes)
+  const int64_t kvw = static_cast<int64_t>(c.num_key_value_heads) * c.head_dim;
+  const int64_t per_position = 2 * kvw + c.indexer_head_dim;  // K, V, the indexer's key
+  const int64_t want = n_attn * 4 * ((b - a) * per_position + (b - a) / c.indexer_compress_ratio * c.indexer_head_dim);
+  const int64_t got = static_cast<int64_t>(cuda::Session::state_bytes(c, layers, b)) -
+                      static_cast<int64_t>(cuda::Session::state_bytes(c, layers, a));
+  EXPECT_EQ(got, want);
+  std::vector<std::pair<LayerKind, bool>> gdn_only;
+  for (const auto& l : layers)
+    if (l.first == LayerKind::LinearAttention) gdn_only.push_back(l);
+  EXPECT_EQ(cuda::Session::state_bytes(c, gdn_only, a), cuda::Session::state_bytes(c, gdn_only, b));
+  EXPECT_GT(cuda::Session::state_bytes(c, gdn_only, a), 0u);
+}
+
 // The CUDA engine's kernels are built for sm_90: another device gets one error naming it, its compute
 // capability and the way out (cuda::Model::create returns it before any kernel attribute, which would
 // abort; --backend auto then runs the CPU engine with a warning). Runs without a GPU; with one (the GPU
