@@ -11,11 +11,11 @@ at random from the space src/format/config.cpp accepts (hidden size, head counts
 value heads and dims, conv kernel, layer pattern, experts and top-k, hyper-connection streams and low
 rank, QSA indexer heads, budget and compress ratio, RoPE fraction, PLE layers and n-gram sizes, output
 gate, tied embeddings, float32 / bfloat16 / MLX storage of 2-8 bits in groups of 32-128, flat or nested
-configs, one file or shards) and writes one fixture a config
-with make_oracle_fixtures.make_fixture: the same oracle run (float32, sdpa, no cache), the same
-rejection of seeds whose router, indexer or greedy decisions are closer than the tests' tolerances,
-the same files. A fixture's name starts with its draw (sweep_SEED_...), so a failing case can be made
-again alone (--seed SEED --count 1).
+configs, one file or shards) and writes one fixture a config with make_oracle_fixtures.make_fixture:
+the same oracle run (float32, sdpa, no cache), the same rejection of seeds whose router, indexer or
+greedy decisions are closer than the tests' tolerances, the same files. A fixture's name starts with
+its draw (sweep_SEED_...), so a failing case can be made again alone (--seed SEED --count 1, with the
+same --bits and --prompt-len).
 
 The fixtures are not committed (they are as many as one asks for); the tests read them through the
 environment variable CK_ORACLE_FIXTURES, which replaces tests/fixtures/oracle for every test that
@@ -37,14 +37,15 @@ import make_oracle_fixtures as mof  # noqa: E402
 
 
 def draw_text(rng: random.Random) -> tuple[dict, str]:
-    """One random text config within config.cpp's rules, and its storage (float32, bfloat16, mlx4, mlx8).
+    """One random text config within config.cpp's rules, and its storage (float32, bfloat16 or mlx; the
+    MLX width and group are drawn in make_fx).
 
     A quarter of the draws are "large": MLX 4-bit, hidden size and low rank multiples of 64 from 256,
     so that the CUDA engine's own forms run on them (weights in 16-row tensor-core tiles from K = 256,
     the one-row mix kernel, the 4-bit expert kernels), not only its fallbacks for tiny shapes."""
     t: dict = {}
     large = rng.random() < 0.25
-    storage = "mlx4" if large else rng.choice(["float32", "bfloat16", "mlx4", "mlx8"])
+    storage = "mlx" if large else rng.choice(["float32", "bfloat16", "mlx", "mlx"])
     mlx = storage.startswith("mlx")
     # Under MLX a matrix is quantized where its input dimension is a multiple of the group size, so the
     # sizes there are multiples of 64 mostly (with one odd size left in bf16 now and then).
