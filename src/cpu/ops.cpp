@@ -9,10 +9,16 @@
 namespace ck::cpu {
 
 namespace {
-// Σ_c w[c]·x[c] over one quantized row: per group, scale·Σ q·x + bias·Σ x.
+// Σ_c w[c]·x[c] over one quantized row, w = scale·q + bias: per group, scale·Σ (q - m)·x + (bias +
+// scale·m)·Σ x with m = 2^(bits-1), the codes' midpoint. The same sum as scale·Σ q·x + bias·Σ x, but
+// MLX's bias is about -m·scale (the group's minimum), so that form adds two terms ~m times the result
+// that cancel: ~m times its rounding (8-bit codes: 128x). Centred, the two terms are the size of the
+// weights' own: the reference stays as close to the dequantized fp32 weights the oracle multiplies as
+// a float matrix would. (scale·m is exact: m is a power of two.)
 float quant_row_dot(const Matrix& w, int64_t r, const float* x, const float* group_sums) {
   const uint8_t* codes = w.data + static_cast<size_t>(r) * w.row_code_bytes();
   const int64_t n_groups = w.cols / w.group_size;
+  const float mid = static_cast<float>(1 << (w.bits - 1));
   float acc = 0.0f;
   for (int64_t g = 0; g < n_groups; ++g) {
     float qx = 0.0f;
@@ -21,14 +27,15 @@ float quant_row_dot(const Matrix& w, int64_t r, const float* x, const float* gro
       const uint8_t* b = codes + c0 / 2;
       for (int i = 0; i < w.group_size; i += 2) {
         uint8_t byte = b[i / 2];
-        qx += static_cast<float>(byte & 15) * x[c0 + i] + static_cast<float>(byte >> 4) * x[c0 + i + 1];
+        qx += static_cast<float>((byte & 15) - 8) * x[c0 + i] + static_cast<float>((byte >> 4) - 8) * x[c0 + i + 1];
       }
     } else {
-      for (int i = 0; i < w.group_size; ++i) qx += static_cast<float>(get_code(codes, c0 + i, w.bits)) * x[c0 + i];
+      for (int i = 0; i < w.group_size; ++i)
+        qx += (static_cast<float>(get_code(codes, c0 + i, w.bits)) - mid) * x[c0 + i];
     }
     float s = load_float(w.scale_dtype, w.scales, r * n_groups + g);
     float bias = load_float(w.scale_dtype, w.biases, r * n_groups + g);
-    acc += s * qx + bias * group_sums[g];
+    acc += s * qx + (bias + s * mid) * group_sums[g];
   }
   return acc;
 }
