@@ -2472,7 +2472,10 @@ TEST(CudaOps, DenseWeightsTooLargeForTheGpuFailClean) {
   const size_t keep = size_t{64} << 20;
   ASSERT_GT(free_b, keep);
   void* hog = nullptr;
-  CUDA_CHECK(cudaMalloc(&hog, free_b - keep));
+  if (cudaMalloc(&hog, free_b - keep) != cudaSuccess) {  // (a fragmented device: not this test's subject)
+    (void)cudaGetLastError();
+    GTEST_SKIP() << "could not take all but 64 MB of the GPU's memory";
+  }
   auto starved = Model::create(rm->weights, rm->experts);
   CUDA_CHECK(cudaFree(hog));
   ASSERT_FALSE(starved.ok());
