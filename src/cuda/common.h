@@ -199,6 +199,8 @@ class DeviceArena {
   DeviceArena(const DeviceArena&) = delete;
   DeviceArena& operator=(const DeviceArena&) = delete;
   void* alloc(size_t bytes);
+  // What an allocation of `bytes` takes from the arena (bytes_used counts this): whole 256-byte lines.
+  static size_t footprint(size_t bytes) { return ((bytes == 0 ? 1 : bytes) + 255) / 256 * 256; }
   // Copies host bytes into a fresh allocation (synchronously) and returns the device pointer.
   void* upload(const void* host, size_t bytes);
   // The same, but nullptr when the GPU has no room for it (any other CUDA error still aborts): for the

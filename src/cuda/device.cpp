@@ -119,7 +119,7 @@ DeviceArena::~DeviceArena() {
 }
 
 void* DeviceArena::alloc_or_null(size_t bytes) {
-  bytes = static_cast<size_t>(round_up(static_cast<int64_t>(bytes == 0 ? 1 : bytes), 256));
+  bytes = footprint(bytes);
   auto device_malloc = [](size_t n) -> void* {
     void* p = nullptr;
     const cudaError_t e = cudaMalloc(&p, n);

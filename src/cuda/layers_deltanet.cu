@@ -1139,20 +1139,20 @@ struct GdnRecShape {
         cols(dv / split),
         threads(static_cast<int>(round_up(static_cast<int64_t>(cols) * parts, 32))),
         smem(sizeof(float) * (2 * static_cast<size_t>(dk) + static_cast<size_t>(parts) * cols)) {}
+  // A block of at most 512 threads (the kernel's launch bounds) within the default shared memory.
+  bool fits() const { return threads <= 512 && smem + kGdnRecStaticBytes <= 48 * 1024; }
 };
 
 }  // namespace
 
 bool gdn_recurrent_fits(int dk, int dv) {
-  if (dk < 1 || dv < 1 || dk > 1 << 20 || dv > 1 << 20) return false;
-  const GdnRecShape g(dk, dv);
-  return g.threads <= 512 && g.smem + kGdnRecStaticBytes <= 48 * 1024;
+  return dk >= 1 && dv >= 1 && dk <= 1 << 20 && dv <= 1 << 20 && GdnRecShape(dk, dv).fits();
 }
 
 void gdn_recurrent(const GdnRecArgs& a, const StepParams* sp, int rows, cudaStream_t stream) {
-  CK_REQUIRE(gdn_recurrent_fits(a.dk, a.dv) && a.nk >= 1 && a.nv % a.nk == 0, "GDN dims dk %d dv %d nk %d nv %d",
-             a.dk, a.dv, a.nk, a.nv);
   const GdnRecShape g(a.dk, a.dv);
+  CK_REQUIRE(a.dk >= 1 && a.dv >= 1 && g.fits() && a.nk >= 1 && a.nv % a.nk == 0, "GDN dims dk %d dv %d nk %d nv %d",
+             a.dk, a.dv, a.nk, a.nv);
   const int parts = g.parts, split = g.split, cols = g.cols, threads = g.threads;
   const size_t smem = g.smem;
   // Every row's inputs before the row loop (gdn_recurrent_kernel's PRELOAD) from 2 rows on

@@ -446,10 +446,10 @@ uint64_t Session::state_bytes(const ModelConfig& c, const std::vector<std::pair<
                               int64_t max_ctx) {
   uint64_t bytes = 0;
   LayerState st;
+  const bool replay = gdn_replay_on();
   for (const auto& [kind, ple] : layers)
-    each_state_buffer(c, kind, ple, max_ctx, gdn_replay_on(), st, [&](float*&, int64_t n) {
-      bytes += static_cast<uint64_t>(round_up(static_cast<int64_t>(sizeof(float)) * n, 256));  // DeviceArena's
-    });
+    each_state_buffer(c, kind, ple, max_ctx, replay, st,
+                      [&](float*&, int64_t n) { bytes += DeviceArena::footprint(sizeof(float) * n); });
   return bytes;
 }
 
