@@ -54,10 +54,7 @@ int run_generate(int argc, char** argv) {
       ->check(CLI::Range(0, ck::engine::kMaxPrefillChunk))
       ->capture_default_str();
   ck::cli::LoadOptions load_opts;
-  app.add_option("--experts", load_opts.expert_bits, "store only: expert records of 4 (experts.bin), 3 or 2 bits")
-      ->check(CLI::IsMember({2, 3, 4}));
-  app.add_option("--verify-reads", load_opts.verify_reads, "store only: checksum expert reads: always, sampled, never")
-      ->check(CLI::IsMember({"always", "sampled", "never"}));
+  add_store_options(app, load_opts);
   app.add_flag("--check", check, "run the CPU reference beside the backend; print the max logit difference per step");
   try {
     app.parse(argc, argv);
