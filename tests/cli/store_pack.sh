@@ -90,4 +90,13 @@ check "simulated failure" 1 "simulated failure" -- "$bin" pack "$src/tests/fixtu
 check "failed pack is not a store" 1 "error" -- "$bin" verify "$tmp/fail"
 check "pack of a missing dir" 1 "error" -- "$bin" pack /nonexistent/x --out "$tmp/none"
 check "bad --experts" 2 "not 4, 3 or 2" -- "$bin" pack "$src/tests/fixtures/store_pair/mlx" --out "$tmp/x" --experts 4,5
+
+# Every committed oracle fixture through pack, verify and generate (scripts/store_sweep.sh, which also
+# runs on fixtures of random geometry): the same logits and tokens from the store as from a quantized
+# checkpoint.
+if out=$(CK_BIN="$bin" CK_STORE_TMP="$tmp/sweep" bash "$src/scripts/store_sweep.sh" "$src/tests/fixtures/oracle" 2>&1); then
+  ok "store sweep over the oracle fixtures: $(grep -c ' same$' <<<"$out") same"
+else
+  bad "store sweep over the oracle fixtures: $out"
+fi
 exit $fail
