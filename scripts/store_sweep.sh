@@ -34,14 +34,14 @@ for root in "$@"; do
     if ! "$BIN" verify "$store" > "$TMP/$name.verify.log" 2>&1; then
       echo "$name FAILED verify: $(tail -1 "$TMP/$name.verify.log")"; BAD=1; continue
     fi
-    ok=1
+    failed=
     for src in ckpt store; do
       dir=$fx; [ $src = store ] && dir=$store
       "$BIN" generate --model "$dir" --backend cpu --prompt-ids "$ids" --max-tokens 4 \
-        --logits-out "$TMP/$name.$src.npy" > "$TMP/$name.$src.ids" 2> "$TMP/$name.$src.log" || ok=0
+        --logits-out "$TMP/$name.$src.npy" > "$TMP/$name.$src.ids" 2> "$TMP/$name.$src.log" || failed=$src
     done
-    if [ $ok = 0 ]; then
-      echo "$name FAILED generate: $(tail -1 "$TMP/$name.store.log")"; BAD=1; continue
+    if [ -n "$failed" ]; then
+      echo "$name FAILED generate from the $failed: $(tail -1 "$TMP/$name.$failed.log")"; BAD=1; continue
     fi
     if cmp -s "$TMP/$name.ckpt.npy" "$TMP/$name.store.npy" && cmp -s "$TMP/$name.ckpt.ids" "$TMP/$name.store.ids"; then
       echo "$name same"
